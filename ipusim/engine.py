@@ -1,0 +1,233 @@
+"""The Engine: compiles programs for a device, then loads, runs and reads them.
+
+Compiling means: check memory (out-of-memory is an error, the reports stay available), estimate
+every program node's cycles once, and precompute the addresses every vertex and copy touches.
+Running walks the program; each leaf adds its precomputed cycles to the run's account.
+
+Modes (same program, same cycles and memory, different host work):
+- "strict": tile-major memory; every copy moves bytes; every compute set runs its codelets
+  vertex by vertex, each from its own tile's memory.
+- "fast": variable-major memory; an op's program runs as the op's whole-tensor kernel and its
+  internal exchanges are accounted, not copied; other programs run as in strict mode.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .cost import Cost, Cycles, estimate
+from .graph import Device, Graph
+from .kernels import kernel_view
+from .memory import check_fits, memory_reports
+from .program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Parallel, Program,
+                      Repeat, Sequence, StreamCopy, Sync)
+from .tensor import Tensor
+
+MODES = ("strict", "fast")
+
+
+@dataclass
+class RunReport:
+    """Cycles of one run: wall-clock total and busy cycles per IPU by kind."""
+    total: int = 0
+    per_ipu: dict[int, Cycles] = field(default_factory=dict)
+
+    def charge(self, cost: Cost) -> None:
+        self.total += cost.total
+        for ipu, c in cost.per_ipu.items():
+            self.per_ipu[ipu] = self.per_ipu.get(ipu, Cycles()) + c
+
+
+class Engine:
+    def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
+                 check_memory: bool = True, threads: int = 1):
+        if mode not in MODES:
+            raise ValueError(f"unknown engine mode {mode!r}; use 'fast' or 'strict'")
+        self.device = Device.of(graph)
+        self.target = self.device.target
+        self.programs = [programs] if isinstance(programs, Program) else list(programs)
+        self.mode = mode
+        self.memory = memory_reports(self.device.graphs, self.programs)
+        if check_memory:
+            check_fits(self.memory)
+        self._costs: dict = {}
+        self.costs = [estimate(p, self.target, self.device.num_ipus, self._costs) for p in self.programs]
+        self._streams: dict[tuple[int, str], object] = {}
+        self._stream_pos: dict[tuple[int, str], int] = {}
+        self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.mem = None
+        self.last_run: RunReport | None = None
+        self.total_cycles = 0
+
+    # ---- loading --------------------------------------------------------------------------
+    def load(self) -> "Engine":
+        from .storage import DeviceMemory
+        self.mem = DeviceMemory(self.device, self.mode)
+        self._plans: dict[int, object] = {}
+        for p in self.programs:
+            for node in self._executed_nodes(p):
+                self._plan(node)
+        return self
+
+    def _executed_nodes(self, p: Program):
+        """Nodes this mode executes: the fast mode runs an OpProgram's kernel, not its body."""
+        yield p
+        if not (self.mode == "fast" and isinstance(p, OpProgram)):
+            for c in p.children():
+                yield from self._executed_nodes(c)
+
+    def _plan(self, node: Program) -> None:
+        mem = self.mem
+        if isinstance(node, Execute):
+            ipu_mem = mem[node.compute_set.ipu]
+            groups = {}
+            for v in node.compute_set.vertices:
+                groups.setdefault(id(v.type), (v.type, []))[1].append(v)
+            plan = []
+            for vt, verts in groups.values():
+                args = []
+                for f in vt.fields:
+                    addrs = [ipu_mem.addresses(v.fields[f]) for v in verts]
+                    starts = np.zeros(len(verts) + 1, dtype=np.int64)
+                    np.cumsum([a.size for a in addrs], out=starts[1:])
+                    dtype = verts[0].fields[f].dtype
+                    args += [kernel_view(ipu_mem.arena(dtype)), np.concatenate(addrs) if addrs else
+                             np.zeros(0, np.int64), starts]
+                params = np.asarray([v.params for v in verts], dtype=np.float64).reshape(len(verts), vt.num_params)
+                plan.append((vt.kernel, args + [params]))
+            self._plans[id(node)] = plan
+        elif isinstance(node, (Copy, InterIpuCopy)):
+            src_mem, dst_mem = mem[node.src.ipu], mem[node.dst.ipu]
+            self._plans[id(node)] = (src_mem.arena(node.src.dtype), src_mem.addresses(node.src),
+                                     dst_mem.arena(node.dst.dtype), dst_mem.addresses(node.dst))
+
+    def _require_loaded(self):
+        if self.mem is None:
+            raise RuntimeError("the engine is not loaded: call engine.load() before running or "
+                               "reading and writing tensors")
+
+    # ---- host access ----------------------------------------------------------------------
+    def readTensor(self, t: Tensor) -> np.ndarray:
+        self._require_loaded()
+        return np.array(self.mem.read(t), copy=True)
+
+    def writeTensor(self, t: Tensor, values) -> None:
+        self._require_loaded()
+        self.mem.write(t, np.asarray(values).astype(t.dtype, copy=False))
+
+    def connectStream(self, name: str, data, ipu: int | None = None) -> None:
+        """Connect a host stream to an array (consumed or filled one element per copy,
+        cyclically) or to a callback (`fn()` returns data for host-to-device, `fn(array)`
+        receives data for device-to-host)."""
+        stream = self._find_stream(name, ipu)
+        if not callable(data):
+            data = np.asarray(data)
+            if data.dtype != stream.dtype:
+                raise TypeError(f"stream {name!r} carries {stream.dtype.name}, the connected array is {data.dtype.name}")
+            shape = tuple(stream.shape)
+            if data.shape == shape:
+                data = data.reshape((1,) + shape)
+            elif data.shape[1:] != shape:
+                raise ValueError(f"stream {name!r} moves elements of shape {shape}; connect an array of shape "
+                                 f"{shape} or (N, *{shape}), got {data.shape}")
+        self._streams[(stream.ipu, name)] = data
+        self._stream_pos[(stream.ipu, name)] = 0
+
+    def _find_stream(self, name: str, ipu: int | None) -> DataStream:
+        found = [g.streams[name] for g in self.device.graphs if name in g.streams and ipu in (None, g.ipu)]
+        if not found:
+            raise KeyError(f"no stream named {name!r}" + (f" on IPU {ipu}" if ipu is not None else ""))
+        if len(found) > 1:
+            raise ValueError(f"stream {name!r} exists on IPUs {[s.ipu for s in found]}: pass ipu=")
+        return found[0]
+
+    # ---- running --------------------------------------------------------------------------
+    def run(self, index: int = 0) -> int:
+        """Run program `index`; returns its cycles (also in `last_run`, by IPU and kind)."""
+        self._require_loaded()
+        if not 0 <= index < len(self.programs):
+            raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
+        report = RunReport()
+        self._run(self.programs[index], report)
+        self.last_run = report
+        self.total_cycles += report.total
+        return report.total
+
+    def cost(self, node: Program) -> Cost:
+        return self._costs[id(node)][1]
+
+    def _run(self, p: Program, report: RunReport) -> None:
+        if isinstance(p, Sequence):
+            for c in p.programs:
+                self._run(c, report)
+        elif isinstance(p, OpProgram):
+            if self.mode == "fast":
+                p.fast(self.mem)
+                report.charge(self.cost(p))
+            else:
+                self._run(p.body, report)
+        elif isinstance(p, Execute):
+            for kernel, args in self._plans[id(p)]:
+                kernel(*args)
+            report.charge(self.cost(p))
+        elif isinstance(p, (Copy, InterIpuCopy)):
+            src, sa, dst, da = self._plans[id(p)]
+            dst[da] = src[sa]
+            report.charge(self.cost(p))
+        elif isinstance(p, StreamCopy):
+            self._stream_copy(p)
+            report.charge(self.cost(p))
+        elif isinstance(p, Repeat):
+            for _ in range(p.count):
+                self._run(p.body, report)
+        elif isinstance(p, If):
+            self._run(p.then if self.mem.read(p.predicate).reshape(-1)[0] else p.else_, report)
+        elif isinstance(p, Parallel):
+            self._run_parallel(p, report)
+        elif isinstance(p, Sync):
+            report.charge(self.cost(p))
+        else:
+            raise TypeError(f"cannot run {type(p).__name__}")
+
+    def _run_parallel(self, p: Parallel, report: RunReport) -> None:
+        parts = [RunReport() for _ in p.programs]
+        if self._pool is not None and len(p.programs) > 1:
+            list(self._pool.map(lambda cr: self._run(*cr), zip(p.programs, parts)))
+        else:
+            for c, r in zip(p.programs, parts):
+                self._run(c, r)
+        for r in parts:
+            for ipu, c in r.per_ipu.items():
+                report.per_ipu[ipu] = report.per_ipu.get(ipu, Cycles()) + c
+        report.total += max((r.total for r in parts), default=0)
+
+    def _stream_copy(self, p: StreamCopy) -> None:
+        s = p.stream
+        key = (s.ipu, s.name)
+        if key not in self._streams:
+            raise RuntimeError(f"stream {s.name!r} on IPU {s.ipu} is not connected: call "
+                               f"engine.connectStream({s.name!r}, array_or_callback) before running")
+        data = self._streams[key]
+        if s.direction == "host_to_device":
+            if callable(data):
+                value = np.asarray(data(), dtype=s.dtype)
+            else:
+                i = self._stream_pos[key]
+                value = data[i % len(data)]
+                self._stream_pos[key] = i + 1
+            self.mem.write(p.tensor, np.asarray(value).reshape(p.tensor.shape))
+        else:
+            value = np.array(self.mem.read(p.tensor), copy=True).reshape(s.shape)
+            if callable(data):
+                data(value)
+            else:
+                i = self._stream_pos[key]
+                data[i % len(data)] = value
+                self._stream_pos[key] = i + 1
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None

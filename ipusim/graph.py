@@ -1,0 +1,160 @@
+"""Graphs: the tensors, tile mappings, compute sets and streams of one IPU; a Device holds several.
+
+The Poplar-style names (`addVariable`, `setTileMapping`, ...) are the API; snake_case helpers
+(`map_linearly`, ...) are the mapping utilities PopLibs users know from `poputil`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .program import DataStream
+from .target import GC200, Target
+from .tensor import Tensor, Variable, as_dtype
+from .vertex import ComputeSet, Vertex, VertexType
+
+
+class Graph:
+    """Everything that lives on one IPU."""
+
+    def __init__(self, target: Target = GC200, ipu: int = 0, device: "Device | None" = None):
+        self.target = target
+        self.ipu = ipu
+        self.device = device
+        self.variables: list[Variable] = []
+        self.compute_sets: list[ComputeSet] = []
+        self.streams: dict[str, DataStream] = {}
+        self._names: dict[str, int] = {}
+
+    def _unique(self, name: str) -> str:
+        n = self._names.get(name, 0)
+        self._names[name] = n + 1
+        return name if n == 0 else f"{name}#{n}"
+
+    # ---- tensors --------------------------------------------------------------------------
+    def addVariable(self, dtype, shape, name: str = "var", *, category: str = "other",
+                    always_live: bool = True) -> Tensor:
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"variable {name!r}: negative dimension in shape {shape}")
+        var = Variable(self._unique(name), as_dtype(dtype), shape, self.ipu, always_live, category)
+        self.variables.append(var)
+        return Tensor(var)
+
+    def addConstant(self, dtype, shape, value, name: str = "const") -> Tensor:
+        t = self.addVariable(dtype, shape, name, category="constants")
+        arr = np.broadcast_to(np.asarray(value, dtype=as_dtype(dtype)), t.shape)
+        t.var.constant = np.ascontiguousarray(arr)
+        return t
+
+    # ---- tile mapping ---------------------------------------------------------------------
+    def _check_tile(self, tile: int) -> int:
+        if not 0 <= int(tile) < self.target.num_tiles:
+            raise ValueError(f"tile {tile} does not exist: {self.target.name} has tiles 0..{self.target.num_tiles - 1}")
+        return int(tile)
+
+    def _own(self, t: Tensor) -> None:
+        if t.var not in self.variables:
+            raise ValueError(f"tensor {t.name!r} belongs to IPU {t.ipu}'s graph, not IPU {self.ipu}'s")
+
+    def setTileMapping(self, t: Tensor, tile: int) -> None:
+        """Map every element of the view to one tile."""
+        self._own(t)
+        t.var.mapping[t.index.reshape(-1)] = self._check_tile(tile)
+
+    def setTileMappingIntervals(self, t: Tensor, intervals) -> None:
+        """Map flat element intervals of the view: `[(tile, begin, end), ...]`, end exclusive."""
+        self._own(t)
+        flat = t.index.reshape(-1)
+        for tile, begin, end in intervals:
+            if not 0 <= begin <= end <= flat.size:
+                raise ValueError(f"interval [{begin}, {end}) is outside tensor {t.name!r} of {flat.size} elements")
+            t.var.mapping[flat[begin:end]] = self._check_tile(tile)
+
+    def getTileMapping(self, t: Tensor) -> list[list[tuple[int, int]]]:
+        """Per tile, the list of [begin, end) intervals of the view's flat elements on it."""
+        tiles = t.tiles().reshape(-1)
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.target.num_tiles)]
+        if tiles.size == 0:
+            return out
+        cuts = np.flatnonzero(np.diff(tiles)) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [tiles.size]])
+        for b, e in zip(starts, ends):
+            if tiles[b] >= 0:
+                out[tiles[b]].append((int(b), int(e)))
+        return out
+
+    def map_linearly(self, t: Tensor, grain: int = 1, min_elements_per_tile: int = 1,
+                     tiles: range | None = None) -> None:
+        """Spread the view's elements evenly over tiles in contiguous chunks of `grain` elements."""
+        tiles = tiles if tiles is not None else range(self.target.num_tiles)
+        n = t.numel
+        if n == 0:
+            return
+        grains = -(-n // grain)
+        per_tile = max(-(-grains // len(tiles)), -(-min_elements_per_tile // grain))
+        chunk = per_tile * grain
+        self.setTileMappingIntervals(t, [(tiles[i // chunk], i, min(i + chunk, n)) for i in range(0, n, chunk)])
+
+    def map_by_dimension(self, t: Tensor, dim: int, tiles: range | None = None) -> None:
+        """Give every slice along `dim` to one tile, spreading the slices evenly over tiles."""
+        tiles = tiles if tiles is not None else range(self.target.num_tiles)
+        size = t.shape[dim]
+        per = -(-size // len(tiles)) if size else 1
+        for i in range(size):
+            self.setTileMapping(t.slice(i, i + 1, dim), tiles[i // per])
+
+    # ---- compute sets, vertices, streams ---------------------------------------------------
+    def addComputeSet(self, name: str = "cs") -> ComputeSet:
+        cs = ComputeSet(self._unique(name), self.ipu)
+        self.compute_sets.append(cs)
+        return cs
+
+    def addVertex(self, cs: ComputeSet, vertex_type: VertexType, tile: int, fields: dict,
+                  params: tuple = ()) -> Vertex:
+        if cs.ipu != self.ipu:
+            raise ValueError(f"compute set {cs.name!r} belongs to IPU {cs.ipu}, not IPU {self.ipu}")
+        return cs.add(Vertex(vertex_type, self._check_tile(tile), dict(fields), tuple(params)))
+
+    def _stream(self, name, dtype, shape, direction) -> DataStream:
+        if name in self.streams:
+            raise ValueError(f"a stream named {name!r} already exists on IPU {self.ipu}")
+        s = DataStream(name, as_dtype(dtype), tuple(shape), self.ipu, direction)
+        self.streams[name] = s
+        return s
+
+    def addHostToDeviceFIFO(self, name: str, dtype, shape) -> DataStream:
+        return self._stream(name, dtype, shape, "host_to_device")
+
+    def addDeviceToHostFIFO(self, name: str, dtype, shape) -> DataStream:
+        return self._stream(name, dtype, shape, "device_to_host")
+
+
+class Device:
+    """Several IPUs of one target, each with its own graph and tile memory."""
+
+    def __init__(self, target: Target = GC200, num_ipus: int = 1):
+        if num_ipus < 1:
+            raise ValueError(f"a device needs at least one IPU, got {num_ipus}")
+        self.target = target
+        self.graphs = [Graph(target, i, self) for i in range(num_ipus)]
+
+    @classmethod
+    def of(cls, graph_or_device) -> "Device":
+        if isinstance(graph_or_device, Device):
+            return graph_or_device
+        g = graph_or_device
+        if g.device is None:
+            g.device = dev = cls.__new__(cls)
+            dev.target, dev.graphs = g.target, [g]
+        return g.device
+
+    @property
+    def num_ipus(self) -> int:
+        return len(self.graphs)
+
+    def graph(self, ipu: int) -> Graph:
+        return self.graphs[ipu]
+
+    def __getitem__(self, ipu: int) -> Graph:
+        return self.graphs[ipu]

@@ -1,0 +1,161 @@
+"""Memory per tile: always-live tensors, not-always-live tensors at their liveness peak, vertex
+state and code; and the out-of-memory error Poplar users know.
+
+Liveness: the program is flattened into its supersteps in order (a Repeat body once, both
+branches of an If). A not-always-live tensor is live from the first superstep that touches it
+to the last; the peak of a tile is the most bytes live on it at any superstep.
+Estimates not published by Graphcore: vertex state = 8 bytes per field (pointer and size) +
+4 bytes per parameter; code = CODELET_BYTES per distinct vertex type on a tile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .program import Copy, Execute, InterIpuCopy, Program, StreamCopy, walk
+from .target import Target
+from .tensor import Variable
+
+CODELET_BYTES = 256
+FIELD_BYTES = 8
+PARAM_BYTES = 4
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per tile of one IPU."""
+    ipu: int
+    target: Target
+    always_live: np.ndarray
+    not_always_live_peak: np.ndarray
+    vertex_state: np.ndarray
+    code: np.ndarray
+    by_category: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray] = field(repr=False)  # tensor name -> bytes per tile
+    liveness: np.ndarray = field(repr=False, default=None)  # live not-always-live bytes per superstep
+
+    @property
+    def peak(self) -> np.ndarray:
+        """Peak bytes per tile."""
+        return self.always_live + self.not_always_live_peak + self.vertex_state + self.code
+
+    @property
+    def total(self) -> int:
+        return int(self.peak.sum())
+
+    @property
+    def max_tile(self) -> int:
+        return int(self.peak.max(initial=0))
+
+    @property
+    def fits(self) -> bool:
+        return self.max_tile <= self.target.bytes_per_tile
+
+    def largest_tensors(self, tile: int, n: int = 3) -> list[tuple[str, int]]:
+        rows = [(name, int(b[tile])) for name, b in self.tensors.items() if b[tile]]
+        return sorted(rows, key=lambda r: -r[1])[:n]
+
+    def summary(self) -> str:
+        cap = self.target.bytes_per_ipu
+        return (f"IPU {self.ipu}: {self.total / 2**20:.2f} MiB of {cap / 2**20:.1f} MiB "
+                f"({100 * self.total / cap:.2f}%), busiest tile {self.max_tile} B of {self.target.bytes_per_tile} B")
+
+    def to_dict(self) -> dict:
+        return {"ipu": self.ipu, "total_bytes": self.total, "max_tile_bytes": self.max_tile,
+                "capacity_bytes": self.target.bytes_per_ipu,
+                "always_live_bytes": int(self.always_live.sum()),
+                "not_always_live_peak_bytes": int(self.not_always_live_peak.sum()),
+                "vertex_state_bytes": int(self.vertex_state.sum()), "code_bytes": int(self.code.sum()),
+                "by_category": {k: int(v.sum()) for k, v in self.by_category.items()},
+                "per_tile_bytes": self.peak.tolist()}
+
+
+class OutOfMemoryError(MemoryError):
+    """A tile needs more memory than the target has; `.reports` keeps the memory reports."""
+
+    def __init__(self, message: str, reports: list[MemoryReport]):
+        super().__init__(message)
+        self.reports = reports
+
+
+def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
+    mapped = var.mapping[var.mapping >= 0]
+    return np.bincount(mapped, minlength=num_tiles).astype(np.int64) * var.dtype.itemsize
+
+
+def supersteps(program: Program) -> list[Program]:
+    return [p for p in walk(program) if isinstance(p, (Execute, Copy, InterIpuCopy, StreamCopy))]
+
+
+def touched(step: Program) -> list[Variable]:
+    if isinstance(step, Execute):
+        return [t.var for v in step.compute_set.vertices for t in v.fields.values()]
+    if isinstance(step, StreamCopy):
+        return [step.tensor.var]
+    return [step.src.var, step.dst.var]
+
+
+def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
+    """One report per IPU graph for the given programs."""
+    steps = [s for p in programs for s in supersteps(p)]
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, s in enumerate(steps):
+        for v in touched(s):
+            first.setdefault(v.id, i)
+            last[v.id] = i
+    reports = []
+    for g in graphs:
+        n = g.target.num_tiles
+        zero = lambda: np.zeros(n, dtype=np.int64)  # noqa: E731
+        always, by_cat, per_tensor = zero(), {}, {}
+        starts: dict[int, list[np.ndarray]] = {}
+        ends: dict[int, list[np.ndarray]] = {}
+        for v in g.variables:
+            b = tile_bytes(v, n)
+            per_tensor[v.name] = b
+            by_cat[v.category] = by_cat.get(v.category, zero()) + b
+            if v.always_live:
+                always += b
+            elif v.id in first:
+                starts.setdefault(first[v.id], []).append(b)
+                ends.setdefault(last[v.id], []).append(b)
+        live, peak, curve = zero(), zero(), []
+        for i in range(len(steps)):
+            for b in starts.get(i, ()):
+                live += b
+            np.maximum(peak, live, out=peak)
+            curve.append(int(live.sum()))
+            for b in ends.get(i, ()):
+                live -= b
+        state, code = zero(), zero()
+        kinds: set[tuple[int, int]] = set()
+        for cs in g.compute_sets:
+            for vx in cs.vertices:
+                state[vx.tile] += FIELD_BYTES * len(vx.fields) + PARAM_BYTES * len(vx.params)
+                kinds.add((vx.tile, id(vx.type)))
+        for tile, _ in kinds:
+            code[tile] += CODELET_BYTES
+        by_cat["vertex_state"], by_cat["code"] = state, code
+        reports.append(MemoryReport(g.ipu, g.target, always, peak, state, code, by_cat, per_tensor,
+                                    np.asarray(curve, dtype=np.int64)))
+    return reports
+
+
+def check_fits(reports: list[MemoryReport], worst: int = 5) -> None:
+    """Raise OutOfMemoryError naming the worst tiles and their largest tensors."""
+    over = [(r, t) for r in reports for t in np.flatnonzero(r.peak > r.target.bytes_per_tile)]
+    if not over:
+        return
+    over.sort(key=lambda rt: -int(rt[0].peak[rt[1]]))
+    lines = [f"Out of memory: {len(over)} tile(s) exceed the {reports[0].target.bytes_per_tile} bytes "
+             f"of a {reports[0].target.name} tile. Worst tiles:"]
+    for r, t in over[:worst]:
+        tensors = ", ".join(f"{name} ({b} B)" for name, b in r.largest_tensors(int(t)))
+        lines.append(f"  IPU {r.ipu} tile {int(t)}: {int(r.peak[t])} B "
+                     f"(always-live {int(r.always_live[t])}, not-always-live peak {int(r.not_always_live_peak[t])}, "
+                     f"vertex state {int(r.vertex_state[t])}, code {int(r.code[t])}); largest: {tensors}")
+    lines.append("Spread the largest tensors over more tiles, split the model over more IPUs, "
+                 "or move tensors off chip.")
+    raise OutOfMemoryError("\n".join(lines), reports)

@@ -1,0 +1,265 @@
+"""Elementwise ops: unary maps, binary maps with NumPy broadcasting, and their gradients.
+
+Mapping: the output is spread linearly over the tiles in vector-sized grains; operands are
+brought to the output's tiles by exchange (broadcast operands are replicated where needed);
+each tile's elements are split over its workers, one vertex per worker.
+Kernel: one scalar function `apply` shared by the codelet (strict) and the whole-tensor kernel
+(fast), computed in float64 and rounded once to the storage dtype, so both modes agree bit for bit.
+Cycles (per vertex, thread instructions): ceil(n / vector width) * cost of the op + 6, vector
+width 2 for float32 and 4 for float16 (64-bit loads/stores), 1 for int32 and bool; transcendental
+and division ops are not vectorised and cost more per element (table below).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ..graph import Graph
+from ..kernels import JIT, kernel_view, ld, st
+from ..program import Execute, OpProgram, Sequence
+from ..tensor import Tensor
+from ..vertex import VertexType
+from .common import flat, new_output, placed, split_work, tile_regions
+
+# op name -> (code, thread instructions per vector, vectorised)
+UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu": (3, 40, False),
+         "tanh": (4, 20, False), "sigmoid": (5, 20, False), "exp": (6, 15, False), "log": (7, 15, False),
+         "sqrt": (8, 10, False), "rsqrt": (9, 10, False), "square": (10, 1, True),
+         "reciprocal": (11, 10, False), "cast": (12, 1, True), "scale": (13, 2, True),
+         "logical_not": (14, 1, True)}
+BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": (3, 10, False),
+          "max": (4, 1, True), "min": (5, 1, True), "pow": (6, 30, False),
+          "relu_grad": (7, 2, True),       # (x, dy) -> dy where x > 0
+          "tanh_grad": (8, 3, True),       # (y, dy) -> dy * (1 - y^2)
+          "sigmoid_grad": (9, 3, True),    # (y, dy) -> dy * y * (1 - y)
+          "gelu_grad": (10, 50, False),    # (x, dy) -> dy * gelu'(x)
+          "eq": (11, 1, True), "gt": (12, 1, True), "lt": (13, 1, True), "ge": (14, 1, True),
+          "le": (15, 1, True), "ne": (16, 1, True), "logical_and": (17, 1, True),
+          "logical_or": (18, 1, True)}
+COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
+SQRT1_2 = 0.7071067811865476
+INV_SQRT_2PI = 0.3989422804014327
+
+
+@njit(**JIT)
+def apply_unary(op, x, p0, p1):
+    if op == 0:
+        return -x
+    if op == 1:
+        return abs(x)
+    if op == 2:
+        return x if x > 0 else 0.0 * x
+    if op == 3:
+        return 0.5 * x * (1.0 + math.erf(x * SQRT1_2))
+    if op == 4:
+        return math.tanh(x)
+    if op == 5:
+        return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+    if op == 6:
+        return math.exp(x)
+    if op == 7:
+        return math.log(x) if x > 0 else (-np.inf if x == 0 else np.nan)
+    if op == 8:
+        return math.sqrt(x) if x >= 0 else np.nan
+    if op == 9:
+        return 1.0 / math.sqrt(x) if x > 0 else (np.inf if x == 0 else np.nan)
+    if op == 10:
+        return x * x
+    if op == 11:
+        return 1.0 / x if x != 0 else math.copysign(np.inf, x)
+    if op == 12:
+        return x
+    if op == 13:
+        return x * p0 + p1
+    return 1.0 if x == 0 else 0.0
+
+
+@njit(**JIT)
+def apply_binary(op, x, y):
+    if op == 0:
+        return x + y
+    if op == 1:
+        return x - y
+    if op == 2:
+        return x * y
+    if op == 3:
+        if y == 0:
+            return np.nan if x == 0 or x != x else math.copysign(np.inf, x) * math.copysign(1.0, y)
+        return x / y
+    if op == 4:
+        return x if x >= y or x != x else y
+    if op == 5:
+        return x if x <= y or x != x else y
+    if op == 6:
+        return x ** y
+    if op == 7:
+        return y if x > 0 else 0.0 * y
+    if op == 8:
+        return y * (1.0 - x * x)
+    if op == 9:
+        return y * x * (1.0 - x)
+    if op == 10:
+        cdf = 0.5 * (1.0 + math.erf(x * SQRT1_2))
+        return y * (cdf + x * INV_SQRT_2PI * math.exp(-0.5 * x * x))
+    if op == 11:
+        return 1.0 if x == y else 0.0
+    if op == 12:
+        return 1.0 if x > y else 0.0
+    if op == 13:
+        return 1.0 if x < y else 0.0
+    if op == 14:
+        return 1.0 if x >= y else 0.0
+    if op == 15:
+        return 1.0 if x <= y else 0.0
+    if op == 16:
+        return 1.0 if x != y else 0.0
+    if op == 17:
+        return 1.0 if (x != 0 and y != 0) else 0.0
+    return 1.0 if (x != 0 or y != 0) else 0.0
+
+
+@njit(parallel=True, **JIT)
+def unary_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
+    for v in prange(params.shape[0]):
+        op = int(params[v, 0])
+        bx, bo = x_start[v], o_start[v]
+        for i in range(o_start[v + 1] - bo):
+            st(out, o_addr[bo + i], apply_unary(op, ld(x, x_addr[bx + i]), params[v, 1], params[v, 2]))
+
+
+@njit(parallel=True, **JIT)
+def binary_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start, params):
+    for v in prange(params.shape[0]):
+        op = int(params[v, 0])
+        ba, bb, bo = a_start[v], b_start[v], o_start[v]
+        for i in range(o_start[v + 1] - bo):
+            st(out, o_addr[bo + i], apply_binary(op, ld(a, a_addr[ba + i]), ld(b, b_addr[bb + i])))
+
+
+@njit(parallel=True, **JIT)
+def unary_whole(x, out, op, p0, p1):
+    for i in prange(out.size):
+        st(out, i, apply_unary(op, ld(x, i), p0, p1))
+
+
+@njit(parallel=True, **JIT)
+def binary_whole(a, b, out, op):
+    for i in prange(out.size):
+        st(out, i, apply_binary(op, ld(a, i), ld(b, i)))
+
+
+def _cycles(table):
+    codes = {code: (cost, vec) for code, cost, vec in table.values()}
+
+    def estimate(sizes, params, dtype, target):
+        cost, vectorised = codes[int(params[0])]
+        n = sizes["out"]
+        width = (4 if dtype == np.float16 else 2 if dtype == np.float32 else 1) if vectorised else 1
+        return target.thread_cycles(math.ceil(n / width) * cost + 6)
+    return estimate
+
+
+UNARY_VERTEX = VertexType("popops::UnaryOp", ("x",), ("out",), unary_codelet, _cycles(UNARY), num_params=3)
+BINARY_VERTEX = VertexType("popops::BinaryOp", ("a", "b"), ("out",), binary_codelet, _cycles(BINARY), num_params=1)
+
+
+def _vertices(graph: Graph, cs, vertex_type, out: Tensor, operands: dict[str, Tensor], params: tuple) -> None:
+    """One vertex per worker on every tile holding output elements."""
+    for tile, pos in tile_regions(out.tiles()).items():
+        for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
+            chunk = pos[b:e]
+            fields = {k: flat(t, chunk) for k, t in operands.items()}
+            fields["out"] = flat(out, chunk)
+            graph.addVertex(cs, vertex_type, tile, fields, params)
+
+
+def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = None, *,
+          out_dtype=None, scale: float = 1.0, bias: float = 0.0, out: Tensor | None = None) -> Tensor:
+    """out = op(x). `cast` converts to `out_dtype`; `scale` computes x * scale + bias."""
+    if op not in UNARY:
+        raise ValueError(f"unknown unary op {op!r}; known: {sorted(UNARY)}")
+    name = name or op
+    dtype = np.dtype(out_dtype) if out_dtype is not None else (np.dtype(np.bool_) if op == "logical_not" else x.dtype)
+    if out is None:
+        out = new_output(graph, dtype, x.shape, name)
+    elif out.shape != x.shape or out.dtype != dtype:
+        raise ValueError(f"{name}: output {out.name!r} is {out.dtype.name}{out.shape}, expected {dtype.name}{x.shape}")
+    code = UNARY[op][0]
+    body = Sequence(name=name)
+    xl = placed(graph, body, x, out.tiles(), f"{name}/x")
+    cs = graph.addComputeSet(name)
+    _vertices(graph, cs, UNARY_VERTEX, out, {"x": xl}, (code, scale, bias))
+    body.add(Execute(cs))
+
+    def fast(io):
+        res = np.empty(out.shape, dtype=out.dtype)
+        unary_whole(kernel_view(np.ascontiguousarray(io.read(x)).reshape(-1)), kernel_view(res.reshape(-1)),
+                    code, float(scale), float(bias))
+        io.write(out, res)
+
+    prog.add(OpProgram(name, body, fast, (x,), (out,)))
+    return out
+
+
+def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: str | None = None, *,
+           out: Tensor | None = None) -> Tensor:
+    """out = a op b with NumPy broadcasting (comparisons give bool)."""
+    if op not in BINARY:
+        raise ValueError(f"unknown binary op {op!r}; known: {sorted(BINARY)}")
+    name = name or op
+    if a.dtype != b.dtype:
+        raise TypeError(f"{name}: operands {a.name!r} ({a.dtype.name}) and {b.name!r} ({b.dtype.name}) "
+                        "have different dtypes; cast one first")
+    try:
+        shape = np.broadcast_shapes(a.shape, b.shape)
+    except ValueError:
+        raise ValueError(f"{name}: shapes {a.shape} and {b.shape} do not broadcast") from None
+    dtype = np.dtype(np.bool_) if op in COMPARISONS else a.dtype
+    if out is None:
+        out = new_output(graph, dtype, shape, name)
+    elif out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"{name}: output {out.name!r} is {out.dtype.name}{out.shape}, expected {dtype.name}{shape}")
+    code = BINARY[op][0]
+    body = Sequence(name=name)
+    tiles = out.tiles()
+    al = placed(graph, body, a.broadcast(shape), tiles, f"{name}/a")
+    bl = placed(graph, body, b.broadcast(shape), tiles, f"{name}/b")
+    cs = graph.addComputeSet(name)
+    _vertices(graph, cs, BINARY_VERTEX, out, {"a": al, "b": bl}, (code,))
+    body.add(Execute(cs))
+
+    def fast(io):
+        x = np.ascontiguousarray(np.broadcast_to(io.read(a), shape)).reshape(-1)
+        y = np.ascontiguousarray(np.broadcast_to(io.read(b), shape)).reshape(-1)
+        res = np.empty(shape, dtype=out.dtype)
+        binary_whole(kernel_view(x), kernel_view(y), kernel_view(res.reshape(-1)), code)
+        io.write(out, res)
+
+    prog.add(OpProgram(name, body, fast, (a, b), (out,)))
+    return out
+
+
+def add(graph, a, b, prog, name="add"):
+    return binary(graph, "add", a, b, prog, name)
+
+
+def sub(graph, a, b, prog, name="sub"):
+    return binary(graph, "sub", a, b, prog, name)
+
+
+def mul(graph, a, b, prog, name="mul"):
+    return binary(graph, "mul", a, b, prog, name)
+
+
+def div(graph, a, b, prog, name="div"):
+    return binary(graph, "div", a, b, prog, name)
+
+
+def cast(graph, x, dtype, prog, name="cast"):
+    return unary(graph, "cast", x, prog, name, out_dtype=dtype)
+
+
+def scale(graph, x, factor, prog, name="scale", bias=0.0):
+    return unary(graph, "scale", x, prog, name, scale=factor, bias=bias)

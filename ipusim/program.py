@@ -1,0 +1,226 @@
+"""Programs: the control flow an Engine runs, built from supersteps.
+
+`Execute` runs a compute set (compute phase), `Copy` moves data between tiles of one IPU
+(exchange phase), `InterIpuCopy` moves it between IPUs over IPU-Links, `StreamCopy` between the
+host and an IPU. `OpProgram` wraps the program an op library function builds together with the
+op's whole-tensor implementation, which the fast execution mode runs instead of the body.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .tensor import Tensor
+from .vertex import ComputeSet
+
+
+@dataclass(eq=False)
+class DataStream:
+    """A FIFO between the host and one IPU (`host_to_device` or `device_to_host`)."""
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    ipu: int
+    direction: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class Program:
+    def children(self) -> list["Program"]:
+        return []
+
+    def ipus(self) -> set[int]:
+        out: set[int] = set()
+        for c in self.children():
+            out |= c.ipus()
+        return out
+
+
+class Sequence(Program):
+    def __init__(self, *programs: Program, name: str = ""):
+        self.programs: list[Program] = []
+        self.name = name
+        for p in programs:
+            self.add(p)
+
+    def add(self, program: Program) -> "Sequence":
+        if not isinstance(program, Program):
+            raise TypeError(f"Sequence.add expects a Program, got {type(program).__name__}")
+        self.programs.append(program)
+        return self
+
+    def children(self):
+        return self.programs
+
+    def __repr__(self):
+        return f"Sequence({self.name or len(self.programs)})"
+
+
+class Parallel(Program):
+    """Programs on disjoint sets of IPUs that run at the same time (one superstep per IPU set)."""
+
+    def __init__(self, *programs: Program, name: str = ""):
+        self.programs = list(programs)
+        self.name = name
+        seen: set[int] = set()
+        for p in self.programs:
+            if seen & p.ipus():
+                raise ValueError(f"Parallel {name!r}: programs share IPUs {sorted(seen & p.ipus())}; "
+                                 "programs running in parallel must use disjoint IPUs")
+            seen |= p.ipus()
+
+    def children(self):
+        return self.programs
+
+
+@dataclass(eq=False)
+class Execute(Program):
+    compute_set: ComputeSet
+
+    def ipus(self):
+        return {self.compute_set.ipu}
+
+
+@dataclass(eq=False)
+class Copy(Program):
+    """On-chip copy (exchange) between two tensors of the same IPU."""
+    src: Tensor
+    dst: Tensor
+
+    def __post_init__(self):
+        check_copy(self.src, self.dst, "Copy")
+        if self.src.ipu != self.dst.ipu:
+            raise ValueError(f"Copy from {self.src.name!r} (IPU {self.src.ipu}) to {self.dst.name!r} "
+                             f"(IPU {self.dst.ipu}) crosses IPUs: use InterIpuCopy")
+
+    def ipus(self):
+        return {self.src.ipu}
+
+
+@dataclass(eq=False)
+class InterIpuCopy(Program):
+    src: Tensor
+    dst: Tensor
+
+    def __post_init__(self):
+        check_copy(self.src, self.dst, "InterIpuCopy")
+        if self.src.ipu == self.dst.ipu:
+            raise ValueError(f"InterIpuCopy from {self.src.name!r} to {self.dst.name!r} stays on IPU "
+                             f"{self.src.ipu}: use Copy")
+
+    def ipus(self):
+        return {self.src.ipu, self.dst.ipu}
+
+
+@dataclass(eq=False)
+class StreamCopy(Program):
+    """Host stream to tensor (`StreamCopy(stream, tensor)`) or tensor to host stream."""
+    src: DataStream | Tensor
+    dst: DataStream | Tensor
+
+    def __post_init__(self):
+        if isinstance(self.src, DataStream) == isinstance(self.dst, DataStream):
+            raise TypeError("StreamCopy needs exactly one DataStream and one Tensor")
+        stream, tensor = (self.src, self.dst) if isinstance(self.src, DataStream) else (self.dst, self.src)
+        want = "host_to_device" if stream is self.src else "device_to_host"
+        if stream.direction != want:
+            raise ValueError(f"stream {stream.name!r} is {stream.direction}, cannot be used as "
+                             f"{'source' if stream is self.src else 'destination'} of a StreamCopy")
+        if tuple(stream.shape) != tuple(tensor.shape) and int(np.prod(stream.shape)) != tensor.numel:
+            raise ValueError(f"stream {stream.name!r} has shape {stream.shape}, tensor {tensor.name!r} "
+                             f"has {tensor.shape}")
+        if stream.dtype != tensor.dtype:
+            raise TypeError(f"stream {stream.name!r} is {stream.dtype.name}, tensor {tensor.name!r} "
+                            f"is {tensor.dtype.name}")
+
+    @property
+    def stream(self) -> DataStream:
+        return self.src if isinstance(self.src, DataStream) else self.dst
+
+    @property
+    def tensor(self) -> Tensor:
+        return self.dst if isinstance(self.src, DataStream) else self.src
+
+    def ipus(self):
+        return {self.tensor.ipu}
+
+
+@dataclass(eq=False)
+class Repeat(Program):
+    count: int
+    body: Program
+
+    def __post_init__(self):
+        if not isinstance(self.count, (int, np.integer)) or self.count < 0:
+            raise ValueError(f"Repeat count must be a non-negative integer, got {self.count!r}")
+
+    def children(self):
+        return [self.body]
+
+
+@dataclass(eq=False)
+class If(Program):
+    """Run `then` when the scalar predicate tensor is non-zero, else `else_`."""
+    predicate: Tensor
+    then: Program
+    else_: Program = field(default_factory=Sequence)
+
+    def __post_init__(self):
+        if self.predicate.numel != 1:
+            raise ValueError(f"If predicate {self.predicate.name!r} must have one element, "
+                             f"has shape {self.predicate.shape}")
+
+    def children(self):
+        return [self.then, self.else_]
+
+    def ipus(self):
+        return super().ipus() | {self.predicate.ipu}
+
+
+@dataclass(eq=False)
+class Sync(Program):
+    """A barrier: all tiles of one IPU (`global_=False`) or all IPUs of the device."""
+    ipu: int = 0
+    global_: bool = False
+
+    def ipus(self):
+        return {self.ipu}
+
+
+@dataclass(eq=False)
+class OpProgram(Program):
+    """An op's program plus its whole-tensor implementation for the fast mode.
+
+    `fast(io)` reads the op's inputs with `io.read(tensor)` and writes outputs with
+    `io.write(tensor, array)`. The body's internal exchanges only feed the op's own vertices,
+    so the fast mode accounts for them without moving the bytes.
+    """
+    name: str
+    body: Program
+    fast: Callable
+    reads: tuple = ()
+    writes: tuple = ()
+
+    def children(self):
+        return [self.body]
+
+
+def check_copy(src: Tensor, dst: Tensor, what: str) -> None:
+    if src.numel != dst.numel:
+        raise ValueError(f"{what} from {src.name!r} {src.shape} to {dst.name!r} {dst.shape}: "
+                         "element counts differ")
+    if src.dtype != dst.dtype:
+        raise TypeError(f"{what} from {src.name!r} ({src.dtype.name}) to {dst.name!r} ({dst.dtype.name}): "
+                        "dtypes differ; cast first")
+
+
+def walk(program: Program):
+    """Every program node, depth first, parents before children."""
+    yield program
+    for c in program.children():
+        yield from walk(c)

@@ -1,0 +1,123 @@
+"""Tile memory of each IPU, laid out for one of the two execution modes.
+
+The memory of an IPU is one arena per dtype. Every element of every variable has one address.
+- strict layout: tile-major. Tile t owns one contiguous segment of each arena; inside it, the
+  elements of each variable mapped to t. A vertex is given addresses inside its own tile's
+  segment only, so it can only compute from its tile's data.
+- fast layout: variable-major. Each variable is one contiguous block, so whole-tensor kernels
+  (NumPy/BLAS) read and write it in place without gathering.
+Both layouts hold the same values; only the addresses differ.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .graph import Device, Graph
+from .tensor import Tensor, Variable
+
+LAYOUTS = ("strict", "fast")
+
+
+class MappingError(ValueError):
+    """A tensor has elements without a tile mapping when the graph is compiled."""
+
+
+class IpuMemory:
+    def __init__(self, graph: Graph, layout: str):
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown memory layout {layout!r}; use one of {LAYOUTS}")
+        self.ipu = graph.ipu
+        self.layout = layout
+        self.arenas: dict[str, np.ndarray] = {}
+        self.offset: dict[int, int] = {}          # fast layout: variable id -> first address
+        self.addr: dict[int, np.ndarray] = {}     # strict layout: variable id -> address per element
+        self.tile_segments: dict[str, np.ndarray] = {}  # strict: dtype -> start address of each tile (+ end)
+        by_dtype: dict[str, list[Variable]] = {}
+        for v in graph.variables:
+            if v.numel and (v.mapping < 0).any():
+                n = int((v.mapping < 0).sum())
+                raise MappingError(f"tensor {v.name!r} on IPU {v.ipu} has {n} of {v.numel} elements without a "
+                                   "tile mapping: call setTileMapping (or a mapping helper) for all of it")
+            by_dtype.setdefault(v.dtype.name, []).append(v)
+        for dt, vars_ in by_dtype.items():
+            total = sum(v.numel for v in vars_)
+            self.arenas[dt] = np.zeros(total, dtype=vars_[0].dtype)
+            if layout == "fast":
+                off = 0
+                for v in vars_:
+                    self.offset[v.id] = off
+                    off += v.numel
+            else:
+                self._strict_addresses(dt, vars_, graph.target.num_tiles)
+            for v in vars_:
+                if v.constant is not None:
+                    self.write(Tensor(v), v.constant)
+
+    def _strict_addresses(self, dt: str, vars_: list[Variable], num_tiles: int) -> None:
+        tiles = np.concatenate([v.mapping for v in vars_]).astype(np.int64)
+        owner = np.concatenate([np.full(v.numel, k, dtype=np.int64) for k, v in enumerate(vars_)])
+        flat = np.concatenate([np.arange(v.numel, dtype=np.int64) for v in vars_])
+        order = np.lexsort((flat, owner, tiles))  # tile-major, then variable, then element
+        addr = np.empty_like(order)
+        addr[order] = np.arange(order.size, dtype=np.int64)
+        start = 0
+        for v in vars_:
+            self.addr[v.id] = addr[start:start + v.numel]
+            start += v.numel
+        counts = np.bincount(tiles, minlength=num_tiles)
+        self.tile_segments[dt] = np.concatenate([[0], np.cumsum(counts)])
+
+    # ---- addresses and access --------------------------------------------------------------
+    def addresses(self, t: Tensor) -> np.ndarray:
+        """Arena address of every element of the view, flattened."""
+        v = t.var
+        if self.layout == "fast":
+            base = self.offset[v.id]
+            if t.is_whole:
+                return np.arange(base, base + v.numel, dtype=np.int64)
+            return base + t.index.reshape(-1)
+        a = self.addr[v.id]
+        return a if t.is_whole else a[t.index.reshape(-1)]
+
+    def arena(self, dtype) -> np.ndarray:
+        return self.arenas[np.dtype(dtype).name]
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The view's values (a NumPy view when the layout allows it: do not modify)."""
+        arena = self.arenas[t.dtype.name]
+        if self.layout == "fast" and t.is_whole:
+            base = self.offset[t.var.id]
+            return arena[base:base + t.numel].reshape(t.shape)
+        return arena[self.addresses(t)].reshape(t.shape)
+
+    def write(self, t: Tensor, values) -> None:
+        arena = self.arenas[t.dtype.name]
+        values = np.asarray(values)
+        if values.shape != t.shape:
+            try:
+                values = np.broadcast_to(values, t.shape)
+            except ValueError:
+                raise ValueError(f"cannot write values of shape {values.shape} to tensor {t.name!r} "
+                                 f"of shape {t.shape}") from None
+        if self.layout == "fast" and t.is_whole:
+            base = self.offset[t.var.id]
+            arena[base:base + t.numel] = values.reshape(-1)
+        else:
+            arena[self.addresses(t)] = values.reshape(-1)
+
+
+class DeviceMemory:
+    """The memories of all IPUs of a device; reads and writes go to the tensor's IPU."""
+
+    def __init__(self, device: Device, layout: str):
+        self.layout = layout
+        self.ipus = [IpuMemory(g, layout) for g in device.graphs]
+
+    def __getitem__(self, ipu: int) -> IpuMemory:
+        return self.ipus[ipu]
+
+    def read(self, t: Tensor) -> np.ndarray:
+        return self.ipus[t.ipu].read(t)
+
+    def write(self, t: Tensor, values) -> None:
+        self.ipus[t.ipu].write(t, values)
