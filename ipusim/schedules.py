@@ -214,7 +214,8 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _batching(training: bool, gradient_accumulation: int, device_iterations: int) -> tuple[int, int]:
+def _batching(training: bool, gradient_accumulation: int,
+              device_iterations: int) -> tuple[int, int]:
     """(groups, micro-batches per group) of one call, with PopTorch's meaning of the factors."""
     _positive("gradient_accumulation", gradient_accumulation)
     _positive("device_iterations", device_iterations)
@@ -259,7 +260,7 @@ def _assemble(strategy: str, placement: tuple[int, ...], training: bool, groups:
 
 
 def _one_at_a_time(order: Iterable[tuple[int, int | None]], per_group: int, training: bool,
-                   backward_phase=lambda s: None) -> list[list[tuple]]:
+                   backward_phase=lambda p: None) -> list[list[tuple]]:
     """One op per step: each micro-batch runs forward through `order` ((stage, phase) pairs in
     forward order), then backward in reverse order."""
     order = list(order)
@@ -286,8 +287,9 @@ def _pipelined_group(placement: tuple[int, ...], per_group: int, training: bool,
     kinds = ("F", "B") if training else ("F",)
     ipus = sorted(set(placement))
     parity = {i: placement.index(i) % 2 for i in ipus}
-    head = {(k, s): 0 for k in kinds for s in range(n)}
-    done: dict[tuple[str, int, int], int] = {}
+    head = {(k, s): 0 for k in kinds for s in range(n)}  # next micro-batch of each queue
+    done: dict[tuple[str, int, int], int] = {}  # op -> index of the step that ran it
+    steps: list[list[tuple]] = []
 
     def ready(k: str, s: int) -> bool:
         m = head[(k, s)]
@@ -300,7 +302,6 @@ def _pipelined_group(placement: tuple[int, ...], per_group: int, training: bool,
     def any_ready(k: str) -> bool:
         return any(ready(k, s) for s in range(n))
 
-    steps: list[list[tuple]] = []
     phase, alternating, tick = "F", False, 0
     while len(done) < len(kinds) * n * per_group:
         if kind == "grouped" and training:
