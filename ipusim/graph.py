@@ -40,6 +40,15 @@ class Graph:
         self.variables.append(var)
         return Tensor(var)
 
+    def clone(self, t: Tensor, name: str | None = None, *, dtype=None, category: str | None = None,
+              always_live: bool | None = None) -> Tensor:
+        """A new variable shaped like the view, each element on the same tile as the view's."""
+        c = self.addVariable(dtype or t.dtype, t.shape, name or f"{t.name}/clone",
+                             category=category or t.var.category,
+                             always_live=t.var.always_live if always_live is None else always_live)
+        c.var.mapping[:] = t.tiles().reshape(-1)
+        return c
+
     def addConstant(self, dtype, shape, value, name: str = "const") -> Tensor:
         t = self.addVariable(dtype, shape, name, category="constants")
         arr = np.broadcast_to(np.asarray(value, dtype=as_dtype(dtype)), t.shape)

@@ -13,8 +13,12 @@ GRAIN = 4
 
 
 def new_output(graph: Graph, dtype, shape, name: str, *, category: str = "activations",
-               always_live: bool = False, grain: int = GRAIN, min_elements_per_tile: int = 64) -> Tensor:
-    """A new tensor spread linearly over all tiles."""
+               always_live: bool = False, grain: int = GRAIN, min_elements_per_tile: int = 64,
+               like: Tensor | None = None) -> Tensor:
+    """A new tensor mapped like `like` (when it has the same shape and is fully mapped, as
+    PopLibs clones an operand for elementwise outputs), else spread linearly over all tiles."""
+    if like is not None and tuple(like.shape) == tuple(shape) and (like.tiles() >= 0).all():
+        return graph.clone(like, name, dtype=dtype, category=category, always_live=always_live)
     t = graph.addVariable(dtype, shape, name, category=category, always_live=always_live)
     graph.map_linearly(t, grain=grain, min_elements_per_tile=min_elements_per_tile)
     return t

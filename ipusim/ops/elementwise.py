@@ -1,7 +1,8 @@
 """Elementwise ops: unary maps, binary maps with NumPy broadcasting, and their gradients.
 
-Mapping: the output is spread linearly over the tiles in vector-sized grains; operands are
-brought to the output's tiles by exchange (broadcast operands are replicated where needed);
+Mapping: the output takes the mapping of a full-shape operand (no exchange for it), else it is
+spread linearly over the tiles in vector-sized grains; other operands are brought to the
+output's tiles by exchange (broadcast operands are replicated where needed);
 each tile's elements are split over its workers, one vertex per worker.
 Kernel: one scalar function `apply` shared by the codelet (strict) and the whole-tensor kernel
 (fast), computed in float64 and rounded once to the storage dtype, so both modes agree bit for bit.
@@ -183,7 +184,7 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
     name = name or op
     dtype = np.dtype(out_dtype) if out_dtype is not None else (np.dtype(np.bool_) if op == "logical_not" else x.dtype)
     if out is None:
-        out = new_output(graph, dtype, x.shape, name)
+        out = new_output(graph, dtype, x.shape, name, like=x)
     elif out.shape != x.shape or out.dtype != dtype:
         raise ValueError(f"{name}: output {out.name!r} is {out.dtype.name}{out.shape}, expected {dtype.name}{x.shape}")
     code = UNARY[op][0]
@@ -218,7 +219,7 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
         raise ValueError(f"{name}: shapes {a.shape} and {b.shape} do not broadcast") from None
     dtype = np.dtype(np.bool_) if op in COMPARISONS else a.dtype
     if out is None:
-        out = new_output(graph, dtype, shape, name)
+        out = new_output(graph, dtype, shape, name, like=a if a.shape == shape else b)
     elif out.shape != shape or out.dtype != dtype:
         raise ValueError(f"{name}: output {out.name!r} is {out.dtype.name}{out.shape}, expected {dtype.name}{shape}")
     code = BINARY[op][0]
