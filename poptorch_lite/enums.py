@@ -1,0 +1,140 @@
+"""Enumerations of the PopTorch API (same names, members and values as PopTorch's)."""
+import enum
+
+
+class _Enum(enum.IntEnum):
+    """An IntEnum shown as ``Name.Member``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class OutputMode(_Enum):
+    """Which results a model call returns to the host.
+
+    - ``All``: one result per micro-batch.
+    - ``Final``: only the result of the last micro-batch (per replica).
+    - ``EveryN``: the results of every N-th device iteration, N being the
+      ``output_return_period`` given to ``Options.outputMode``.
+    - ``Sum``: the sum of the results over all micro-batches (per replica).
+    - ``Default``: ``All`` for inference models, ``Final`` for training models.
+    """
+    Final = 0
+    EveryN = 1
+    All = 2
+    Sum = 3
+    Default = 4
+
+
+class ReductionType(_Enum):
+    """How values are reduced: summed, averaged or left as they are."""
+    Sum = 0
+    Mean = 1
+    NoReduction = 2
+
+
+class MeanReductionStrategy(_Enum):
+    """When a mean reduction over accumulation and replicas divides.
+
+    - ``Running``: keep the accumulator as a running mean (numerically safest).
+    - ``Post``: sum everything, divide once at the end (fastest, may overflow).
+    - ``PostAndLoss``: legacy: divide by the replica count before the backward
+      pass and by the accumulation factor afterwards.
+    """
+    Running = 0
+    Post = 1
+    PostAndLoss = 2
+
+
+class DataLoaderMode(_Enum):
+    """How a ``DataLoader`` reads its dataset.
+
+    - ``Sync``: in the calling thread, like ``torch.utils.data.DataLoader``.
+    - ``Async``: through an ``AsynchronousDataAccessor`` whose worker process
+      loads the next batches while the model runs.
+    - ``AsyncRebatched``: like ``Async``, but the torch loader produces smaller
+      batches (``rebatched_worker_size``) and the accessor's worker assembles
+      them into batches of the combined size, so iterable datasets split over
+      many workers lose fewer samples.
+    """
+    Sync = 0
+    Async = 1
+    AsyncRebatched = 2
+
+
+class SharingStrategy(_Enum):
+    """How an ``AsynchronousDataAccessor`` hands the dataset to its worker process.
+
+    - ``SharedMemory``: spawn the worker; the dataset is pickled and its tensors
+      travel through shared memory (fast, limited by shared-memory size).
+    - ``FileSystem``: spawn the worker; the dataset is pickled to a temporary
+      file that the worker loads (slower, no size limit).
+    - ``Fork``: fork the worker: nothing is copied up front, but libraries that
+      use threads in the parent may misbehave in the child.
+    - ``ForkServer``: fork the worker from a single-threaded server process.
+    """
+    SharedMemory = 0
+    FileSystem = 1
+    Fork = 2
+    ForkServer = 3
+
+
+class ConnectionType(_Enum):
+    """When to attach to the device.
+
+    - ``Always``: attach as soon as the model is compiled (default).
+    - ``OnDemand``: attach when the model first runs.
+    - ``Never``: never attach (offline compilation only).
+    """
+    Always = 0
+    OnDemand = 1
+    Never = 2
+
+
+class SyncPattern(_Enum):
+    """How IPUs synchronise with each other and with the host.
+
+    - ``Full``: every IPU takes part in every host or inter-IPU sync.
+    - ``SinglePipeline``: IPUs sync with the host independently.
+    - ``ReplicaAndLadder``: groups of IPUs alternate host I/O and compute.
+    """
+    Full = 0
+    SinglePipeline = 1
+    ReplicaAndLadder = 2
+
+
+class HalfFloatCastingBehavior(_Enum):
+    """Casting of ops mixing float16 and float32 operands.
+
+    - ``FloatDowncastToHalf``: cast every operand to float16.
+    - ``HalfUpcastToFloat``: follow PyTorch's promotion to float32.
+    - ``Default``: ``FloatDowncastToHalf`` when tracing.
+    """
+    FloatDowncastToHalf = 0
+    HalfUpcastToFloat = 1
+    Default = 2
+
+
+class AutoStage(_Enum):
+    """How blocks without an explicit ``Stage`` get their stage.
+
+    - ``SameAsIpu``: the stage is the block's IPU id.
+    - ``AutoIncrement``: every new block starts the next stage.
+    """
+    SameAsIpu = 0
+    AutoIncrement = 1
+
+
+class Liveness(_Enum):
+    """Where phased execution keeps tensors between phases.
+
+    - ``AlwaysLive``: on chip.
+    - ``OffChipAfterFwd``: off chip between the forward and backward passes.
+    - ``OffChipAfterFwdNoOverlap``: as above, without overlapping loads and
+      stores between phases.
+    - ``OffChipAfterEachPhase``: off chip after every phase.
+    """
+    AlwaysLive = 0
+    OffChipAfterFwd = 1
+    OffChipAfterFwdNoOverlap = 2
+    OffChipAfterEachPhase = 3
