@@ -1,0 +1,137 @@
+"""A small functional IR: values produced by nodes, one dataclass each, and passes as functions.
+
+Every node carries where it runs (block, stage, IPU) and what part of training it belongs to
+(`pass_`: "fwd", "bwd"). Parameters, buffers and model inputs are values without a producer.
+Shapes are those of one micro-batch on one replica.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_ids = itertools.count()
+
+# Ops whose output is a view of their input (no compute, no memory of their own).
+VIEW_OPS = frozenset({"reshape", "transpose", "expand", "slice", "select"})
+# Ops that define a loss for training (PopTorch finds the final loss among these).
+LOSS_OPS = frozenset({"nll_loss", "cross_entropy", "mse_loss", "l1_loss", "ctc_loss", "identity_loss"})
+
+
+@dataclass(eq=False)
+class Value:
+    shape: tuple
+    dtype: np.dtype
+    name: str = ""
+    producer: "Node | None" = None
+    kind: str = "activation"      # activation | input | param | buffer | const
+    data: np.ndarray | None = None  # constants only
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(self.dtype).itemsize
+
+    def __repr__(self):
+        return f"%{self.name or self.id}:{np.dtype(self.dtype).name}{list(self.shape)}"
+
+
+@dataclass(eq=False)
+class Node:
+    op: str
+    inputs: list[Value]
+    outputs: list[Value]
+    attrs: dict = field(default_factory=dict)
+    block: str | None = None
+    stage: int = 0
+    ipu: int = 0
+    phase: int | None = None
+    pass_: str = "fwd"
+    source: str = ""
+
+    def __repr__(self):
+        attrs = ", ".join(f"{k}={v}" for k, v in self.attrs.items())
+        outs = ", ".join(map(repr, self.outputs))
+        ins = ", ".join(map(repr, self.inputs))
+        where = f"stage {self.stage} ipu {self.ipu} {self.pass_}"
+        return f"{outs} = {self.op}({ins}{', ' if attrs and ins else ''}{attrs})  # {where}"
+
+
+@dataclass(eq=False)
+class IRGraph:
+    nodes: list[Node] = field(default_factory=list)
+    inputs: list[Value] = field(default_factory=list)          # model inputs, in call order
+    params: dict[str, Value] = field(default_factory=dict)      # torch parameter name -> value
+    buffers: dict[str, Value] = field(default_factory=dict)     # torch buffer name -> value
+    outputs: object = None                                      # pytree of Values (model outputs)
+    loss: Value | None = None
+    grads: dict[str, Value] = field(default_factory=dict)       # parameter name -> gradient value
+    buffer_updates: dict[str, Value] = field(default_factory=dict)  # buffer name -> new value
+
+    def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
+            **attrs) -> list[Value]:
+        """Append a node; `out_specs` are (shape, dtype) pairs; placement copied from `like`."""
+        outs = [Value(tuple(int(d) for d in shape), np.dtype(dtype), f"{op}{next(_ids)}") for shape, dtype in out_specs]
+        node = Node(op, list(inputs), outs, attrs)
+        if like is not None:
+            node.block, node.stage, node.ipu, node.phase = like.block, like.stage, like.ipu, like.phase
+            node.pass_, node.source = like.pass_, like.source
+        for v in outs:
+            v.producer = node
+        self.nodes.append(node)
+        return outs
+
+    def consumers(self) -> dict[int, list[Node]]:
+        out: dict[int, list[Node]] = {}
+        for n in self.nodes:
+            for v in n.inputs:
+                out.setdefault(v.id, []).append(n)
+        return out
+
+    def __str__(self):
+        lines = [f"inputs: {self.inputs}", f"params: {list(self.params.values())}"]
+        lines += [f"  {n!r}" for n in self.nodes]
+        lines.append(f"outputs: {self.outputs}")
+        if self.loss is not None:
+            lines.append(f"loss: {self.loss!r}")
+        return "\n".join(lines)
+
+
+def flatten_values(tree) -> list[Value]:
+    """Values of a pytree made of tuples, lists and dicts."""
+    if isinstance(tree, Value):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [v for t in tree for v in flatten_values(t)]
+    if isinstance(tree, dict):
+        return [v for t in tree.values() for v in flatten_values(t)]
+    return []
+
+
+def map_values(tree, fn):
+    """Rebuild a pytree with fn applied to every Value."""
+    if isinstance(tree, Value):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        return tuple(map_values(t, fn) for t in tree)
+    if isinstance(tree, list):
+        return [map_values(t, fn) for t in tree]
+    if isinstance(tree, dict):
+        return {k: map_values(t, fn) for k, t in tree.items()}
+    return tree
+
+
+def prune(graph: IRGraph, keep: list[Value]) -> None:
+    """Drop nodes whose outputs do not contribute to `keep` (dead code elimination)."""
+    needed = {v.id for v in keep}
+    alive = []
+    for n in reversed(graph.nodes):
+        if any(v.id in needed for v in n.outputs):
+            alive.append(n)
+            needed.update(v.id for v in n.inputs)
+    graph.nodes = alive[::-1]
