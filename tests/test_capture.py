@@ -1,0 +1,450 @@
+"""Capture with block annotations, and op placement under execution strategies."""
+
+import pathlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from poptorch_lite.blocks import (
+    DEFAULT_REGION,
+    BeginBlock,
+    Block,
+    BlockError,
+    BlockFunction,
+    BlockRef,
+    removeBlocks,
+)
+from poptorch_lite.capture import capture, op_placement, place_graph, traced_blocks
+from poptorch_lite.strategies import (
+    AutoStage,
+    ParallelPhasedExecution,
+    PipelinedExecution,
+    SerialPhasedExecution,
+    ShardedExecution,
+    Stage,
+    StrategyError,
+)
+
+# The model of Graphcore's PopTorch MNIST pipelining tutorial.
+
+
+class ConvLayer(nn.Module):
+    def __init__(self, in_channels, num_filters, kernel_size, pool_size):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, num_filters, kernel_size=kernel_size)
+        self.pool = nn.MaxPool2d(kernel_size=pool_size)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = self.pool(x)
+        x = self.relu(x)
+        return x
+
+
+class Network(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = ConvLayer(1, 10, 5, 2)
+        self.layer2 = ConvLayer(10, 20, 5, 2)
+        self.layer3 = nn.Linear(320, 256)
+        self.layer3_act = nn.ReLU()
+        self.layer3_dropout = nn.Dropout(0.5)
+        self.layer4 = nn.Linear(256, 10)
+        self.softmax = nn.LogSoftmax(1)
+
+    def forward(self, x):
+        with Block("B1"):
+            x = self.layer1(x)
+        with Block("B2"):
+            x = self.layer2(x)
+        with Block("B3"):
+            x = x.view(-1, 320)
+            x = self.layer3_act(self.layer3(x))
+            x = self.layer3_dropout(x)
+        with Block("B4"):
+            x = self.layer4(x)
+            x = self.softmax(x)
+        return x
+
+
+class TrainingModelWithLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.loss = nn.NLLLoss()
+
+    def forward(self, args, loss_inputs=None):
+        output = self.model(args)
+        if loss_inputs is None:
+            return output
+        with Block("B4"):
+            loss = self.loss(output, loss_inputs)
+        return output, loss
+
+
+class LossOutsideBlocks(TrainingModelWithLoss):
+    def forward(self, args, loss_inputs=None):
+        output = self.model(args)
+        loss = self.loss(output, loss_inputs)  # LOSS LINE
+        return output, loss
+
+
+def tutorial_strategy(kind=PipelinedExecution):
+    return kind(Stage("B1").ipu(0), Stage("B2").ipu(1), Stage("B3").ipu(2), Stage("B4").ipu(3))
+
+
+IMAGES = torch.randn(8, 1, 28, 28)
+LABELS = torch.randint(0, 10, (8,))
+TUTORIAL_ROWS = [
+    ("model.layer1.conv (Conv2d)", "B1"),
+    ("model.layer1.pool (MaxPool2d)", "B1"),
+    ("model.layer1.relu (ReLU)", "B1"),
+    ("model.layer2.conv (Conv2d)", "B2"),
+    ("model.layer2.pool (MaxPool2d)", "B2"),
+    ("model.layer2.relu (ReLU)", "B2"),
+    (".view()", "B3"),
+    ("model.layer3 (Linear)", "B3"),
+    ("model.layer3_act (ReLU)", "B3"),
+    ("model.layer3_dropout (Dropout)", "B3"),
+    ("model.layer4 (Linear)", "B4"),
+    ("model.softmax (LogSoftmax)", "B4"),
+]
+
+
+def rows(table):
+    return [(r.op, r.block, r.stage, r.ipu) for r in table]
+
+
+def expected_tutorial_rows(with_loss):
+    listed = TUTORIAL_ROWS + ([("loss (NLLLoss)", "B4")] if with_loss else [])
+    return [(op, block, int(block[1]) - 1, int(block[1]) - 1) for op, block in listed]
+
+
+@pytest.mark.parametrize("kind", [PipelinedExecution, ShardedExecution])
+def test_tutorial_training_model_placement(kind):
+    table = op_placement(TrainingModelWithLoss(Network()), tutorial_strategy(kind), IMAGES, LABELS)
+    assert rows(table) == expected_tutorial_rows(with_loss=True)
+    assert table.placement.schedule_kind == kind.schedule_kind
+    assert table.placement.schedule_arguments() == {"num_stages": 4, "stage_ipus": (0, 1, 2, 3)}
+
+
+def test_tutorial_inference_model_has_no_loss():
+    model = TrainingModelWithLoss(Network())
+    table = op_placement(model, tutorial_strategy(), IMAGES)
+    assert rows(table) == expected_tutorial_rows(with_loss=False)
+    network_alone = op_placement(model.model, tutorial_strategy(), IMAGES)
+    assert [r[1:] for r in rows(network_alone)] == [r[1:] for r in rows(table)]
+
+
+def test_tutorial_table_prints_every_op():
+    text = str(op_placement(TrainingModelWithLoss(Network()), tutorial_strategy(), IMAGES, LABELS))
+    lines = text.splitlines()
+    assert lines[0] == repr(tutorial_strategy())
+    assert lines[1].split() == ["node", "op", "block", "stage", "ipu"]
+    assert lines[-1].split() == ["loss", "loss", "(NLLLoss)", "B4", "3", "3"]
+    assert len(lines) == 2 + len(TUTORIAL_ROWS) + 1
+
+
+def test_loss_outside_a_block_is_an_error_naming_the_op_line_and_block():
+    source = pathlib.Path(__file__).read_text().splitlines()
+    line = next(i + 1 for i, text in enumerate(source) if "# LOSS LINE" in text)
+    with pytest.raises(BlockError) as error:
+        capture(LossOutsideBlocks(Network()), IMAGES, LABELS)
+    message = str(error.value)
+    assert "module loss (NLLLoss)" in message
+    assert f"{__file__}:{line}" in message
+    assert "with Block('B4')" in message
+
+
+def test_captured_graph_computes_like_the_model():
+    torch.manual_seed(0)
+    model = TrainingModelWithLoss(Network()).eval()
+    graph_module = capture(model, IMAGES, LABELS)
+    output, loss = model(IMAGES, LABELS)
+    captured_output, captured_loss = graph_module(IMAGES, LABELS)
+    assert torch.equal(output, captured_output) and torch.equal(loss, captured_loss)
+
+
+def test_nodes_carry_block_shape_and_source():
+    graph_module = capture(TrainingModelWithLoss(Network()), IMAGES, LABELS)
+    nodes = {n.name: n for n in graph_module.graph.nodes}
+    assert nodes["loss"].meta["block"] == BlockRef("B4")
+    assert nodes["view"].meta["tensor_meta"].shape == torch.Size([8, 320])
+    assert nodes["model_layer1_conv"].meta["source"].startswith(__file__ + ":")
+    assert nodes["args"].meta["block"] == DEFAULT_REGION
+    assert traced_blocks(graph_module.graph) == [BlockRef(f"B{i}") for i in range(1, 5)]
+
+
+def test_concrete_inputs_leave_no_guard_ops():
+    graph_module = capture(TrainingModelWithLoss(Network()), IMAGES)
+    ops = [n for n in graph_module.graph.nodes if n.op.startswith("call")]
+    assert all("assert" not in str(n.target) for n in ops)
+    assert [n.op for n in graph_module.graph.nodes].count("placeholder") == 2
+
+
+# Block styles
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 4)
+        self.l3 = nn.Linear(4, 2)
+        self.loss = nn.MSELoss()
+
+    def forward(self, x, target=None):
+        x = self.l3(self.l2(self.l1(x)))
+        if target is None:
+            return x
+        return x, self.loss(x, target)
+
+
+X = torch.randn(3, 4)
+TARGET = torch.randn(3, 2)
+
+
+def blocks_of(model, *inputs, strategy=None):
+    return [(r.node, r.block, r.stage, r.ipu) for r in op_placement(model, strategy, *inputs)]
+
+
+def test_begin_block_on_leaf_modules_lasts_until_next_block():
+    model = Chain()
+    BeginBlock(model.l2, "second", ipu_id=1)
+    BeginBlock(model.l3, ipu_id=2)
+    assert blocks_of(model, X, TARGET) == [
+        ("l1", None, 0, 0),
+        ("l2", "second", 1, 1),
+        ("l3", "0", 2, 2),
+        ("loss", "0", 2, 2),
+    ]
+
+
+def test_begin_block_on_non_leaf_and_root_modules():
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = nn.ReLU()
+            self.chain = Chain()
+
+        def forward(self, x):
+            return self.chain(self.pre(x)) * 2
+
+    model = BeginBlock(Outer(), "root", ipu_id=0)
+    BeginBlock(model.chain, "chain", ipu_id=1)
+    assert blocks_of(model, X) == [
+        ("pre", "root", 0, 0),
+        ("chain_l1", "chain", 1, 1),
+        ("chain_l2", "chain", 1, 1),
+        ("chain_l3", "chain", 1, 1),
+        ("mul", "chain", 1, 1),
+    ]
+
+
+def test_begin_block_module_called_twice_is_one_block():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = BeginBlock(nn.Linear(4, 4), ipu_id=1)
+            self.other = BeginBlock(nn.Linear(4, 4), "other", ipu_id=0)
+
+        def forward(self, x):
+            return self.shared(self.other(self.shared(x)))
+
+    graph_module = capture(Twice(), X)
+    blocks = {n.name: n.meta["block"] for n in graph_module.graph.nodes}
+    assert blocks["shared"] == blocks["shared_1"] == BlockRef("0", 1)
+    assert blocks["other"] == BlockRef("other", 0)
+    # Starting "0" again after "other" sends data back to an earlier stage.
+    with pytest.raises(StrategyError, match="module shared .*uses the result of module other"):
+        op_placement(Twice(), ShardedExecution(), X)
+
+
+def test_remove_blocks_returns_ops_to_the_default_region():
+    model = Chain()
+    BeginBlock(model.l2, "second", ipu_id=1)
+    removeBlocks(model)
+    assert {r[1] for r in blocks_of(model, X)} == {None}
+
+
+def test_block_start_keeps_the_loss_in_the_last_block():
+    class Started(Chain):
+        def forward(self, x, target):
+            Block.start("A", ipu_id=0)
+            x = self.l2(self.l1(x))
+            Block.start("B", ipu_id=1)
+            x = self.l3(x)
+            return x, self.loss(x, target)
+
+    assert [r[1:] for r in blocks_of(Started(), X, TARGET)] == [
+        ("A", 0, 0),
+        ("A", 0, 0),
+        ("B", 1, 1),
+        ("B", 1, 1),
+    ]
+
+
+def test_block_function_and_auto_ids():
+    class Decorated(Chain):
+        @BlockFunction(ipu_id=1)
+        def tail(self, x):
+            return self.l3(x)
+
+        def forward(self, x):
+            x = self.l1(x)
+            Block.useAutoId()
+            with Block(ipu_id=0):
+                x = self.l2(x)
+            with Block("named", ipu_id=1):
+                x = torch.relu(x)
+            return self.tail(x)
+
+    assert blocks_of(Decorated(), X) == [
+        ("l1", None, 0, 0),
+        ("l2", "0", 0, 0),
+        ("relu", "named", 1, 1),
+        ("l3", "1", 1, 1),
+    ]
+
+
+def test_op_after_block_closed_is_an_error():
+    class Unplaced(Chain):
+        def forward(self, x):
+            with Block("A", ipu_id=0):
+                x = self.l1(x)
+            return x + 1
+
+    with pytest.raises(BlockError, match=r"function add\(\) at .* outside any Block.*'A'"):
+        capture(Unplaced(), X)
+
+
+def test_unpacking_a_multi_output_op_needs_no_block_but_slicing_does():
+    class Unpack(nn.Module):
+        def forward(self, x):
+            with Block("A", ipu_id=0):
+                parts = torch.split(x, 2)
+            first = parts[0]
+            with Block("B", ipu_id=1):
+                return first * 2
+
+    graph_module = capture(Unpack(), X)
+    getitem = next(n for n in graph_module.graph.nodes if n.name == "getitem")
+    assert getitem.meta["block"] == BlockRef("A", 0)
+
+    class Slice(nn.Module):
+        def forward(self, x):
+            with Block("A", ipu_id=0):
+                y = x * 2
+            first = y[0]
+            with Block("B", ipu_id=1):
+                return first * 2
+
+    with pytest.raises(BlockError, match=r"function getitem\(\) at .*outside any Block.*'A'"):
+        capture(Slice(), X)
+
+
+def test_same_as_ipu_returning_to_an_ipu_breaks_the_pipeline_order():
+    class Back(nn.Module):
+        def forward(self, x):
+            Block.useAutoId()
+            with Block(ipu_id=0):
+                x = x * 2
+            with Block(ipu_id=1):
+                x = x * 3
+            with Block(ipu_id=0):
+                x = x * 4
+            return x
+
+    with pytest.raises(StrategyError, match=r"uses the result of .*stage 1.*AutoIncrement"):
+        op_placement(Back(), PipelinedExecution(), X)
+    table = op_placement(Back(), PipelinedExecution(AutoStage.AutoIncrement), X)
+    assert [(r.stage, r.ipu) for r in table] == [(0, 0), (1, 1), (2, 0)]
+
+
+def test_phases_must_follow_the_data():
+    class TwoBlocks(nn.Module):
+        def forward(self, x):
+            with Block("A", ipu_id=0):
+                x = x * 2
+            with Block("B", ipu_id=0):
+                return x * 3
+
+    with pytest.raises(StrategyError, match="phase 1.*phase 0|phase 0.*phase 1"):
+        op_placement(TwoBlocks(), SerialPhasedExecution("B", "A"), X)
+
+
+def test_parallel_phased_model_from_poptorch_tests():
+    """PopTorch's 2x2 parallel phased test: blocks spread over IPU pairs 0-2 / 1-3."""
+    n, size = 3, 10
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weights = nn.ParameterList(
+                [nn.Parameter(torch.rand(size, size)) for _ in range(n * 6)]
+            )
+
+        def forward(self, in0, target=None):
+            phase = 0
+            with Block("0", ipu_id=0):
+                ins = torch.split(in0, size)
+            weight = iter(self.weights)
+            for step in range(n * 3):
+                out = []
+                for ipu in range(2):
+                    x = ins[ipu]
+                    ipu = (phase % 2) + ipu * 2
+                    with Block(f"{phase}", ipu_id=ipu):
+                        x = torch.matmul(next(weight), x)
+                        out.append(F.relu(x))
+                ins = out[1], out[0]
+                if step % 3 != 1:
+                    phase += 1
+            with Block(f"{n * 2 - 1}", ipu_id=3):
+                res = ins[0] + ins[1]
+                if target is None:
+                    return res
+                return res, nn.L1Loss(reduction="mean")(res, target)
+
+    strategy = ParallelPhasedExecution(*[f"{i}" for i in range(2 * n)])
+    table = op_placement(Model(), strategy, torch.rand(size * 2, 1), torch.rand(size, 1))
+    matmuls = [(r.ipu, r.phase) for r in table if r.op == "matmul()"]
+    assert matmuls == [
+        (0, 0), (2, 0), (1, 1), (3, 1), (1, 1), (3, 1),
+        (0, 2), (2, 2), (1, 3), (3, 3), (1, 3), (3, 3),
+        (0, 4), (2, 4), (1, 5), (3, 5), (1, 5), (3, 5),
+    ]  # fmt: skip
+    assert [(r.op, r.ipu, r.phase) for r in table][-2:] == [("add()", 3, 5), ("l1_loss()", 3, 5)]
+    assert table.placement.phase_ipus == ((0, 2), (1, 3)) * 3
+    assert "phase" in str(table).splitlines()[1]
+
+
+def test_place_graph_matches_op_placement():
+    graph_module = capture(TrainingModelWithLoss(Network()), IMAGES, LABELS)
+    placement = place_graph(graph_module, tutorial_strategy())
+    assert placement.stage_ipus == (0, 1, 2, 3)
+
+
+def test_module_with_parameters_created_in_forward_is_an_error():
+    class Fresh(nn.Module):
+        def forward(self, x):
+            return nn.Linear(4, 4)(x)
+
+    with pytest.raises(TypeError, match="Linear is created inside forward.*create it in __init__"):
+        capture(Fresh(), X)
+
+
+def test_capture_input_errors():
+    class VarArgs(nn.Module):
+        def forward(self, *xs):
+            return xs[0]
+
+    with pytest.raises(TypeError, match=r"\*args / \*\*kwargs"):
+        capture(VarArgs(), X)
+    with pytest.raises(TypeError, match="do not match"):
+        capture(Chain())
+    with pytest.raises(TypeError, match="ExecutionStrategy"):
+        op_placement(Chain(), "pipelined", X)
