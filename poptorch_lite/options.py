@@ -1,0 +1,1202 @@
+"""``Options``: how a model is compiled and run, with PopTorch's API.
+
+Setters chain (they return the object they belong to). Options freeze when a
+model or a ``DataLoader`` takes them; ``clone()`` gives an unfrozen copy.
+Defaults can come from the environment, as in PopTorch:
+
+- ``POPTORCH_DEFAULT_OPTIONS``: a JSON object mapping setter names to
+  arguments, applied by every ``Options()``; for example
+  ``{"deviceIterations": 4, "Training.gradientAccumulation": 8,
+  "outputMode": ["OutputMode.EveryN", 2], "_Popart.set": ["key", 1]}``.
+  A list gives several positional arguments; a string ``"Enum.Member"``
+  names an enum member.
+- ``POPTORCH_CACHE_DIR``: turns executable caching on with that directory.
+- ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE``: default process id and
+  number of processes (set by ``mpirun`` and ``poprun``).
+- ``POPTORCH_LOG_LEVEL``: ``TRACE``, ``DEBUG``, ``INFO``, ``WARN``, ``ERR`` or
+  ``OFF`` for the ``poptorch_lite`` logger (see ``setLogLevel``).
+"""
+import ast
+import copy
+import enum
+import json
+import logging
+import numbers
+import os
+import sys
+from types import MappingProxyType
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import enums
+from .enums import (ConnectionType, HalfFloatCastingBehavior,
+                    MeanReductionStrategy, OutputMode, ReductionType,
+                    SyncPattern)
+
+logger = logging.getLogger("poptorch_lite")
+
+TRACE = 5
+_LOG_LEVELS = {
+    "TRACE": TRACE,
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARN": logging.WARNING,
+    "ERR": logging.ERROR,
+    "OFF": logging.CRITICAL + 10,
+}
+
+
+def setLogLevel(level) -> None:
+    """Set how much ``poptorch_lite`` logs: ``TRACE``, ``DEBUG``, ``INFO``,
+    ``WARN``, ``ERR``, ``OFF`` (or a ``logging`` level number)."""
+    if isinstance(level, str):
+        key = level.strip().upper()
+        if key not in _LOG_LEVELS:
+            raise ValueError(f"Unknown log level {level!r}: use one of "
+                             f"{', '.join(_LOG_LEVELS)}.")
+        number = _LOG_LEVELS[key]
+    elif isinstance(level, numbers.Integral) and not isinstance(level, bool):
+        number = int(level)
+    else:
+        raise TypeError(f"setLogLevel expects a level name or number, got "
+                        f"{level!r}.")
+    logging.addLevelName(TRACE, "TRACE")
+    logger.setLevel(number)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(
+            logging.Formatter("[%(asctime)s] [poptorch_lite] [%(levelname)s] "
+                              "%(message)s"))
+        logger.addHandler(handler)
+
+
+if os.environ.get("POPTORCH_LOG_LEVEL"):
+    try:
+        setLogLevel(os.environ["POPTORCH_LOG_LEVEL"])
+    except ValueError as error:
+        raise ValueError(f"POPTORCH_LOG_LEVEL: {error}") from None
+
+
+class FrozenOptionsError(AttributeError):
+    """Raised by a setter of options that a model or DataLoader already uses."""
+
+
+class ConfigFileError(ValueError):
+    """Raised by ``Options.loadFromFile`` for a line it cannot apply."""
+
+
+_FROZEN_MESSAGE = (
+    "These options are frozen: they were given to a model or a DataLoader, "
+    "which keeps using them, so they can no longer change. Call "
+    "options.clone() to get an unfrozen copy and change that instead.")
+
+
+# --- argument checks: every message names the option and the fix ----------
+
+
+def _int_arg(option: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{option} expects an int >= {minimum}, got "
+                        f"{value!r} of type {type(value).__name__}.")
+    if value < minimum:
+        raise ValueError(f"{option} must be >= {minimum}, got {value}.")
+    return int(value)
+
+
+def _bool_arg(option: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{option} expects True or False, got {value!r}.")
+    return value
+
+
+def _enum_arg(option: str, value, enum_class, excluded=()):
+    allowed = [m for m in enum_class if m not in excluded]
+    if not isinstance(value, enum_class) or value in excluded:
+        names = ", ".join(f"{enum_class.__name__}.{m.name}" for m in allowed)
+        raise TypeError(f"{option} expects one of {names}; got {value!r}.")
+    return value
+
+
+def _path_arg(option: str, value) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{option} expects a non-empty path (str or "
+                        f"os.PathLike), got {value!r}.")
+    return os.fspath(value)
+
+
+def _plain(value):
+    """Options value -> plain data for ``toDict``."""
+    if isinstance(value, _OptionGroup):
+        return value.toDict()
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return value
+
+
+class _OptionGroup:
+    """A set of option values changed only through setter methods.
+
+    Values live in ``_values``; ``_set`` refuses changes once frozen. Public
+    attributes cannot be assigned (use the setters, which validate).
+    """
+
+    def __init__(self, **defaults):
+        object.__setattr__(self, "_frozen", False)
+        object.__setattr__(self, "_values", dict(defaults))
+
+    def __setattr__(self, name, value):
+        if not name.startswith("_"):
+            raise AttributeError(
+                f"{type(self).__name__}.{name} cannot be assigned: change "
+                f"options through their setter methods, for example "
+                f"options.deviceIterations(4).")
+        object.__setattr__(self, name, value)
+
+    def _check_mutable(self) -> None:
+        if self._frozen:
+            raise FrozenOptionsError(_FROZEN_MESSAGE)
+
+    def _set(self, **values) -> None:
+        self._check_mutable()
+        self._values.update(values)
+
+    def _set_frozen(self, frozen: bool) -> None:
+        object.__setattr__(self, "_frozen", frozen)
+        for value in [*vars(self).values(), *self._values.values()]:
+            if isinstance(value, _OptionGroup) and value._frozen != frozen:
+                value._set_frozen(frozen)
+
+    def toDict(self) -> Dict[str, Any]:
+        """The option values as plain data (enums as ``"Enum.Member"``)."""
+        return {key: _plain(value) for key, value in self._values.items()}
+
+    def __repr__(self):
+        body = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"{type(self).__name__}({body})"
+
+
+def _value(key: str, doc: str) -> property:
+    return property(lambda self: self._values[key], doc=doc)
+
+
+class _PopartOptions(_OptionGroup):
+    """PopART session options (``options._Popart``): recorded as given.
+
+    Keys this emulator understands drive its behaviour (``cachePath``,
+    ``engineOptions``, ``syntheticDataMode``, ...); the others are kept so that
+    scripts written for PopTorch run unchanged.
+    """
+
+    def __init__(self):
+        super().__init__(instrumentWithHardwareCycleCounter=False,
+                         rearrangeAnchorsOnHost=False)
+
+    @property
+    def options(self):
+        """Read-only view of every recorded PopART option."""
+        return MappingProxyType(self._values)
+
+    def set(self, key: str, value) -> "_PopartOptions":
+        """Record the PopART option ``key``."""
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"_Popart.set expects an option name (a non-empty "
+                            f"str) as key, got {key!r}.")
+        self._set(**{key: copy.deepcopy(value)})
+        return self
+
+    def setEngineOptions(self, engine_options: Dict[str, str]
+                         ) -> "_PopartOptions":
+        """Set Poplar engine options (merged into the ones already set)."""
+        if not isinstance(engine_options, dict):
+            raise TypeError(f"_Popart.setEngineOptions expects a dict of "
+                            f"str to str, got {engine_options!r}.")
+        merged = dict(self._values.get("engineOptions", {}))
+        merged.update({str(k): str(v) for k, v in engine_options.items()})
+        return self.set("engineOptions", merged)
+
+    def setPatterns(self, patterns: Dict[str, bool],
+                    level: int = 2) -> "_PopartOptions":
+        """Enable or disable PopART graph patterns, starting from ``level``."""
+        if not isinstance(patterns, dict) or not all(
+                isinstance(k, str) and isinstance(v, bool)
+                for k, v in patterns.items()):
+            raise TypeError("_Popart.setPatterns expects a dict of pattern "
+                            f"name to True/False, got {patterns!r}.")
+        level = _int_arg("_Popart.setPatterns: level", level, minimum=0)
+        self.set("patterns_level", level)
+        return self.set("patterns", patterns)
+
+    def _merge(self, key: str, entries: Dict[str, Any]) -> None:
+        merged = dict(self._values.get(key, {}))
+        merged.update(entries)
+        self.set(key, merged)
+
+
+class _JitOptions(_OptionGroup):
+    """Options of the model capture (``options.Jit``)."""
+
+    def __init__(self):
+        super().__init__(trace_model=True)
+
+    trace_model = _value("trace_model", "Whether the model is traced.")
+
+    def traceModel(self, trace_model: bool) -> "_JitOptions":
+        """PopTorch chooses between ``torch.jit.trace`` and its dispatcher;
+        this emulator always captures with ``torch.fx`` and records the flag."""
+        self._set(trace_model=_bool_arg("Jit.traceModel", trace_model))
+        return self
+
+
+class _PrecisionOptions(_OptionGroup):
+    """Numerical precision options (``options.Precision``)."""
+
+    def __init__(self, popart: _PopartOptions):
+        super().__init__(
+            half_float_casting=HalfFloatCastingBehavior.Default,
+            running_statistics_always_float=True)
+        self._popart = popart
+
+    half_float_casting = _value("half_float_casting",
+                                "How mixed float16/float32 ops are cast.")
+    running_statistics_always_float = _value(
+        "running_statistics_always_float",
+        "Whether batch-norm running statistics stay in float32.")
+
+    @property
+    def partials_type(self) -> Optional[torch.dtype]:
+        """The dtype of matmul/convolution partials, or None if unset."""
+        name = self._popart.options.get("partialsTypeMatMuls")
+        return {"float": torch.float32, "half": torch.float16}.get(name)
+
+    def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
+                         ) -> "_PrecisionOptions":
+        """How ops mixing float16 and float32 operands are cast."""
+        self._set(half_float_casting=_enum_arg(
+            "Precision.halfFloatCasting", half_float_casting,
+            HalfFloatCastingBehavior))
+        return self
+
+    def runningStatisticsAlwaysFloat(self,
+                                     value: bool) -> "_PrecisionOptions":
+        """Keep batch-norm running mean and variance in float32."""
+        self._set(running_statistics_always_float=_bool_arg(
+            "Precision.runningStatisticsAlwaysFloat", value))
+        return self
+
+    def enableFloatingPointExceptions(self,
+                                      enabled: bool) -> "_PrecisionOptions":
+        """Raise on floating point exceptions (inf - inf, x / 0, ...)."""
+        self._popart.set(
+            "enableFloatingPointChecks",
+            _bool_arg("Precision.enableFloatingPointExceptions", enabled))
+        return self
+
+    def enableStochasticRounding(self, enabled: bool) -> "_PrecisionOptions":
+        """Round float16 results stochastically."""
+        self._popart.set(
+            "enableStochasticRounding",
+            _bool_arg("Precision.enableStochasticRounding", enabled))
+        return self
+
+    def setPartialsType(self, dtype: torch.dtype) -> "_PrecisionOptions":
+        """Dtype of matmul and convolution partials: ``torch.float`` or
+        ``torch.half``."""
+        names = {torch.float32: "float", torch.float16: "half"}
+        if dtype not in names:
+            raise TypeError("Precision.setPartialsType expects torch.float or "
+                            f"torch.half, got {dtype!r}.")
+        self._popart.set("partialsTypeMatMuls", names[dtype])
+        self._popart._merge("convolutionOptions",
+                            {"partialsType": names[dtype]})
+        return self
+
+
+class _TrainingOptions(_OptionGroup):
+    """Options of training models (``options.Training``)."""
+
+    def __init__(self, popart: _PopartOptions):
+        super().__init__(
+            gradient_accumulation=1,
+            accumulation_and_replication_reduction_type=ReductionType.Mean,
+            mean_accumulation_and_replication_reduction_strategy=(
+                MeanReductionStrategy.Post))
+        self._popart = popart
+
+    gradient_accumulation = _value(
+        "gradient_accumulation",
+        "Micro-batches whose gradients are accumulated per weight update.")
+    accumulation_and_replication_reduction_type = _value(
+        "accumulation_and_replication_reduction_type",
+        "ReductionType (Mean or Sum) over accumulated micro-batches and "
+        "replicas.")
+    mean_accumulation_and_replication_reduction_strategy = _value(
+        "mean_accumulation_and_replication_reduction_strategy",
+        "MeanReductionStrategy used when the reduction type is Mean.")
+
+    def gradientAccumulation(self, gradient_accumulation: int
+                             ) -> "_TrainingOptions":
+        """Accumulate the gradients of this many micro-batches before each
+        weight update (a pipeline needs at least as many as it has stages)."""
+        self._set(gradient_accumulation=_int_arg(
+            "Training.gradientAccumulation", gradient_accumulation))
+        return self
+
+    def accumulationAndReplicationReductionType(
+            self, reduction_type: ReductionType) -> "_TrainingOptions":
+        """Reduce gradients over accumulation and replicas by ``Mean``
+        (default) or ``Sum``."""
+        self._set(accumulation_and_replication_reduction_type=_enum_arg(
+            "Training.accumulationAndReplicationReductionType",
+            reduction_type, ReductionType,
+            excluded=(ReductionType.NoReduction, )))
+        return self
+
+    def setMeanAccumulationAndReplicationReductionStrategy(
+            self, strategy: MeanReductionStrategy) -> "_TrainingOptions":
+        """When a ``Mean`` reduction divides (see ``MeanReductionStrategy``)."""
+        self._set(mean_accumulation_and_replication_reduction_strategy=(
+            _enum_arg(
+                "Training.setMeanAccumulationAndReplicationReductionStrategy",
+                strategy, MeanReductionStrategy)))
+        return self
+
+    def setAutomaticLossScaling(self, enabled: bool) -> "_TrainingOptions":
+        """Let the device pick the loss scaling factor."""
+        self._popart.set(
+            "automaticLossScalingSettings.enabled",
+            _bool_arg("Training.setAutomaticLossScaling", enabled))
+        return self
+
+    def setConvolutionDithering(self, enabled: bool) -> "_TrainingOptions":
+        """Start convolutions on different tiles to balance tile use."""
+        self._popart._merge("convolutionOptions", {
+            "enableConvDithering":
+            _bool_arg("Training.setConvolutionDithering", enabled)
+        })
+        return self
+
+
+class _DistributedOptions(_OptionGroup):
+    """Multi-process options (``options.Distributed``).
+
+    Defaults come from ``OMPI_COMM_WORLD_RANK`` / ``OMPI_COMM_WORLD_SIZE``.
+    Under ``poprun`` use ``popdist.poptorch.Options``, which sets them for you.
+    """
+
+    def __init__(self):
+        super().__init__(distributed_process_id=0, num_distributed_processes=1)
+        self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+
+    @property
+    def processId(self) -> int:
+        """Id of this process, in ``[0, numProcesses)``."""
+        return self._values["distributed_process_id"]
+
+    @property
+    def numProcesses(self) -> int:
+        """Number of processes the run is distributed over."""
+        return self._values["num_distributed_processes"]
+
+    def disable(self) -> "_DistributedOptions":
+        """Ignore the environment: run as process 0 of 1."""
+        return self.configureProcessId(0, 1)
+
+    def setEnvVarNames(self, var_num_processes: str,
+                       var_process_id: str) -> "_DistributedOptions":
+        """Read the process count and id from these environment variables
+        (unset variables mean 1 process, id 0)."""
+
+        def read(name: str, default: int) -> int:
+            text = os.environ.get(name, "").strip()
+            if not text:
+                return default
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"Environment variable {name}={text!r} is "
+                                 f"not an integer.") from None
+
+        return self.configureProcessId(read(var_process_id, 0),
+                                       read(var_num_processes, 1))
+
+    def configureProcessId(self, process_id: int,
+                           num_processes: int) -> "_DistributedOptions":
+        """Make this process number ``process_id`` of ``num_processes``."""
+        num_processes = _int_arg("Distributed.configureProcessId: "
+                                 "num_processes", num_processes)
+        process_id = _int_arg("Distributed.configureProcessId: process_id",
+                              process_id,
+                              minimum=0)
+        if process_id >= num_processes:
+            raise ValueError(
+                f"Distributed.configureProcessId: process_id ({process_id}) "
+                f"must be smaller than num_processes ({num_processes}).")
+        self._set(distributed_process_id=process_id,
+                  num_distributed_processes=num_processes)
+        return self
+
+
+class TensorLocationSettings(_OptionGroup):
+    """Where a class of tensors is stored; pass it to a ``TensorLocations``
+    setter.
+
+    >>> TensorLocationSettings().useOnChipStorage(False)
+    """
+
+    def __init__(self):
+        super().__init__(on_chip=None,
+                         use_replicated_tensor_sharding=None,
+                         min_elements_for_off_chip=None,
+                         min_elements_for_replicated_tensor_sharding=None,
+                         use_io_tiles_to_load=None,
+                         use_io_tiles_to_store=None)
+
+    on_chip = _value("on_chip", "True: on chip, False: Streaming Memory, "
+                     "None: let the compiler choose.")
+    use_replicated_tensor_sharding = _value(
+        "use_replicated_tensor_sharding",
+        "Whether the tensors are sharded across replicas.")
+    min_elements_for_off_chip = _value(
+        "min_elements_for_off_chip",
+        "Tensors smaller than this stay on chip.")
+    min_elements_for_replicated_tensor_sharding = _value(
+        "min_elements_for_replicated_tensor_sharding",
+        "Tensors smaller than this are not sharded.")
+    use_io_tiles_to_load = _value("use_io_tiles_to_load",
+                                  "Whether loads go through I/O tiles.")
+    use_io_tiles_to_store = _value("use_io_tiles_to_store",
+                                   "Whether stores go through I/O tiles.")
+
+    def useOnChipStorage(self,
+                         use: Optional[bool] = True
+                         ) -> "TensorLocationSettings":
+        """True: keep on chip; False: Streaming Memory; None: undecided."""
+        if use is not None:
+            _bool_arg("TensorLocationSettings.useOnChipStorage", use)
+        self._set(on_chip=use)
+        return self
+
+    def useReplicatedTensorSharding(self, use: bool = True
+                                    ) -> "TensorLocationSettings":
+        """Shard the tensors across replicas (weights, optimiser state)."""
+        self._set(use_replicated_tensor_sharding=_bool_arg(
+            "TensorLocationSettings.useReplicatedTensorSharding", use))
+        return self
+
+    def minElementsForOffChip(self, min_elements: int
+                              ) -> "TensorLocationSettings":
+        """Keep tensors with fewer elements than this on chip."""
+        self._set(min_elements_for_off_chip=_int_arg(
+            "TensorLocationSettings.minElementsForOffChip", min_elements, 0))
+        return self
+
+    def minElementsForReplicatedTensorSharding(
+            self, min_elements: int) -> "TensorLocationSettings":
+        """Shard only tensors with at least this many elements."""
+        self._set(min_elements_for_replicated_tensor_sharding=_int_arg(
+            "TensorLocationSettings.minElementsForReplicatedTensorSharding",
+            min_elements, 0))
+        return self
+
+    def useIOTilesToLoad(self, use: bool = True) -> "TensorLocationSettings":
+        """Load the tensors through I/O tiles."""
+        self._set(use_io_tiles_to_load=_bool_arg(
+            "TensorLocationSettings.useIOTilesToLoad", use))
+        return self
+
+    def useIOTilesToStore(self, use: bool = True) -> "TensorLocationSettings":
+        """Store the tensors through I/O tiles."""
+        self._set(use_io_tiles_to_store=_bool_arg(
+            "TensorLocationSettings.useIOTilesToStore", use))
+        return self
+
+
+_TENSOR_CLASSES = ("activation", "weight", "optimizer", "accumulator")
+
+
+class _TensorLocationOptions(_OptionGroup):
+    """Where tensors live (``options.TensorLocations``)."""
+
+    def __init__(self):
+        super().__init__(num_io_tiles=0,
+                         **{f"location_{c}": None
+                            for c in _TENSOR_CLASSES})
+
+    num_io_tiles = _value("num_io_tiles", "Tiles reserved for I/O per IPU.")
+
+    def _location(self, tensor_class: str, location) -> None:
+        if not isinstance(location, TensorLocationSettings):
+            raise TypeError(
+                f"TensorLocations.set{tensor_class.title()}Location expects "
+                f"a TensorLocationSettings, for example "
+                f"TensorLocationSettings().useOnChipStorage(False); got "
+                f"{location!r}.")
+        settings = copy.deepcopy(location)
+        settings._set_frozen(False)
+        self._set(**{f"location_{tensor_class}": settings})
+
+    def numIOTiles(self, num_tiles: int) -> "_TensorLocationOptions":
+        """Reserve ``num_tiles`` tiles per IPU for I/O (even, 32 to 192)."""
+        num_tiles = _int_arg("TensorLocations.numIOTiles", num_tiles, 32)
+        if num_tiles > 192 or num_tiles % 2:
+            raise ValueError("TensorLocations.numIOTiles must be an even "
+                             f"number from 32 to 192, got {num_tiles}.")
+        self._set(num_io_tiles=num_tiles)
+        return self
+
+    def setActivationLocation(self, location: TensorLocationSettings
+                              ) -> "_TensorLocationOptions":
+        """Where activations live."""
+        self._location("activation", location)
+        return self
+
+    def setWeightLocation(self, location: TensorLocationSettings
+                          ) -> "_TensorLocationOptions":
+        """Where weights live."""
+        self._location("weight", location)
+        return self
+
+    def setOptimizerLocation(self, location: TensorLocationSettings
+                             ) -> "_TensorLocationOptions":
+        """Where optimiser state lives."""
+        self._location("optimizer", location)
+        return self
+
+    def setAccumulatorLocation(self, location: TensorLocationSettings
+                               ) -> "_TensorLocationOptions":
+        """Where gradient accumulators live."""
+        self._location("accumulator", location)
+        return self
+
+
+def _engine_options_from_env() -> Dict[str, Any]:
+    text = os.environ.get("POPLAR_ENGINE_OPTIONS", "").strip()
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"POPLAR_ENGINE_OPTIONS is not valid JSON ({error}): "
+                         f"{text!r}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("POPLAR_ENGINE_OPTIONS must be a JSON object, for "
+                         'example {"autoReport.all":"true"}; got '
+                         f"{text!r}.")
+    return parsed
+
+
+class Options(_OptionGroup):
+    """Everything that controls how a model is compiled and run.
+
+    >>> opts = Options().deviceIterations(4).replicationFactor(2)
+    >>> opts.Training.gradientAccumulation(8)
+    """
+
+    def __init__(self):
+        super().__init__(device_iterations=1,
+                         replication_factor=1,
+                         log_dir=".",
+                         auto_round_num_ipus=False,
+                         output_mode=OutputMode.Default,
+                         output_return_period=1,
+                         random_seed=None,
+                         use_model=None,
+                         connection_type=ConnectionType.Always,
+                         ipu_version=None,
+                         ipu_id=None,
+                         sync_pattern=SyncPattern.Full,
+                         available_memory_proportion={},
+                         model_name=None,
+                         broadcast_buffers=True,
+                         show_compilation_progress_bar=True,
+                         relax_optimizer_attributes_checks=False,
+                         module_namescope=True)
+        self._popart = _PopartOptions()
+        self._jit = _JitOptions()
+        self._precision = _PrecisionOptions(self._popart)
+        self._training = _TrainingOptions(self._popart)
+        self._distributed = _DistributedOptions()
+        self._tensor_locations = _TensorLocationOptions()
+        self._execution_strategy = None
+        cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
+        if cache_dir:
+            self.enableExecutableCaching(cache_dir)
+        defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS", "").strip()
+        if defaults:
+            _apply_default_options(self, defaults)
+
+    # --- option groups -------------------------------------------------
+
+    @property
+    def Training(self) -> _TrainingOptions:
+        """Options of training models."""
+        return self._training
+
+    @property
+    def Distributed(self) -> _DistributedOptions:
+        """Multi-process options."""
+        return self._distributed
+
+    @property
+    def TensorLocations(self) -> _TensorLocationOptions:
+        """Where tensors live."""
+        return self._tensor_locations
+
+    @property
+    def Precision(self) -> _PrecisionOptions:
+        """Numerical precision options."""
+        return self._precision
+
+    @property
+    def Jit(self) -> _JitOptions:
+        """Model capture options."""
+        return self._jit
+
+    @property
+    def _Popart(self) -> _PopartOptions:
+        """PopART options, recorded as given (advanced users)."""
+        return self._popart
+
+    # --- values read by the runtime --------------------------------------
+
+    device_iterations = _value(
+        "device_iterations", "Iterations the device runs per model call.")
+    replication_factor = _value("replication_factor",
+                                "Number of data-parallel replicas.")
+    output_mode = _value("output_mode",
+                         "OutputMode (Default until a model resolves it).")
+    output_return_period = _value(
+        "output_return_period", "N of OutputMode.EveryN (1 otherwise).")
+    random_seed = _value("random_seed",
+                         "Seed given to randomSeed(), or None if unset.")
+    log_dir = _value("log_dir", "Directory for log files.")
+    auto_round_num_ipus = _value(
+        "auto_round_num_ipus", "Round the IPU count up to a power of two.")
+    use_model = _value("use_model",
+                       "useIpuModel() setting, or None if never set.")
+    connection_type = _value("connection_type",
+                             "When to attach to the device.")
+    ipu_version = _value("ipu_version",
+                         "Offline target version (1: Mk1, 2: Mk2) or None.")
+    ipu_id = _value("ipu_id", "Device id given to useIpuId(), or None.")
+    sync_pattern = _value("sync_pattern", "IPU synchronisation pattern.")
+    model_name = _value("model_name", "Name used for profile directories.")
+    broadcast_buffers = _value("broadcast_buffers",
+                               "Broadcast buffers to all replicas.")
+    show_compilation_progress_bar = _value(
+        "show_compilation_progress_bar", "Show a compilation progress bar.")
+    relax_optimizer_attributes_checks = _value(
+        "relax_optimizer_attributes_checks",
+        "Log unexpected optimiser attributes at debug level only.")
+    module_namescope = _value("module_namescope",
+                              "Name ops after the modules they come from.")
+
+    @property
+    def available_memory_proportion(self) -> Dict[int, float]:
+        """Temporary-memory proportion per IPU id."""
+        return dict(self._values["available_memory_proportion"])
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """Same as ``Training.gradient_accumulation``."""
+        return self._training.gradient_accumulation
+
+    @property
+    def process_id(self) -> int:
+        """Same as ``Distributed.processId``."""
+        return self._distributed.processId
+
+    @property
+    def num_processes(self) -> int:
+        """Same as ``Distributed.numProcesses``."""
+        return self._distributed.numProcesses
+
+    @property
+    def execution_strategy(self):
+        """The execution strategy; ``PipelinedExecution(AutoStage.SameAsIpu)``
+        unless ``setExecutionStrategy`` chose another."""
+        if self._execution_strategy is None:
+            from . import strategies  # pylint: disable=import-outside-toplevel
+            object.__setattr__(
+                self, "_execution_strategy",
+                strategies.PipelinedExecution(enums.AutoStage.SameAsIpu))
+        return self._execution_strategy
+
+    @property
+    def cache_path(self) -> Optional[str]:
+        """Executable cache directory, or None when caching is off."""
+        if not self._popart.options.get("enableEngineCaching", False):
+            return None
+        return self._popart.options.get("cachePath")
+
+    @property
+    def profile_dir(self) -> Optional[str]:
+        """Directory profiling reports go to, or None when profiling is off.
+
+        ``POPLAR_ENGINE_OPTIONS`` (``autoReport.all``, ``autoReport.output*``,
+        ``autoReport.directory``) takes precedence over ``enableProfiling``.
+        """
+        engine = dict(self._popart.options.get("engineOptions", {}))
+        engine.update(_engine_options_from_env())
+        enabled = any(
+            str(value).strip().lower() == "true"
+            for key, value in engine.items()
+            if key == "autoReport.all" or key.startswith("autoReport.output"))
+        if not enabled:
+            return None
+        return str(engine.get("autoReport.directory", "."))
+
+    @property
+    def synthetic_data(self) -> bool:
+        """Whether host I/O is replaced by data generated on the device."""
+        return self._popart.options.get("syntheticDataMode", 0) != 0
+
+    @property
+    def tensor_locations(self) -> Dict[str, Optional[TensorLocationSettings]]:
+        """Settings per tensor class (``activation``, ``weight``,
+        ``optimizer``, ``accumulator``); None where unset."""
+        return {
+            c: self._tensor_locations._values[f"location_{c}"]
+            for c in _TENSOR_CLASSES
+        }
+
+    def defaultOutputMode(self) -> bool:
+        """True while the output mode is ``OutputMode.Default``."""
+        return self.output_mode == OutputMode.Default
+
+    # --- setters -------------------------------------------------------
+
+    def deviceIterations(self, device_iterations: int) -> "Options":
+        """Run the device this many times per model call, each time on a new
+        micro-batch (multiplies the batch a call consumes)."""
+        self._set(device_iterations=_int_arg("Options.deviceIterations",
+                                             device_iterations))
+        return self
+
+    def replicationFactor(self, replication_factor: int) -> "Options":
+        """Replicate the model this many times for data parallelism
+        (multiplies the batch a call consumes and the IPUs used)."""
+        self._set(replication_factor=_int_arg("Options.replicationFactor",
+                                              replication_factor))
+        return self
+
+    def outputMode(self,
+                   output_mode: OutputMode,
+                   output_return_period: Optional[int] = None) -> "Options":
+        """Which results a call returns; ``EveryN`` needs
+        ``output_return_period`` (N), the other modes take none."""
+        mode = _enum_arg("Options.outputMode", output_mode, OutputMode)
+        if mode == OutputMode.EveryN:
+            if output_return_period is None:
+                raise ValueError(
+                    "Options.outputMode(OutputMode.EveryN, N) needs the "
+                    "return period N: results are returned every N device "
+                    "iterations.")
+            period = _int_arg("Options.outputMode: output_return_period",
+                              output_return_period)
+        elif output_return_period is not None:
+            raise ValueError(
+                f"Options.outputMode: output_return_period is only used by "
+                f"OutputMode.EveryN, not by OutputMode.{mode.name}; remove "
+                f"it or use OutputMode.EveryN.")
+        else:
+            period = 1
+        self._set(output_mode=mode, output_return_period=period)
+        return self
+
+    def randomSeed(self, random_seed: int) -> "Options":
+        """Seed the device's random generator; also seeds torch, and fixes
+        the DataLoader's distributed shuffling."""
+        if isinstance(random_seed, bool) or not isinstance(
+                random_seed, numbers.Integral):
+            raise TypeError(f"Options.randomSeed expects an int, got "
+                            f"{random_seed!r}.")
+        if not -2**63 <= random_seed < 2**64:
+            raise ValueError("Options.randomSeed expects a seed in "
+                             f"[-2**63, 2**64), got {random_seed}.")
+        self._check_mutable()
+        torch.manual_seed(int(random_seed))
+        self._set(random_seed=int(random_seed))
+        return self
+
+    def setExecutionStrategy(self, strategy) -> "Options":
+        """How the model's blocks are spread over IPUs: a
+        ``PipelinedExecution``, ``ShardedExecution``,
+        ``SerialPhasedExecution`` or ``ParallelPhasedExecution``."""
+        from . import strategies  # pylint: disable=import-outside-toplevel
+        if not isinstance(strategy, strategies.ExecutionStrategy):
+            raise TypeError(
+                "Options.setExecutionStrategy expects an execution strategy "
+                "(PipelinedExecution, ShardedExecution, SerialPhasedExecution "
+                f"or ParallelPhasedExecution), got {strategy!r}.")
+        self._check_mutable()
+        object.__setattr__(self, "_execution_strategy", strategy)
+        return self
+
+    def useIpuModel(self, use_model: bool) -> "Options":
+        """Recorded for PopTorch compatibility: every device here is emulated."""
+        self._set(use_model=_bool_arg("Options.useIpuModel", use_model))
+        return self
+
+    def useOfflineIpuTarget(self, ipu_version: int = 2) -> "Options":
+        """Compile for an IPU version without running (1: Mk1 GC2, 2: Mk2
+        GC200); sets ``connectionType(ConnectionType.Never)``."""
+        if ipu_version not in (1, 2) or isinstance(ipu_version, bool):
+            raise ValueError("Options.useOfflineIpuTarget expects ipu_version "
+                             f"1 (Mk1) or 2 (Mk2), got {ipu_version!r}.")
+        self._set(connection_type=ConnectionType.Never,
+                  ipu_version=int(ipu_version))
+        return self
+
+    def connectionType(self, connection_type: ConnectionType) -> "Options":
+        """When to attach to the device."""
+        self._set(connection_type=_enum_arg("Options.connectionType",
+                                            connection_type, ConnectionType))
+        return self
+
+    def syncPattern(self, sync_pattern: SyncPattern) -> "Options":
+        """How IPUs synchronise with each other and the host."""
+        self._set(sync_pattern=_enum_arg("Options.syncPattern", sync_pattern,
+                                         SyncPattern))
+        return self
+
+    def useIpuId(self, ipu_id: int) -> "Options":
+        """Use the device with this id."""
+        self._set(ipu_id=_int_arg("Options.useIpuId", ipu_id, 0))
+        return self
+
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> "Options":
+        """Round the number of IPUs up to a power of two instead of failing."""
+        self._set(auto_round_num_ipus=_bool_arg("Options.autoRoundNumIPUs",
+                                                auto_round_num_ipus))
+        return self
+
+    def logDir(self, log_dir: str) -> "Options":
+        """Directory for log files."""
+        self._set(log_dir=_path_arg("Options.logDir", log_dir))
+        return self
+
+    def modelName(self, name: str) -> "Options":
+        """Name of the model (the profile sub-directory)."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Options.modelName expects a non-empty str, got "
+                            f"{name!r}.")
+        self._set(model_name=name)
+        return self
+
+    def enableExecutableCaching(self, path: Optional[str]) -> "Options":
+        """Cache compiled executables in directory ``path``; None disables."""
+        if path is None:
+            self._popart.set("enableEngineCaching", False)
+        else:
+            self._popart.set("cachePath",
+                             _path_arg("Options.enableExecutableCaching",
+                                       path))
+            self._popart.set("enableEngineCaching", True)
+        return self
+
+    def enableProfiling(self, profile_dir: Optional[str] = None) -> "Options":
+        """Write profiling reports to ``profile_dir`` (default: current
+        directory). ``POPLAR_ENGINE_OPTIONS`` overrides it when it sets
+        ``autoReport.*``."""
+        directory = "." if profile_dir is None else _path_arg(
+            "Options.enableProfiling", profile_dir)
+        if any(key.startswith("autoReport.")
+               for key in _engine_options_from_env()):
+            logger.warning("Profiling settings in POPLAR_ENGINE_OPTIONS take "
+                           "precedence over Options.enableProfiling(%r).",
+                           directory)
+        self._popart.setEngineOptions({
+            "debug.allowOutOfMemory": "true",
+            "autoReport.directory": directory,
+            "autoReport.all": "true",
+        })
+        return self
+
+    def enableSyntheticData(self, enabled: bool) -> "Options":
+        """Replace host I/O by random data generated on the device."""
+        self._popart.set(
+            "syntheticDataMode",
+            2 if _bool_arg("Options.enableSyntheticData", enabled) else 0)
+        return self
+
+    def enableStableNorm(self, enabled: bool) -> "Options":
+        """Use the slower, more accurate norm implementations."""
+        self._popart.set("enableStableNorm",
+                         _bool_arg("Options.enableStableNorm", enabled))
+        return self
+
+    def logCycleCount(self, log_cycle_count: bool) -> "Options":
+        """Log the cycles the device spends per run."""
+        self._popart.set(
+            "instrumentWithHardwareCycleCounter",
+            _bool_arg("Options.logCycleCount", log_cycle_count))
+        return self
+
+    def setAvailableMemoryProportion(
+            self, available_memory_proportion: Dict[str, float]) -> "Options":
+        """Temporary memory for matmuls and convolutions per IPU, as a
+        proportion in (0, 1]: ``{"IPU0": 0.3, "IPU1": 0.6}``."""
+        if not isinstance(available_memory_proportion, dict):
+            raise TypeError("Options.setAvailableMemoryProportion expects a "
+                            'dict such as {"IPU0": 0.5}, got '
+                            f"{available_memory_proportion!r}.")
+        per_ipu = {}
+        for key, proportion in available_memory_proportion.items():
+            if not (isinstance(key, str) and key.startswith("IPU")
+                    and key[3:].isdigit()):
+                raise ValueError("Options.setAvailableMemoryProportion: keys "
+                                 f'are "IPU<n>" (for example "IPU0"), got '
+                                 f"{key!r}.")
+            if isinstance(proportion, bool) or not isinstance(
+                    proportion, numbers.Real) or not 0 < proportion <= 1:
+                raise ValueError("Options.setAvailableMemoryProportion: "
+                                 f"{key} must be a number in (0, 1], got "
+                                 f"{proportion!r}.")
+            per_ipu[int(key[3:])] = float(proportion)
+        self._set(available_memory_proportion=per_ipu)
+        return self
+
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> "Options":
+        """Broadcast buffers (for example batch-norm statistics) to replicas."""
+        self._set(broadcast_buffers=_bool_arg("Options.broadcastBuffers",
+                                              broadcast_buffers))
+        return self
+
+    def showCompilationProgressBar(self, show: bool = True) -> "Options":
+        """Show or hide the compilation progress bar."""
+        self._set(show_compilation_progress_bar=_bool_arg(
+            "Options.showCompilationProgressBar", show))
+        return self
+
+    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> "Options":
+        """Log unexpected optimiser attributes at debug level only."""
+        self._set(relax_optimizer_attributes_checks=_bool_arg(
+            "Options.relaxOptimizerAttributesChecks", relax))
+        return self
+
+    def disableModuleNamescope(self) -> "Options":
+        """Do not prefix op names with the names of their modules."""
+        self._set(module_namescope=False)
+        return self
+
+    def loadFromFile(self, filepath: str) -> "Options":
+        """Apply a file of setter calls, one per line without the
+        ``options.`` prefix, for example ``deviceIterations(4)`` or
+        ``outputMode(poptorch.OutputMode.All)``; ``#`` starts a comment."""
+        path = _path_arg("Options.loadFromFile", filepath)
+        with open(path, encoding="utf-8") as config:
+            lines = config.read().splitlines()
+        name = os.path.basename(path)
+        for number, line in enumerate(lines, start=1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            where = f"line {number} of {name}"
+            try:
+                tree = ast.parse("options." + text, mode="eval")
+            except SyntaxError as error:
+                raise ConfigFileError(f"SyntaxError at {where}: {error.msg}\n"
+                                      f"> options.{text}") from None
+            try:
+                _ConfigEvaluator(self).apply(tree.body)
+            except (ValueError, TypeError, AttributeError) as error:
+                raise ConfigFileError(f"{type(error).__name__} at {where}: "
+                                      f"{error}\n> options.{text}") from error
+        return self
+
+    # --- lifecycle -----------------------------------------------------
+
+    def _freeze(self) -> None:
+        """Refuse further changes (called by models and DataLoaders)."""
+        self._set_frozen(True)
+
+    def clone(self) -> "Options":
+        """An unfrozen deep copy."""
+        copied = copy.deepcopy(self)
+        copied._set_frozen(False)
+        return copied
+
+    def toDict(self) -> Dict[str, Any]:
+        """Every option as plain data."""
+        out = super().toDict()
+        out["execution_strategy"] = repr(self.execution_strategy)
+        out["Training"] = self._training.toDict()
+        out["Distributed"] = self._distributed.toDict()
+        out["TensorLocations"] = self._tensor_locations.toDict()
+        out["Precision"] = self._precision.toDict()
+        out["Jit"] = self._jit.toDict()
+        out["_Popart"] = self._popart.toDict()
+        return out
+
+    def __repr__(self):
+        groups = {
+            "Training": self._training,
+            "Distributed": self._distributed,
+            "TensorLocations": self._tensor_locations,
+            "Precision": self._precision,
+            "Jit": self._jit,
+            "_Popart": self._popart,
+        }
+        body = [f"{k}={v!r}" for k, v in self._values.items()]
+        if self._execution_strategy is not None:
+            body.append(f"execution_strategy={self._execution_strategy!r}")
+        body += [f"{k}={v!r}" for k, v in groups.items()]
+        return "Options(" + ", ".join(body) + ")"
+
+
+# --- POPTORCH_DEFAULT_OPTIONS and loadFromFile --------------------------
+
+
+def _enum_member(text: str):
+    """``"OutputMode.All"`` (optionally prefixed by ``poptorch.``) -> member,
+    or None if ``text`` does not name a poptorch_lite enum."""
+    parts = text.split(".")
+    if parts[0] in ("poptorch", "poptorch_lite"):
+        parts = parts[1:]
+    if len(parts) != 2:
+        return None
+    enum_class = getattr(enums, parts[0], None)
+    if not (isinstance(enum_class, type) and issubclass(enum_class, enum.Enum)):
+        return None
+    if parts[1] not in enum_class.__members__:
+        raise ValueError(f"{parts[0]} has no member {parts[1]!r}; members: "
+                         f"{', '.join(enum_class.__members__)}.")
+    return enum_class[parts[1]]
+
+
+def _setter(options: Options, path: str):
+    """Resolve ``"Training.gradientAccumulation"`` to a bound setter."""
+    target = options
+    for name in path.split("."):
+        if name.startswith("_") and name != "_Popart":
+            raise AttributeError(f"{path!r} is not an option setter.")
+        if not hasattr(target, name):
+            raise AttributeError(f"unknown option {path!r}.")
+        target = getattr(target, name)
+    if not callable(target) or isinstance(target, _OptionGroup):
+        raise AttributeError(f"{path!r} is not an option setter.")
+    return target
+
+
+def _apply_default_options(options: Options, text: str) -> None:
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"POPTORCH_DEFAULT_OPTIONS is not valid JSON "
+                         f"({error}): {text!r}") from None
+    if not isinstance(calls, dict):
+        raise ValueError("POPTORCH_DEFAULT_OPTIONS must be a JSON object of "
+                         'setter name to arguments, such as '
+                         '{"deviceIterations": 4}; got ' + repr(text))
+
+    def convert(value):
+        if isinstance(value, str):
+            member = _enum_member(value)
+            return value if member is None else member
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        return value
+
+    for path, arguments in calls.items():
+        try:
+            setter = _setter(options, path)
+            arguments = convert(arguments)
+            if isinstance(arguments, list):
+                setter(*arguments)
+            else:
+                setter(arguments)
+        except (ValueError, TypeError, AttributeError) as error:
+            raise type(error)(f"POPTORCH_DEFAULT_OPTIONS, {path!r}: {error}"
+                              ) from None
+
+
+class _ConfigEvaluator:
+    """Evaluates one ``options.<setter>(<args>)`` line of a config file.
+
+    Arguments may be literals, enum members (``poptorch.OutputMode.All``),
+    torch dtypes (``torch.half``) and calls of poptorch_lite classes with such
+    arguments, including chained setters
+    (``poptorch.TensorLocationSettings().useOnChipStorage(False)``).
+    """
+
+    def __init__(self, options: Options):
+        self._options = options
+
+    def apply(self, node: ast.AST) -> None:
+        if not (isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)):
+            raise ValueError("expected a setter call such as "
+                             "deviceIterations(4).")
+        path = self._dotted(node.func)
+        if not path.startswith("options."):
+            raise ValueError("expected a setter call such as "
+                             "deviceIterations(4).")
+        setter = _setter(self._options, path[len("options."):])
+        setter(*[self._value(a) for a in node.args],
+               **{k.arg: self._value(k.value)
+                  for k in node.keywords})
+
+    @staticmethod
+    def _dotted(node: ast.AST) -> str:
+        names = []
+        while isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name):
+            raise ValueError("only dotted names can be called here.")
+        names.append(node.id)
+        return ".".join(reversed(names))
+
+    @staticmethod
+    def _named(path: str):
+        member = _enum_member(path)
+        if member is not None:
+            return member
+        parts = path.split(".")
+        if parts[0] == "torch" and len(parts) == 2 and isinstance(
+                getattr(torch, parts[1], None), torch.dtype):
+            return getattr(torch, parts[1])
+        if parts[0] in ("poptorch", "poptorch_lite"):
+            parts = parts[1:]
+        if len(parts) == 1 and not parts[0].startswith("_"):
+            from . import strategies  # pylint: disable=import-outside-toplevel
+            for module in (enums, sys.modules[__name__], strategies):
+                found = getattr(module, parts[0], None)
+                if isinstance(found, type):
+                    return found
+        raise ValueError(f"unknown name {path!r}.")
+
+    def _value(self, node: ast.AST):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            return self._named(self._dotted(node))
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and not isinstance(
+                    node.func.value, (ast.Name, ast.Attribute)):
+                target = self._value(node.func.value)
+                if node.func.attr.startswith("_"):
+                    raise ValueError(f"cannot call {node.func.attr!r}.")
+                function = getattr(target, node.func.attr)
+            else:
+                function = self._value(node.func)
+                if not isinstance(function, type):
+                    raise ValueError("only poptorch_lite classes can be "
+                                     "called here.")
+            return function(*[self._value(a) for a in node.args],
+                            **{k.arg: self._value(k.value)
+                               for k in node.keywords})
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            raise ValueError(f"unsupported argument "
+                             f"{ast.unparse(node)!r}: use literals, enum "
+                             f"members or poptorch_lite classes.") from None
