@@ -1,0 +1,651 @@
+"""Optimiser weight updates: SGD, Adam, AdamW, RMSprop and LAMB, in place, where the weight lives.
+
+Semantics follow torch.optim (SGD, Adam, AdamW, RMSprop) and PopTorch's LAMB, with PopTorch's
+`loss_scaling`: the incoming gradient is divided by it first. With d = grad / loss_scaling:
+- SGD: d += wd*w; with momentum, buf = d on the first step, else momentum*buf + (1-dampening)*d,
+  and d = d + momentum*buf (nesterov) or buf; w -= lr*d.
+- Adam: d += wd*w; AdamW instead w *= 1 - lr*wd (decoupled). m = b1*m + (1-b1)*d,
+  v = b2*v + (1-b2)*d^2, w -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+- RMSprop: d += wd*w; sq = alpha*sq + (1-alpha)*d^2; centered: ga = alpha*ga + (1-alpha)*d and
+  avg = sqrt(sq - ga^2) + eps, else avg = sqrt(sq) + eps; with momentum buf = momentum*buf + d/avg
+  and w -= lr*buf, else w -= lr*d/avg.
+- LAMB: m, v as Adam (bias-corrected when `bias_correction`), u = m^/(sqrt(v^) + eps) + wd*w,
+  r1 = min(||w||, max_weight_norm), r2 = ||u||, w -= lr * (r1/r2 if r1 > 0 and r2 > 0 else 1) * u.
+
+Device state. Every optimiser keeps, per IPU graph, one always-live float32 "hyper" tensor of shape
+(tiles, len(HYPER)) whose row t lives on tile t (category "optimiser_state"): every update vertex
+reads its hyperparameters from its own tile, and the host changes them with `Optimiser.set(engine,
+lr=...)` (an `engine.writeTensor`, no graph rebuild). Per weight, a `WeightState` holds the state
+tensors (torch's names: momentum_buffer, exp_avg, exp_avg_sq, square_avg, grad_avg), mapped
+exactly like the weight, in `state_dtype` (float32 by default, also for float16 weights), and a
+float32 step counter per update vertex that the vertex increments itself, so bias correction and
+SGD's first-step buffer work across any number of steps inside one engine run.
+
+Mapping: the weight is not moved. Its elements on each tile are split over the tile's workers (one
+vertex each); the gradient is brought to the weight's tiles by exchange when it lives elsewhere.
+LAMB runs four steps: a compute set writes u (a float32 temporary mapped like w) and the
+moments; `reduce.reduce(..., "sum_squares")` gives ||w||^2 and ||u||^2 (PopLibs-style two-stage
+reductions across tiles, float32); each squared norm is exchanged to the weight's tiles, where a
+second compute set applies the trust ratio.
+
+Numerics: one codelet serves every optimiser; it computes in float64 from the stored values and
+rounds each stored value once; state values are re-read after being stored, as in torch. The fast
+mode calls the same codelet on whole arrays with the same vertex partition (and the reductions'
+own fast forms), so both modes agree bit for bit. The step counter is float32: exact for 2^24 steps.
+
+Cycles (one vertex of n weight elements, thread instructions, `target.thread_cycles`):
+  ceil(n / width) * per_vector + n * per_element + per_vertex
+width = 2 when any of weight, gradient or state is float32 (64-bit loads), else 4. Table (UPDATE_COSTS):
+  SGD            per_vector 3 (+3 momentum, +1 nesterov)        per_element 0   per_vertex 8
+  Adam / AdamW   per_vector 10 (+1 decoupled decay)             per_element 20  per_vertex 40
+  RMSprop        per_vector 6 (+3 centered, +3 momentum)        per_element 20  per_vertex 8
+  LAMB direction per_vector 11                                  per_element 20  per_vertex 40
+  LAMB apply     per_vector 3                                   per_element 0   per_vertex 40
+per_element is the square root and the division, which do not vectorise (as sqrt and div in
+elementwise.py, 10 each); per_vertex covers loading hyperparameters and the step counter and
+the powers for bias correction (LAMB apply: two square roots, a division and a minimum). The
+norms cost what reduce.py's estimators say.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
+
+import numpy as np
+from numba import njit, prange
+
+from ..graph import Graph
+from ..kernels import JIT, kernel_view, ld, st
+from ..program import Execute, OpProgram, Sequence
+from ..tensor import Tensor
+from ..vertex import VertexType
+from .common import flat, placed, split_work, tile_regions
+from .reduce import reduce
+
+KERNEL = dict(JIT, error_model="numpy")  # IEEE results (inf, nan) instead of Python exceptions
+
+# Codelet kinds and flags.
+SGD_KIND, ADAM_KIND, RMSPROP_KIND, LAMB_DIRECTION, LAMB_APPLY = range(5)
+MOMENTUM, NESTEROV, DECOUPLED, CENTERED, BIAS_CORRECTION = 1, 2, 4, 8, 16
+
+# kind -> (instructions per vector, per element, per vertex); see the module docstring.
+UPDATE_COSTS = {SGD_KIND: (3, 0, 8), ADAM_KIND: (10, 20, 40), RMSPROP_KIND: (6, 20, 8),
+                LAMB_DIRECTION: (11, 20, 40), LAMB_APPLY: (3, 0, 40)}
+FLAG_COSTS = {MOMENTUM: 3, NESTEROV: 1, DECOUPLED: 1, CENTERED: 3}
+FLOAT_DTYPES = ("float32", "float16")
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+# ---- codelets ---------------------------------------------------------------------------------
+@njit(**KERNEL)
+def sgd_element(w, wi, g, gi, buf, bi, step, flags, lr, ls, wd, momentum, dampening):
+    x = ld(w, wi)
+    d = ld(g, gi) / ls + wd * x
+    if flags & MOMENTUM:
+        b = d if step <= 1.0 else momentum * ld(buf, bi) + (1.0 - dampening) * d
+        st(buf, bi, b)
+        b = ld(buf, bi)
+        d = d + momentum * b if flags & NESTEROV else b
+    st(w, wi, x - lr * d)
+
+
+@njit(**KERNEL)
+def moments(m, mi, v, vi, d, beta1, beta2):
+    """Update the first and second moments with d; returns their stored values."""
+    st(m, mi, beta1 * ld(m, mi) + (1.0 - beta1) * d)
+    st(v, vi, beta2 * ld(v, vi) + (1.0 - beta2) * d * d)
+    return ld(m, mi), ld(v, vi)
+
+
+@njit(**KERNEL)
+def adam_element(w, wi, g, gi, m, mi, v, vi, flags, lr, ls, wd, beta1, beta2, eps, bc1, bc2):
+    x = ld(w, wi)
+    d = ld(g, gi) / ls
+    if flags & DECOUPLED:
+        x = x * (1.0 - lr * wd)
+    else:
+        d = d + wd * x
+    mm, vv = moments(m, mi, v, vi, d, beta1, beta2)
+    st(w, wi, x - (lr / bc1) * mm / (math.sqrt(vv) / math.sqrt(bc2) + eps))
+
+
+@njit(**KERNEL)
+def rmsprop_element(w, wi, g, gi, sq, si, ga, gai, buf, bi, flags, lr, ls, wd, alpha, momentum, eps):
+    x = ld(w, wi)
+    d = ld(g, gi) / ls + wd * x
+    st(sq, si, alpha * ld(sq, si) + (1.0 - alpha) * d * d)
+    s = ld(sq, si)
+    if flags & CENTERED:
+        st(ga, gai, alpha * ld(ga, gai) + (1.0 - alpha) * d)
+        a = ld(ga, gai)
+        avg = math.sqrt(s - a * a) + eps
+    else:
+        avg = math.sqrt(s) + eps
+    if flags & MOMENTUM:
+        st(buf, bi, momentum * ld(buf, bi) + d / avg)
+        st(w, wi, x - lr * ld(buf, bi))
+    else:
+        st(w, wi, x - lr * d / avg)
+
+
+@njit(**KERNEL)
+def lamb_direction_element(w, wi, g, gi, m, mi, v, vi, u, ui, ls, wd, beta1, beta2, eps, bc1, bc2):
+    """Store LAMB's update direction u (w is only read)."""
+    mm, vv = moments(m, mi, v, vi, ld(g, gi) / ls, beta1, beta2)
+    st(u, ui, (mm / bc1) / (math.sqrt(vv) / math.sqrt(bc2) + eps) + wd * ld(w, wi))
+
+
+@njit(parallel=True, **KERNEL)
+def update_codelet(w, wa, ws, g, ga, gs, s0, s0a, s0s, s1, s1a, s1s, s2, s2a, s2s, h, ha, hs, t, ta, ts, params):
+    """Fields: w (weight), g (gradient; LAMB apply: u), s0..s2 (state; LAMB direction: s2 is u;
+    LAMB apply: s0 and s1 hold the squared norms of w and u), h (the tile's hyper row), t (the
+    vertex's step counter, or nothing). params: (kind, flags, vector width)."""
+    for v in prange(params.shape[0]):
+        kind = int(params[v, 0])
+        flags = int(params[v, 1])
+        hb = hs[v]
+        nh = hs[v + 1] - hb
+        lr = ld(h, ha[hb])
+        ls = ld(h, ha[hb + 1])
+        wd = ld(h, ha[hb + 2])
+        p3 = ld(h, ha[hb + 3])
+        p4 = ld(h, ha[hb + 4])
+        p5 = ld(h, ha[hb + 5]) if nh > 5 else 0.0
+        p6 = ld(h, ha[hb + 6]) if nh > 6 else 0.0
+        step = 0.0
+        if ts[v + 1] > ts[v]:
+            step = ld(t, ta[ts[v]]) + 1.0
+            st(t, ta[ts[v]], step)
+        n = ws[v + 1] - ws[v]
+        w0, g0, a0, a1, a2 = ws[v], gs[v], s0s[v], s1s[v], s2s[v]
+        if kind == SGD_KIND:
+            for i in range(n):
+                bi = s0a[a0 + i] if flags & MOMENTUM else 0
+                sgd_element(w, wa[w0 + i], g, ga[g0 + i], s0, bi, step, flags, lr, ls, wd, p3, p4)
+        elif kind == ADAM_KIND:
+            bc1 = 1.0 - p3 ** step
+            bc2 = 1.0 - p4 ** step
+            for i in range(n):
+                adam_element(w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i], s1, s1a[a1 + i], flags,
+                             lr, ls, wd, p3, p4, p5, bc1, bc2)
+        elif kind == RMSPROP_KIND:
+            for i in range(n):
+                gai = s1a[a1 + i] if flags & CENTERED else 0
+                bi = s2a[a2 + i] if flags & MOMENTUM else 0
+                rmsprop_element(w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i], s1, gai, s2, bi, flags,
+                                lr, ls, wd, p3, p4, p5)
+        elif kind == LAMB_DIRECTION:
+            bc1 = 1.0
+            bc2 = 1.0
+            if flags & BIAS_CORRECTION:
+                bc1 = 1.0 - p3 ** step
+                bc2 = 1.0 - p4 ** step
+            for i in range(n):
+                lamb_direction_element(w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i], s1, s1a[a1 + i],
+                                       s2, s2a[a2 + i], ls, wd, p3, p4, p5, bc1, bc2)
+        else:
+            r1 = min(math.sqrt(ld(s0, s0a[a0])), p6)
+            r2 = math.sqrt(ld(s1, s1a[a1]))
+            trust = r1 / r2 if (r1 > 0.0 and r2 > 0.0) else 1.0
+            for i in range(n):
+                wi = wa[w0 + i]
+                st(w, wi, ld(w, wi) - lr * trust * ld(g, ga[g0 + i]))
+
+
+def update_cycles(sizes, params, dtype, target) -> int:
+    kind, flags, width = int(params[0]), int(params[1]), int(params[2])
+    per_vector, per_element, per_vertex = UPDATE_COSTS[kind]
+    if kind in (SGD_KIND, ADAM_KIND, RMSPROP_KIND):
+        per_vector += sum(c for f, c in FLAG_COSTS.items() if flags & f)
+    n = sizes["w"]
+    return target.thread_cycles(math.ceil(n / width) * per_vector + n * per_element + per_vertex)
+
+
+UPDATE_VERTEX = VertexType("popart::OptimiserUpdate", ("w", "g", "s0", "s1", "s2", "h", "step"),
+                           ("w", "s0", "s1", "s2", "step"), update_codelet, update_cycles, num_params=3)
+
+
+# ---- device state -----------------------------------------------------------------------------
+@dataclass(eq=False)
+class Hyper:
+    """An optimiser's hyperparameters on one IPU: row t of `tensor` lives on tile t."""
+    graph: Graph
+    tensor: Tensor
+    names: tuple[str, ...]
+
+    def read(self, engine) -> dict[str, float]:
+        row = engine.readTensor(self.tensor)[0]
+        return {n: float(v) for n, v in zip(self.names, row)}
+
+
+@dataclass(eq=False)
+class WeightState:
+    """The optimiser state of one weight: state tensors shaped and mapped like the weight, and a
+    step counter per update vertex. `vertices` lists (tile, flat weight positions) per vertex."""
+    weight: Tensor
+    tensors: dict[str, Tensor]
+    slots: tuple[str | None, str | None, str | None]
+    step: Tensor | None
+    vertices: list[tuple[int, np.ndarray]]
+
+    def read(self, engine) -> dict[str, np.ndarray | int]:
+        """The state as host arrays (torch's names); `step` is the number of updates applied."""
+        out: dict = {k: engine.readTensor(t) for k, t in self.tensors.items()}
+        if self.step is not None:
+            out["step"] = int(engine.readTensor(self.step).reshape(-1)[0])
+        return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What an optimiser's configuration fixes in the graph: state slots, step counter, flags."""
+    slots: tuple[str | None, str | None, str | None]
+    uses_step: bool
+    flags: int
+
+
+def _key(t: Tensor):
+    return (t.var.id, None if t.is_whole else t.index.tobytes())
+
+
+@dataclass(eq=False)
+class Optimiser:
+    """Base of the optimiser configurations. Fields are the hyperparameters; the device tensors
+    (one `Hyper` per IPU graph, one `WeightState` per weight) are created on first use."""
+    KIND: ClassVar[int]
+    HYPER: ClassVar[tuple[str, ...]]          # hyper tensor columns, in codelet order
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype",)
+
+    def __post_init__(self):
+        self.check()
+        self._hypers: dict[int, Hyper] = {}
+        self._states: dict[tuple, WeightState] = {}
+
+    # -- configuration, overridden per optimiser --
+    def check(self) -> None:
+        if not self.lr >= 0.0:
+            raise ValueError(f"{type(self).__name__}: invalid learning rate {self.lr}; it must be >= 0")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"{type(self).__name__}: invalid weight_decay {self.weight_decay}; it must be >= 0")
+        if not self.loss_scaling > 0.0:
+            raise ValueError(f"{type(self).__name__}: invalid loss_scaling {self.loss_scaling}; it must be > 0")
+        if np.dtype(self.state_dtype).name not in FLOAT_DTYPES:
+            raise TypeError(f"{type(self).__name__}: state_dtype must be float32 or float16, got {self.state_dtype!r}")
+
+    def hyper_values(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def layout(self) -> Layout:
+        raise NotImplementedError
+
+    # -- device tensors --
+    def hyper(self, graph: Graph) -> Hyper:
+        """This optimiser's hyper tensor on `graph` (created on first use, initialised to the
+        current hyperparameters when an engine loads)."""
+        h = self._hypers.get(id(graph))
+        if h is None:
+            n, cols = graph.target.num_tiles, len(self.HYPER)
+            t = graph.addVariable("float32", (n, cols), f"{type(self).__name__.lower()}/hyper",
+                                  category="optimiser_state")
+            graph.setTileMappingIntervals(t, [(i, i * cols, (i + 1) * cols) for i in range(n)])
+            t.var.constant = np.empty((n, cols), dtype=np.float32)
+            h = self._hypers[id(graph)] = Hyper(graph, t, self.HYPER)
+            self._initialise(h)
+        return h
+
+    def _initialise(self, h: Hyper) -> None:
+        values = self.hyper_values()
+        h.tensor.var.constant[:] = np.asarray([values[n] for n in h.names], dtype=np.float32)
+
+    def state(self, graph: Graph, weight: Tensor) -> WeightState:
+        """The state of `weight` (created on first use: zeros, mapped like the weight)."""
+        found = self._states.get(_key(weight))
+        if found is not None:
+            return found
+        layout = self.layout()
+        tiles = weight.tiles().reshape(-1)
+        if (tiles < 0).any():
+            raise ValueError(f"weight {weight.name!r} has elements without a tile mapping: map it before "
+                             "building its update")
+        vertices = [(tile, pos[b:e]) for tile, pos in tile_regions(tiles).items()
+                    for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4)]
+        tensors = {}
+        for slot in layout.slots:
+            if slot is not None:
+                t = graph.addVariable(self.state_dtype, weight.shape, f"{weight.name}/{slot}",
+                                      category="optimiser_state")
+                t.var.mapping[:] = tiles
+                tensors[slot] = t
+        step = None
+        if layout.uses_step:
+            step = graph.addVariable("float32", (len(vertices),), f"{weight.name}/step", category="optimiser_state")
+            step.var.mapping[:] = [tile for tile, _ in vertices]
+        s = self._states[_key(weight)] = WeightState(weight, tensors, layout.slots, step, vertices)
+        return s
+
+    def state_of(self, weight: Tensor) -> WeightState:
+        try:
+            return self._states[_key(weight)]
+        except KeyError:
+            raise KeyError(f"{type(self).__name__} has no state for weight {weight.name!r}: build its update "
+                           "with weight_update first") from None
+
+    def set(self, engine, **changes) -> None:
+        """Change hyperparameters (e.g. `lr=1e-4`): updates this configuration and writes the hyper
+        tensors of every graph `engine` runs; later engines start from the new values too."""
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no hyperparameter(s) {unknown}; known: {sorted(names)}")
+        fixed = sorted(set(changes) & set(self.STRUCTURAL))
+        if fixed:
+            raise ValueError(f"{type(self).__name__}: {fixed} shape the graph and cannot change between steps; "
+                             "build the weight updates again with a new optimiser")
+        new = replace(self, **changes)
+        if self._states and new.layout() != self.layout():
+            raise ValueError(f"{type(self).__name__}: changing {sorted(changes)} to {changes} adds or removes "
+                             "optimiser state (e.g. momentum between zero and non-zero); build the weight "
+                             "updates again with a new optimiser")
+        for k, v in changes.items():
+            setattr(self, k, getattr(new, k))
+        graphs = {id(g) for g in engine.device.graphs}
+        if self._hypers and not graphs & set(self._hypers):
+            raise ValueError(f"{type(self).__name__}: the engine runs none of the graphs this optimiser updates")
+        for key, h in self._hypers.items():
+            self._initialise(h)
+            if key in graphs:
+                engine.writeTensor(h.tensor, h.tensor.var.constant)
+
+
+def _betas(opt) -> None:
+    b1, b2 = opt.betas
+    if not 0.0 <= b1 < 1.0 or not 0.0 <= b2 < 1.0:
+        raise ValueError(f"{type(opt).__name__}: invalid betas {opt.betas}; each must be in [0, 1)")
+    if not opt.eps >= 0.0:
+        raise ValueError(f"{type(opt).__name__}: invalid eps {opt.eps}; it must be >= 0")
+
+
+@dataclass(eq=False)
+class SGD(Optimiser):
+    """torch.optim.SGD (PopTorch's SGD adds loss_scaling)."""
+    lr: float
+    momentum: float = 0.0
+    dampening: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    loss_scaling: float = 1.0
+    state_dtype: str = "float32"
+    KIND: ClassVar[int] = SGD_KIND
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "momentum", "dampening")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "nesterov")
+
+    def check(self):
+        super().check()
+        if not self.momentum >= 0.0:
+            raise ValueError(f"SGD: invalid momentum {self.momentum}; it must be >= 0")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("SGD: Nesterov momentum requires a momentum and zero dampening")
+
+    def hyper_values(self):
+        return {"lr": self.lr, "loss_scaling": self.loss_scaling, "weight_decay": self.weight_decay,
+                "momentum": self.momentum, "dampening": self.dampening}
+
+    def layout(self):
+        m = self.momentum != 0
+        return Layout(("momentum_buffer" if m else None, None, None), m,
+                      (MOMENTUM if m else 0) | (NESTEROV if self.nesterov else 0))
+
+
+@dataclass(eq=False)
+class Adam(Optimiser):
+    """torch.optim.Adam (L2 weight decay added to the gradient), without amsgrad."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    loss_scaling: float = 1.0
+    state_dtype: str = "float32"
+    KIND: ClassVar[int] = ADAM_KIND
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "beta1", "beta2", "eps")
+    DECOUPLED: ClassVar[bool] = False
+
+    def check(self):
+        super().check()
+        _betas(self)
+
+    def hyper_values(self):
+        return {"lr": self.lr, "loss_scaling": self.loss_scaling, "weight_decay": self.weight_decay,
+                "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps}
+
+    def layout(self):
+        return Layout(("exp_avg", "exp_avg_sq", None), True, DECOUPLED if self.DECOUPLED else 0)
+
+
+@dataclass(eq=False)
+class AdamW(Adam):
+    """torch.optim.AdamW: weight decay decoupled from the gradient (w *= 1 - lr*weight_decay)."""
+    weight_decay: float = 1e-2
+    DECOUPLED: ClassVar[bool] = True
+
+
+@dataclass(eq=False)
+class RMSprop(Optimiser):
+    """torch.optim.RMSprop."""
+    lr: float = 1e-2
+    alpha: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    centered: bool = False
+    loss_scaling: float = 1.0
+    state_dtype: str = "float32"
+    KIND: ClassVar[int] = RMSPROP_KIND
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "alpha", "momentum", "eps")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "centered")
+
+    def check(self):
+        super().check()
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"RMSprop: invalid alpha {self.alpha}; it must be in [0, 1]")
+        if not self.momentum >= 0.0 or not self.eps >= 0.0:
+            raise ValueError(f"RMSprop: invalid momentum {self.momentum} or eps {self.eps}; both must be >= 0")
+
+    def hyper_values(self):
+        return {"lr": self.lr, "loss_scaling": self.loss_scaling, "weight_decay": self.weight_decay,
+                "alpha": self.alpha, "momentum": self.momentum, "eps": self.eps}
+
+    def layout(self):
+        m = self.momentum > 0
+        return Layout(("square_avg", "grad_avg" if self.centered else None, "momentum_buffer" if m else None),
+                      False, (MOMENTUM if m else 0) | (CENTERED if self.centered else 0))
+
+
+@dataclass(eq=False)
+class LAMB(Optimiser):
+    """PopTorch's LAMB: Adam moments, per-tensor trust ratio min(||w||, max_weight_norm) / ||u||
+    (None: no clipping of ||w||), optional bias correction."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+    bias_correction: bool = True
+    loss_scaling: float = 1.0
+    max_weight_norm: float | None = None
+    state_dtype: str = "float32"
+    KIND: ClassVar[int] = LAMB_DIRECTION
+    HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "beta1", "beta2", "eps",
+                                        "max_weight_norm")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "bias_correction")
+
+    def check(self):
+        super().check()
+        _betas(self)
+        if self.max_weight_norm is not None and not self.max_weight_norm >= 0.0:
+            raise ValueError(f"LAMB: invalid max_weight_norm {self.max_weight_norm}; use None or a value >= 0")
+
+    def hyper_values(self):
+        return {"lr": self.lr, "loss_scaling": self.loss_scaling, "weight_decay": self.weight_decay,
+                "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps,
+                "max_weight_norm": np.inf if self.max_weight_norm is None else self.max_weight_norm}
+
+    def layout(self):
+        return Layout(("exp_avg", "exp_avg_sq", None), self.bias_correction,
+                      BIAS_CORRECTION if self.bias_correction else 0)
+
+
+# ---- the op -----------------------------------------------------------------------------------
+ELEMENTS, SCALAR, HYPER_ROW, STEP = "elements", "scalar", "hyper", "step"
+FIELDS = ("w", "g", "s0", "s1", "s2", "h", "step")
+
+
+@dataclass(frozen=True, eq=False)
+class _Field:
+    """A tensor connected to one update-vertex field: `elements` (shaped like the weight, each
+    vertex takes its positions), `scalar` (one value every vertex reads), `hyper` or `step`."""
+    tensor: Tensor
+    kind: str
+    written: bool = False
+
+
+def _starts(sizes) -> np.ndarray:
+    starts = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    return starts
+
+
+def _fast_addresses(kind: str, vertices, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses, starts) of a field for every vertex, as positions in the field's whole flat array."""
+    nv = len(vertices)
+    if kind == ELEMENTS:
+        pos = np.concatenate([p for _, p in vertices]).astype(np.int64)
+        return pos, _starts([p.size for _, p in vertices])
+    if kind == SCALAR:
+        return np.zeros(nv, dtype=np.int64), _starts(np.ones(nv, dtype=np.int64))
+    if kind == HYPER_ROW:
+        rows = np.asarray([tile for tile, _ in vertices], dtype=np.int64)
+        return (rows[:, None] * cols + np.arange(cols)).reshape(-1), _starts(np.full(nv, cols))
+    if kind == STEP:
+        return np.arange(nv, dtype=np.int64), _starts(np.ones(nv, dtype=np.int64))
+    return EMPTY, np.zeros(nv + 1, dtype=np.int64)
+
+
+def _update_op(graph: Graph, name: str, vertices, params: tuple, connected: dict[str, _Field]) -> OpProgram:
+    """One compute set of update vertices (one per (tile, positions) of `vertices`), operands
+    brought to the vertices' tiles first; the fast mode runs the same codelet on whole arrays."""
+    body = Sequence(name=name)
+    weight_tiles = connected["w"].tensor.tiles()
+    tiles = sorted({tile for tile, _ in vertices})
+    row = {tile: i for i, tile in enumerate(tiles)}
+    cols = connected["h"].tensor.shape[1]
+    views = {}
+    for f, c in connected.items():
+        if c.kind == ELEMENTS and not c.written:
+            views[f] = placed(graph, body, c.tensor, weight_tiles, f"{name}/{f}")
+        elif c.kind == SCALAR:
+            views[f] = placed(graph, body, c.tensor.reshape(1).broadcast((len(tiles),)), np.asarray(tiles),
+                              f"{name}/{f}@tiles")
+        else:
+            views[f] = c.tensor
+    nothing = flat(connected["h"].tensor, EMPTY)
+    cs = graph.addComputeSet(name)
+    for k, (tile, pos) in enumerate(vertices):
+        fields_ = {}
+        for f in FIELDS:
+            c = connected.get(f)
+            if c is None:
+                fields_[f] = nothing
+            elif c.kind == ELEMENTS:
+                fields_[f] = flat(views[f], pos)
+            elif c.kind == SCALAR:
+                fields_[f] = views[f][row[tile]:row[tile] + 1]
+            elif c.kind == HYPER_ROW:
+                fields_[f] = views[f][tile]
+            else:
+                fields_[f] = views[f][k:k + 1]
+        graph.addVertex(cs, UPDATE_VERTEX, tile, fields_, params)
+    body.add(Execute(cs))
+
+    addresses = {f: _fast_addresses(c.kind if c else None, vertices, cols)
+                 for f, c in ((f, connected.get(f)) for f in FIELDS)}
+    param_rows = np.tile(np.asarray(params, dtype=np.float64), (len(vertices), 1))
+    empty = np.zeros(0, dtype=np.float32)
+
+    def fast(io):
+        arrays = {f: np.array(io.read(c.tensor), dtype=c.tensor.dtype, order="C", copy=True).reshape(-1)
+                  for f, c in connected.items()}
+        args = []
+        for f in FIELDS:
+            args += [kernel_view(arrays[f]) if f in arrays else empty, *addresses[f]]
+        update_codelet(*args, param_rows)
+        for f, c in connected.items():
+            if c.written:
+                io.write(c.tensor, arrays[f].reshape(c.tensor.shape))
+
+    reads = tuple(dict.fromkeys(c.tensor for c in connected.values()))
+    writes = tuple(c.tensor for c in connected.values() if c.written)
+    return OpProgram(name, body, fast, reads, writes)
+
+
+def _width(*dtypes) -> int:
+    return 2 if any(np.dtype(d) == np.float32 for d in dtypes) else 4
+
+
+def weight_update(graph: Graph, weight: Tensor, grad: Tensor, optimiser: Optimiser, prog: Sequence,
+                  name: str | None = None) -> WeightState:
+    """Append to `prog` the in-place update of `weight` with `grad` by `optimiser`; returns the
+    weight's optimiser state (created on first use)."""
+    if not isinstance(optimiser, Optimiser):
+        raise TypeError(f"weight_update needs an ipusim.ops.optim optimiser (SGD, Adam, AdamW, RMSprop, LAMB), "
+                        f"got {type(optimiser).__name__}")
+    if weight.var not in graph.variables:
+        raise ValueError(f"weight {weight.name!r} lives on IPU {weight.ipu}, not on IPU {graph.ipu} of this graph")
+    if grad.shape != weight.shape:
+        raise ValueError(f"gradient {grad.name!r} has shape {grad.shape}, weight {weight.name!r} has {weight.shape}")
+    if grad.ipu != weight.ipu:
+        raise ValueError(f"gradient {grad.name!r} lives on IPU {grad.ipu}, weight {weight.name!r} on IPU "
+                         f"{weight.ipu}: copy the gradient to the weight's IPU first (InterIpuCopy)")
+    for t in (weight, grad):
+        if t.dtype.name not in FLOAT_DTYPES:
+            raise TypeError(f"{t.name!r} is {t.dtype.name}: weight updates need float32 or float16 tensors")
+    name = name or f"{type(optimiser).__name__.lower()}/{weight.name}"
+    hyper = optimiser.hyper(graph)
+    state = optimiser.state(graph, weight)
+    layout = optimiser.layout()
+    if layout.slots != state.slots:
+        raise ValueError(f"{name}: the state of {weight.name!r} was built for another configuration of "
+                         f"{type(optimiser).__name__}")
+    if weight.numel == 0:
+        prog.add(OpProgram(name, Sequence(name=name), lambda io: None, (weight, grad), ()))
+        return state
+    width = _width(weight.dtype, grad.dtype, optimiser.state_dtype)
+    common = {"g": _Field(grad, ELEMENTS), "h": _Field(hyper.tensor, HYPER_ROW)}
+    if state.step is not None:
+        common["step"] = _Field(state.step, STEP, written=True)
+    slots = {f"s{j}": _Field(state.tensors[s], ELEMENTS, written=True)
+             for j, s in enumerate(state.slots) if s is not None}
+    if not isinstance(optimiser, LAMB):
+        prog.add(_update_op(graph, name, state.vertices, (optimiser.KIND, layout.flags, width),
+                            {"w": _Field(weight, ELEMENTS, written=True), **common, **slots}))
+        return state
+    # LAMB: direction u, the two squared norms (cross-tile reductions), then the scaled update.
+    u = graph.addVariable("float32", weight.shape, f"{name}/u", category="temporaries", always_live=False)
+    u.var.mapping[:] = weight.tiles().reshape(-1)
+    parts = Sequence(name=name)
+    parts.add(_update_op(graph, f"{name}/direction", state.vertices, (LAMB_DIRECTION, layout.flags, width),
+                         {"w": _Field(weight, ELEMENTS), **common, **slots, "s2": _Field(u, ELEMENTS, written=True)}))
+    w_sq = reduce(graph, weight, None, "sum_squares", parts, f"{name}/weight_norm", out_dtype="float32")
+    u_sq = reduce(graph, u, None, "sum_squares", parts, f"{name}/update_norm", out_dtype="float32")
+    parts.add(_update_op(graph, f"{name}/apply", state.vertices, (LAMB_APPLY, 0, _width(weight.dtype, "float32")),
+                         {"w": _Field(weight, ELEMENTS, written=True), "g": _Field(u, ELEMENTS),
+                          "s0": _Field(w_sq, SCALAR), "s1": _Field(u_sq, SCALAR), "h": common["h"]}))
+    steps = list(parts.programs)
+
+    def fast(io):
+        for p in steps:
+            p.fast(io)
+
+    reads = (weight, grad, hyper.tensor, *state.tensors.values(), *((state.step,) if state.step is not None else ()))
+    writes = (weight, *state.tensors.values(), *((state.step,) if state.step is not None else ()))
+    prog.add(OpProgram(name, parts, fast, reads, writes))
+    return state
