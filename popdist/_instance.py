@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
             for line in router.tail(args.index):
                 print(f"    {line}", file=sys.stderr)
     if exit.returncode < 0:
+        signum = -exit.returncode
         sys.stdout.flush()
-        signal.signal(-exit.returncode, signal.SIG_DFL)
-        os.kill(os.getpid(), -exit.returncode)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be handled
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
     return exit.shell_status
 
 

@@ -11,7 +11,7 @@ reported with the variable's name wherever it is first used.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 NUM_TOTAL_REPLICAS = "POPDIST_NUM_TOTAL_REPLICAS"
@@ -269,7 +269,10 @@ def execute_on_instances(instances: Iterable[int], fn: Callable[..., Any],
     if distributed:
         import torch.distributed as dist
 
-        group = dist.new_group(sorted(chosen))
+        if chosen not in _state.groups:
+            # every instance makes the same calls in the same order, so all create it together
+            _state.groups[chosen] = dist.new_group(sorted(chosen))
+        group = _state.groups[chosen]
     result = None
     if config.instance_index in chosen:
         previous = _state.group
@@ -291,8 +294,10 @@ def current_group() -> Any:
     return _state.group
 
 
+@dataclass
 class _State:
-    group: Any = None
+    group: Any = None  # the group of the execute_on_instances call in progress
+    groups: dict = field(default_factory=dict)  # groups by participating instances, made once
 
 
 _state = _State()

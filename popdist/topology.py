@@ -31,7 +31,7 @@ def expand_hostlist(spec: str) -> list[str]:
 
     Commas separate hosts outside brackets and ranges inside them; `[08-10]` keeps the
     zero padding of its first bound; several bracket groups in one name expand as a product,
-    rightmost fastest. Duplicates are kept: listing a host twice gives it two slots.
+    rightmost fastest. Names are returned in order, repeated names included.
     """
     hosts: list[str] = []
     for item in _split_top_level(spec):
@@ -158,6 +158,11 @@ class Topology:
                 raise TopologyError(f"{name} must be a positive integer, got {value!r}")
         if not hosts:
             raise TopologyError("no host to run on")
+        repeated = sorted({host for host in hosts if list(hosts).count(host) > 1})
+        if repeated:
+            raise TopologyError(
+                f"host {', '.join(repeated)} is listed more than once: list each host once; "
+                "--num-instances decides how many instances each host runs")
         if num_replicas % num_instances:
             raise TopologyError(
                 f"--num-replicas {num_replicas} is not divisible by --num-instances "

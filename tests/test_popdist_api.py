@@ -170,8 +170,10 @@ def test_init_and_execute_on_instances_across_real_instances(tmp_path):
             dist.all_reduce(value, group=popdist.current_group())
             return scale * value.item()
 
-        result = popdist.execute_on_instances({1, 2}, reduce_among_participants, 10)
-        print(f"instance {popdist.getInstanceIndex()} of {dist.get_world_size()}: {result}")
+        results = [popdist.execute_on_instances({1, 2}, reduce_among_participants, 10),
+                   popdist.execute_on_instances({0}, reduce_among_participants, 1),
+                   popdist.execute_on_instances([2, 1], reduce_among_participants, 2)]
+        print(f"instance {popdist.getInstanceIndex()} of {dist.get_world_size()}: {results}")
     """))
     done = subprocess.run(
         [sys.executable, "-m", "popdist.poprun", "--num-instances", "3", "--num-replicas", "3",
@@ -179,5 +181,5 @@ def test_init_and_execute_on_instances_across_real_instances(tmp_path):
         capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     lines = sorted(done.stdout.splitlines())
-    assert lines == ["instance 0 of 3: None", "instance 1 of 3: 50.0",
-                     "instance 2 of 3: 50.0"]
+    assert lines == ["instance 0 of 3: [None, 1.0, None]", "instance 1 of 3: [50.0, None, 10.0]",
+                     "instance 2 of 3: [50.0, None, 10.0]"]

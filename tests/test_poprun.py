@@ -175,6 +175,8 @@ def test_numa_aware_binds_instances(tmp_path):
      "--num-replicas 4 is not divisible by --num-instances 3"),
     (["-H", "localhost,127.0.0.1", "--num-instances", "3", "--num-replicas", "3"],
      r"--num-instances 3 is not divisible by the 2 hosts \(localhost, 127\.0\.0\.1\)"),
+    (["-H", "localhost,localhost", "--num-instances", "2", "--num-replicas", "2"],
+     "host localhost is listed more than once"),
     (["--num-instances", "2", "--num-replicas", "2", "--num-ilds", "4"],
      "not divisible by --num-ilds 4"),
     (["--num-replcias", "2"], "unknown option '--num-replcias'; did you mean '--num-replicas'"),
@@ -530,6 +532,27 @@ def test_router_survives_a_closed_terminal():
     router.add_instance(0)
     router.feed(0, "stdout", b"nobody reads this\n")
     router.feed(0, "stdout", b"nor this\n")
+
+
+def test_instance_wrapper_exits_like_its_program(tmp_path):
+    """The per-instance side of an mpirun launch, run directly."""
+    wrapper = [PY, "-m", "popdist._instance", "--index", "0"]
+    killed = subprocess.run([*wrapper, "--", PY, "-c",
+                             "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                            capture_output=True, timeout=10)
+    assert killed.returncode == -signal.SIGKILL
+    assert b"the program was killed by signal SIGKILL" in killed.stderr
+    quiet = subprocess.run([*wrapper, "--only-output-from-instance", "1", "--output-filename",
+                            tmp_path / "logs", "--", PY, "-c",
+                            "import sys; print('hidden'); sys.exit('fatal: bad input')"],
+                           capture_output=True, timeout=10)
+    assert quiet.returncode == 1 and quiet.stdout == b""
+    assert b"the program exited with code 1" in quiet.stderr
+    assert b"    fatal: bad input" in quiet.stderr  # hidden, so its last lines are shown
+    assert (tmp_path / "logs/1/rank.0/stdout").read_bytes() == b"hidden\n"
+    missing = subprocess.run([*wrapper, "--", "/no/such/program"], capture_output=True,
+                             timeout=10)
+    assert missing.returncode == 127 and b"cannot start /no/such/program" in missing.stderr
 
 
 # --------------------------------------------------------------------------- mpirun
