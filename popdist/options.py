@@ -97,15 +97,15 @@ OPTIONS = (
            "Let mpirun run as root.", False, "MPI"),
     Option(("--launcher",), "launcher", "str",
            "How to start the instances: local (child processes of poprun), mpirun, or auto "
-           "(mpirun when a host is not this machine).", "auto", "MPI", "auto|local|mpirun"),
+           "(mpirun when a host is not this machine).", "auto", "Launch", "auto|local|mpirun"),
+    Option(("--termination-grace-period",), "termination_grace_period", "float",
+           "Seconds the instances get to exit after SIGTERM (or a forwarded signal) before "
+           "SIGKILL.", 5.0, "Launch", "seconds"),
     Option(("--print-topology",), "print_topology", "bool",
            "Print the table of hosts, ILDs, instances, replicas and IPUs.", False, "Output"),
     Option(("--only-output-from-instance",), "only_output_from_instance", "int0",
            "Show only this instance's output (the others' is hidden, so a failing instance's "
            "last stderr lines are printed when it fails).", None, "Output", "index"),
-    Option(("--termination-grace-period",), "termination_grace_period", "float",
-           "Seconds the instances get to exit after SIGTERM (or a forwarded signal) before "
-           "SIGKILL.", 5.0, "Output", "seconds"),
     Option(("-v", "--verbose"), "verbose", "count", "Verbose output.", 0, "Debug"),
     Option(("--vv",), "very_verbose", "flag",
            "Very verbose output (every instance's environment and command).", False, "Debug"),

@@ -101,11 +101,12 @@ def slurm_hosts(environ: Mapping[str, str]) -> tuple[str, list[str]] | None:
 
 @lru_cache(maxsize=None)
 def is_local_host(host: str) -> bool:
-    """Whether `host` names this machine (by name, a loopback address, or one of its addresses)."""
+    """Whether `host` names this machine: its host name, or a name or address that resolves
+    to a loopback address or to an address of this machine."""
     name = host.strip().lower()
     if name in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True
-    if name in (socket.gethostname().lower(), socket.getfqdn().lower()):
+    if name == socket.gethostname().lower():
         return True
     try:
         infos = socket.getaddrinfo(name, None)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from popdist import options, poprun
 from popdist.output import OutputRouter
-from popdist.topology import HostlistError, Topology, expand_hostlist
+from popdist.topology import HostlistError, Topology, expand_hostlist, is_local_host
 
 POPRUN = [sys.executable, "-m", "popdist.poprun"]
 PY = sys.executable
@@ -391,6 +391,15 @@ def test_hostlist_ranges_expand_to_every_number(first, length, width):
     hosts = expand_hostlist(f"h[{low}-{high}]")
     assert len(hosts) == length + 1
     assert [int(h[1:]) for h in hosts] == list(range(first, first + length + 1))
+
+
+def test_local_host_detection():
+    import socket
+
+    for host in ("localhost", "127.0.0.1", "127.0.0.2", "::1", socket.gethostname()):
+        assert is_local_host(host), host
+    for host in ("no-such-host.invalid", "192.0.2.254", "8.8.8.8"):
+        assert not is_local_host(host), host
 
 
 def test_slurm_allocation_gives_the_hosts(tmp_path):
