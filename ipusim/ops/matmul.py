@@ -1,0 +1,415 @@
+"""Matrix multiplication (2-D and batched 3-D), plus the tile-grid planning, operand gathering and
+partials reduction that the convolution and pooling ops reuse.
+
+Plan (`plan_matmul`, a pure function of shapes and dtypes). The output C[B, M, N] and the
+reduction dimension K form a 4-D grid; a plan splits (B, M, N, K) into (pb, pm, pn, pk) equal
+blocks, one block per tile, the blocks spread evenly over the IPU's tiles. A tile receives by
+exchange its A block [bb, bm, bk] and B block [bb, bk, bn] and computes their product over its K
+slice. With pk = 1 that is its piece of C, which lives on that tile. With pk > 1 (the K-split)
+each tile writes float32 partials; a second exchange brings, for every output element, its pk
+partials to the tile that owns the element (C is then spread linearly over all tiles) and a
+reduce compute set sums them and rounds once to the output dtype.
+
+Candidate splits of a dimension: the smallest part counts giving the block sizes of 1, 2, 3, 4,
+6, 8, 12, ... parts (powers of two and 1.5 times powers of two, and one part per element), in
+every combination that needs at most the IPU's tiles. Cost of a candidate, on the busiest tile:
+  compute  = ceil(vertices / workers) * (cycles of the largest vertex + vertex overhead)
+  exchange = ceil(max(bytes received, bytes sent) / exchange bytes per cycle); received = the
+             operand blocks, sent = the blocks of all tiles used / all tiles (operands assumed
+             spread over the IPU, every element sent to each tile that needs it)
+  plus one sync per exchange and per compute set; with pk > 1 the partials exchange and the
+  reduction are costed the same way.
+Working set of the busiest tile = operand blocks + partials block, and during the reduction the
+partials block + gathered partials + output piece; it must stay within
+`available_memory_proportion` of the tile memory (PopLibs' option of that name, default 0.6).
+The cheapest candidate that fits wins (ties: fewer tiles, then a smaller K-split); if none fits,
+the one with the smallest working set (the engine then reports the out-of-memory tiles).
+A tile's block is split into about `workers_per_tile` vertices: over batch entries, then output
+rows, then output columns.
+
+Cycle estimators (thread cycles = instructions x workers per tile; flop cycles use the AMP rate):
+  partial product, m x n outputs over k:
+      flop_cycles(2 m n k) + thread_cycles(20 + ceil(n / A) * ceil(k / A) * (6 + m))
+    A = AMP channels per pass (16 for float16, 8 for float32). Shaped like PopLibs' AMP
+    convolution partials (poplin PerformanceEstimation.hpp): every pass over an A x A block of
+    weights costs 6 instructions to load them and set up, plus one worklist entry per output
+    row; 20 is the worker's setup.
+  reduce of r float32 partials into n outputs:
+      thread_cycles(17 + ceil(n / 2) * (r + 3))
+    like PopLibs' reduce estimator (popops CycleEstimationFunctions.cpp): one load-and-add per
+    partial and 64-bit vector (2 floats), 3 more per vector to convert and store, 17 non-loop.
+
+Numerics: strict vertices accumulate in float64 and round once to the partials or output dtype;
+the fast mode calls BLAS on whole arrays (float16 operands in float32, rounded once).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from ..graph import Graph
+from ..kernels import JIT, ld, st
+from ..program import Execute, OpProgram, Sequence
+from ..target import Target
+from ..tensor import Tensor
+from ..vertex import VertexType
+from .common import GRAIN, flat, new_output, placed, split_work, tile_regions
+
+PARTIALS = np.dtype(np.float32)
+AVAILABLE_MEMORY_PROPORTION = 0.6
+FLOAT_DTYPES = ("float16", "float32")
+
+
+def ceil_div(a, b):
+    """Ceiling division for ints and integer arrays."""
+    return -(-a // b)
+
+
+def amp_channels(dtype) -> int:
+    """Channels the AMP unit processes per pass (input and output): 16 for float16, 8 for float32."""
+    return 16 if np.dtype(dtype) == np.float16 else 8
+
+
+def _flop_cycles(flops, dtype, target: Target):
+    """target.flop_cycles for ints or integer arrays."""
+    return ceil_div(flops * target.workers_per_tile, target.flops_per_cycle(np.dtype(dtype).name))
+
+
+# ---- cycle estimators ------------------------------------------------------------------------
+def matmul_partial_cycles(m, n, k, dtype, target: Target):
+    """Cycles of one worker computing an m x n block of partial products over k (see module doc)."""
+    a = amp_channels(dtype)
+    passes = ceil_div(n, a) * ceil_div(k, a)
+    return _flop_cycles(2 * m * n * k, dtype, target) + target.workers_per_tile * (20 + passes * (6 + m))
+
+
+def reduce_cycles(n, r, target: Target):
+    """Cycles of one worker summing r float32 partials into n outputs (see module doc)."""
+    return target.workers_per_tile * (17 + ceil_div(n, 2) * (r + 3))
+
+
+# ---- codelets --------------------------------------------------------------------------------
+@njit(parallel=True, **JIT)
+def matmul_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start, params):
+    """out[m, n] = a[m, k] @ b[k, n], all fields row-major; params (m, n, k)."""
+    for v in prange(params.shape[0]):
+        m, n, k = int(params[v, 0]), int(params[v, 1]), int(params[v, 2])
+        ba, bb, bo = a_start[v], b_start[v], o_start[v]
+        for i in range(m):
+            for j in range(n):
+                acc = 0.0
+                for l in range(k):
+                    acc += ld(a, a_addr[ba + i * k + l]) * ld(b, b_addr[bb + l * n + j])
+                st(out, o_addr[bo + i * n + j], acc)
+
+
+@njit(parallel=True, **JIT)
+def reduce_codelet(p, p_addr, p_start, out, o_addr, o_start, params):
+    """out[i] = sum over r of partials[r, i] (partials row-major [r, n]); params (r,)."""
+    for v in prange(params.shape[0]):
+        r = int(params[v, 0])
+        bp, bo = p_start[v], o_start[v]
+        n = o_start[v + 1] - bo
+        for i in range(n):
+            acc = 0.0
+            for j in range(r):
+                acc += ld(p, p_addr[bp + j * n + i])
+            st(out, o_addr[bo + i], acc)
+
+
+def _matmul_vertex_cycles(sizes, params, dtype, target):
+    return int(matmul_partial_cycles(int(params[0]), int(params[1]), int(params[2]), dtype, target))
+
+
+def _reduce_vertex_cycles(sizes, params, dtype, target):
+    return int(reduce_cycles(sizes["out"], int(params[0]), target))
+
+
+MATMUL_VERTEX = VertexType("poplin::MatMulPartial", ("a", "b"), ("out",), matmul_codelet,
+                           _matmul_vertex_cycles, num_params=3)
+REDUCE_VERTEX = VertexType("popops::ReducePartials", ("partials",), ("out",), reduce_codelet,
+                           _reduce_vertex_cycles, num_params=1)
+
+
+# ---- tile-grid planning helpers ----------------------------------------------------------------
+def split_candidates(size: int, limit: int) -> np.ndarray:
+    """Part counts worth trying for a dimension of `size` on at most `limit` tiles: the smallest
+    count giving each block size reached with 1, 2, 3, 4, 6, 8, 12, ... parts or one part per element."""
+    top = min(size, limit)
+    raw = {1, top}
+    p = 1
+    while p <= top:
+        raw.add(p)
+        if 3 * p // 2 <= top:
+            raw.add(3 * p // 2)
+        p *= 2
+    return np.unique([ceil_div(size, ceil_div(size, q)) for q in raw]).astype(np.int64)
+
+
+def split_grid(sizes, num_tiles: int) -> np.ndarray:
+    """All combinations of candidate splits, one row per combination, using at most num_tiles blocks."""
+    combos = np.ones((1, 0), dtype=np.int64)
+    used = np.ones(1, dtype=np.int64)
+    for size in sizes:
+        cands = split_candidates(int(size), num_tiles)
+        rows, cols = np.nonzero(used[:, None] * cands[None, :] <= num_tiles)
+        combos = np.concatenate([combos[rows], cands[cols, None]], axis=1)
+        used = used[rows] * cands[cols]
+    return combos
+
+
+def choose_split(cycles: np.ndarray, memory: np.ndarray, budget: float, tiebreak: np.ndarray) -> int:
+    """Index of the cheapest candidate whose working set fits `budget` (ties: smaller `tiebreak`
+    values, compared column by column); the smallest working set when none fits."""
+    keys = [tiebreak[:, i] for i in reversed(range(tiebreak.shape[1]))]
+    fits = np.flatnonzero(memory <= budget)
+    if fits.size:
+        order = np.lexsort([k[fits] for k in keys] + [cycles[fits]])
+        return int(fits[order[0]])
+    return int(np.lexsort(keys + [cycles, memory])[0])
+
+
+def ranges(size: int, parts: int) -> list[tuple[int, int]]:
+    """[begin, end) of the blocks when `size` is split into `parts` blocks of ceil(size / parts)."""
+    block = ceil_div(size, parts)
+    return [(b, min(b + block, size)) for b in range(0, size, block)]
+
+
+def block_tiles(count: int, num_tiles: int) -> np.ndarray:
+    """Tiles for `count` blocks, spread evenly over the IPU."""
+    return (np.arange(count, dtype=np.int64) * num_tiles) // max(count, 1)
+
+
+def linear_tile_elements(numel: int, num_tiles: int) -> int:
+    """Elements on the busiest tile of a tensor mapped by `new_output` (linear, grain 4, >= 64)."""
+    per = max(ceil_div(ceil_div(numel, GRAIN), num_tiles), ceil_div(64, GRAIN)) * GRAIN
+    return min(numel, per)
+
+
+def gather(graph: Graph, body: Sequence, src: Tensor, pieces: list[Tensor], tiles, name: str) -> list[Tensor]:
+    """Bring each piece (a view of src's variable) to its tile with one exchange for all pieces;
+    returns, per piece, a flat view of its elements on that tile (the source itself where every
+    element already lives there)."""
+    sizes = [p.numel for p in pieces]
+    index = np.concatenate([p.index.reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int64)
+    local = placed(graph, body, Tensor(src.var, index), np.repeat(np.asarray(tiles), sizes), name)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [local[offsets[i]:offsets[i + 1]] for i in range(len(pieces))]
+
+
+def partials_variable(graph: Graph, sizes: list[int], tiles, name: str) -> tuple[Tensor, np.ndarray]:
+    """A float32 temporary holding consecutive partial blocks, block i on tiles[i]; returns it and
+    the block offsets."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    part = graph.addVariable(PARTIALS, (int(offsets[-1]),), name, category="temporaries", always_live=False)
+    part.var.mapping[:] = np.repeat(np.asarray(tiles), sizes)
+    return part, offsets
+
+
+def reduce_partials(graph: Graph, body: Sequence, partials: Tensor, positions: np.ndarray, out: Tensor,
+                    name: str) -> None:
+    """out.flat[i] = sum over r of partials.flat[positions[r, i]], rounded once to out's dtype.
+
+    `out` is a whole, mapped variable; the partials of each output element are brought to its
+    tile by one exchange, then each tile's elements are reduced by about one vertex per worker.
+    """
+    r = positions.shape[0]
+    out_tiles = out.tiles().reshape(-1)
+    source = Tensor(partials.var, partials.index.reshape(-1)[positions])
+    gathered = placed(graph, body, source, np.broadcast_to(out_tiles, positions.shape), f"{name}/gathered_partials")
+    cs = graph.addComputeSet(f"{name}/reduce")
+    for tile, pos in tile_regions(out_tiles).items():
+        for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=GRAIN):
+            chunk = pos[b:e]
+            graph.addVertex(cs, REDUCE_VERTEX, tile, {"partials": gathered[:, chunk], "out": flat(out, chunk)}, (r,))
+    body.add(Execute(cs))
+
+
+def float_dtype(t: Tensor, what: str) -> np.dtype:
+    if t.dtype.name not in FLOAT_DTYPES:
+        raise TypeError(f"{what}: tensor {t.name!r} is {t.dtype.name}; this op takes float16 or float32 "
+                        "(cast it first)")
+    return t.dtype
+
+
+def output_dtype(out_dtype, default: np.dtype, what: str) -> np.dtype:
+    dt = np.dtype(out_dtype) if out_dtype is not None else default
+    if dt.name not in FLOAT_DTYPES:
+        raise TypeError(f"{what}: out_dtype {dt.name} is not supported; use float16 or float32")
+    return dt
+
+
+def check_proportion(p: float, what: str) -> None:
+    if not 0 < p <= 1:
+        raise ValueError(f"{what}: available_memory_proportion must be in (0, 1], got {p}")
+
+
+# ---- matmul plan -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MatMulPlan:
+    """How a matmul C[B, M, N] = A[B, M, K] @ B[B, K, N] is spread over tiles."""
+    shape: tuple[int, int, int, int]     # (B, M, N, K)
+    splits: tuple[int, int, int, int]    # parts of (B, M, N, K); one block per tile
+    dtype: str
+    out_dtype: str
+    cycles: int                          # the planner's estimate
+    bytes_per_tile: int                  # working set of the busiest tile
+    fits: bool                           # working set within the available memory proportion
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Block size along (B, M, N, K)."""
+        return tuple(ceil_div(s, p) for s, p in zip(self.shape, self.splits))
+
+    @property
+    def k_split(self) -> int:
+        return self.splits[3]
+
+    @property
+    def tiles_used(self) -> int:
+        return int(np.prod(self.splits))
+
+    @property
+    def partials_dtype(self) -> str:
+        return PARTIALS.name if self.k_split > 1 else self.out_dtype
+
+
+def worker_grid(bb, bm, bn, workers: int):
+    """(row chunks, column chunks) per batch entry that split a [bb, bm, bn] block over about
+    `workers` vertices (ints or arrays)."""
+    per = np.maximum(1, workers // bb)
+    rows = np.minimum(bm, per)
+    return rows, np.minimum(bn, np.maximum(1, per // rows))
+
+
+def matmul_dims(a_shape, b_shape, what: str = "matmul") -> tuple[int, int, int, int]:
+    """(B, M, K, N) of a[.., M, K] @ b[.., K, N]; a clear error for anything else."""
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(a_shape) != len(b_shape) or len(a_shape) not in (2, 3):
+        raise ValueError(f"{what}: expected a[M, K] @ b[K, N] or a[B, M, K] @ b[B, K, N], got shapes "
+                         f"{list(a_shape)} and {list(b_shape)}")
+    if a_shape[-1] != b_shape[-2]:
+        raise ValueError(f"{what}: inner dimensions differ: a is {list(a_shape)} and b is {list(b_shape)} "
+                         f"({a_shape[-1]} != {b_shape[-2]})")
+    if len(a_shape) == 3 and a_shape[0] != b_shape[0]:
+        raise ValueError(f"{what}: batch sizes differ: a is {list(a_shape)} and b is {list(b_shape)}")
+    batch = a_shape[0] if len(a_shape) == 3 else 1
+    dims = (batch, a_shape[-2], a_shape[-1], b_shape[-1])
+    if min(dims) < 1:
+        raise ValueError(f"{what}: empty operand in {list(a_shape)} @ {list(b_shape)}")
+    return dims
+
+
+def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype):
+    """(cycles, working-set bytes) of every candidate split (rows of `splits`), vectorised."""
+    B, M, N, K = dims
+    pb, pm, pn, pk = (splits[:, i] for i in range(4))
+    bb, bm, bn, bk = ceil_div(B, pb), ceil_div(M, pm), ceil_div(N, pn), ceil_div(K, pk)
+    isz, osz, psz = np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize, PARTIALS.itemsize
+    workers, tiles, xb, sync = (target.workers_per_tile, target.num_tiles, target.exchange_bytes_per_cycle,
+                                target.sync_cycles)
+    rows, cols = worker_grid(bb, bm, bn, workers)
+    vertex = matmul_partial_cycles(ceil_div(bm, rows), ceil_div(bn, cols), bk, dtype, target)
+    compute = ceil_div(bb * rows * cols, workers) * (vertex + target.vertex_overhead_cycles)
+    received = (bb * bm * bk + bb * bk * bn) * isz
+    sent = ceil_div(received * (pb * pm * pn * pk), tiles)
+    cycles = compute + ceil_div(np.maximum(received, sent), xb) + 2 * sync
+    split = pk > 1
+    block_out = bb * bm * bn * np.where(split, psz, osz)
+    memory = received + block_out
+    out_tile = linear_tile_elements(B * M * N, tiles)
+    gathered = pk * out_tile * psz
+    reduction = (ceil_div(np.maximum(gathered, bb * bm * bn * psz), xb) + 2 * sync
+                 + reduce_cycles(ceil_div(out_tile, workers), pk, target) + target.vertex_overhead_cycles)
+    cycles = cycles + np.where(split, reduction, 0)
+    memory = np.maximum(memory, np.where(split, block_out + gathered + out_tile * osz, 0))
+    return cycles, memory
+
+
+def plan_matmul(target: Target, a_shape, b_shape, dtype="float32", out_dtype=None,
+                available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> MatMulPlan:
+    """The tile plan `matmul` uses for these shapes and dtypes (see the module doc)."""
+    B, M, K, N = matmul_dims(a_shape, b_shape)
+    check_proportion(available_memory_proportion, "matmul")
+    dtype = np.dtype(dtype)
+    out_dtype = np.dtype(out_dtype) if out_dtype is not None else dtype
+    dims = (B, M, N, K)
+    splits = split_grid(dims, target.num_tiles)
+    cycles, memory = _matmul_model(target, dims, splits, dtype, out_dtype)
+    budget = available_memory_proportion * target.bytes_per_tile
+    best = choose_split(cycles, memory, budget, np.stack([splits.prod(axis=1), splits[:, 3]], axis=1))
+    return MatMulPlan(dims, tuple(int(s) for s in splits[best]), dtype.name, out_dtype.name,
+                      int(cycles[best]), int(memory[best]), bool(memory[best] <= budget))
+
+
+# ---- the op ----------------------------------------------------------------------------------
+def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matmul", *, out_dtype=None,
+           available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> Tensor:
+    """C = a @ b for a[M, K] @ b[K, N] or batched a[B, M, K] @ b[B, K, N] (float16 or float32).
+
+    `out_dtype` (default: the operands' dtype) sets the result's dtype, e.g. float32 results of
+    float16 operands. The plan is `plan_matmul(graph.target, a.shape, b.shape, ...)`.
+    """
+    B, M, K, N = matmul_dims(a.shape, b.shape, name)
+    dtype = float_dtype(a, name)
+    if b.dtype != dtype:
+        raise TypeError(f"{name}: operands {a.name!r} ({dtype.name}) and {b.name!r} ({b.dtype.name}) have "
+                        "different dtypes; cast one first")
+    odt = output_dtype(out_dtype, dtype, name)
+    plan = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion)
+    pb, pm, pn, pk = plan.splits
+    out_shape = (B, M, N) if a.rank == 3 else (M, N)
+    a3, b3 = a.reshape(B, M, K), b.reshape(B, K, N)
+    blocks = list(itertools.product(ranges(B, pb), ranges(M, pm), ranges(N, pn), ranges(K, pk)))
+    tiles = block_tiles(len(blocks), graph.target.num_tiles)
+    if pk == 1:
+        out = graph.addVariable(odt, out_shape, name, category="activations", always_live=False)
+        o3 = out.reshape(B, M, N)
+        for (rb, rm, rn, _), tile in zip(blocks, tiles):
+            graph.setTileMapping(o3[slice(*rb), slice(*rm), slice(*rn)], int(tile))
+    else:
+        out = new_output(graph, odt, out_shape, name)
+        o3 = out.reshape(B, M, N)
+
+    body = Sequence(name=name)
+    lhs = gather(graph, body, a, [a3[slice(*rb), slice(*rm), slice(*rk)] for rb, rm, _, rk in blocks],
+                 tiles, f"{name}/lhs")
+    rhs = gather(graph, body, b, [b3[slice(*rb), slice(*rk), slice(*rn)] for rb, _, rn, rk in blocks],
+                 tiles, f"{name}/rhs")
+    if pk > 1:
+        sizes = [(rb[1] - rb[0]) * (rm[1] - rm[0]) * (rn[1] - rn[0]) for rb, rm, rn, _ in blocks]
+        part, offsets = partials_variable(graph, sizes, tiles, f"{name}/partials")
+        positions = np.empty((pk, out.numel), dtype=np.int64)
+    cs = graph.addComputeSet(f"{name}/product")
+    workers = graph.target.workers_per_tile
+    for i, ((rb, rm, rn, rk), tile) in enumerate(zip(blocks, tiles)):
+        bb, bm, bn, bk = (r[1] - r[0] for r in (rb, rm, rn, rk))
+        box = o3[slice(*rb), slice(*rm), slice(*rn)]
+        if pk == 1:
+            dst = box
+        else:
+            dst = part[offsets[i]:offsets[i + 1]].reshape(bb, bm, bn)
+            positions[i % pk, box.index.reshape(-1)] = np.arange(offsets[i], offsets[i + 1])
+        a_blk, b_blk = lhs[i].reshape(bb, bm, bk), rhs[i].reshape(bb, bk, bn)
+        row_chunks, col_chunks = (int(c) for c in worker_grid(bb, bm, bn, workers))
+        for e in range(bb):
+            for r0, r1 in split_work(bm, row_chunks):
+                for c0, c1 in split_work(bn, col_chunks):
+                    graph.addVertex(cs, MATMUL_VERTEX, int(tile),
+                                    {"a": a_blk[e, r0:r1], "b": b_blk[e, :, c0:c1], "out": dst[e, r0:r1, c0:c1]},
+                                    (r1 - r0, c1 - c0, bk))
+    body.add(Execute(cs))
+    if pk > 1:
+        reduce_partials(graph, body, part, positions, out, name)
+
+    def fast(io):
+        x, y = io.read(a), io.read(b)
+        if dtype != np.float32:
+            x, y = x.astype(np.float32), y.astype(np.float32)
+        io.write(out, np.matmul(x, y))
+
+    prog.add(OpProgram(name, body, fast, (a, b), (out,)))
+    return out
