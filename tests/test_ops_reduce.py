@@ -1,0 +1,354 @@
+"""Reductions and segment maps: numbers against NumPy in both modes, planning, exchanges, cycles."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import ipusim as ip
+from ipusim.ops import reduce as R
+from ipusim.program import Copy, walk
+
+TARGET = ip.Target.test(16, 64 * 1024)
+REFS = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min,
+        "sum_squares": lambda a, axis: np.sum(a * a, axis=axis), "sum_abs": lambda a, axis: np.sum(abs(a), axis=axis)}
+
+
+def variable(g, dtype, shape, name, mapping="linear", rng=None):
+    t = g.addVariable(dtype, shape, name)
+    if mapping == "linear":
+        g.map_linearly(t, grain=4, min_elements_per_tile=8)
+    elif mapping == "rows":
+        g.map_by_dimension(t, 0)
+    elif mapping == "tile0":
+        g.setTileMapping(t, 0)
+    else:  # random runs of elements on random tiles
+        n, i, intervals = t.numel, 0, []
+        while i < n:
+            j = min(n, i + int(rng.integers(1, 9)))
+            intervals.append((int(rng.integers(0, g.target.num_tiles)), i, j))
+            i = j
+        g.setTileMappingIntervals(t, intervals)
+    return t
+
+
+def run_both(g, prog, inputs, outputs):
+    """Run in strict and fast mode; require identical bits and cycles; return the strict results."""
+    results, cycles = {}, {}
+    for mode in ("strict", "fast"):
+        e = ip.Engine(g, prog, mode=mode).load()
+        for t, v in inputs.items():
+            e.writeTensor(t, v)
+        cycles[mode] = e.run()
+        results[mode] = [e.readTensor(o) for o in outputs]
+    assert cycles["strict"] == cycles["fast"]
+    for a, b in zip(results["strict"], results["fast"]):
+        np.testing.assert_array_equal(a, b)
+    return results["strict"], cycles["strict"]
+
+
+@pytest.mark.parametrize("axes", [(1,), (0, 2), None, (), (2, 0)])
+def test_every_op_matches_numpy(axes):
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (6, 37, 5), "x")
+    prog = ip.Sequence()
+    ops = list(REFS)
+    outs = [R.reduce(g, x, axes, op, prog) for op in ops]
+    xv = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+    got, _ = run_both(g, prog, {x: xv}, outs)
+    ax = tuple(sorted(axes)) if axes is not None else None
+    for op, o in zip(ops, got):
+        np.testing.assert_allclose(o, REFS[op](xv.astype(np.float64), axis=ax), rtol=1e-6, atol=1e-6, err_msg=op)
+
+
+def test_keepdims_scale_and_convenience_functions():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (4, 6), "x")
+    prog = ip.Sequence()
+    a = R.reduce(g, x, (1,), "sum", prog, keepdims=True, scale=0.5)
+    b, c, d = R.reduce_sum(g, x, 0, prog), R.reduce_mean(g, x, None, prog), R.reduce_max(g, x, -1, prog)
+    assert a.shape == (4, 1) and b.shape == (6,) and c.shape == () and d.shape == (4,)
+    xv = np.arange(24, dtype=np.float32).reshape(4, 6)
+    (ga, gb, gc, gd), _ = run_both(g, prog, {x: xv}, [a, b, c, d])
+    np.testing.assert_array_equal(ga, xv.sum(1, keepdims=True) * 0.5)
+    np.testing.assert_array_equal(gb, xv.sum(0))
+    assert gc == pytest.approx(xv.mean())
+    np.testing.assert_array_equal(gd, xv.max(1))
+
+
+def test_float16_accumulates_in_float32():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float16", (3000,), "x", "tile0")
+    prog = ip.Sequence()
+    s16 = R.reduce_sum(g, x, None, prog)
+    s32 = R.reduce(g, x, None, "sum", prog, out_dtype="float32")
+    xv = np.ones(3000, np.float16)
+    (a, b), _ = run_both(g, prog, {x: xv}, [s16, s32])
+    # a float16 accumulator would stop at 2048 (2049 rounds back to 2048)
+    assert a.dtype == np.float16 and a == 3000
+    assert b.dtype == np.float32 and b == 3000
+
+
+def test_float16_outputs_round_once():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float16", (8, 50), "x")
+    prog = ip.Sequence()
+    m = R.reduce_mean(g, x, 1, prog)
+    xv = np.random.default_rng(2).standard_normal(x.shape).astype(np.float16)
+    (got,), _ = run_both(g, prog, {x: xv}, [m])
+    ref = xv.astype(np.float64).mean(1)
+    # one rounding of a float64-accurate value: within half an ulp of float16 (plus float32 partials)
+    assert np.all(np.abs(got.astype(np.float64) - ref) <= np.spacing(np.abs(ref).astype(np.float16)) * 0.5 + 1e-6)
+
+
+def test_integer_and_bool_reductions():
+    g = ip.Graph(TARGET)
+    i = variable(g, "int32", (5, 9), "i")
+    b = variable(g, "bool", (5, 9), "b")
+    prog = ip.Sequence()
+    outs = [R.reduce_sum(g, i, 1, prog), R.reduce_max(g, i, 0, prog), R.reduce(g, i, None, "min", prog),
+            R.reduce_sum(g, b, None, prog), R.reduce(g, b, 1, "sum", prog, out_dtype="float32"), R.reduce_max(g, b, 1, prog)]
+    rng = np.random.default_rng(3)
+    iv = rng.integers(-1000, 1000, (5, 9)).astype(np.int32)
+    bv = rng.random((5, 9)) < 0.4
+    got, _ = run_both(g, prog, {i: iv, b: bv}, outs)
+    np.testing.assert_array_equal(got[0], iv.sum(1))
+    np.testing.assert_array_equal(got[1], iv.max(0))
+    assert got[2] == iv.min()
+    assert got[3].dtype == np.int32 and got[3] == bv.sum()
+    np.testing.assert_array_equal(got[4], bv.sum(1).astype(np.float32))
+    assert got[5].dtype == np.bool_ and (got[5] == bv.any(1)).all()
+
+
+def test_nan_propagates_through_max_and_min():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (4, 10), "x")
+    prog = ip.Sequence()
+    mx, mn = R.reduce_max(g, x, 1, prog), R.reduce(g, x, 1, "min", prog)
+    xv = np.arange(40, dtype=np.float32).reshape(4, 10)
+    xv[1, 3] = np.nan
+    (a, b), _ = run_both(g, prog, {x: xv}, [mx, mn])
+    assert np.isnan(a[1]) and np.isnan(b[1])
+    assert a[[0, 2, 3]].tolist() == [9, 29, 39] and b[[0, 2, 3]].tolist() == [0, 20, 30]
+
+
+def test_empty_reductions_follow_torch():
+    g = ip.Graph(TARGET)
+    x = g.addVariable("float32", (3, 0), "x")
+    prog = ip.Sequence()
+    s, m = R.reduce_sum(g, x, 1, prog), R.reduce_mean(g, x, 1, prog)
+    (a, b), _ = run_both(g, prog, {}, [s, m])
+    assert a.tolist() == [0, 0, 0] and np.isnan(b).all()
+    with pytest.raises(ValueError, match="reduced size is 0"):
+        R.reduce_max(g, x, 1, prog)
+    empty_out = R.reduce_sum(g, x, 0, prog)
+    assert empty_out.shape == (0,)
+
+
+def test_identity_copy_with_empty_axes():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (3, 5), "x", "rows")
+    prog = ip.Sequence()
+    c, sq = R.reduce_sum(g, x, (), prog), R.reduce(g, x, (), "sum_squares", prog)
+    xv = np.random.default_rng(4).standard_normal((3, 5)).astype(np.float32)
+    (a, b), cycles = run_both(g, prog, {x: xv}, [c, sq])
+    np.testing.assert_array_equal(a, xv)
+    np.testing.assert_array_equal(b, (xv.astype(np.float64) ** 2).astype(np.float32))
+    # a copy stays on the input's tiles: no exchange at all
+    assert not any(isinstance(p, Copy) for p in walk(prog))
+    assert (c.tiles() == x.tiles()).all()
+
+
+def test_bad_arguments_are_named():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (3, 4), "x")
+    i = variable(g, "int32", (3, 4), "i")
+    prog = ip.Sequence()
+    with pytest.raises(ValueError, match="unknown reduction 'prod'"):
+        R.reduce(g, x, 0, "prod", prog)
+    with pytest.raises(ValueError, match="axis 2 is out of range"):
+        R.reduce_sum(g, x, (2,), prog)
+    with pytest.raises(ValueError, match="repeat an axis"):
+        R.reduce_sum(g, x, (1, -1), prog)
+    with pytest.raises(TypeError, match="mean of int32 tensor 'i'"):
+        R.reduce_mean(g, i, 0, prog)
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 7), min_size=1, max_size=3), data=st.data())
+def test_property_random_shapes_axes_and_mappings(shape, data):
+    rank = len(shape)
+    axes = tuple(data.draw(st.lists(st.integers(0, rank - 1), unique=True, max_size=rank)))
+    op = data.draw(st.sampled_from(sorted(REFS)))
+    mapping = data.draw(st.sampled_from(["linear", "rows", "random"]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 16)))
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", tuple(shape), "x", mapping, rng)
+    prog = ip.Sequence()
+    out = R.reduce(g, x, axes, op, prog)
+    xv = rng.standard_normal(shape).astype(np.float32)
+    (got,), _ = run_both(g, prog, {x: xv}, [out])
+    np.testing.assert_allclose(got, REFS[op](xv.astype(np.float64), axis=tuple(sorted(axes))), rtol=1e-6, atol=1e-6)
+
+
+# ---- planning, exchanges, cycles --------------------------------------------------------------
+def _op_program(prog):
+    (op,) = prog.programs
+    return op
+
+
+def test_rows_on_one_tile_reduce_in_one_stage_without_exchange():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (16, 40), "x", "rows")
+    prog = ip.Sequence()
+    out = R.reduce_sum(g, x, 1, prog)
+    xv = np.random.default_rng(5).standard_normal(x.shape).astype(np.float32)
+    (got,), _ = run_both(g, prog, {x: xv}, [out])
+    np.testing.assert_allclose(got, xv.astype(np.float64).sum(1), rtol=1e-6)
+    assert not any(isinstance(p, Copy) for p in walk(prog))
+    assert (out.tiles() == np.arange(16)).all()  # each row's sum where the row lives
+    e = ip.Engine(g, prog).load()
+    e.run()
+    assert e.last_run.per_ipu[0].exchange == 0
+
+
+def test_strict_mode_really_moves_the_partials():
+    """Rows spread over tiles: the final stage reads partials that only an exchange brings; without
+    that exchange the strict mode computes wrong numbers while the fast mode cannot tell."""
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (4, 64), "x")  # 8 elements per tile: every row spans 8 tiles
+    prog = ip.Sequence()
+    out = R.reduce_sum(g, x, 1, prog)
+    xv = np.random.default_rng(6).standard_normal(x.shape).astype(np.float32) + 1
+    (got,), _ = run_both(g, prog, {x: xv}, [out])
+    np.testing.assert_allclose(got, xv.astype(np.float64).sum(1), rtol=1e-6)
+    e = ip.Engine(g, prog).load()
+    e.run()
+    assert e.last_run.per_ipu[0].exchange > 0
+    body = _op_program(prog).body
+    copies = [i for i, p in enumerate(body.programs) if isinstance(p, Copy)]
+    assert len(copies) == 1
+    body.programs[copies[0]] = ip.Sequence()
+    strict = ip.Engine(g, prog, mode="strict").load()
+    strict.writeTensor(x, xv)
+    strict.run()
+    assert not np.allclose(strict.readTensor(out), got)
+
+
+def test_an_input_on_one_tile_reduces_on_that_tile():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (12, 10), "x", "tile0")
+    g.setTileMapping(x[5], 9)
+    prog = ip.Sequence()
+    out = R.reduce_sum(g, x, 0, prog)
+    xv = np.random.default_rng(7).standard_normal(x.shape).astype(np.float32)
+    (got,), _ = run_both(g, prog, {x: xv}, [out])
+    np.testing.assert_allclose(got, xv.astype(np.float64).sum(0), rtol=1e-6)
+
+
+def test_reduce_estimator_formula():
+    # float32 sum: w = 4, 2 instructions per vector; 3 outputs of 10 elements, scaled
+    assert R.reduce_instructions(3, 10, 2, R.SUM, True, False) == 26 + 3 * (8 + 2 * 2 + 2 + 1)
+    # float16 max: w = 4, 1 instruction per vector, converted output
+    assert R.reduce_instructions(2, 9, 4, R.MAX, False, True) == 26 + 2 * (8 + 2 + 1 + 1)
+    t = ip.GC200
+    vertex_cycles = R.REDUCE_VERTEX.cycles({"x": 30, "out": 3}, (0, 10, 0.5, 0), np.dtype("float32"), t)
+    assert vertex_cycles == t.thread_cycles(26 + 3 * (8 + 2 * 2 + 2 + 1))
+    assert R.segment_map_instructions(3, 10, 2, 6) == 17 + 3 * 4 + 3 * 5 * 2
+    assert R.segment_map_instructions(2, 7, 4, 0) == 17 + 2 * 4 + 2 * 7 * 16  # exp is not vectorised
+
+
+def test_plan_cost_is_the_engine_cost():
+    for mapping, shape, axes in [("rows", (16, 40), (1,)), ("linear", (4, 64), (1,)), ("linear", (24, 30), (0,)),
+                                 ("linear", (600,), None)]:
+        g = ip.Graph(TARGET)
+        x = variable(g, "float32", shape, "x", mapping)
+        prog = ip.Sequence()
+        R.reduce(g, x, axes, "mean", prog)
+        ax = R.normalize_axes(axes, x.rank, "t")
+        idx, out_shape, _ = R.output_index(shape, ax)
+        plan = R.plan_reduction(x.tiles(), idx, int(np.prod(out_shape)), TARGET, R.SUM, np.float32, np.float32,
+                                np.float32, True)
+        e = ip.Engine(g, prog).load()
+        assert e.run() == plan.cycles, (mapping, shape, plan.description)
+
+
+def test_planner_spreads_the_final_stage_when_outputs_have_many_partials():
+    g = ip.Graph(ip.GC200)
+    x = g.addVariable("float32", (64, 128), "x")
+    g.map_linearly(x, grain=4, min_elements_per_tile=64)  # one half row per tile
+    idx, out_shape, _ = R.output_index(x.shape, (0,))
+    plan = R.plan_reduction(x.tiles(), idx, 128, ip.GC200, R.SUM, np.float32, np.float32, np.float32, False)
+    owner_tiles = np.unique(plan.partial.seg_tile[np.unique(plan.partial.seg_out, return_index=True)[1]])
+    assert "spread" in plan.description and np.unique(plan.out_tiles).size == 32 and owner_tiles.size <= 2
+
+
+def test_vertex_groups_split_work_over_workers():
+    tiles = np.array([0] * 12 + [1] * 2)
+    counts = np.array([10] * 12 + [3, 5])
+    groups = R.vertex_groups(tiles, counts, 6)
+    assert [(t, a, b) for t, a, b in groups if t == 0] == [(0, 0, 2), (0, 2, 4), (0, 4, 6), (0, 6, 8), (0, 8, 10),
+                                                          (0, 10, 12)]
+    assert [(t, a, b) for t, a, b in groups if t == 1] == [(1, 12, 13), (1, 13, 14)]  # unequal counts never share
+
+
+def test_segment_plan_splits_long_segments_and_runs():
+    tiles = np.zeros(40, dtype=np.int64)
+    plan = R.plan_segments(tiles, np.zeros(40, dtype=np.int64), workers=6)
+    assert plan.counts.tolist() == [8] * 5  # ceil(40 / 6) = 7, rounded up to the vector grain
+    gaps = R.plan_segments(np.array([0, 0, 1, 0, 0]), np.zeros(5), stride=1)
+    assert gaps.counts.tolist() == [2, 2, 1] and gaps.perm.tolist() == [0, 1, 3, 4, 2]
+
+
+# ---- segment maps ----------------------------------------------------------------------------
+def test_segment_map_ops_match_numpy():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (5, 12), "x")
+    b = variable(g, "float32", (5, 12), "b", "rows")
+    w = variable(g, "float32", (12,), "w", "tile0")
+    r = variable(g, "float32", (5,), "r", "tile0")
+    q = variable(g, "float32", (5,), "q")
+    prog = ip.Sequence()
+    outs = {"sub": R.segment_map(g, "sub", x, 1, prog, "sub", r=r),
+            "normalise": R.segment_map(g, "normalise", x, 1, prog, "n", r=r, q=q),
+            "norm_affine": R.segment_map(g, "norm_affine", x, 1, prog, "na", r=r, q=q, b=w, c=b),
+            "mul": R.segment_map(g, "mul", x, 1, prog, "m", b=b),
+            "norm_grad": R.segment_map(g, "norm_grad", x, 1, prog, "ng", r=r, q=q, s=q, b=b),
+            "nll_pick": R.segment_map(g, "nll_pick", x, 1, prog, "pick", r=r, param=-100.0)}
+    rng = np.random.default_rng(8)
+    xv, bv, wv = (rng.standard_normal(s).astype(np.float32) for s in ((5, 12), (5, 12), (12,)))
+    rv, qv = np.array([3, 0, 11, -100, 20], np.float32), rng.random(5).astype(np.float32) + 0.5
+    got, _ = run_both(g, prog, {x: xv, b: bv, w: wv, r: rv, q: qv}, list(outs.values()))
+    X, B, W, Rr, Q = (a.astype(np.float64) for a in (xv, bv, wv, rv[:, None], qv[:, None]))
+    cols = np.arange(12)[None, :]
+    refs = {"sub": X - Rr, "normalise": (X - Rr) * Q, "norm_affine": (X - Rr) * Q * W + B, "mul": X * B,
+            "norm_grad": Q * (X - Rr - B * Q), "nll_pick": np.where(cols == Rr, -X, 0.0)}
+    for (k, ref), o in zip(refs.items(), got):
+        np.testing.assert_allclose(o, ref, rtol=1e-6, atol=1e-7, err_msg=k)
+    assert (outs["sub"].tiles() == x.tiles()).all()
+
+
+def test_segment_map_argument_errors():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (5, 12), "x")
+    r = variable(g, "float32", (4,), "r")
+    prog = ip.Sequence()
+    with pytest.raises(ValueError, match="unknown segment op"):
+        R.segment_map(g, "tan", x, 1, prog, "bad", r=r)
+    with pytest.raises(ValueError, match="needs r="):
+        R.segment_map(g, "sub", x, 1, prog, "bad")
+    with pytest.raises(ValueError, match="statistics 'r'"):
+        R.segment_map(g, "sub", x, 1, prog, "bad", r=r)
+    with pytest.raises(ValueError, match="indexes along one axis"):
+        R.segment_map(g, "nll_pick", x, (0, 1), prog, "bad", r=r.reshape(4)[0])
+
+
+def test_segment_map_exchanges_statistics_once_per_segment():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (4, 64), "x")  # 16 elements per tile: each row on 4 tiles
+    r = variable(g, "float32", (4,), "r", "tile0")
+    prog = ip.Sequence()
+    R.segment_map(g, "sub", x, 1, prog, "sub", r=r)
+    copies = [p for p in walk(prog) if isinstance(p, Copy)]
+    # 4 rows x 4 tiles, not 256 elements, though each tile's 16 elements run on 4 workers
+    assert len(copies) == 1 and copies[0].dst.numel == 16
+    (cs,) = [p.compute_set for p in walk(prog) if isinstance(p, ip.Execute)]
+    assert len(cs.vertices) == 64
