@@ -327,6 +327,9 @@ def test_step_counter_advances_inside_one_run(mode):
     np.testing.assert_allclose(e.readTensor(w), ref_w, rtol=1e-6, atol=1e-7)
     assert state.read(e)["step"] == 3
     assert (e.readTensor(state.step) == 3).all()
+    assert opt.state_of(w) is state
+    with pytest.raises(KeyError, match="no state for weight 'grad'"):
+        opt.state_of(grad)
 
 
 def test_set_refuses_structural_and_unknown_changes():
