@@ -1,0 +1,894 @@
+"""``DataLoader`` and ``AsynchronousDataAccessor`` with PopTorch's semantics.
+
+``DataLoader`` yields batches of the combined batch size (``batch_size *
+deviceIterations * replicationFactor * gradientAccumulation``), so each item
+feeds exactly one model call. In a run over ``P`` processes each process reads
+its own contiguous share of the dataset, ``combined * (N // (combined * P))``
+samples from offset ``process_id * share``; with ``shuffle`` the shares are cut
+from one global permutation seeded by ``Options.randomSeed``, identical in
+every process and new every epoch, and the samples ``drop_last`` left over in
+one epoch come first in the next.
+
+``AsynchronousDataAccessor`` iterates a dataset or loader in a worker process
+that keeps up to ``buffer_size`` batches ready while the caller computes.
+"""
+import atexit
+import collections
+import logging
+import multiprocessing
+import numbers
+import os
+import pickle
+import queue
+import shutil
+import signal
+import tempfile
+import traceback
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.multiprocessing  # noqa: F401  (tensors cross processes via shared memory)
+import torch.utils.data
+
+from .batching import combined_batch_size
+from .enums import DataLoaderMode, SharingStrategy
+from .options import Options
+
+logger = logging.getLogger("poptorch_lite")
+
+# --- distributed sharding -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessShard:
+    """The contiguous range of the global sample order one process reads."""
+    offset: int
+    length: int
+    leftovers: int  # samples no process reads this epoch
+
+
+def process_shard(num_samples: int, combined: int, process_id: int,
+                  num_processes: int, drop_last: bool) -> ProcessShard:
+    """Split ``num_samples`` between processes.
+
+    With ``drop_last`` every process gets the same whole number of combined
+    batches, ``combined * (num_samples // (combined * num_processes))``
+    samples from offset ``process_id`` times that; the rest is left over.
+    Without it the samples are spread as evenly as possible and the last
+    batch of a process may be incomplete.
+    """
+    if drop_last:
+        per_process = combined * (num_samples // (combined * num_processes))
+        return ProcessShard(process_id * per_process, per_process,
+                            num_samples - num_processes * per_process)
+    base, extra = divmod(num_samples, num_processes)
+    offset = process_id * base + min(process_id, extra)
+    return ProcessShard(offset, base + (process_id < extra), 0)
+
+
+class _GlobalOrder:
+    """The sample order of each epoch, the same in every process.
+
+    A permutation drawn from a generator seeded with the options' random
+    seed, advanced once per epoch; the samples left over by the previous
+    epoch are moved to the front so that none is skipped twice in a row.
+    (The state is kept as plain data: a ``torch.Generator`` or an empty
+    tensor cannot be sent to a spawned worker through shared memory.)
+    """
+
+    def __init__(self, num_samples: int, seed: int, used: int):
+        self._num_samples = num_samples
+        self._used = used
+        self._seed = seed
+        self._generator_state = None
+        self._leftovers = None
+
+    def next_epoch(self) -> torch.Tensor:
+        generator = torch.Generator()
+        if self._generator_state is None:
+            generator.manual_seed(self._seed)
+        else:
+            generator.set_state(
+                torch.frombuffer(bytearray(self._generator_state),
+                                 dtype=torch.uint8))
+        order = torch.randperm(self._num_samples, generator=generator)
+        self._generator_state = generator.get_state().numpy().tobytes()
+        if self._leftovers is not None:
+            was_left = torch.zeros(self._num_samples, dtype=torch.bool)
+            was_left[self._leftovers] = True
+            first = was_left[order]
+            order = torch.cat([order[first], order[~first]])
+        self._leftovers = (order[self._used:].clone()
+                           if self._used < self._num_samples else None)
+        return order
+
+
+class _ShardDataset(torch.utils.data.Dataset):
+    """One process's view of a map-style dataset.
+
+    ``order`` (global order of this epoch, in shared memory so that
+    persistent torch workers see each update) maps positions to samples;
+    None means the natural order.
+    """
+
+    def __init__(self, dataset, shard: ProcessShard,
+                 order: Optional[torch.Tensor]):
+        self.dataset = dataset
+        self.shard = shard
+        self.order = order
+
+    def __len__(self):
+        return self.shard.length
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.shard.length:
+            raise IndexError(f"sample {index} is outside this process's "
+                             f"{self.shard.length} samples")
+        position = self.shard.offset + index
+        if self.order is not None:
+            position = int(self.order[position])
+        return self.dataset[position]
+
+
+# --- DataLoader -----------------------------------------------------------
+
+
+def _count_arg(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} expects an int >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    return int(value)
+
+
+class DataLoader(torch.utils.data.DataLoader):
+    """A ``torch.utils.data.DataLoader`` whose items feed one model call each.
+
+    :param options: the ``Options`` of the model the data is for (frozen here).
+    :param batch_size: the micro-batch size; items hold ``batch_size *
+        deviceIterations * replicationFactor * gradientAccumulation`` samples
+        (``combinedBatchSize``). None passes the dataset's items unbatched.
+    :param shuffle: shuffle every epoch; in a distributed run this needs
+        ``options.randomSeed`` so that all processes agree on the order.
+    :param drop_last: drop the samples that do not fill a whole item. With
+        False the last item is smaller (a warning says so) and a model call
+        will reject it unless the batching options are all 1.
+    :param auto_distributed_partitioning: give each process its own share of
+        a map-style dataset (see ``process_shard``).
+    :param mode: ``DataLoaderMode.Sync``, ``Async`` or ``AsyncRebatched``.
+    :param async_options: keyword arguments of ``AsynchronousDataAccessor``.
+    :param rebatched_worker_size: with ``AsyncRebatched``, the batch size the
+        torch loader produces (at most the combined batch size; default: the
+        combined batch size).
+    :param kwargs: passed to ``torch.utils.data.DataLoader``.
+    """
+
+    def __init__(self,
+                 options: Options,
+                 dataset,
+                 batch_size: Optional[int] = 1,
+                 shuffle: Optional[bool] = None,
+                 num_workers: int = 0,
+                 drop_last: bool = True,
+                 persistent_workers: Optional[bool] = None,
+                 auto_distributed_partitioning: bool = True,
+                 mode: DataLoaderMode = DataLoaderMode.Sync,
+                 async_options: Optional[Dict[str, Any]] = None,
+                 rebatched_worker_size: Optional[int] = None,
+                 **kwargs):
+        if not isinstance(options, Options):
+            raise TypeError("DataLoader expects poptorch_lite.Options as its "
+                            f"first argument, got {options!r}.")
+        if not isinstance(mode, DataLoaderMode):
+            raise TypeError("DataLoader: mode must be DataLoaderMode.Sync, "
+                            f"Async or AsyncRebatched, got {mode!r}.")
+        if batch_size is not None:
+            batch_size = _count_arg("DataLoader: batch_size", batch_size, 1)
+        num_workers = _count_arg("DataLoader: num_workers", num_workers, 0)
+        shuffle = bool(shuffle)
+        if persistent_workers is None:
+            persistent_workers = num_workers > 0
+        combined = None if batch_size is None else combined_batch_size(
+            batch_size, options, training=True)
+        num_processes = options.Distributed.numProcesses
+        self._global_order = None
+
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            if auto_distributed_partitioning and num_processes > 1:
+                raise ValueError(
+                    "DataLoader: auto_distributed_partitioning cannot split "
+                    "an IterableDataset between processes. Split it yourself "
+                    "(for example by options.Distributed.processId) and pass "
+                    "auto_distributed_partitioning=False.")
+            if num_workers > 1 and "worker_init_fn" not in kwargs:
+                logger.warning(
+                    "IterableDataset used with num_workers=%d and no "
+                    "worker_init_fn: every worker iterates the whole dataset, "
+                    "so each sample is returned %d times (see "
+                    "torch.utils.data.IterableDataset).", num_workers,
+                    num_workers)
+        else:
+            if num_processes > 1 and auto_distributed_partitioning:
+                dataset, shuffle = self._shard(dataset, options, combined,
+                                               shuffle, drop_last)
+            leftover = 0 if combined is None else len(dataset) % combined
+            if not drop_last and leftover:
+                logger.warning(
+                    "The dataset's %d samples (for this process) are not a "
+                    "multiple of the combined batch size %d and "
+                    "drop_last=False: the last batch holds %d samples, which "
+                    "a model call only accepts if it is a multiple of "
+                    "deviceIterations * replicationFactor * "
+                    "gradientAccumulation. Use drop_last=True to avoid it.",
+                    len(dataset), combined, leftover)
+
+        # Without batching there is no incomplete batch to drop.
+        loader_batch_size, loader_drop_last, rebatched_size = \
+            combined, drop_last and combined is not None, None
+        if mode == DataLoaderMode.AsyncRebatched:
+            if combined is None:
+                raise ValueError("DataLoader: DataLoaderMode.AsyncRebatched "
+                                 "needs a batch_size.")
+            rebatched_size, loader_drop_last = combined, False
+            if rebatched_worker_size is not None:
+                loader_batch_size = _count_arg(
+                    "DataLoader: rebatched_worker_size", rebatched_worker_size,
+                    1)
+                if loader_batch_size > combined:
+                    raise ValueError(
+                        f"DataLoader: rebatched_worker_size "
+                        f"({loader_batch_size}) must be <= the combined batch "
+                        f"size ({combined}).")
+        elif rebatched_worker_size is not None:
+            raise ValueError("DataLoader: rebatched_worker_size is only used "
+                             "with mode=DataLoaderMode.AsyncRebatched.")
+
+        super().__init__(dataset,
+                         batch_size=loader_batch_size,
+                         shuffle=shuffle,
+                         num_workers=num_workers,
+                         drop_last=loader_drop_last,
+                         persistent_workers=persistent_workers,
+                         **kwargs)
+        options._freeze()  # pylint: disable=protected-access
+        self._options = options
+        self._combined_batch_size = combined
+        self._rebatched_drop_last = drop_last
+        self._accessor = None
+        if mode != DataLoaderMode.Sync:
+            async_options = dict(async_options or {})
+            if "rebatched_size" in async_options:
+                raise ValueError(
+                    "DataLoader: do not put rebatched_size in async_options; "
+                    "use mode=DataLoaderMode.AsyncRebatched, which rebatches "
+                    "to the combined batch size.")
+            self._accessor = AsynchronousDataAccessor(
+                self, rebatched_size=rebatched_size, **async_options)
+            self._accessor._hold_source_weakly()  # pylint: disable=protected-access
+
+    def _shard(self, dataset, options, combined, shuffle, drop_last):
+        if combined is None:
+            raise ValueError("DataLoader: batch_size=None cannot be used with "
+                             "auto_distributed_partitioning: the shares of "
+                             "the processes are whole combined batches.")
+        if shuffle and options.random_seed is None:
+            raise ValueError(
+                "DataLoader: shuffling in a distributed run needs "
+                "options.randomSeed(seed) with the same seed in every "
+                "process, so that they all shuffle the same way and read "
+                "disjoint samples.")
+        num_samples = len(dataset)
+        num_processes = options.Distributed.numProcesses
+        shard = process_shard(num_samples, combined,
+                              options.Distributed.processId, num_processes,
+                              drop_last)
+        if shard.length == 0:
+            needed = combined * num_processes if drop_last else num_processes
+            raise ValueError(
+                f"DataLoader: the dataset has {num_samples} samples, but "
+                f"{num_processes} processes need at least {needed} "
+                f"(drop_last={drop_last}, combined batch size {combined}) so "
+                f"that each reads something. Use a smaller batch_size or "
+                f"fewer processes.")
+        order = None
+        if shuffle:
+            self._global_order = _GlobalOrder(
+                num_samples, options.random_seed,
+                num_samples - shard.leftovers)
+            order = torch.arange(num_samples).share_memory_()
+        return _ShardDataset(dataset, shard, order), False
+
+    @property
+    def combinedBatchSize(self) -> Optional[int]:
+        """Samples per item: the samples one model call consumes."""
+        return self._combined_batch_size
+
+    @property
+    def options(self) -> Options:
+        """The (frozen) options this loader was built for."""
+        return self._options
+
+    def __len__(self) -> int:
+        accessor = self._accessor
+        if accessor is not None and accessor.rebatched_size:
+            samples = len(self.dataset)
+            batches, rest = divmod(samples, accessor.rebatched_size)
+            return batches + (1 if rest and not self._rebatched_drop_last
+                              else 0)
+        return super().__len__()
+
+    def __iter__(self):
+        if self._accessor is not None:
+            return iter(self._accessor)
+        if self._global_order is not None:
+            self.dataset.order.copy_(self._global_order.next_epoch())
+        return super().__iter__()
+
+    def terminate(self) -> None:
+        """Stop the asynchronous worker, if any (also done by ``del``, a
+        ``with`` block and interpreter exit)."""
+        if self._accessor is not None:
+            self._accessor.terminate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.terminate()
+
+    def __del__(self):
+        if getattr(self, "_accessor", None) is not None:
+            self.terminate()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_accessor"] = None
+        state["_iterator"] = None
+        return state
+
+
+# --- asynchronous loading -------------------------------------------------
+
+_LIVE_ACCESSORS = weakref.WeakSet()
+
+
+@atexit.register
+def _terminate_live_accessors():
+    for accessor in list(_LIVE_ACCESSORS):
+        accessor.terminate()
+
+
+@dataclass(frozen=True)
+class _WorkerSettings:
+    buffer_size: int
+    load_indefinitely: bool
+    early_preload: bool
+    rebatched_size: Optional[int]
+    rebatched_drop_last: bool
+    parent_pid: int
+
+
+def _leading_rows(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError("rebatching joins items along their first "
+                             "(batch) dimension, so items must be batched "
+                             "tensors (for example from a DataLoader); got "
+                             "a 0-d tensor")
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch:
+        rows = {_leading_rows(b) for b in batch}
+    elif isinstance(batch, dict) and batch:
+        rows = {_leading_rows(b) for b in batch.values()}
+    else:
+        raise TypeError("rebatching needs tensors or lists, tuples or dicts "
+                        f"of tensors, got {type(batch).__name__}")
+    if len(rows) != 1:
+        raise ValueError(f"rebatching needs the same batch size in every "
+                         f"tensor of an item, got {sorted(rows)}")
+    return rows.pop()
+
+
+def _like(sequence, values):
+    """A list, tuple or namedtuple of the same type as ``sequence``."""
+    if hasattr(sequence, "_fields"):
+        return type(sequence)(*values)
+    return type(sequence)(values)
+
+
+def _concat(first, second):
+    if isinstance(first, torch.Tensor):
+        return torch.cat([first, second])
+    if isinstance(first, dict):
+        return {k: _concat(first[k], second[k]) for k in first}
+    return _like(first, [_concat(a, b) for a, b in zip(first, second)])
+
+
+def _split(batch, rows: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[:rows], batch[rows:]
+    if isinstance(batch, dict):
+        pairs = {k: _split(v, rows) for k, v in batch.items()}
+        return ({k: p[0] for k, p in pairs.items()},
+                {k: p[1] for k, p in pairs.items()})
+    pairs = [_split(b, rows) for b in batch]
+    return (_like(batch, [p[0] for p in pairs]),
+            _like(batch, [p[1] for p in pairs]))
+
+
+def _describe_exception(error: BaseException) -> Tuple[Optional[bytes], str,
+                                                       str]:
+    text = "".join(traceback.format_exception(error))
+    try:
+        blob = pickle.dumps(error)
+        pickle.loads(blob)
+    except Exception:  # pylint: disable=broad-except
+        blob = None
+    return blob, type(error).__qualname__, text
+
+
+class _Worker:
+    """The loop of the worker process.
+
+    It loads items of the current epoch while it has credits (free ring
+    buffer slots) and sends them tagged with the epoch id. The host sends
+    ``("start", epoch)``, ``("credit", n)`` and ``("stop",)``; a start for an
+    epoch the worker already runs (it starts the next epoch by itself when
+    ``load_indefinitely``) is ignored.
+    """
+
+    def __init__(self, source, data_queue, commands, settings):
+        self.source = source
+        self.data = data_queue
+        self.commands = commands
+        self.settings = settings
+        self.credits = settings.buffer_size
+        self.epoch = None
+        self.iterator = None
+        self.ready = collections.deque()
+        self.carry = None
+        self.exhausted = False
+        self.sent = 0  # items sent in the current epoch
+        self.stopping = False
+        self.start_parent = os.getppid()
+
+    def run(self) -> None:
+        if self.settings.early_preload:
+            self.begin(0)
+        while not self.stopping:
+            # Sending "end" needs no credit; loading or sending an item does.
+            can_step = self.epoch is not None and (
+                self.credits > 0 or (self.exhausted and not self.ready))
+            self.read_commands(wait=not can_step)
+            if can_step and not self.stopping:
+                self.step()
+
+    def read_commands(self, wait: bool) -> None:
+        try:
+            if not self.commands.poll(0.5 if wait else 0):
+                if wait and not self.host_alive():
+                    self.stopping = True
+                return
+            while not self.stopping and self.commands.poll():
+                self.handle(self.commands.recv())
+        except (EOFError, OSError):
+            self.stopping = True
+
+    def host_alive(self) -> bool:
+        if os.getppid() != self.start_parent:
+            return False  # our parent died: we were re-parented
+        # A forkserver worker's parent is the server, not the host.
+        return (self.start_parent == self.settings.parent_pid
+                or _running(self.settings.parent_pid))
+
+    def handle(self, command) -> None:
+        if command[0] == "stop":
+            self.stopping = True
+        elif command[0] == "credit":
+            self.credits += command[1]
+        elif command[0] == "start":
+            if self.epoch is None or command[1] > self.epoch:
+                self.begin(command[1])
+
+    def begin(self, epoch: int) -> None:
+        self.iterator = None  # let the previous iterator release its workers
+        self.ready.clear()
+        self.carry = None
+        self.exhausted = False
+        self.sent = 0
+        self.epoch = epoch
+        try:
+            self.iterator = iter(self.source)
+        except Exception as error:  # pylint: disable=broad-except
+            self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        self.data.put(("error", self.epoch, *_describe_exception(error)))
+        self.epoch, self.iterator = None, None
+
+    def step(self) -> None:
+        if not self.ready and not self.exhausted:
+            try:
+                self.pull()
+            except Exception as error:  # pylint: disable=broad-except
+                self.fail(error)
+                return
+        if self.ready:
+            self.credits -= 1
+            self.sent += 1
+            self.data.put(("data", self.epoch, self.ready.popleft()))
+        elif self.exhausted:
+            finished = self.epoch
+            self.data.put(("end", finished))
+            # An empty epoch is not repeated by itself: it would spin.
+            if self.settings.load_indefinitely and self.sent:
+                self.begin(finished + 1)
+            else:
+                self.epoch, self.iterator = None, None
+
+    def pull(self) -> None:
+        size = self.settings.rebatched_size
+        try:
+            item = next(self.iterator)
+        except StopIteration:
+            self.exhausted = True
+            if self.carry is not None and not self.settings.rebatched_drop_last:
+                self.ready.append(self.carry)
+            self.carry = None
+            return
+        if size is None:
+            self.ready.append(item)
+            return
+        self.carry = item if self.carry is None else _concat(self.carry, item)
+        while self.carry is not None and _leading_rows(self.carry) >= size:
+            head, rest = _split(self.carry, size)
+            self.ready.append(head)
+            self.carry = rest if _leading_rows(rest) else None
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs; a zombie (dead, not yet reaped) does not."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _worker_main(payload, data_queue, commands, settings) -> None:
+    """Entry point of the worker process."""
+    # The host owns shutdown: Ctrl-C reaches it, and it stops this worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if isinstance(payload, str):
+            with open(payload, "rb") as dump:
+                payload = pickle.load(dump)
+        if isinstance(payload, DataLoader):
+            payload._accessor = None  # this copy loads synchronously
+    except Exception as error:  # pylint: disable=broad-except
+        data_queue.put(("error", None, *_describe_exception(error)))
+        return
+    data_queue.put(("ready", ))
+    _Worker(payload, data_queue, commands, settings).run()
+    data_queue.cancel_join_thread()  # undelivered items are not needed
+
+
+class _VerbatimMessage(str):
+    """A message KeyError prints as is (it normally shows its repr)."""
+
+    def __repr__(self):
+        return str(self)
+
+
+_START_METHODS = {
+    SharingStrategy.SharedMemory: "spawn",
+    SharingStrategy.FileSystem: "spawn",
+    SharingStrategy.Fork: "fork",
+    SharingStrategy.ForkServer: "forkserver",
+}
+
+
+class AsynchronousDataAccessor:
+    """Iterates ``dataset`` (any iterable: a dataset, a ``DataLoader``, ...)
+    in a worker process that loads ahead while the caller computes.
+
+    At most ``buffer_size`` items are loaded and not yet released (an item is
+    released when the next one is requested). Items are fresh tensors: they
+    stay valid after the next request.
+
+    :param buffer_size: size of the ring buffer of loaded items.
+    :param miss_sleep_time_in_ms: accepted for PopTorch compatibility; the
+        worker here wakes as soon as a slot frees, without polling.
+    :param load_indefinitely: start loading the next epoch as soon as one
+        ends (otherwise wait until the next ``iter()``).
+    :param early_preload: start loading at construction rather than at the
+        first ``iter()``.
+    :param sharing_strategy: how the dataset reaches the worker (see
+        ``SharingStrategy``); the spawning strategies need a picklable
+        dataset and, in scripts, an ``if __name__ == "__main__":`` guard.
+    :param rebatched_size: if set, concatenate and split the items into
+        batches of this many samples (incomplete final batch dropped unless
+        the dataset is a ``DataLoader`` with ``drop_last=False``).
+
+    An error in the worker is raised by ``next()`` with the worker's
+    traceback in its message. ``terminate()``, a ``with`` block, ``del``
+    and interpreter exit stop the worker.
+    """
+
+    def __init__(self,
+                 dataset,
+                 buffer_size: int = 3,
+                 miss_sleep_time_in_ms: float = 0.1,
+                 load_indefinitely: bool = True,
+                 early_preload: bool = False,
+                 sharing_strategy: SharingStrategy = SharingStrategy.FileSystem,
+                 rebatched_size: Optional[int] = None):
+        self._process = None
+        self._payload_dir = None
+        buffer_size = _count_arg("AsynchronousDataAccessor: buffer_size",
+                                 buffer_size, 1)
+        if isinstance(miss_sleep_time_in_ms, bool) or not isinstance(
+                miss_sleep_time_in_ms,
+                numbers.Real) or miss_sleep_time_in_ms <= 0:
+            raise ValueError("AsynchronousDataAccessor: miss_sleep_time_in_ms "
+                             f"must be a positive number, got "
+                             f"{miss_sleep_time_in_ms!r}.")
+        for name, flag in (("load_indefinitely", load_indefinitely),
+                           ("early_preload", early_preload)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"AsynchronousDataAccessor: {name} expects "
+                                f"True or False, got {flag!r}.")
+        if not isinstance(sharing_strategy, SharingStrategy):
+            raise TypeError("AsynchronousDataAccessor: sharing_strategy must "
+                            "be a SharingStrategy, got "
+                            f"{sharing_strategy!r}.")
+        if rebatched_size is not None:
+            rebatched_size = _count_arg(
+                "AsynchronousDataAccessor: rebatched_size", rebatched_size, 2)
+        if isinstance(dataset, DataLoader) and dataset._accessor is not None:  # pylint: disable=protected-access
+            raise ValueError(
+                "This DataLoader already loads through its own "
+                "AsynchronousDataAccessor: iterate the DataLoader directly, "
+                "or build it with mode=DataLoaderMode.Sync.")
+        self.rebatched_size = rebatched_size
+        self._source = dataset
+        self._source_ref = None
+        self._owner_pid = os.getpid()
+        self._settings = _WorkerSettings(
+            buffer_size, load_indefinitely, early_preload, rebatched_size,
+            getattr(dataset, "_rebatched_drop_last", True), os.getpid())
+        self._start_worker(dataset, sharing_strategy)
+        # Host-side view of the worker's epochs (see _Worker).
+        self._last_started = 0 if early_preload else -1
+        self._prefetched = 0 if early_preload else None
+        self._current = None
+        self._done = True
+        self._received = 0
+        self._holding = False
+        self._broken = None
+
+    def _start_worker(self, dataset, sharing_strategy) -> None:
+        context = multiprocessing.get_context(_START_METHODS[sharing_strategy])
+        payload = dataset
+        if sharing_strategy == SharingStrategy.FileSystem:
+            self._payload_dir = tempfile.mkdtemp(prefix="poptorch_lite_data_")
+            payload = os.path.join(self._payload_dir, "dataset.pkl")
+            try:
+                with open(payload, "wb") as dump:
+                    pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as error:
+                self._remove_payload()
+                raise TypeError(self._pickle_advice(sharing_strategy,
+                                                    error)) from error
+        self._data = context.Queue()
+        commands_reader, self._commands = context.Pipe(duplex=False)
+        process = context.Process(target=_worker_main,
+                                  args=(payload, self._data, commands_reader,
+                                        self._settings),
+                                  name="AsynchronousDataAccessor",
+                                  daemon=False)
+        try:
+            process.start()
+        except Exception as error:
+            self._remove_payload()
+            raise TypeError(self._pickle_advice(sharing_strategy,
+                                                error)) from error
+        finally:
+            commands_reader.close()
+        self._process = process
+        _LIVE_ACCESSORS.add(self)
+
+    @staticmethod
+    def _pickle_advice(sharing_strategy, error) -> str:
+        return (f"AsynchronousDataAccessor could not send the dataset to its "
+                f"worker process with SharingStrategy.{sharing_strategy.name} "
+                f"({type(error).__name__}: {error}). Make the dataset "
+                f"picklable (classes defined at module level, no open files, "
+                f"locks or generators) or use "
+                f"sharing_strategy=SharingStrategy.Fork.")
+
+    def _hold_source_weakly(self) -> None:
+        """Keep only a weak reference to the source (a DataLoader that owns
+        this accessor), so that dropping the loader stops the worker."""
+        self._source_ref = weakref.ref(self._source)
+        self._source = None
+
+    def _source_object(self):
+        return self._source if self._source_ref is None else self._source_ref()
+
+    def __len__(self) -> int:
+        source = self._source_object()
+        length = len(source)
+        owner = getattr(source, "_accessor", None)
+        if self.rebatched_size and owner is not self and hasattr(
+                source, "batch_size") and source.batch_size:
+            length = length * source.batch_size // self.rebatched_size
+        return length
+
+    # --- iteration --------------------------------------------------------
+
+    def __iter__(self) -> "AsynchronousDataAccessor":
+        if self._process is None:
+            raise RuntimeError("This AsynchronousDataAccessor was terminated: "
+                               "create a new one to load data again.")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        self._release()
+        if self._prefetched is not None:
+            self._current, self._prefetched = self._prefetched, None
+        else:
+            self._last_started += 1
+            self._current = self._last_started
+            self._send(("start", self._current))
+        self._done = False
+        self._received = 0
+        return self
+
+    def __next__(self):
+        if self._current is None or self._done or self._process is None:
+            raise StopIteration
+        self._release()
+        while True:
+            message = self._receive()
+            kind = message[0]
+            if kind == "ready":
+                self._remove_payload()
+                continue
+            epoch = message[1]
+            if kind == "error" and epoch is None:
+                self._done = True
+                self._broken = ("The AsynchronousDataAccessor worker process "
+                                "could not load the dataset (see the error "
+                                "above); create a new accessor.")
+                raise self._worker_error(message)
+            if kind == "end" and self._settings.load_indefinitely:
+                self._last_started = max(self._last_started, epoch + 1)
+            if epoch != self._current:
+                if kind == "data":
+                    self._send(("credit", 1))
+                continue
+            if kind == "data":
+                self._holding = True
+                self._received += 1
+                return message[2]
+            self._done = True
+            if kind == "end":
+                # The worker goes on with the next epoch unless this one
+                # was empty (see _Worker.step).
+                if self._settings.load_indefinitely and self._received:
+                    self._prefetched = epoch + 1
+                raise StopIteration
+            raise self._worker_error(message)
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._send(("credit", 1))
+
+    def _send(self, command) -> None:
+        try:
+            self._commands.send(command)
+        except (BrokenPipeError, OSError):
+            raise self._death_error() from None
+
+    def _receive(self):
+        while True:
+            try:
+                return self._data.get(timeout=0.1)
+            except queue.Empty:
+                if self._process.is_alive():
+                    continue
+                try:  # it may have sent something just before exiting
+                    return self._data.get(timeout=0.1)
+                except queue.Empty:
+                    raise self._death_error() from None
+            except Exception as error:  # pylint: disable=broad-except
+                # Shared tensors are fetched from the worker: this fails
+                # when the worker is exiting.
+                self._process.join(timeout=1)
+                if self._process.is_alive():
+                    raise RuntimeError(
+                        "AsynchronousDataAccessor could not receive an item "
+                        f"from its worker process: {error!r}") from error
+                raise self._death_error() from error
+
+    def _death_error(self) -> RuntimeError:
+        process = self._process
+        process.join(timeout=1)
+        code = process.exitcode
+        how = (f"was killed by signal {signal.Signals(-code).name}"
+               if code is not None and code < 0 else f"exited with code {code}")
+        self._broken = (f"The AsynchronousDataAccessor worker process (pid "
+                        f"{process.pid}) {how} without reporting an error. "
+                        f"Create a new accessor to load data again.")
+        self._done = True
+        return RuntimeError(self._broken)
+
+    def _worker_error(self, message) -> BaseException:
+        _, _, blob, type_name, text = message
+        description = (f"Caught {type_name} in the AsynchronousDataAccessor "
+                       f"worker process (pid {self._process.pid}).\n"
+                       f"Original {text}")
+        error_type = RuntimeError
+        if blob is not None:
+            try:
+                error_type = type(pickle.loads(blob))
+            except Exception:  # pylint: disable=broad-except
+                pass
+        if issubclass(error_type, KeyError):
+            description = _VerbatimMessage(description)
+        try:
+            return error_type(description)
+        except Exception:  # pylint: disable=broad-except
+            return RuntimeError(description)
+
+    # --- shutdown ---------------------------------------------------------
+
+    def terminate(self) -> None:
+        """Stop the worker process (idempotent)."""
+        process = getattr(self, "_process", None)
+        if process is None:
+            return
+        self._process = None
+        _LIVE_ACCESSORS.discard(self)
+        if os.getpid() != self._owner_pid:
+            return  # a forked copy: the worker belongs to the original
+        if process.is_alive():
+            try:
+                self._commands.send(("stop", ))
+            except (BrokenPipeError, OSError):
+                pass
+            process.join(timeout=2)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=2)
+        if process.is_alive():
+            process.kill()
+        process.join()
+        process.close()
+        self._commands.close()
+        self._data.cancel_join_thread()
+        self._data.close()
+        self._remove_payload()
+
+    def _remove_payload(self) -> None:
+        if self._payload_dir is not None:
+            shutil.rmtree(self._payload_dir, ignore_errors=True)
+            self._payload_dir = None
+
+    def __enter__(self) -> "AsynchronousDataAccessor":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.terminate()
+
+    def __del__(self):
+        self.terminate()

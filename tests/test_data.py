@@ -1,0 +1,659 @@
+"""DataLoader batching and sharding; AsynchronousDataAccessor behaviour."""
+import collections
+import gc
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from poptorch_lite.data import (AsynchronousDataAccessor, DataLoader,
+                                process_shard)
+from poptorch_lite.enums import DataLoaderMode, SharingStrategy
+from poptorch_lite.options import Options
+
+FORK = {"sharing_strategy": SharingStrategy.Fork}
+Pair = collections.namedtuple("Pair", "data label")
+
+
+class Numbered(torch.utils.data.Dataset):
+    """Sample i is (tensor([i, i]), tensor(i))."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return torch.tensor([index, index]), torch.tensor(index)
+
+
+class NumberedStream(torch.utils.data.IterableDataset):
+
+    def __init__(self, length):
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __iter__(self):
+        return iter(torch.arange(self.length))
+
+
+class Slow(torch.utils.data.Dataset):
+    """Takes ``delay`` seconds per sample and returns when it was loaded."""
+
+    def __init__(self, length, delay):
+        self.length, self.delay = length, delay
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        start = time.monotonic()
+        time.sleep(self.delay)
+        return torch.tensor([index, start, time.monotonic()],
+                            dtype=torch.float64)
+
+
+class BrokenAt(Numbered):
+
+    def __init__(self, length, broken, error=ValueError):
+        super().__init__(length)
+        self.broken, self.error = broken, error
+
+    def __getitem__(self, index):
+        if index == self.broken:
+            raise self.error(f"sample {index} is corrupt")
+        return super().__getitem__(index)
+
+
+class NeedsTwoArguments(Exception):
+
+    def __init__(self, first, second):
+        super().__init__(f"{first} and {second}")
+
+
+class RaisesUnpicklable(Numbered):
+
+    def __getitem__(self, index):
+        if index == 1:
+            raise NeedsTwoArguments("left", "right")
+        return super().__getitem__(index)
+
+
+class ExitsAt(Numbered):
+
+    def __init__(self, length, at):
+        super().__init__(length)
+        self.at = at
+
+    def __getitem__(self, index):
+        if index == self.at:
+            os._exit(3)
+        return super().__getitem__(index)
+
+
+class Counting(Numbered):
+    """Counts loaded samples in shared memory (visible after a fork)."""
+
+    def __init__(self, length):
+        super().__init__(length)
+        self.loaded = multiprocessing.Value("i", 0)
+
+    def __getitem__(self, index):
+        if 0 <= index < self.length:
+            with self.loaded.get_lock():
+                self.loaded.value += 1
+        return super().__getitem__(index)
+
+
+class Unpicklable(Numbered):
+
+    def __init__(self, length):
+        super().__init__(length)
+        self.transform = lambda x: x
+
+
+def labels(loader):
+    """The sample ids of every item of one epoch."""
+    return [batch[1].tolist() for batch in loader]
+
+
+def flat(items):
+    return [i for item in items for i in item]
+
+
+def alive(pid):
+    """Whether process ``pid`` runs (a zombie awaiting its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def options(device_iterations=1, replicas=1, accumulation=1, seed=None,
+            process=None):
+    opts = Options().deviceIterations(device_iterations)
+    opts.replicationFactor(replicas)
+    opts.Training.gradientAccumulation(accumulation)
+    if seed is not None:
+        opts.randomSeed(seed)
+    if process is not None:
+        opts.Distributed.configureProcessId(*process)
+    return opts
+
+
+# --- batching -----------------------------------------------------------
+
+
+def test_items_have_the_combined_batch_size():
+    loader = DataLoader(options(device_iterations=3, replicas=2,
+                                accumulation=2),
+                        Numbered(100),
+                        batch_size=2)
+    assert loader.combinedBatchSize == 24
+    assert len(loader) == 100 // 24
+    items = list(loader)
+    assert len(items) == 4
+    for number, (data, label) in enumerate(items):
+        assert data.shape == (24, 2) and label.shape == (24, )
+        assert label.tolist() == list(range(24 * number, 24 * (number + 1)))
+
+
+def test_drop_last_false_keeps_a_smaller_last_item(caplog):
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        loader = DataLoader(options(device_iterations=2), Numbered(11),
+                            batch_size=2, drop_last=False)
+    assert "the last batch holds 3 samples" in caplog.text
+    assert len(loader) == 3
+    assert [len(item) for item in labels(loader)] == [4, 4, 3]
+
+
+def test_unbatched_items_pass_through():
+    loader = DataLoader(options(device_iterations=4), Numbered(5),
+                        batch_size=None)
+    assert loader.combinedBatchSize is None
+    assert [label.item() for _, label in loader] == list(range(5))
+
+
+def test_loader_freezes_its_options():
+    opts = options()
+    loader = DataLoader(opts, Numbered(4))
+    assert loader.options is opts
+    with pytest.raises(AttributeError, match="frozen"):
+        opts.deviceIterations(2)
+    opts.clone().deviceIterations(2)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+    ({"num_workers": -1}, ValueError, "num_workers must be >= 0"),
+    ({"mode": 1}, TypeError, "DataLoaderMode.Sync"),
+    ({"rebatched_worker_size": 2}, ValueError,
+     "only used with mode=DataLoaderMode.AsyncRebatched"),
+    ({"mode": DataLoaderMode.AsyncRebatched, "rebatched_worker_size": 9},
+     ValueError, r"rebatched_worker_size \(9\) must be <= the combined"),
+    ({"mode": DataLoaderMode.Async, "async_options": {"rebatched_size": 4}},
+     ValueError, "use mode=DataLoaderMode.AsyncRebatched"),
+    ({"mode": DataLoaderMode.Async, "async_options": {"buffer_size": 0}},
+     ValueError, "buffer_size must be >= 1"),
+])
+def test_bad_arguments_are_reported(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        DataLoader(options(device_iterations=4), Numbered(16), **kwargs)
+
+
+def test_options_must_be_options():
+    with pytest.raises(TypeError, match="poptorch_lite.Options"):
+        DataLoader(Numbered(4), Numbered(4))
+
+
+# --- distributed sharding -------------------------------------------------
+
+
+def shard_loaders(num_processes, length=100, batch_size=2, seed=None,
+                  **kwargs):
+    return [
+        DataLoader(options(device_iterations=2, seed=seed,
+                           process=(pid, num_processes)),
+                   Numbered(length),
+                   batch_size=batch_size,
+                   shuffle=seed is not None,
+                   **kwargs) for pid in range(num_processes)
+    ]
+
+
+@pytest.mark.parametrize("num_processes", [2, 3, 4])
+def test_processes_read_contiguous_equal_shares(num_processes):
+    loaders = shard_loaders(num_processes, length=50)
+    per_process = 4 * (50 // (4 * num_processes))
+    assert {len(loader) for loader in loaders} == {per_process // 4}
+    for pid, loader in enumerate(loaders):
+        for _ in range(2):  # no shuffle: the same share every epoch
+            assert flat(labels(loader)) == list(
+                range(pid * per_process, (pid + 1) * per_process))
+
+
+@pytest.mark.parametrize("seed", [None, 11])
+def test_every_sample_once_per_epoch_when_divisible(seed):
+    loaders = shard_loaders(3, length=48, seed=seed)
+    for _ in range(3):
+        epoch = [flat(labels(loader)) for loader in loaders]
+        assert sorted(flat(epoch)) == list(range(48))
+
+
+def test_shuffle_is_global_identical_in_all_processes_and_new_each_epoch():
+    loaders = shard_loaders(3, length=60, seed=5)
+    epochs = [[flat(labels(loader)) for loader in loaders] for _ in range(3)]
+    for epoch in epochs:
+        assert sorted(flat(epoch)) == list(range(60))  # disjoint shares
+    assert len({tuple(flat(epoch)) for epoch in epochs}) == 3
+    assert flat(epochs[0]) != list(range(60))
+    again = shard_loaders(3, length=60, seed=5)
+    assert [flat(labels(loader)) for loader in again] == epochs[0]
+    other = shard_loaders(3, length=60, seed=6)
+    assert [flat(labels(loader)) for loader in other] != epochs[0]
+
+
+def test_leftovers_rotate_across_epochs():
+    # 100 samples, combined batch 4, 3 processes: 96 used, 4 left over.
+    loaders = shard_loaders(3, length=100, seed=42)
+    previous_leftovers = None
+    for _ in range(4):
+        used = flat(flat(labels(loader)) for loader in loaders)
+        assert len(used) == len(set(used)) == 96
+        leftovers = set(range(100)) - set(used)
+        if previous_leftovers is not None:
+            assert previous_leftovers <= set(used)
+            assert not previous_leftovers & leftovers
+        previous_leftovers = leftovers
+
+
+def test_shuffled_shares_with_persistent_torch_workers():
+    loaders = shard_loaders(2, length=40, seed=3, num_workers=2)
+    assert loaders[0].persistent_workers
+    epochs = [[flat(labels(loader)) for loader in loaders] for _ in range(2)]
+    for epoch in epochs:
+        assert sorted(flat(epoch)) == list(range(40))
+    assert epochs[0] != epochs[1]
+
+
+def test_distributed_shuffle_needs_a_random_seed():
+    with pytest.raises(ValueError, match=r"options.randomSeed\(seed\)"):
+        DataLoader(options(process=(0, 2)), Numbered(10), shuffle=True)
+
+
+def test_too_small_dataset_for_the_processes():
+    with pytest.raises(ValueError, match="4 processes need at least 8"):
+        DataLoader(options(process=(3, 4)), Numbered(7), batch_size=2)
+
+
+def test_without_drop_last_every_sample_is_read_once():
+    loaders = shard_loaders(3, length=23, drop_last=False)
+    shares = [flat(labels(loader)) for loader in loaders]
+    assert flat(shares) == list(range(23))
+    assert [len(share) for share in shares] == [8, 8, 7]
+    assert [len(loader) for loader in loaders] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("num_samples, combined, processes, drop_last", [
+    (100, 4, 3, True),
+    (11, 2, 3, True),
+    (23, 2, 3, False),
+    (5, 1, 4, False),
+])
+def test_process_shards_tile_the_dataset(num_samples, combined, processes,
+                                         drop_last):
+    shards = [
+        process_shard(num_samples, combined, pid, processes, drop_last)
+        for pid in range(processes)
+    ]
+    assert len({shard.leftovers for shard in shards}) == 1
+    start = 0
+    for shard in shards:
+        assert shard.offset == start
+        if drop_last:
+            assert shard.length % combined == 0
+            assert shard.length == shards[0].length
+        start += shard.length
+    assert start + shards[0].leftovers == num_samples
+
+
+def test_iterable_datasets_are_not_partitioned_automatically():
+    with pytest.raises(ValueError, match="auto_distributed_partitioning"):
+        DataLoader(options(process=(0, 2)), NumberedStream(8))
+    loader = DataLoader(options(process=(0, 2)), NumberedStream(8),
+                        batch_size=4, auto_distributed_partitioning=False)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+# --- asynchronous loading -------------------------------------------------
+
+
+def test_async_yields_what_sync_yields_every_epoch():
+    sync = DataLoader(options(device_iterations=3), Numbered(40), batch_size=2)
+    with DataLoader(options(device_iterations=3), Numbered(40), batch_size=2,
+                    mode=DataLoaderMode.Async, async_options=FORK) as loader:
+        assert len(loader) == len(sync) == 6
+        for _ in range(3):
+            for ours, theirs in zip(loader, sync, strict=True):
+                assert torch.equal(ours[0], theirs[0])
+                assert torch.equal(ours[1], theirs[1])
+
+
+def test_async_distributed_shuffle_with_torch_workers():
+    loaders = shard_loaders(2, length=40, seed=8, num_workers=2,
+                            mode=DataLoaderMode.Async, async_options=FORK)
+    sync = shard_loaders(2, length=40, seed=8)
+    for _ in range(2):
+        assert [labels(loader) for loader in loaders] == \
+            [labels(loader) for loader in sync]
+    for loader in loaders:
+        loader.terminate()
+
+
+@pytest.mark.parametrize("drop_last, expected", [
+    (True, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]),
+    (False, [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13]]),
+])
+def test_async_rebatched(drop_last, expected):
+    with DataLoader(options(device_iterations=2), Numbered(14), batch_size=2,
+                    drop_last=drop_last, mode=DataLoaderMode.AsyncRebatched,
+                    rebatched_worker_size=3, async_options=FORK) as loader:
+        assert len(loader) == len(expected)
+        assert labels(loader) == expected
+        assert labels(loader) == expected
+
+
+def test_async_rebatched_iterable_dataset():
+    with DataLoader(options(device_iterations=4), NumberedStream(10),
+                    mode=DataLoaderMode.AsyncRebatched,
+                    rebatched_worker_size=1, async_options=FORK) as loader:
+        assert len(loader) == 2
+        assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_async_loading_overlaps_consumption():
+    count, delay = 8, 0.05
+
+    def run(mode):
+        loader = DataLoader(options(), Slow(count, delay), mode=mode,
+                            async_options=None
+                            if mode == DataLoaderMode.Sync else FORK)
+        begin, loads, consumed = time.monotonic(), [], []
+        for item in loader:
+            start = time.monotonic()
+            time.sleep(delay)  # the model's compute
+            consumed.append((start, time.monotonic()))
+            loads.append(tuple(item[0, 1:].tolist()))
+        loader.terminate()
+        overlaps = sum(
+            load[0] < done[1] and load[1] > done[0]
+            for load, done in zip(loads[1:], consumed[:-1]))
+        return time.monotonic() - begin, overlaps
+
+    sync_time, sync_overlaps = run(DataLoaderMode.Sync)
+    async_time, async_overlaps = run(DataLoaderMode.Async)
+    assert sync_overlaps == 0 and sync_time >= 2 * count * delay
+    assert async_overlaps >= count // 2
+    assert async_time < 0.85 * sync_time
+
+
+def test_buffer_size_bounds_loading_ahead():
+    dataset = Counting(50)
+    with AsynchronousDataAccessor(dataset, buffer_size=3,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        iterator = iter(acc)
+        next(iterator)  # held by the caller: one of the 3 slots
+        deadline = time.monotonic() + 5
+        while dataset.loaded.value < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert dataset.loaded.value == 3
+        next(iterator)  # releases the first slot
+        time.sleep(0.3)
+        assert dataset.loaded.value == 4
+
+
+def test_early_preload_loads_before_iteration():
+    dataset = Counting(10)
+    with AsynchronousDataAccessor(dataset, buffer_size=2, early_preload=True,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        deadline = time.monotonic() + 5
+        while dataset.loaded.value < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dataset.loaded.value == 2
+        assert [label.item() for _, label in acc] == list(range(10))
+
+
+@pytest.mark.parametrize("load_indefinitely", [True, False])
+def test_accessor_over_iterable_for_several_epochs(load_indefinitely):
+    with AsynchronousDataAccessor(NumberedStream(7),
+                                  load_indefinitely=load_indefinitely,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        assert len(acc) == 7
+        for _ in range(3):
+            assert [t.item() for t in acc] == list(range(7))
+
+
+def test_empty_dataset_ends_every_epoch():
+    with AsynchronousDataAccessor(NumberedStream(0),
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        for _ in range(3):
+            assert not list(acc)
+        assert acc._data.empty()  # no end-of-epoch messages piling up
+
+
+def test_rebatching_keeps_the_structure_of_items():
+    items = [Pair(torch.full((2, 3), i), torch.tensor([i, i]))
+             for i in range(3)]
+    with AsynchronousDataAccessor(items, rebatched_size=4,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        batch, = list(acc)
+    assert isinstance(batch, Pair)
+    assert batch.data.shape == (4, 3)
+    assert batch.label.tolist() == [0, 0, 1, 1]
+
+
+def test_stopping_early_then_iterating_again_restarts():
+    with DataLoader(options(), Numbered(12), batch_size=2,
+                    mode=DataLoaderMode.Async, async_options=FORK) as loader:
+        for number, _ in enumerate(loader):
+            if number == 2:
+                break
+        assert labels(loader) == [[2 * i, 2 * i + 1] for i in range(6)]
+        iterator = iter(loader)
+        next(iterator)
+        assert labels(loader)[0] == [0, 1]
+
+
+def test_worker_exception_is_raised_with_its_traceback():
+    loader = DataLoader(options(), BrokenAt(10, broken=3),
+                        mode=DataLoaderMode.Async, async_options=FORK)
+    for _ in range(2):  # after an error, a new epoch starts afresh
+        seen = []
+        with pytest.raises(ValueError) as info:
+            for _, label in loader:
+                seen.append(label.item())
+        assert seen == [0, 1, 2]
+        message = str(info.value)
+        assert "Caught ValueError in the AsynchronousDataAccessor worker" in \
+            message
+        assert "Original Traceback (most recent call last)" in message
+        assert "test_data.py" in message and "in __getitem__" in message
+        assert 'raise self.error(f"sample {index} is corrupt")' in message
+        assert message.rstrip().endswith("ValueError: sample 3 is corrupt")
+    loader.terminate()
+
+
+def test_worker_exceptions_that_cannot_be_rebuilt():
+    with AsynchronousDataAccessor(RaisesUnpicklable(4),
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        with pytest.raises(RuntimeError,
+                           match="(?s)Caught NeedsTwoArguments.*left and right"):
+            list(acc)
+    with AsynchronousDataAccessor(BrokenAt(4, 0, KeyError),
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        with pytest.raises(KeyError) as info:
+            list(acc)
+        assert "\nOriginal Traceback" in str(info.value)
+
+
+def test_worker_death_is_reported_not_waited_for():
+    with AsynchronousDataAccessor(ExitsAt(10, 4),
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        with pytest.raises(RuntimeError, match="exited with code 3"):
+            list(acc)
+        with pytest.raises(RuntimeError, match="exited with code 3"):
+            iter(acc)
+
+
+def test_killed_worker_is_reported():
+    accessor = AsynchronousDataAccessor(Slow(100, 0.05),
+                                        sharing_strategy=SharingStrategy.Fork)
+    iterator = iter(accessor)
+    next(iterator)
+    os.kill(accessor._process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="killed by signal SIGKILL"):
+        for _ in iterator:
+            pass
+    assert time.monotonic() - start < 5
+    accessor.terminate()
+
+
+def test_dropping_a_loader_stops_its_worker():
+    loader = DataLoader(options(), Slow(100, 0.01), mode=DataLoaderMode.Async,
+                        async_options=FORK)
+    for _ in loader:
+        break
+    pid = loader._accessor._process.pid
+    assert alive(pid)
+    del loader
+    gc.collect()
+    assert not alive(pid)
+
+
+def test_terminate_and_context_manager_stop_the_worker():
+    with DataLoader(options(), Numbered(8), mode=DataLoaderMode.Async,
+                    async_options=FORK) as loader:
+        next(iter(loader))
+        pid = loader._accessor._process.pid
+    assert not alive(pid)
+    loader.terminate()  # idempotent
+    with pytest.raises(RuntimeError, match="terminated"):
+        iter(loader)
+    accessor = AsynchronousDataAccessor(Numbered(3),
+                                        sharing_strategy=SharingStrategy.Fork)
+    pid = accessor._process.pid
+    accessor.terminate()
+    assert not alive(pid)
+    assert not any(p.name == "AsynchronousDataAccessor"
+                   for p in multiprocessing.active_children())
+
+
+def test_accessor_over_a_sync_loader():
+    loader = DataLoader(options(device_iterations=2), Numbered(13),
+                        batch_size=2, drop_last=False)
+    with AsynchronousDataAccessor(loader,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        assert len(acc) == 4
+        assert labels(acc) == labels(loader)
+    with AsynchronousDataAccessor(loader, rebatched_size=3,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        assert len(acc) == 4 * 4 // 3
+        assert labels(acc) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11],
+                               [12]]  # the loader keeps its last samples
+    pairs = torch.utils.data.DataLoader(NumberedStream(13), batch_size=2)
+    with AsynchronousDataAccessor(pairs, rebatched_size=3,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        assert [t.tolist() for t in acc] == [[0, 1, 2], [3, 4, 5], [6, 7, 8],
+                                             [9, 10, 11]]
+    with AsynchronousDataAccessor(NumberedStream(13), rebatched_size=3,
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        with pytest.raises(ValueError, match="items must be batched tensors"):
+            list(acc)
+
+
+def test_failed_construction_leaves_options_unfrozen():
+    opts = options()
+    with pytest.raises(ValueError):
+        DataLoader(opts, Numbered(8), rebatched_worker_size=2)
+    opts.deviceIterations(2)
+
+
+def test_loader_with_an_accessor_cannot_be_wrapped_again():
+    with DataLoader(options(), Numbered(8), mode=DataLoaderMode.Async,
+                    async_options=FORK) as loader:
+        with pytest.raises(ValueError, match="already loads through"):
+            AsynchronousDataAccessor(loader)
+
+
+@pytest.mark.parametrize("strategy", [SharingStrategy.FileSystem,
+                                      SharingStrategy.SharedMemory])
+def test_unpicklable_dataset_is_reported(strategy):
+    with pytest.raises(TypeError, match="SharingStrategy.Fork"):
+        AsynchronousDataAccessor(Unpicklable(4), sharing_strategy=strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [SharingStrategy.FileSystem,
+                                      SharingStrategy.SharedMemory])
+def test_spawned_worker(strategy):
+    sync = DataLoader(options(device_iterations=2, seed=1, process=(1, 2)),
+                      Numbered(30), batch_size=2, shuffle=True)
+    with DataLoader(options(device_iterations=2, seed=1, process=(1, 2)),
+                    Numbered(30), batch_size=2, shuffle=True,
+                    mode=DataLoaderMode.Async,
+                    async_options={"sharing_strategy": strategy}) as loader:
+        for _ in range(2):
+            assert labels(loader) == labels(sync)
+
+
+HOST_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {tests!r})
+    from test_data import Slow
+    from poptorch_lite.data import DataLoader
+    from poptorch_lite.enums import DataLoaderMode, SharingStrategy
+    from poptorch_lite.options import Options
+
+    if __name__ == "__main__":
+        loader = DataLoader(Options(), Slow(1000, 0.01),
+                            mode=DataLoaderMode.Async,
+                            async_options={{"sharing_strategy":
+                                            SharingStrategy.Fork}})
+        next(iter(loader))
+        print(loader._accessor._process.pid, flush=True)
+        if sys.argv[1] == "crash":
+            os._exit(0)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exit_mode", ["normal", "crash"])
+def test_worker_does_not_outlive_its_host(tmp_path, exit_mode):
+    script = tmp_path / "host.py"
+    script.write_text(
+        HOST_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, str(script), exit_mode],
+                            capture_output=True, text=True, timeout=60,
+                            check=True)
+    worker = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker)
+    assert time.monotonic() - start < 60
