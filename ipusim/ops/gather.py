@@ -99,10 +99,10 @@ class EmbeddingPlan:
         if min(row_split, col_split, lookup_split, col_grain) < 1:
             raise ValueError(f"splits and grain must be >= 1, got rows {row_split}, columns {col_split}, "
                              f"lookups {lookup_split}, grain {col_grain}")
-        Vb = -(-V // min(row_split, V))
-        Db = min(D, -(-(-(-D // min(col_split, D))) // col_grain) * col_grain)
-        nb = -(-n // min(lookup_split, n)) if n else 0
-        return cls(V, D, n, -(-V // Vb), -(-D // Db), -(-n // nb) if n else 1, Vb, Db, nb)
+        Vb = ceil_div(V, min(row_split, V))
+        Db = min(D, ceil_div(ceil_div(D, min(col_split, D)), col_grain) * col_grain)
+        nb = ceil_div(n, min(lookup_split, n)) if n else 0
+        return cls(V, D, n, ceil_div(V, Vb), ceil_div(D, Db), ceil_div(n, nb) if n else 1, Vb, Db, nb)
 
     @property
     def num_tiles(self) -> int:
@@ -136,19 +136,23 @@ class EmbeddingPlan:
             return target.thread_cycles(instructions) + target.vertex_overhead_cycles + target.sync_cycles
 
         fwd = exchange(nb * 4 + (Vb * Db * b if pL > 1 else 0))
-        fwd += compute(multislice_instructions(-(-nb // w), Db, Vb, V))
+        fwd += compute(multislice_instructions(ceil_div(nb, w), Db, Vb, V))
         fwd_bytes = Vb * Db * b + nb * 4 + nb * Db * b
         if pV > 1:
-            m = -(-nb // pV)
-            fwd += exchange(pV * m * Db * b) + compute(multislice_instructions(-(-m // w), Db, V, V))
+            m = ceil_div(nb, pV)
+            fwd += exchange(pV * m * Db * b) + compute(multislice_instructions(ceil_div(m, w), Db, V, V))
             fwd_bytes += (pV + 1) * m * Db * b
         bwd = exchange(nb * 4 + nb * Db * b)
-        bwd += compute(multiupdateadd_instructions(nb, Db, -(-Vb // w), V, floats))
+        bwd += compute(multiupdateadd_instructions(nb, Db, ceil_div(Vb, w), V, floats))
         bwd_bytes = nb * 4 + nb * Db * b + Vb * Db * b
         if pL > 1:
-            bwd += exchange((pL - 1) * Vb * Db * 4) + compute(reduce_instructions(-(-(Vb * Db) // w), pL))
+            bwd += exchange((pL - 1) * Vb * Db * 4) + compute(reduce_instructions(ceil_div(Vb * Db, w), pL))
             bwd_bytes += (pL + 1) * Vb * Db * 4
         return fwd + bwd, max(fwd_bytes, bwd_bytes)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _splits(n: int, limit: int) -> list[int]:
@@ -167,7 +171,7 @@ def plan_embedding(target: Target, num_embeddings: int, dim: int, num_lookups: i
     budget = MEMORY_PROPORTION * target.bytes_per_tile
     T, V, D, n = target.num_tiles, num_embeddings, dim, num_lookups
     best, best_key = None, None
-    for pd in _splits(-(-D // grain), T):
+    for pd in _splits(ceil_div(D, grain), T):
         pD = EmbeddingPlan.of(V, D, n, 1, pd, 1, grain).col_split
         for pv in _splits(V, T // pD):
             pV = EmbeddingPlan.of(V, D, n, pv, pd, 1, grain).row_split
