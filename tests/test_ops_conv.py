@@ -1,0 +1,335 @@
+"""ipusim.ops.conv: conv2d forward and gradients against direct NumPy references in both modes."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import ipusim as ip
+from ipusim.ops.conv import (CONV_VERTEX, ConvDim, backward_input_geometry, backward_weights_geometry, conv2d,
+                             conv2d_backward_input, conv2d_backward_weights, conv2d_output_shape, forward_geometry,
+                             plan_conv)
+
+MODES = ["strict", "fast"]
+SMALL = ip.Target.test(16, 64 * 1024)
+
+
+def pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+def reference(x, w, dy, stride, padding, dilation, groups):
+    """Direct float64 conv2d and its two gradients, from the definition
+    y[n, o, i, j] = sum_{c, a, b} xpad[n, g c, i s + a d, j s + b d] w[o, c, a, b]."""
+    (sh, sw), (ph, pw), (dh, dw) = pair(stride), pair(padding), pair(dilation)
+    x, w = x.astype(np.float64), w.astype(np.float64)
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    og = o // groups
+    oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    y = np.zeros((n, o, oh, ow))
+    dxp = np.zeros_like(xp)
+    dwt = np.zeros_like(w)
+    dy = None if dy is None else dy.astype(np.float64)
+    for g in range(groups):
+        ci, co = slice(g * cg, (g + 1) * cg), slice(g * og, (g + 1) * og)
+        for a in range(kh):
+            for b in range(kw):
+                rows = slice(a * dh, a * dh + sh * (oh - 1) + 1, sh)
+                cols = slice(b * dw, b * dw + sw * (ow - 1) + 1, sw)
+                patch = xp[:, ci, rows, cols]
+                y[:, co] += np.einsum("nchw,oc->nohw", patch, w[co, :, a, b])
+                if dy is not None:
+                    dxp[:, ci, rows, cols] += np.einsum("nohw,oc->nchw", dy[:, co], w[co, :, a, b])
+                    dwt[co, :, a, b] += np.einsum("nohw,nchw->oc", dy[:, co], patch)
+    return y, dxp[:, :, ph:ph + h, pw:pw + wd], dwt
+
+
+def build(target, x_shape, w_shape, stride, padding, dilation, groups, dtype="float32", **kw):
+    g = ip.Graph(target)
+    x = g.addVariable(dtype, x_shape, "x")
+    w = g.addVariable(dtype, w_shape, "w")
+    dy = g.addVariable(dtype, conv2d_output_shape(x_shape, w_shape, stride, padding, dilation, groups), "dy")
+    for t in (x, w, dy):
+        g.map_linearly(t)
+    prog = ip.Sequence()
+    y = conv2d(g, x, w, prog, stride, padding, dilation, groups, **kw)
+    dx = conv2d_backward_input(g, dy, w, x_shape, prog, stride, padding, dilation, groups, **kw)
+    dw = conv2d_backward_weights(g, dy, x, w_shape, prog, stride, padding, dilation, groups, **kw)
+    return g, (x, w, dy), (y, dx, dw), prog
+
+
+def run_all(target, mode, x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1, dtype=np.float32, seed=0,
+            **kw):
+    rng = np.random.default_rng(seed)
+    g, (x, w, dy), outs, prog = build(target, x_shape, w_shape, stride, padding, dilation, groups, np.dtype(dtype).name,
+                                      **kw)
+    X = rng.standard_normal(x_shape).astype(dtype)
+    W = rng.standard_normal(w_shape).astype(dtype)
+    DY = rng.standard_normal(dy.shape).astype(dtype)
+    e = ip.Engine(g, prog, mode=mode).load()
+    for t, v in ((x, X), (w, W), (dy, DY)):
+        e.writeTensor(t, v)
+    cycles = e.run()
+    return [e.readTensor(t) for t in outs], (X, W, DY), cycles, e, g
+
+
+def scales(X, W, DY, stride, padding, dilation, groups):
+    """Per-element sums of |terms| of each result (the scale of its accumulation error)."""
+    return reference(np.abs(X), np.abs(W), np.abs(DY), stride, padding, dilation, groups)
+
+
+def assert_close(got, want, scale, rtol):
+    assert got.shape == want.shape
+    assert (np.abs(got.astype(np.float64) - want) <= rtol * scale + 1e-30).all(), \
+        np.max(np.abs(got - want) / np.maximum(scale, 1e-30))
+
+
+CASES = [  # x shape, w shape, stride, padding, dilation, groups
+    ((2, 3, 7, 6), (4, 3, 3, 3), 1, 0, 1, 1),
+    ((1, 3, 9, 9), (4, 3, 3, 3), 2, 1, 1, 1),
+    ((2, 4, 7, 6), (6, 2, 3, 2), (1, 2), (1, 0), (1, 2), 2),
+    ((1, 4, 10, 8), (4, 4, 3, 3), 2, 2, 2, 1),
+    ((2, 6, 5, 5), (6, 1, 3, 3), 1, 1, 1, 6),      # depthwise
+    ((1, 32, 6, 6), (8, 32, 3, 3), 1, 1, 1, 1),    # forward splits the input channels (reduction)
+    ((2, 16, 8, 8), (4, 16, 3, 3), 1, 1, 1, 1),    # weight gradient splits the kernel rows (reduction)
+    ((1, 2, 5, 4), (3, 2, 1, 1), 3, 0, 1, 1),      # 1x1 kernel, stride larger than the kernel
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES)
+def test_conv_and_gradients_match_the_reference(mode, case):
+    x_shape, w_shape, s, p, d, groups = case
+    got, (X, W, DY), cycles, _, _ = run_all(SMALL, mode, x_shape, w_shape, s, p, d, groups)
+    want = reference(X, W, DY, s, p, d, groups)
+    for g_, w_, sc in zip(got, want, scales(X, W, DY, s, p, d, groups)):
+        assert g_.dtype == np.float32
+        assert_close(g_, w_, sc, 1e-5)
+    assert cycles > 0
+
+
+def test_reference_agrees_with_torch():
+    """The test reference itself, checked once against torch's autograd (float64)."""
+    rng = np.random.default_rng(0)
+    for x_shape, w_shape, s, p, d, groups in CASES:
+        X, W = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+        xt = torch.tensor(X, requires_grad=True)
+        wt = torch.tensor(W, requires_grad=True)
+        yt = torch.nn.functional.conv2d(xt, wt, stride=s, padding=p, dilation=d, groups=groups)
+        DY = rng.standard_normal(tuple(yt.shape))
+        yt.backward(torch.tensor(DY))
+        y, dx, dw = reference(X, W, DY, s, p, d, groups)
+        np.testing.assert_allclose(y, yt.detach().numpy(), atol=1e-12)
+        np.testing.assert_allclose(dx, xt.grad.numpy(), atol=1e-12)
+        np.testing.assert_allclose(dw, wt.grad.numpy(), atol=1e-12)
+
+
+@st.composite
+def conv_problems(draw):
+    groups = draw(st.integers(1, 3))
+    cg, og = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    s = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    d = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    p = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    h, w = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    assume(h + 2 * p[0] >= d[0] * (kh - 1) + 1 and w + 2 * p[1] >= d[1] * (kw - 1) + 1)
+    n = draw(st.integers(1, 2))
+    tiles = draw(st.sampled_from([1, 4, 16]))
+    return (n, groups * cg, h, w), (groups * og, cg, kh, kw), s, p, d, groups, tiles
+
+
+@settings(max_examples=20, deadline=None)
+@given(problem=conv_problems())
+def test_conv_property_both_modes_and_adjoint(problem):
+    x_shape, w_shape, s, p, d, groups, tiles = problem
+    target = ip.Target.test(tiles, 256 * 1024)
+    strict, (X, W, DY), c1, _, _ = run_all(target, "strict", x_shape, w_shape, s, p, d, groups)
+    fast, _, c2, _, _ = run_all(target, "fast", x_shape, w_shape, s, p, d, groups)
+    want = reference(X, W, DY, s, p, d, groups)
+    sc = scales(X, W, DY, s, p, d, groups)
+    for a, b, r, scale in zip(strict, fast, want, sc):
+        assert_close(a, r, scale, 1e-5)
+        assert_close(b, r, scale, 1e-5)
+        assert_close(a, b.astype(np.float64), scale, 1e-6)
+    assert c1 == c2
+    # the gradients are the adjoints of the convolution: <y, dy> = <x, dx> = <w, dw>
+    y, dx, dw = (v.astype(np.float64) for v in strict)
+    inner = np.vdot(y, DY)
+    bound = 1e-5 * np.vdot(sc[0], np.abs(DY)) + 1e-12
+    assert abs(np.vdot(X, dx) - inner) <= bound and abs(np.vdot(W, dw) - inner) <= bound
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16(mode):
+    """float16 results are each float32-accumulated sum rounded once to float16: within one
+    float16 ulp of the exact value plus (terms + 1) * 2^-24 * sum |terms| (see test_ops_matmul)."""
+    x_shape, w_shape, s, p, d, groups = (2, 4, 7, 6), (6, 2, 3, 2), (1, 2), (1, 0), (1, 2), 2
+    got, (X, W, DY), _, _, _ = run_all(SMALL, mode, x_shape, w_shape, s, p, d, groups, dtype=np.float16)
+    want = reference(X, W, DY, s, p, d, groups)
+    terms = [2 * 3 * 2, 3 * 3 * 2, 2 * 7 * 6]  # a bound on the terms of each output's sum
+    for got_, want_, scale, k in zip(got, want, scales(X, W, DY, s, p, d, groups), terms):
+        assert got_.dtype == np.float16
+        ulp = np.spacing(np.abs(want_).astype(np.float16)).astype(np.float64)
+        assert (np.abs(got_.astype(np.float64) - want_) <= ulp + (k + 1) * 2.0 ** -24 * scale).all()
+
+
+# ---- plans -----------------------------------------------------------------------------------
+def test_reduction_splits_are_planned_and_correct():
+    fwd = plan_conv(SMALL, forward_geometry((1, 32, 6, 6), (8, 32, 3, 3), 1, 1, 1, 1))
+    wu = plan_conv(SMALL, backward_weights_geometry((2, 16, 8, 8), (4, 16, 3, 3), 1, 1, 1, 1))
+    assert fwd.as_dict()["in_channels"] > 1 and fwd.reduction_split > 1
+    assert wu.as_dict()["kernel_rows"] > 1 and wu.reduction_split > 1
+    # too little memory for whole reductions forces a split where there was none
+    geom = forward_geometry((2, 16, 8, 8), (4, 16, 3, 3), 1, 1, 1, 1)
+    assert plan_conv(SMALL, geom).reduction_split == 1
+    tight = plan_conv(SMALL, geom, available_memory_proportion=0.04)
+    assert tight.reduction_split > 1 and tight.fits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_bound_reduction_split_is_correct(mode):
+    x_shape, w_shape = (2, 16, 8, 8), (4, 16, 3, 3)
+    got, (X, W, DY), _, e, g = run_all(SMALL, mode, x_shape, w_shape, 1, 1, 1, 1, available_memory_proportion=0.04)
+    assert "conv2d/reduce" in {cs.name for cs in g.compute_sets}
+    for got_, want_, scale in zip(got, reference(X, W, DY, 1, 1, 1, 1), scales(X, W, DY, 1, 1, 1, 1)):
+        assert_close(got_, want_, scale, 1e-5)
+
+
+def test_plans_on_a_full_ipu():
+    for geom in (forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1),
+                 backward_input_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1),
+                 backward_weights_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1),
+                 forward_geometry((16, 1, 28, 28), (32, 1, 3, 3), 1, 0, 1, 1)):
+        plan = plan_conv(ip.GC200, geom)
+        assert plan.fits and plan.tiles_used <= 1472
+        assert all(math.ceil(s / b) == p for s, b, p in zip(geom.dims, plan.blocks, plan.splits))
+    assert plan_conv(ip.GC200, forward_geometry((8, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1, 1)).tiles_used > 1000
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_reading_only_padding(mode):
+    """Padding wider than the kernel's reach: border outputs read no input at all (empty windows)."""
+    got, (X, W, DY), _, _, _ = run_all(SMALL, mode, (1, 1, 2, 2), (2, 1, 1, 1), 1, 2, 1, 1)
+    want = reference(X, W, DY, 1, 2, 1, 1)
+    assert got[0].shape == (1, 2, 6, 6) and (got[0][:, :, 0] == 0).all()
+    for got_, want_ in zip(got, want):
+        np.testing.assert_allclose(got_, want_, rtol=1e-6, atol=1e-7)
+
+
+# ---- geometry --------------------------------------------------------------------------------
+def test_general_form_reads_the_right_inputs():
+    # forward: output 2 at tap 1 with stride 2, dilation 2, padding 1 reads input 2*2 + 1*2 - 1 = 5
+    assert ConvDim(9, 3, 5, stride=2, padding=1, dilation=2).inputs(2, 1) == 5
+    assert ConvDim(9, 3, 5, stride=2, padding=1, dilation=2).inputs(0, 0) == -1  # padding
+    # gradient to the input: dx[h] gathers dy[(h + p - t d) / s] with weight tap t, for taps where
+    # that is integral (the general form flips the kernel and dilates dy by the stride)
+    dim = backward_input_geometry((1, 1, 9, 9), (1, 1, 3, 3), 2, 1, 2, 1).h
+    assert dim.flip and dim.in_dilation == 2
+    for h in range(9):
+        for t in range(3):
+            u = h + 1 - t * 2
+            want = u // 2 if u >= 0 and u % 2 == 0 and u // 2 < dim.in_size else -1
+            assert dim.inputs(h, t) == want
+    # gradient to the weights: output (kernel tap) a, tap (output row) i reads x[i s - p + a d]
+    dim = backward_weights_geometry((1, 1, 9, 9), (1, 1, 3, 3), 2, 1, 2, 1).h
+    assert dim.inputs(1, 3) == 3 * 2 - 1 + 1 * 2
+    assert dim.span(0, 3, 0, dim.kernel) == (1, 8)  # i * 2 - 1 + a * 2: only odd rows 1..7 are read
+
+
+# ---- exchanges -------------------------------------------------------------------------------
+def test_input_on_one_tile_is_exchanged_and_strict_mode_needs_the_exchange():
+    g = ip.Graph(SMALL)
+    x = g.addVariable("float32", (2, 3, 8, 8), "x")
+    w = g.addVariable("float32", (4, 3, 3, 3), "w")
+    g.setTileMapping(x, 5)
+    g.map_linearly(w)
+    prog = ip.Sequence()
+    y = conv2d(g, x, w, prog, 1, 1)
+    body = prog.programs[0].body
+    without_exchange = ip.Sequence(*[p for p in body.programs if not isinstance(p, ip.Copy)])
+    rng = np.random.default_rng(7)
+    X, W = rng.standard_normal(x.shape).astype(np.float32), rng.standard_normal(w.shape).astype(np.float32)
+    e = ip.Engine(g, [prog, without_exchange], mode="strict").load()
+    e.writeTensor(x, X)
+    e.writeTensor(w, W)
+    e.run(1)
+    want = reference(X, W, None, 1, 1, 1, 1)[0]
+    assert not np.allclose(e.readTensor(y), want, atol=1e-3)
+    e.run(0)
+    np.testing.assert_allclose(e.readTensor(y), want, rtol=1e-5, atol=1e-5)
+    assert len({v.tile for cs in g.compute_sets for v in cs.vertices}) > 1
+    exchange = e.costs[0].per_ipu[0].exchange
+    assert exchange >= math.ceil(X.nbytes * 15 / 16 / SMALL.exchange_bytes_per_cycle)  # tile 5 sends x out
+
+
+def test_windows_include_the_halo():
+    """A block of output rows receives the input rows its 3x3 windows read, one more on each side."""
+    g = ip.Graph(ip.Target.test(4, 64 * 1024))
+    x = g.addVariable("float32", (1, 1, 16, 4), "x")
+    w = g.addVariable("float32", (1, 1, 3, 3), "w")
+    g.map_linearly(x)
+    g.map_linearly(w)
+    conv2d(g, x, w, ip.Sequence(), 1, 1)
+    plan = plan_conv(g.target, forward_geometry(x.shape, w.shape, 1, 1, 1, 1))
+    assert plan.as_dict()["out_rows"] == 4  # 4 blocks of 4 rows
+    windows = sorted(v.fields["x"].numel for cs in g.compute_sets for v in cs.vertices)
+    assert windows[0] == 5 * 4 and windows[-1] == 6 * 4  # edge blocks: 4 + 1 rows, inner: 4 + 2
+
+
+# ---- cycle estimator -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,amp", [("float32", 8), ("float16", 16)])
+def test_conv_vertex_estimator_counts_real_multiply_accumulates(dtype, amp):
+    g = ip.Graph(ip.Target.test(1, 256 * 1024))
+    x = g.addVariable(dtype, (1, 3, 6, 5), "x")
+    w = g.addVariable(dtype, (2, 3, 3, 3), "w")
+    g.map_linearly(x)
+    g.map_linearly(w)
+    conv2d(g, x, w, ip.Sequence(), 2, 1)
+    t = g.target
+    geom = forward_geometry(x.shape, w.shape, 2, 1)
+    (cs,) = g.compute_sets
+    lines_seen = 0
+    for v in cs.vertices:
+        params = dict(zip(("groups", "batch", "in_ch", "out_ch"), v.params[:4]))
+        line0, lines = v.params[10], v.params[11]
+        macs = 0  # brute force: real (output, tap) pairs of the vertex's lines
+        for line in range(line0, line0 + lines):
+            oh = line % geom.h.out_size
+            for a in range(3):
+                for ow in range(geom.w.out_size):
+                    for b in range(3):
+                        macs += geom.h.inputs(oh, a) >= 0 and geom.w.inputs(ow, b) >= 0
+        macs *= params["in_ch"]
+        want = t.flop_cycles(2 * macs, dtype) + t.thread_cycles(20 + 3 * 3 * math.ceil(3 / amp) * (6 + lines))
+        assert CONV_VERTEX.cycles(v.sizes, v.params, np.dtype(dtype), t) == want
+        lines_seen += lines
+    assert lines_seen == 2 * geom.h.out_size  # every output line of the 2 channels, once
+
+
+# ---- errors ----------------------------------------------------------------------------------
+def test_bad_arguments_are_clear_errors():
+    g = ip.Graph(ip.Target.test(4))
+    x = g.addVariable("float32", (1, 4, 5, 5), "x")
+    w = g.addVariable("float32", (6, 2, 3, 3), "w")
+    with pytest.raises(ValueError, match="expected input \\[1, 4, 5, 5\\] to have 2 channels, but got 4"):
+        conv2d(g, x, w, ip.Sequence())
+    with pytest.raises(ValueError, match="expected weight to be divisible by 4"):
+        conv2d(g, x, w, ip.Sequence(), groups=4)
+    with pytest.raises(ValueError, match="too small"):
+        conv2d(g, x, g.addVariable("float32", (2, 4, 7, 7)), ip.Sequence())
+    with pytest.raises(ValueError, match="stride must be positive"):
+        conv2d(g, x, w, ip.Sequence(), stride=0, groups=2)
+    with pytest.raises(TypeError, match="different dtypes"):
+        conv2d(g, x, g.addVariable("float16", (6, 2, 3, 3)), ip.Sequence(), groups=2)
+    with pytest.raises(ValueError, match="4-D input"):
+        conv2d(g, x.reshape(4, 5, 5), w, ip.Sequence(), groups=2)
+    dy = g.addVariable("float32", (1, 6, 4, 4), "dy")
+    with pytest.raises(ValueError, match="gives \\[1, 6, 3, 3\\]"):
+        conv2d_backward_input(g, dy, w, (1, 4, 5, 5), ip.Sequence(), groups=2)
+    with pytest.raises(ValueError, match="gives \\[1, 6, 3, 3\\]"):
+        conv2d_backward_weights(g, dy, x, (6, 2, 3, 3), ip.Sequence(), groups=2)
