@@ -67,13 +67,19 @@ class Cost:
 
 
 def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]:
-    """(cycles, bytes crossing tiles) of an on-chip copy from src to dst."""
+    """(cycles, bytes received across tiles) of an on-chip copy from src to dst.
+
+    The exchange takes as long as its busiest tile: the most bytes a tile receives, or sends.
+    A tile sends each element once even when several tiles receive it (exchange broadcast), so a
+    source element counts once per sender however many copies of it the destination holds.
+    """
     s = src.tiles().reshape(-1).astype(np.int64)
     d = dst.tiles().reshape(-1).astype(np.int64)
     size = src.dtype.itemsize
     moved = s != d
     n = target.num_tiles
-    sent = np.bincount(s[moved], minlength=n)
+    sent_elements = np.unique(src.index.reshape(-1)[moved]) if not src.is_whole else np.flatnonzero(moved)
+    sent = np.bincount(src.var.mapping[sent_elements], minlength=n)
     recv = np.bincount(d[moved], minlength=n)
     local = np.bincount(d[~moved], minlength=n)
     worst = int(max(sent.max(initial=0), recv.max(initial=0))) * size

@@ -12,9 +12,11 @@ Modes (same program, same cycles and memory, different host work):
 """
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
 
 from .cost import Cost, Cycles, estimate
@@ -42,7 +44,7 @@ class RunReport:
 
 class Engine:
     def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
-                 check_memory: bool = True, threads: int = 1):
+                 check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown engine mode {mode!r}; use 'fast' or 'strict'")
         self.device = Device.of(graph)
@@ -57,6 +59,11 @@ class Engine:
         self._streams: dict[tuple[int, str], object] = {}
         self._stream_pos: dict[tuple[int, str], int] = {}
         self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        # Threads inside one kernel call. Kernels are small (one compute set, one op); on a
+        # loaded or small machine the synchronisation of a parallel region costs more than the
+        # work, so the default is 1 (IPUSIM_KERNEL_THREADS or kernel_threads= to change it).
+        self.kernel_threads = min(int(kernel_threads or os.environ.get("IPUSIM_KERNEL_THREADS", 1)),
+                                  numba.config.NUMBA_NUM_THREADS)
         self.mem = None
         self.last_run: RunReport | None = None
         self.total_cycles = 0
@@ -150,6 +157,7 @@ class Engine:
         if not 0 <= index < len(self.programs):
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
         report = RunReport()
+        numba.set_num_threads(self.kernel_threads)
         self._run(self.programs[index], report)
         self.last_run = report
         self.total_cycles += report.total

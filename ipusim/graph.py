@@ -52,7 +52,7 @@ class Graph:
     def addConstant(self, dtype, shape, value, name: str = "const") -> Tensor:
         t = self.addVariable(dtype, shape, name, category="constants")
         arr = np.broadcast_to(np.asarray(value, dtype=as_dtype(dtype)), t.shape)
-        t.var.constant = np.ascontiguousarray(arr)
+        t.var.constant = np.array(arr, order="C", copy=True)
         return t
 
     # ---- tile mapping ---------------------------------------------------------------------

@@ -267,6 +267,18 @@ def test_exchange_cycles_follow_the_busiest_tile():
     assert e.run() == cycles + t.sync_cycles
 
 
+def test_exchange_broadcast_sends_each_element_once():
+    t = ip.Target.test(16)
+    g = ip.Graph(t)
+    src = g.addVariable("float32", (4,), "src")
+    g.setTileMapping(src, 0)
+    dst = g.addVariable("float32", (15, 4), "dst")
+    g.map_by_dimension(dst, 0, tiles=range(1, 16))   # 15 tiles each receive all 4 elements
+    cycles, moved = exchange_cycles(src.broadcast((15, 4)), dst, t)
+    assert moved == 15 * 16
+    assert cycles == math.ceil(16 / t.exchange_bytes_per_cycle)  # tile 0 sends 16 bytes once
+
+
 def test_compute_set_takes_its_slowest_tile_over_six_workers():
     assert worker_makespan([10] * 6, 6) == 10
     assert worker_makespan([10] * 7, 6) == 20

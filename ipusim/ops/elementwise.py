@@ -29,7 +29,7 @@ UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu":
          "tanh": (4, 20, False), "sigmoid": (5, 20, False), "exp": (6, 15, False), "log": (7, 15, False),
          "sqrt": (8, 10, False), "rsqrt": (9, 10, False), "square": (10, 1, True),
          "reciprocal": (11, 10, False), "cast": (12, 1, True), "scale": (13, 2, True),
-         "logical_not": (14, 1, True)}
+         "logical_not": (14, 1, True), "fill": (15, 1, True)}
 BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": (3, 10, False),
           "max": (4, 1, True), "min": (5, 1, True), "pow": (6, 30, False),
           "relu_grad": (7, 2, True),       # (x, dy) -> dy where x > 0
@@ -74,7 +74,9 @@ def apply_unary(op, x, p0, p1):
         return x
     if op == 13:
         return x * p0 + p1
-    return 1.0 if x == 0 else 0.0
+    if op == 14:
+        return 1.0 if x == 0 else 0.0
+    return p0
 
 
 @njit(**JIT)
@@ -178,7 +180,8 @@ def _vertices(graph: Graph, cs, vertex_type, out: Tensor, operands: dict[str, Te
 
 def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = None, *,
           out_dtype=None, scale: float = 1.0, bias: float = 0.0, out: Tensor | None = None) -> Tensor:
-    """out = op(x). `cast` converts to `out_dtype`; `scale` computes x * scale + bias."""
+    """out = op(x). `cast` converts to `out_dtype`; `scale` computes x * scale + bias; `fill`
+    sets every element to `scale` (clearing an accumulator, whatever it held)."""
     if op not in UNARY:
         raise ValueError(f"unknown unary op {op!r}; known: {sorted(UNARY)}")
     name = name or op
