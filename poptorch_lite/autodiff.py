@@ -173,17 +173,18 @@ def vjp(b: Grad, n: Node, gouts: list[Value | None]) -> list[Value | None]:
         return [b.binary("mul", gx, 1.0 / x.numel) if a["reduction"] == "mean" else gx]
     if op == "layer_norm":
         mean, inv_std = n.outputs[1], n.outputs[2]
-        outs = [(x.shape, x.dtype)] + [(v.shape, v.dtype) for v in n.inputs[1:]]
-        grads = b.ir.add("layer_norm_backward", [x, g, mean, inv_std, *n.inputs[1:]], outs, like=b.like, **a)
+        params = n.inputs[1:]
+        grads = b.ir.add("layer_norm_backward", [g, x, mean, inv_std, *params],
+                         [(x.shape, x.dtype)] + [(v.shape, v.dtype) for v in params], like=b.like, **a)
         return grads
     if op == "batch_norm":
         if not a["training"]:
-            raise NotImplementedError(f"batch norm with running statistics is not differentiable here (at {n.source}); "
-                                      "train with model.train()")
-        xx, w, bias = n.inputs[:3]
-        mean, inv_std = n.outputs[3], n.outputs[4]
-        grads = b.ir.add("batch_norm_backward", [xx, g, mean, inv_std, w],
-                         [(xx.shape, xx.dtype), (w.shape, w.dtype), (bias.shape, bias.dtype)], like=b.like, **a)
+            raise NotImplementedError(f"batch norm with running statistics has no gradient rule (at {n.source}); "
+                                      "train the model in training mode")
+        w, bias = n.inputs[1], n.inputs[2]
+        mean, inv_std = n.outputs[1], n.outputs[3]
+        grads = b.ir.add("batch_norm_backward", [g, x, mean, inv_std, w],
+                         [(x.shape, x.dtype), (w.shape, w.dtype), (bias.shape, bias.dtype)], like=b.like, **a)
         return grads + [None, None]
     if op == "embedding":
         idx, w = n.inputs
@@ -191,8 +192,9 @@ def vjp(b: Grad, n: Node, gouts: list[Value | None]) -> list[Value | None]:
     raise NotImplementedError(f"no gradient rule for op {op} (at {n.source})")
 
 
-def differentiate(ir: IRGraph, loss: Value) -> dict[str, Value]:
-    """Append the backward pass of `loss`; return parameter name -> gradient value."""
+def differentiate(ir: IRGraph, loss: Value, seed: float = 1.0) -> dict[str, Value]:
+    """Append the backward pass of `loss` (its gradient seeded with `seed`, the loss scaling);
+    return parameter name -> gradient value."""
     needs: set[int] = {v.id for v in ir.params.values()}
     for n in ir.nodes:  # values that depend on a parameter
         if any(v.id in needs for v in n.inputs):
@@ -202,7 +204,7 @@ def differentiate(ir: IRGraph, loss: Value) -> dict[str, Value]:
     grads: dict[int, Value] = {}
     seed_node = loss.producer
     b = Grad(ir, seed_node)
-    grads[loss.id] = b.const(np.ones(loss.shape, dtype=loss.dtype), loss.dtype)
+    grads[loss.id] = b.const(np.full(loss.shape, seed, dtype=loss.dtype), loss.dtype)
     forward = list(ir.nodes)
     for n in reversed(forward):
         gouts = [grads.get(v.id) for v in n.outputs]

@@ -304,25 +304,29 @@ def flatten(c, x, start_dim=0, end_dim=-1):
 
 
 def layer_norm(c, x, normalized_shape, weight=None, bias=None, eps=1e-5):
-    nd = len(normalized_shape) if isinstance(normalized_shape, (tuple, list)) else 1
+    nd = len(normalized_shape) if isinstance(normalized_shape, (tuple, list, torch.Size)) else 1
     ins = [x] + [v for v in (weight, bias) if v is not None]
-    return c.one("layer_norm", ins, x.shape, x.dtype, normalized_ndim=nd, eps=float(eps),
-                 affine=weight is not None)
+    stats = x.shape[:len(x.shape) - nd] + (1,) * nd
+    y, _, _ = c.emit("layer_norm", ins, [(x.shape, x.dtype), (stats, np.float32), (stats, np.float32)],
+                     normalized_ndim=nd, eps=float(eps), affine=weight is not None, has_bias=bias is not None)
+    return y
 
 
 def batch_norm(c, x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    """Training: normalise with the batch statistics and update the running ones in place (the
+    outputs keep mean, biased var and 1/std for the backward); inference: the running statistics."""
     if len(x.shape) != 4:
         raise c.error("only 2-D batch norm (NCHW input) is supported")
-    use_batch_stats = training and c.training
-    ins = [x, weight, bias, running_mean, running_var]
-    if any(v is None for v in ins):
+    if weight is None or bias is None or running_mean is None or running_var is None:
         raise c.error("batch norm without affine parameters or running statistics is not supported")
-    y, new_mean, new_var = c.emit("batch_norm", ins, [(x.shape, x.dtype), (running_mean.shape, running_mean.dtype),
-                                                      (running_var.shape, running_var.dtype)],
-                                  training=use_batch_stats, momentum=float(momentum), eps=float(eps))
-    if use_batch_stats:
-        c.ir.buffer_updates[running_mean.name] = new_mean
-        c.ir.buffer_updates[running_var.name] = new_var
+    if momentum is None:
+        raise c.error("batch norm with momentum=None (cumulative average) is not supported")
+    ins = [x, weight, bias, running_mean, running_var]
+    if not (training and c.training):
+        return c.one("batch_norm", ins, x.shape, x.dtype, training=False, eps=float(eps))
+    ch = (x.shape[1],)
+    y, *_ = c.emit("batch_norm", ins, [(x.shape, x.dtype), (ch, np.float32), (ch, np.float32), (ch, np.float32)],
+                   training=True, momentum=float(momentum), eps=float(eps))
     return y
 
 

@@ -71,7 +71,6 @@ class IRGraph:
     outputs: object = None                                      # pytree of Values (model outputs)
     loss: Value | None = None
     grads: dict[str, Value] = field(default_factory=dict)       # parameter name -> gradient value
-    buffer_updates: dict[str, Value] = field(default_factory=dict)  # buffer name -> new value
 
     def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
             **attrs) -> list[Value]:

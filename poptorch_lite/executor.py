@@ -1,0 +1,461 @@
+"""PoplarExecutor: the object `trainingModel` / `inferenceModel` return.
+
+Compile (once per input shape): capture with torch.fx, place blocks on stages and IPUs, convert
+to IR, differentiate, build the schedule, lower to ipusim, load an Engine and copy the weights
+to the device. A call then splits its batch into micro-batches, runs the schedule step by step
+(the stage programs of one step on their IPUs, then the channel copies), and returns the
+outputs shaped by the OutputMode. Every step lasts as long as its slowest IPU: the executor
+records the simulated cycles of each step for the profiler.
+"""
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import ipusim as ip
+
+from . import batching
+from .autodiff import differentiate
+from .capture import capture, place_graph
+from .enums import ConnectionType
+from .frontend import to_ir
+from .ir import flatten_values, map_values
+from .lowering import Lowering
+from .optim import UpdatePlan, build_updates, read_state, write_hyperparameters
+from .options import Options
+
+NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
+
+
+@dataclass
+class StepRecord:
+    """One executed step: what each IPU ran and how long the step took in cycles."""
+    index: int
+    ops: list
+    busy: dict[int, int]
+    cycles: int
+
+
+@dataclass
+class RunRecord:
+    """The simulated execution of one call."""
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def cycles(self) -> int:
+        return sum(s.cycles for s in self.steps)
+
+
+class Executable:
+    """Everything compiled for one input signature."""
+
+    def __init__(self, lowering: Lowering, engine: ip.Engine, schedule, ir, placement, updates: UpdatePlan):
+        self.lowering = lowering
+        self.engine = engine
+        self.schedule = schedule
+        self.ir = ir
+        self.placement = placement
+        self.updates = updates
+        self.stage_programs = lowering.stage_programs
+        self.in_channels = collections.defaultdict(list)
+        self.out_channels = collections.defaultdict(list)
+        for ch in lowering.channels:
+            self.out_channels[ch.src].append(ch)
+            self.in_channels[ch.dst].append(ch)
+
+
+class PoplarExecutor:
+    def __init__(self, model: torch.nn.Module, options: Options | None, training: bool, optimizer=None):
+        options = options if options is not None else Options()
+        options._freeze()
+        self._options = options
+        self._user_model = model
+        self._training = training
+        self._executable: Executable | None = None
+        self._compiled_shapes = None
+        self._is_attached = False
+        self._dirty_host_weights = False
+        self._host_weights_version = 0
+        self.last_run: RunRecord | None = None
+        if training:
+            if optimizer is None:
+                optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            self._optimizer = optimizer
+            self._hook_optimizer_state()
+            self._install_weight_sync()
+        else:
+            if optimizer is not None:
+                raise ValueError("an inference model takes no optimizer")
+            self._optimizer = None
+
+    # ---- PopTorch's implicit weight sync -------------------------------------------------------
+    def _install_weight_sync(self) -> None:
+        """Reading the user's parameters after training copies the weights back, once."""
+        parent = weakref.ref(self)
+        user_cls = type(self._user_model)
+
+        class SyncedModel(user_cls):
+            def copyWeightsToHostIfNeeded(self):
+                p = parent()
+                if p is not None and p._dirty_host_weights:
+                    p._dirty_host_weights = False
+                    p.copyWeightsToHost()
+                    return True
+                return False
+
+            def __getattribute__(self, name):
+                if name == "_poptorch_weights_version":
+                    p = parent()
+                    return p._host_weights_version if p is not None else 0
+                if name in ("_parameters", "_buffers", "forward", "state_dict", "named_parameters", "parameters"):
+                    object.__getattribute__(self, "copyWeightsToHostIfNeeded")()
+                return object.__getattribute__(self, name)
+
+        SyncedModel.__name__ = f"Poptorch{user_cls.__name__}"
+        SyncedModel.__qualname__ = SyncedModel.__name__
+        self._user_model.__class__ = SyncedModel
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._user_model
+
+    @property
+    def options(self) -> Options:
+        return self._options
+
+    def _named_weights(self) -> dict[str, torch.Tensor]:
+        m = self._user_model
+        return {**dict(torch.nn.Module.named_parameters(m)), **dict(torch.nn.Module.named_buffers(m))}
+
+    # ---- compile ------------------------------------------------------------------------------
+    def isCompiled(self) -> bool:
+        return self._executable is not None
+
+    def compile(self, *args, **kwargs) -> None:
+        if self._executable is None:
+            self._compile(args, kwargs)
+
+    def _tensor_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
+        names = list(inspect.signature(self._user_model.forward).parameters)
+        named = list(zip(names, args)) + list(kwargs.items())
+        return [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
+
+    def _batch_plan(self, args, kwargs) -> batching.BatchPlan:
+        """Check every input's batch dimension; the first fixes the micro-batch size."""
+        plan = None
+        for name, t in self._tensor_inputs(args, kwargs):
+            plan = batching.split_call_batch(t, self._options, self._training,
+                                             None if plan is None else plan.micro_batch_size, input_name=name)
+        if plan is None:
+            raise ValueError("the model call has no tensor input: nothing to split into micro-batches")
+        return plan
+
+    def _micro_batch_args(self, args, kwargs):
+        size = self._batch_plan(args, kwargs).micro_batch_size
+        def narrow(t):
+            return t.narrow(0, 0, size) if isinstance(t, torch.Tensor) else t
+        return [narrow(a) for a in args], {k: narrow(v) for k, v in kwargs.items()}
+
+    def _compile(self, args, kwargs) -> None:
+        opts = self._options
+        model = self._user_model
+        with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
+            margs, mkwargs = self._micro_batch_args(args, kwargs)
+            was_training = torch.nn.Module.__getattribute__(model, "training")
+            model.train(self._training)
+            try:
+                with torch.no_grad():
+                    gm = capture(model, *margs, **mkwargs)
+            finally:
+                model.train(was_training)
+            bar.update(15)
+            placement = place_graph(gm, opts.execution_strategy)
+            ir = to_ir(gm, placement, self._training)
+            bar.update(10)
+            if self._training:
+                trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
+                grads = differentiate(ir, ir.loss, seed=loss_scaling(self._optimizer))
+                ir.grads = {n: g for n, g in grads.items() if n in trainable}
+            bar.update(15)
+            schedule = build_schedule(placement, opts, self._training)
+            stage_ipus = dict(enumerate(placement.stage_ipus))
+            lowering = Lowering(ir, target_of(opts), placement.num_ipus, stage_ipus, schedule)
+            lowering.build()
+            bar.update(20)
+            updates = build_updates(lowering, self._optimizer, opts, self._named_weights()) if self._training \
+                else UpdatePlan()
+            bar.update(15)
+            engine = ip.Engine(lowering.device, lowering.programs, mode=mode_of(opts))
+            engine.load()
+            bar.update(25)
+        self._executable = Executable(lowering, engine, schedule, ir, placement, updates)
+        self._connect_streams()
+        self._is_attached = True
+        self.copyWeightsToDevice()
+
+    # ---- host <-> device ----------------------------------------------------------------------
+    def _connect_streams(self) -> None:
+        exe = self._executable
+        self._feed: dict[tuple, int] = {}
+        self._inputs: list[np.ndarray] = []
+        self._outputs: dict[int, dict[int, np.ndarray]] = collections.defaultdict(dict)
+        for key, sp in exe.stage_programs.items():
+            for name, index in sp.inputs:
+                exe.engine.connectStream(name, self._input_callback(key, index))
+            for name, index in sp.output_streams:
+                exe.engine.connectStream(name, self._output_callback(key, index))
+
+    def _input_callback(self, key, index):
+        def feed():
+            return self._inputs[index][self._feed[key]]
+        return feed
+
+    def _output_callback(self, key, index):
+        def take(value):
+            self._outputs[index][self._feed[key]] = value
+        return take
+
+    def copyWeightsToDevice(self) -> None:
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        self._dirty_host_weights = False
+        exe = self._executable
+        weights = self._named_weights()
+        for name, t in exe.lowering.weights.items():
+            exe.engine.writeTensor(t, weights[name].detach().cpu().numpy().astype(t.dtype))
+
+    def copyWeightsToHost(self) -> None:
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        exe = self._executable
+        weights = self._named_weights()
+        with torch.no_grad():
+            for name, t in exe.lowering.weights.items():
+                weights[name].copy_(torch.from_numpy(exe.engine.readTensor(t)).to(weights[name].dtype))
+        self._host_weights_version += 1
+
+    def detachFromDevice(self) -> None:
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        if not self._is_attached:
+            raise RuntimeError("Device is not attached")
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+        self._is_attached = False
+
+    def attachToDevice(self) -> None:
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        if self._is_attached:
+            raise RuntimeError("Device is already attached")
+        self._is_attached = True
+        self.copyWeightsToDevice()
+
+    def isAttachedToDevice(self) -> bool:
+        return self._is_attached
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        if self._dirty_host_weights:
+            self._dirty_host_weights = False
+            self.copyWeightsToHost()
+            return True
+        return False
+
+    def destroy(self) -> None:
+        if self._executable is None:
+            return
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+        self._executable.engine.close()
+        self._executable = None
+        self._is_attached = False
+
+    # ---- running ------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self._options.connection_type == ConnectionType.Never:
+            raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
+                               "model.compile(inputs) instead of model(inputs)")
+        shapes = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        if self._executable is None:
+            self._compile(args, kwargs)
+            self._compiled_shapes = shapes
+        elif shapes != self._compiled_shapes:
+            raise RuntimeError(f"the model was compiled for inputs {self._compiled_shapes} and is now called with "
+                               f"{shapes}; create a new model (or call destroy()) to compile for new shapes")
+        if not self._is_attached:
+            self.attachToDevice()
+        if not self._training:
+            self._sync_from_training_model()
+        exe = self._executable
+        self._output_plan = batching.output_plan(self._options, self._training)
+        self._returned = set(self._output_plan.returned_steps)
+        self._inputs = self._split_inputs(args, kwargs)
+        self._outputs.clear()
+        record = self._run_schedule(exe)
+        self.last_run = record
+        if self._training:
+            self._dirty_host_weights = True
+        return self._shape_outputs(exe)
+
+    def _sync_from_training_model(self) -> None:
+        sync = getattr(self._user_model, "copyWeightsToHostIfNeeded", None)
+        if callable(sync):
+            sync()
+            version = getattr(self._user_model, "_poptorch_weights_version", 0)
+            if version != self._host_weights_version:
+                self.copyWeightsToDevice()
+                self._host_weights_version = version
+
+    def _split_inputs(self, args, kwargs) -> list[np.ndarray]:
+        """Each input as [micro-batches of the call, *micro-batch shape] in schedule order."""
+        exe = self._executable
+        plan = self._batch_plan(args, kwargs)
+        out = []
+        for (_, t), v in zip(self._tensor_inputs(args, kwargs), exe.ir.inputs):
+            arr = t.detach().cpu().numpy().astype(v.dtype, copy=False)
+            out.append(np.ascontiguousarray(arr.reshape((plan.micro_batches,) + tuple(v.shape))))
+        return out
+
+    def _run_op(self, exe: Executable, op, busy: dict[int, int]) -> None:
+        engine = exe.engine
+        if op.kind == "W":
+            for index in exe.updates.programs.get(op.ipu, []):
+                engine.run(index)
+                self._charge(engine, busy)
+            return
+        key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+        sp = exe.stage_programs.get(key)
+        if sp is None:
+            return
+        k = op.global_micro_batch
+        self._feed[key] = k
+        for ch in exe.in_channels[key]:
+            if ch.recv:
+                engine.run(ch.recv[k % ch.slots])
+                self._charge(engine, busy)
+        engine.run(sp.body)
+        self._charge(engine, busy)
+        if sp.outputs >= 0 and self._wants_output(k):
+            engine.run(sp.outputs)
+            self._charge(engine, busy)
+
+    def _send(self, exe: Executable, op, busy: dict[int, int]) -> None:
+        if op.kind not in ("F", "B"):
+            return
+        key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+        for ch in exe.out_channels[key]:
+            exe.engine.run(ch.send[op.global_micro_batch % ch.slots])
+            self._charge(exe.engine, busy)
+
+    @staticmethod
+    def _charge(engine: ip.Engine, busy: dict[int, int]) -> None:
+        for ipu, c in engine.last_run.per_ipu.items():
+            busy[ipu] = busy.get(ipu, 0) + c.total
+
+    def _run_schedule(self, exe: Executable) -> RunRecord:
+        record = RunRecord()
+        for t, step in enumerate(exe.schedule.steps):
+            busy: dict[int, int] = {}
+            for op in step.ops:
+                self._run_op(exe, op, busy)
+            for op in step.ops:
+                self._send(exe, op, busy)
+            record.steps.append(StepRecord(t, list(step.ops), busy, max(busy.values(), default=0)))
+        return record
+
+    def _step_of(self, k: int) -> tuple[int, int]:
+        """(device iteration, accumulation step) of the call's k-th micro-batch."""
+        g = self._options.gradient_accumulation if self._training else 1
+        return k // g, k % g
+
+    def _wants_output(self, k: int) -> bool:
+        return self._step_of(k) in self._returned
+
+    def _shape_outputs(self, exe: Executable):
+        plan = self._output_plan
+        results = {}
+        for i, v in enumerate(flatten_values(exe.ir.outputs)):
+            got = self._outputs.get(i, {})
+            per_step = {(*self._step_of(k), 0): torch.from_numpy(np.array(a)).to(torch_dtype(v.dtype))
+                        for k, a in got.items()}
+            missing = [st for st in plan.returned_steps if (*st, 0) not in per_step]
+            if missing:
+                raise RuntimeError(f"output {i} of micro-batch steps {missing} was not produced by the device")
+            results[v.id] = plan.gather(per_step)
+        return map_values(exe.ir.outputs, lambda v: results[v.id])
+
+    # ---- optimiser ----------------------------------------------------------------------------
+    def setOptimizer(self, optimizer) -> None:
+        if not self._training:
+            raise RuntimeError("setOptimizer is only valid on a training model")
+        if self._executable is not None:
+            write_hyperparameters(self._executable.engine, self._executable.updates, optimizer, self._options)
+        self._optimizer = optimizer
+        self._hook_optimizer_state()
+
+    def _hook_optimizer_state(self) -> None:
+        """`optimizer.state_dict()` reads the optimiser state from the device first."""
+        optimizer = self._optimizer
+        parent = weakref.ref(self)
+        original = type(optimizer).state_dict
+
+        def state_dict(opt_self):
+            p = parent()
+            if p is not None and p._executable is not None:
+                read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
+            return original(opt_self)
+
+        optimizer.state_dict = state_dict.__get__(optimizer)
+
+    def __repr__(self):
+        return f"PoplarExecutor({'training' if self._training else 'inference'}, {type(self._user_model).__name__})"
+
+
+def loss_scaling(optimizer) -> float:
+    """The loss scaling of a PopTorch optimizer (1 for plain torch optimizers)."""
+    values = {float(g.get("loss_scaling", 1.0)) for g in optimizer.param_groups}
+    if len(values) > 1:
+        raise ValueError(f"all parameter groups must use the same loss_scaling, got {sorted(values)}")
+    return values.pop()
+
+
+def target_of(options) -> ip.Target:
+    """The emulated IPU: IPUSIM_TARGET (GC200, Bow, GC2, ...) or the offline target's version."""
+    name = os.environ.get("IPUSIM_TARGET")
+    if name:
+        return ip.get_target(name)
+    return ip.GC2 if options.ipu_version == 1 else ip.GC200
+
+
+def mode_of(options) -> str:
+    """The emulator mode: IPUSIM_MODE=strict checks every tile mapping and exchange; fast is the default."""
+    return os.environ.get("IPUSIM_MODE", "fast")
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+            np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
+
+
+def build_schedule(placement, options, training: bool):
+    """The schedule of this placement (ipusim.schedules): the runtime executes it step by step."""
+    return placement.schedule(training=training,
+                              gradient_accumulation=options.gradient_accumulation if training else 1,
+                              device_iterations=options.device_iterations)
+
+
+def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:
+    return PoplarExecutor(model, options, True, optimizer)
+
+
+def inferenceModel(model: torch.nn.Module, options: Options | None = None) -> PoplarExecutor:
+    return PoplarExecutor(model, options, False)
+
+

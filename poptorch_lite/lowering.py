@@ -1,0 +1,554 @@
+"""Lower the IR to ipusim: one program per stage and pass, channels between them, host streams.
+
+The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s). Each runs
+on its stage's IPU for one micro-batch. A value made by one stage program and used by another
+travels through a *channel*: after the producer runs for micro-batch k, a send program copies the
+values into slot k % S of the consumer's receive buffers (an `InterIpuCopy` between IPUs, an
+on-chip `Copy` on the same IPU: that is the activation stash of PopART); before the consumer
+runs for micro-batch k, a receive program copies slot k % S into its inputs. S, the number of
+slots, is the most micro-batches the schedule ever keeps in flight on that channel, so the
+stashed activations cost exactly what the schedule needs.
+
+Model inputs enter by host streams in the stage programs that use them; model outputs leave by
+host streams in separate programs, run only for the micro-batches whose outputs are returned.
+Weights live on the IPU of the stage that uses them, with their gradient accumulators; the
+weight-update program of a stage applies the optimiser to them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ipusim as ip
+from ipusim.ops import conv, ctc, gather, loss, norm, pool
+from ipusim.ops import elementwise as ew
+from ipusim.ops import matmul as mm
+from ipusim.ops import random as rnd
+from ipusim.ops import reduce as reduce_ops
+from ipusim.ops import softmax as sm
+
+from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+@dataclass
+class Channel:
+    src: tuple                      # producing stage program key
+    dst: tuple                      # consuming stage program key
+    values: list[Value]
+    slots: int = 1
+    send: list[int] = field(default_factory=list)   # engine program index per slot
+    recv: list[int] = field(default_factory=list)   # engine program index per slot (empty when slots == 1)
+
+
+@dataclass
+class StageProgram:
+    key: tuple                      # ("fwd" | "bwd", stage)
+    ipu: int
+    nodes: list[Node]
+    body: int = -1                  # engine program index
+    outputs: int = -1               # engine program index of the output streams (or -1)
+    inputs: list[tuple[str, int]] = field(default_factory=list)   # (stream name, model input index)
+    output_streams: list[tuple[str, int]] = field(default_factory=list)  # (stream name, output index)
+
+    @property
+    def name(self) -> str:
+        return f"{self.key[0]}{self.key[1]}"
+
+
+def stage_key(n: Node) -> tuple:
+    return (n.pass_, n.stage)
+
+
+class Lowering:
+    """Builds the device, tensors and programs for an IR graph."""
+
+    def __init__(self, ir: IRGraph, target: ip.Target, num_ipus: int, stage_ipus: dict[int, int], schedule):
+        self.ir = ir
+        self.target = target
+        self.device = ip.Device(target, num_ipus)
+        self.programs: list[ip.Program] = []
+        self.stage_ipus = stage_ipus
+        self.schedule = schedule
+        self.tensors: dict[tuple[int, tuple], ip.Tensor] = {}   # (value id, program key) -> tensor
+        self.weights: dict[str, ip.Tensor] = {}                  # param/buffer name -> tensor
+        self.accumulators: dict[str, ip.Tensor] = {}
+        self.weight_stage: dict[str, int] = {}
+        self.stage_programs: dict[tuple, StageProgram] = {}
+        self.channels: list[Channel] = []
+        self._consts: dict[tuple, ip.Tensor] = {}
+        self.seeds: dict[int, ip.Tensor] = {}
+
+    def seed(self, ipu: int) -> ip.Tensor:
+        """The IPU's random seed (advanced after every stage program that draws from it)."""
+        if ipu not in self.seeds:
+            self.seeds[ipu] = rnd.seed_tensor(self.graph(ipu), f"ipu{ipu}/seed")
+        return self.seeds[ipu]
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def add_program(self, p: ip.Program) -> int:
+        self.programs.append(p)
+        return len(self.programs) - 1
+
+    def graph(self, ipu: int) -> ip.Graph:
+        return self.device.graph(ipu)
+
+    def const(self, v: Value, key: tuple, ipu: int) -> ip.Tensor:
+        k = (v.id, key)
+        if k not in self._consts:
+            g = self.graph(ipu)
+            t = g.addConstant(v.dtype, v.shape, v.data, f"{key[0]}{key[1]}/const")
+            g.map_linearly(t, grain=4, min_elements_per_tile=256)
+            self._consts[k] = t
+        return self._consts[k]
+
+    # ---- placement of weights -----------------------------------------------------------------
+    def place_weights(self) -> None:
+        users: dict[str, set[int]] = {}
+        by_id = {v.id: name for name, v in {**self.ir.params, **self.ir.buffers}.items()}
+        for n in self.ir.nodes:
+            for v in n.inputs:
+                if v.id in by_id:
+                    users.setdefault(by_id[v.id], set()).add(n.stage)
+        for name, v in {**self.ir.params, **self.ir.buffers}.items():
+            stages = users.get(name)
+            if not stages:
+                continue
+            ipus = {self.stage_ipus[s] for s in stages}
+            if len(ipus) > 1:
+                raise CompileError(f"weight {name!r} is used on IPUs {sorted(ipus)} (stages {sorted(stages)}); "
+                                   "a weight must live on one IPU: put the ops that use it in blocks on the same IPU")
+            stage = min(stages)
+            ipu = ipus.pop()
+            g = self.graph(ipu)
+            category = "weights" if v.kind == "param" else "other"
+            t = g.addVariable(v.dtype, v.shape, name, category=category)
+            g.map_linearly(t, grain=4, min_elements_per_tile=64)
+            self.weights[name] = t
+            self.weight_stage[name] = stage
+
+    # ---- stage programs and channels ----------------------------------------------------------
+    def build(self) -> None:
+        self.place_weights()
+        weight_ids = {v.id: name for name, v in {**self.ir.params, **self.ir.buffers}.items()}
+        input_index = {v.id: i for i, v in enumerate(self.ir.inputs)}
+        for n in self.ir.nodes:
+            key = stage_key(n)
+            if key not in self.stage_programs:
+                self.stage_programs[key] = StageProgram(key, self.stage_ipus[n.stage], [])
+            self.stage_programs[key].nodes.append(n)
+        producer_key = {v.id: stage_key(n) for n in self.ir.nodes for v in n.outputs}
+        # channels: values crossing from one stage program to another
+        crossing: dict[tuple, list[Value]] = {}
+        for key, sp in self.stage_programs.items():
+            seen = set()
+            for n in sp.nodes:
+                for v in n.inputs:
+                    src = producer_key.get(v.id)
+                    if src is not None and src != key and v.id not in seen:
+                        seen.add(v.id)
+                        crossing.setdefault((src, key), []).append(v)
+        slots = channel_slots(self.schedule, list(crossing))
+        for (src, dst), values in crossing.items():
+            self.channels.append(Channel(src, dst, values, slots[(src, dst)]))
+        for ch in self.channels:
+            self._make_receive_buffers(ch)
+        for key in sorted(self.stage_programs, key=lambda k: (k[0] != "fwd", k[1] if k[0] == "fwd" else -k[1])):
+            self._lower_stage(self.stage_programs[key], weight_ids, input_index)
+        for ch in self.channels:
+            self._make_send(ch)
+
+    def _make_receive_buffers(self, ch: Channel) -> None:
+        dst_ipu = self.stage_programs[ch.dst].ipu
+        g = self.graph(dst_ipu)
+        same_ipu = self.stage_programs[ch.src].ipu == dst_ipu
+        category = "stashed_activations" if same_ipu else "activations"
+        ch.buffers = []
+        for v in ch.values:
+            slots = []
+            for j in range(ch.slots):
+                t = g.addVariable(v.dtype, v.shape, f"{ch.dst[0]}{ch.dst[1]}/recv/{v.name}/{j}", category=category)
+                g.map_linearly(t, grain=4, min_elements_per_tile=64)
+                slots.append(t)
+            ch.buffers.append(slots)
+            if ch.slots == 1:
+                self.tensors[(v.id, ch.dst)] = slots[0]
+            else:
+                local = g.clone(slots[0], f"{ch.dst[0]}{ch.dst[1]}/in/{v.name}", category="activations",
+                                always_live=False)
+                self.tensors[(v.id, ch.dst)] = local
+        if ch.slots > 1:
+            for j in range(ch.slots):
+                seq = ip.Sequence(name=f"recv {ch.src}->{ch.dst} slot {j}")
+                for v, slots in zip(ch.values, ch.buffers):
+                    seq.add(ip.Copy(slots[j], self.tensors[(v.id, ch.dst)]))
+                ch.recv.append(self.add_program(seq))
+
+    def _make_send(self, ch: Channel) -> None:
+        src_ipu = self.stage_programs[ch.src].ipu
+        dst_ipu = self.stage_programs[ch.dst].ipu
+        for j in range(ch.slots):
+            seq = ip.Sequence(name=f"send {ch.src}->{ch.dst} slot {j}")
+            for v, slots in zip(ch.values, ch.buffers):
+                src = self.tensors[(v.id, ch.src)]
+                seq.add(ip.InterIpuCopy(src, slots[j]) if src_ipu != dst_ipu else ip.Copy(src, slots[j]))
+            ch.send.append(self.add_program(seq))
+
+    def _lower_stage(self, sp: StageProgram, weight_ids: dict, input_index: dict) -> None:
+        g = self.graph(sp.ipu)
+        body = ip.Sequence(name=sp.name)
+        key = sp.key
+        ctx = Context(self, g, body)
+        # host inputs used by this stage program
+        for v in {v.id: v for n in sp.nodes for v in n.inputs if v.id in input_index}.values():
+            name = f"{sp.name}/input/{v.name}"
+            t = g.addVariable(v.dtype, v.shape, name, category="host_io", always_live=False)
+            g.map_linearly(t, grain=4, min_elements_per_tile=64)
+            stream = g.addHostToDeviceFIFO(name, v.dtype, v.shape)
+            body.add(ip.StreamCopy(stream, t))
+            self.tensors[(v.id, key)] = t
+            sp.inputs.append((name, input_index[v.id]))
+        for n in sp.nodes:
+            ins = []
+            for v in n.inputs:
+                if v.id in weight_ids:
+                    ins.append(self.weights[weight_ids[v.id]])
+                elif v.kind == "const":
+                    ins.append(self.const(v, key, sp.ipu))
+                elif (v.id, key) in self.tensors:
+                    ins.append(self.tensors[(v.id, key)])
+                else:
+                    raise CompileError(f"value {v} used by {n.op} at {n.source} is not available on stage "
+                                       f"program {key}")
+            lower = LOWER.get(n.op)
+            if lower is None:
+                raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
+            ctx.name = f"{sp.name}/{n.op}"
+            outs = lower(ctx, n, ins)
+            for v, t in zip(n.outputs, outs):
+                if t is not None:
+                    self.tensors[(v.id, key)] = t
+        # gradient accumulation
+        for name, v in self.ir.grads.items():
+            if (v.id, key) in self.tensors:
+                w = self.weights[name]
+                acc = g.clone(w, f"{name}/accumulator", category="accumulators", always_live=True)
+                self.accumulators[name] = acc
+                grad = self.tensors[(v.id, key)]
+                if grad.ipu != w.ipu:
+                    raise CompileError(f"the gradient of {name!r} is computed on IPU {grad.ipu}, its weight lives on "
+                                       f"IPU {w.ipu}")
+                ew.binary(g, "add", acc, grad, body, f"{name}/accumulate", out=acc)
+        if ctx.random_ops:
+            rnd.advance_seed(g, self.seed(sp.ipu), body, name=f"{sp.name}/advance_seed")
+        sp.body = self.add_program(body)
+        # model outputs produced here
+        outs = ip.Sequence(name=f"{sp.name}/outputs")
+        for i, v in enumerate(flatten_values(self.ir.outputs)):
+            if (v.id, key) in self.tensors and v.producer is not None and stage_key(v.producer) == key:
+                name = f"{sp.name}/output/{i}"
+                stream = g.addDeviceToHostFIFO(name, v.dtype, v.shape)
+                outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
+                sp.output_streams.append((name, i))
+        if outs.programs:
+            sp.outputs = self.add_program(outs)
+
+
+# =========================================================================================
+# Op lowerings: (context, node, input tensors) -> output tensors (None for outputs not needed)
+# =========================================================================================
+class Context:
+    """What an op lowering needs: the IPU's graph, the program being built, a name, the seed."""
+
+    def __init__(self, lowering: Lowering, graph: ip.Graph, prog: ip.Sequence):
+        self.lowering = lowering
+        self.graph = graph
+        self.prog = prog
+        self.name = ""
+        self.random_ops = 0
+
+    def seed(self) -> tuple[ip.Tensor, int]:
+        """The seed tensor and a modifier distinct for every random op of this program."""
+        self.random_ops += 1
+        return self.lowering.seed(self.graph.ipu), self.random_ops
+
+
+LOWER = {}
+
+
+def lowers(*ops):
+    def deco(fn):
+        for op in ops:
+            LOWER[op] = fn
+        return fn
+    return deco
+
+
+@lowers(*VIEW_OPS)
+def _view(ctx, n: Node, ins):
+    x, a = ins[0], n.attrs
+    if n.op == "reshape":
+        return [x.reshape(a["shape"])]
+    if n.op == "transpose":
+        return [x.transpose(a["perm"])]
+    if n.op == "expand":
+        return [x.broadcast(a["shape"])]
+    return [x[a["key"]]]
+
+
+@lowers("slice_backward")
+def _slice_backward(ctx, n, ins):
+    g = ctx.graph
+    out = g.addVariable(ins[0].dtype, n.outputs[0].shape, ctx.name, category="activations", always_live=False)
+    g.map_linearly(out, grain=4, min_elements_per_tile=64)
+    ew.unary(g, "fill", out, ctx.prog, f"{ctx.name}/zero", out=out, scale=0.0)
+    ctx.prog.add(ip.Copy(ins[0], out[n.attrs["key"]]))
+    return [out]
+
+
+@lowers("unary")
+def _unary(ctx, n, ins):
+    a = n.attrs
+    return [ew.unary(ctx.graph, a["fn"], ins[0], ctx.prog, ctx.name, scale=a.get("scale", 1.0),
+                     bias=a.get("bias", 0.0))]
+
+
+@lowers("binary")
+def _binary(ctx, n, ins):
+    return [ew.binary(ctx.graph, n.attrs["fn"], ins[0], ins[1], ctx.prog, ctx.name)]
+
+
+@lowers("cast")
+def _cast(ctx, n, ins):
+    return [ew.cast(ctx.graph, ins[0], n.outputs[0].dtype, ctx.prog, ctx.name)]
+
+
+@lowers("reduce")
+def _reduce(ctx, n, ins):
+    a = n.attrs
+    return [reduce_ops.reduce(ctx.graph, ins[0], a["axes"], a["fn"], ctx.prog, ctx.name, keepdims=a["keepdims"])]
+
+
+@lowers("matmul")
+def _matmul(ctx, n, ins):
+    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name)]
+
+
+def _conv_args(a):
+    return dict(stride=a["stride"], padding=a["padding"], dilation=a["dilation"], groups=a["groups"])
+
+
+@lowers("conv2d")
+def _conv2d(ctx, n, ins):
+    return [conv.conv2d(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs))]
+
+
+@lowers("conv2d_backward_input")
+def _conv2d_bwd_input(ctx, n, ins):
+    return [conv.conv2d_backward_input(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
+                                       **_conv_args(n.attrs))]
+
+
+@lowers("conv2d_backward_weights")
+def _conv2d_bwd_weights(ctx, n, ins):
+    return [conv.conv2d_backward_weights(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
+                                         **_conv_args(n.attrs))]
+
+
+@lowers("max_pool2d")
+def _max_pool(ctx, n, ins):
+    a = n.attrs
+    return [pool.max_pool2d(ctx.graph, ins[0], a["kernel"], ctx.prog, a["stride"], a["padding"], name=ctx.name)]
+
+
+@lowers("max_pool2d_backward")
+def _max_pool_bwd(ctx, n, ins):
+    a = n.attrs
+    return [pool.max_pool2d_backward(ctx.graph, ins[0], ins[1], ins[2], a["kernel"], ctx.prog, a["stride"],
+                                     a["padding"], name=ctx.name)]
+
+
+@lowers("avg_pool2d")
+def _avg_pool(ctx, n, ins):
+    a = n.attrs
+    return [pool.avg_pool2d(ctx.graph, ins[0], a["kernel"], ctx.prog, a["stride"], a["padding"],
+                            count_include_pad=a["count_include_pad"], name=ctx.name)]
+
+
+@lowers("avg_pool2d_backward")
+def _avg_pool_bwd(ctx, n, ins):
+    a = n.attrs
+    return [pool.avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, a["kernel"], ctx.prog, a["stride"],
+                                     a["padding"], count_include_pad=a["count_include_pad"], name=ctx.name)]
+
+
+@lowers("adaptive_avg_pool2d")
+def _adaptive(ctx, n, ins):
+    return [pool.adaptive_avg_pool2d(ctx.graph, ins[0], n.attrs["output_size"], ctx.prog, name=ctx.name)]
+
+
+@lowers("adaptive_avg_pool2d_backward")
+def _adaptive_bwd(ctx, n, ins):
+    return [pool.adaptive_avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, ctx.prog, name=ctx.name)]
+
+
+@lowers("softmax", "log_softmax")
+def _softmax(ctx, n, ins):
+    fn = sm.softmax if n.op == "softmax" else sm.log_softmax
+    return [fn(ctx.graph, ins[0], n.attrs["axis"], ctx.prog, name=ctx.name)]
+
+
+@lowers("softmax_backward", "log_softmax_backward")
+def _softmax_bwd(ctx, n, ins):
+    fn = sm.softmax_backward if n.op == "softmax_backward" else sm.log_softmax_backward
+    return [fn(ctx.graph, ins[0], ins[1], n.attrs["axis"], ctx.prog, name=ctx.name)]
+
+
+@lowers("dropout")
+def _dropout(ctx, n, ins):
+    seed, modifier = ctx.seed()
+    y, mask = rnd.dropout(ctx.graph, ins[0], n.attrs["p"], seed, ctx.prog, name=ctx.name, seed_modifier=modifier)
+    return [y, mask]
+
+
+@lowers("dropout_backward")
+def _dropout_bwd(ctx, n, ins):
+    return [rnd.dropout_backward(ctx.graph, ins[0], ins[1], n.attrs["p"], ctx.prog, name=ctx.name)]
+
+
+@lowers("nll_loss")
+def _nll(ctx, n, ins):
+    a = n.attrs
+    return [loss.nll_loss(ctx.graph, ins[0], ins[1], ctx.prog, a["reduction"], a["ignore_index"], name=ctx.name)]
+
+
+@lowers("nll_loss_backward")
+def _nll_bwd(ctx, n, ins):
+    a = n.attrs
+    return [loss.nll_loss_backward(ctx.graph, ins[2], ins[0], ins[1], ctx.prog, a["reduction"], a["ignore_index"],
+                                   name=ctx.name)]
+
+
+@lowers("cross_entropy")
+def _ce(ctx, n, ins):
+    a = n.attrs
+    value, _ = loss.cross_entropy(ctx.graph, ins[0], ins[1], ctx.prog, a["reduction"], a["ignore_index"],
+                                  name=ctx.name)
+    return [value]
+
+
+@lowers("cross_entropy_backward")
+def _ce_bwd(ctx, n, ins):
+    a = n.attrs
+    return [loss.cross_entropy_backward(ctx.graph, ins[2], ins[0], ins[1], ctx.prog, a["reduction"],
+                                        a["ignore_index"], name=ctx.name)]
+
+
+@lowers("mse_loss", "l1_loss")
+def _pointwise_loss(ctx, n, ins):
+    fn = loss.mse_loss if n.op == "mse_loss" else loss.l1_loss
+    return [fn(ctx.graph, ins[0], ins[1], ctx.prog, n.attrs["reduction"], name=ctx.name)]
+
+
+@lowers("mse_loss_backward", "l1_loss_backward")
+def _pointwise_loss_bwd(ctx, n, ins):
+    fn = loss.mse_loss_backward if n.op == "mse_loss_backward" else loss.l1_loss_backward
+    return [fn(ctx.graph, ins[2], ins[0], ins[1], ctx.prog, n.attrs["reduction"], name=ctx.name)]
+
+
+@lowers("identity_loss")
+def _identity_loss(ctx, n, ins):
+    r = n.attrs["reduction"]
+    if r == "none":
+        return [ins[0]]
+    return [reduce_ops.reduce(ctx.graph, ins[0], None, r, ctx.prog, ctx.name)]
+
+
+@lowers("ctc_loss")
+def _ctc(ctx, n, ins):
+    a = n.attrs
+    return [ctc.ctc_loss(ctx.graph, *ins, ctx.prog, blank=a["blank"], reduction=a["reduction"],
+                         zero_infinity=a["zero_infinity"], name=ctx.name)]
+
+
+@lowers("ctc_loss_backward")
+def _ctc_bwd(ctx, n, ins):
+    a = n.attrs
+    return [ctc.ctc_loss_backward(ctx.graph, *ins, ctx.prog, blank=a["blank"], reduction=a["reduction"],
+                                  zero_infinity=a["zero_infinity"], name=ctx.name)]
+
+
+@lowers("layer_norm")
+def _layer_norm(ctx, n, ins):
+    a = n.attrs
+    w = ins[1] if a["affine"] else None
+    b = ins[-1] if a["has_bias"] else None
+    return list(norm.layer_norm(ctx.graph, ins[0], a["normalized_ndim"], w, b, a["eps"], ctx.prog, name=ctx.name))
+
+
+@lowers("layer_norm_backward")
+def _layer_norm_bwd(ctx, n, ins):
+    a = n.attrs
+    g, x, mean, inv_std, *params = ins
+    w = params[0] if a["affine"] else None
+    b = params[-1] if a["has_bias"] else None
+    dx, dw, db = norm.layer_norm_backward(ctx.graph, g, x, mean, inv_std, w, b, a["normalized_ndim"], ctx.prog,
+                                          name=ctx.name)
+    return [dx] + [t for t in (dw, db) if t is not None]
+
+
+@lowers("batch_norm")
+def _batch_norm(ctx, n, ins):
+    a = n.attrs
+    x, w, b, running_mean, running_var = ins
+    if not a["training"]:
+        return [norm.batch_norm2d_inference(ctx.graph, x, running_mean, running_var, w, b, a["eps"], ctx.prog,
+                                            name=ctx.name)]
+    y, mean, var, inv_std = norm.batch_norm2d_train(ctx.graph, x, w, b, a["eps"], ctx.prog, name=ctx.name)
+    count = x.numel // x.shape[1]
+    norm.update_running_stats(ctx.graph, running_mean, running_var, mean, var, a["momentum"], count, ctx.prog,
+                              name=f"{ctx.name}/running_stats")
+    return [y, mean, var, inv_std]
+
+
+@lowers("batch_norm_backward")
+def _batch_norm_bwd(ctx, n, ins):
+    g, x, mean, inv_std, w = ins
+    return list(norm.batch_norm2d_backward(ctx.graph, g, x, mean, inv_std, w, ctx.prog, name=ctx.name))
+
+
+@lowers("embedding")
+def _embedding(ctx, n, ins):
+    return [gather.embedding(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, padding_idx=n.attrs["padding_idx"])]
+
+
+@lowers("embedding_backward")
+def _embedding_bwd(ctx, n, ins):
+    return [gather.embedding_backward(ctx.graph, ins[0], ins[1], n.outputs[0].shape[0], ctx.prog, name=ctx.name,
+                                      padding_idx=n.attrs["padding_idx"])]
+
+
+def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, int]:
+    """Slots each channel needs: the most micro-batches in flight between producer and consumer."""
+    when: dict[tuple, dict[int, int]] = {}
+    for t, step in enumerate(schedule.steps):
+        for op in step.ops:
+            if op.kind in ("F", "B"):
+                key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+                when.setdefault(key, {})[op.global_micro_batch] = t
+    out = {}
+    for src, dst in channels:
+        a, b = when.get(src, {}), when.get(dst, {})
+        events = []
+        for k, start in a.items():
+            if k in b:
+                events += [(start, 1), (b[k] + 1, -1)]
+        live = peak = 0
+        for _, d in sorted(events, key=lambda e: (e[0], e[1])):
+            live += d
+            peak = max(peak, live)
+        out[(src, dst)] = max(1, peak)
+    return out
+
