@@ -105,7 +105,8 @@ def test_integer_and_bool_reductions():
     b = variable(g, "bool", (5, 9), "b")
     prog = ip.Sequence()
     outs = [R.reduce_sum(g, i, 1, prog), R.reduce_max(g, i, 0, prog), R.reduce(g, i, None, "min", prog),
-            R.reduce_sum(g, b, None, prog), R.reduce(g, b, 1, "sum", prog, out_dtype="float32"), R.reduce_max(g, b, 1, prog)]
+            R.reduce_sum(g, b, None, prog), R.reduce(g, b, 1, "sum", prog, out_dtype="float32"),
+            R.reduce_max(g, b, 1, prog)]
     rng = np.random.default_rng(3)
     iv = rng.integers(-1000, 1000, (5, 9)).astype(np.int32)
     bv = rng.random((5, 9)) < 0.4

@@ -187,8 +187,9 @@ def loss_grad_codelet(a, a_addr, a_start, b, b_addr, b_start, g, g_addr, g_start
     for v in prange(params.shape[0]):
         op = int(params[v, 0])
         for i in range(o_start[v + 1] - o_start[v]):
-            st(out, o_addr[o_start[v] + i], loss_grad_value(op, ld(a, a_addr[a_start[v] + i]), ld(b, b_addr[b_start[v] + i]),
-                                                           ld(g, g_addr[g_start[v] + i]), params[v, 1]))
+            value = loss_grad_value(op, ld(a, a_addr[a_start[v] + i]), ld(b, b_addr[b_start[v] + i]),
+                                    ld(g, g_addr[g_start[v] + i]), params[v, 1])
+            st(out, o_addr[o_start[v] + i], value)
 
 
 @njit(parallel=True, **JIT)

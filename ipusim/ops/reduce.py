@@ -297,7 +297,8 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
                 final = None
             else:
                 final = plan_segments(out_tiles[segs.seg_out], segs.seg_out)
-                cycles = (_stage_cycles(segs, width_in, op, False, np.dtype(in_dtype) != np.dtype(partial_dtype), target)
+                converted = np.dtype(in_dtype) != np.dtype(partial_dtype)
+                cycles = (_stage_cycles(segs, width_in, op, False, converted, target)
                           + _gather_cycles(segs.seg_tile[final.perm], final.element_tiles(),
                                            np.dtype(partial_dtype).itemsize, target)
                           + _stage_cycles(final, width_part, final_op, scaled,
@@ -491,9 +492,10 @@ def segment_map_codelet(a, a_addr, a_start, b, b_addr, b_start, c, c_addr, c_sta
             sv = np.float64(ld(s, s_addr[s_start[v] + k]))
             for i in range(n):
                 e = k * n + i
-                st(out, o_addr[o_start[v] + e],
-                   segment_value(op, np.float64(ld(a, a_addr[a_start[v] + e])), np.float64(ld(b, b_addr[b_start[v] + e])),
-                                 np.float64(ld(c, c_addr[c_start[v] + e])), rv, qv, sv, sv + i, p))
+                av = np.float64(ld(a, a_addr[a_start[v] + e]))
+                bv = np.float64(ld(b, b_addr[b_start[v] + e]))
+                cv = np.float64(ld(c, c_addr[c_start[v] + e]))
+                st(out, o_addr[o_start[v] + e], segment_value(op, av, bv, cv, rv, qv, sv, sv + i, p))
 
 
 @njit(parallel=True, **ERR, **JIT)
@@ -611,7 +613,8 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
     def fast(io):
         res = np.empty(shape, dtype=out_dt)
         if column:
-            cols = np.arange(shape[axes[0]], dtype=np.float32).reshape([-1 if d == axes[0] else 1 for d in range(len(shape))])
+            along = [-1 if d == axes[0] else 1 for d in range(len(shape))]
+            cols = np.arange(shape[axes[0]], dtype=np.float32).reshape(along)
             sv = np.ascontiguousarray(np.broadcast_to(cols, shape)).reshape(-1)
         else:
             sv = full(s, io, True)
