@@ -1,0 +1,233 @@
+"""Random numbers: Philox bits, determinism across modes and mappings, statistics, dropout."""
+import math
+
+import numpy as np
+import pytest
+
+import ipusim as ip
+from ipusim.ops import random as RR
+
+TARGET = ip.Target.test(16, 64 * 1024)
+M32 = 0xFFFFFFFF
+
+
+def philox_reference(ctr, key):
+    """Philox4x32-10 in NumPy (vectorised over counters), independent of the Numba kernel."""
+    c = [np.asarray(v, dtype=np.uint64) for v in ctr]
+    k0, k1 = (np.uint64(v) for v in key)
+    for _ in range(10):
+        p0 = np.uint64(0xD2511F53) * c[0]
+        p1 = np.uint64(0xCD9E8D57) * c[2]
+        c = [((p1 >> np.uint64(32)) ^ c[1] ^ k0) & np.uint64(M32), p1 & np.uint64(M32),
+             ((p0 >> np.uint64(32)) ^ c[3] ^ k1) & np.uint64(M32), p0 & np.uint64(M32)]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & np.uint64(M32), (k1 + np.uint64(0xBB67AE85)) & np.uint64(M32)
+    return c
+
+
+def words(seed, modifier, kind, n):
+    i = np.arange(n, dtype=np.uint64)
+    w = philox_reference((i & np.uint64(M32), i >> np.uint64(32), np.full(n, modifier), np.full(n, kind)),
+                         (seed & M32, seed >> 32))
+    return w[0], w[1]
+
+
+def variable(g, dtype, shape, name, mapping="linear"):
+    t = g.addVariable(dtype, shape, name)
+    if mapping == "linear":
+        g.map_linearly(t, grain=4, min_elements_per_tile=8)
+    elif mapping == "reversed":
+        g.map_linearly(t, grain=4, min_elements_per_tile=8, tiles=range(g.target.num_tiles - 1, -1, -1))
+    else:
+        g.setTileMapping(t, mapping)
+    return t
+
+
+def run_both(g, prog, inputs, outputs, runs=1):
+    results = {}
+    for mode in ("strict", "fast"):
+        e = ip.Engine(g, prog, mode=mode).load()
+        for t, v in inputs.items():
+            e.writeTensor(t, v)
+        results[mode] = []
+        for _ in range(runs):
+            e.run()
+            results[mode].append([e.readTensor(o) for o in outputs])
+    for a, b in zip(results["strict"], results["fast"]):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    return results["strict"] if runs > 1 else results["strict"][0]
+
+
+def test_philox_known_answers():
+    # Random123's known-answer vectors for philox4x32-10
+    vectors = [((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+               ((M32,) * 4, (M32, M32), (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+               ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+                (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1))]
+    for ctr, key, expected in vectors:
+        got = RR.philox4x32(*(np.uint64(v) for v in ctr), *(np.uint64(v) for v in key))
+        assert tuple(int(v) for v in got) == expected
+        assert tuple(int(v[()]) for v in philox_reference(ctr, key)) == expected
+
+
+def test_values_are_the_documented_functions_of_the_bits():
+    seed = 2 ** 40 + 12345
+    g = ip.Graph(TARGET)
+    prog = ip.Sequence()
+    n = 300
+    u = RR.uniform(g, (n,), seed, prog, -1.0, 3.0, seed_modifier=7)
+    z = RR.normal(g, (n,), seed, prog, 0.5, 2.0, seed_modifier=7)
+    b = RR.bernoulli(g, (n,), 0.3, seed, prog, dtype=np.int32, seed_modifier=7)
+    got = run_both(g, prog, {}, [u, z, b])
+    w0, _ = words(seed, 7, RR.UNIFORM, n)
+    np.testing.assert_array_equal(got[0], (-1.0 + 4.0 * (w0 >> np.uint64(8)) * 2.0 ** -24).astype(np.float32))
+    w0, w1 = words(seed, 7, RR.NORMAL, n)
+    u1 = ((w0 >> np.uint64(8)) + 1.0) * 2.0 ** -24
+    u2 = (w1 >> np.uint64(8)) * 2.0 ** -24
+    np.testing.assert_allclose(got[1], 0.5 + 2.0 * np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2), rtol=1e-6)
+    w0, _ = words(seed, 7, RR.BERNOULLI, n)
+    np.testing.assert_array_equal(got[2], (w0 < math.floor(0.3 * 2 ** 32)).astype(np.int32))
+
+
+def test_same_seed_same_bits_whatever_the_mapping_and_mode():
+    outs = []
+    for mapping in ("linear", "reversed", 5):
+        g = ip.Graph(TARGET)
+        x = variable(g, "float32", (24, 10), "x", mapping)
+        prog = ip.Sequence()
+        y, mask = RR.dropout(g, x, 0.5, 99, prog)
+        outs.append(run_both(g, prog, {x: np.ones((24, 10), np.float32)}, [y, mask]))
+    for y, mask in outs[1:]:
+        np.testing.assert_array_equal(y, outs[0][0])
+        np.testing.assert_array_equal(mask, outs[0][1])
+
+
+def test_seeds_modifiers_and_distributions_give_independent_streams():
+    g = ip.Graph(TARGET)
+    prog = ip.Sequence()
+    shape = (4000,)
+    streams = [RR.uniform(g, shape, 1, prog), RR.uniform(g, shape, 2, prog),
+               RR.uniform(g, shape, 1, prog, seed_modifier=1), RR.uniform(g, shape, 2 ** 32 + 1, prog)]
+    got = run_both(g, prog, {}, streams)
+    for i in range(len(got)):
+        for j in range(i + 1, len(got)):
+            assert abs(np.corrcoef(got[i], got[j])[0, 1]) < 0.06  # ~4 sigma for 4000 samples
+    a = got[0]
+    assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 0.06  # neighbouring elements (also across tiles)
+
+
+def test_statistics_of_the_distributions():
+    g = ip.Graph(TARGET)
+    prog = ip.Sequence()
+    n = 20000
+    u = RR.uniform(g, (n,), 3, prog, 2.0, 5.0)
+    z = RR.normal(g, (n,), 3, prog, -1.0, 3.0, dtype=np.float16)
+    b = RR.bernoulli(g, (n,), 0.2, 3, prog, dtype=np.bool_)
+    uv, zv, bv = run_both(g, prog, {}, [u, z, b])
+    assert uv.min() >= 2.0 and uv.max() < 5.0
+    assert abs(uv.mean() - 3.5) < 4 * math.sqrt(0.75 / n)
+    assert abs(uv.var() - 0.75) < 0.03
+    # uniform: every tenth of the range holds about a tenth of the samples (chi-square, 9 dof)
+    counts = np.histogram(uv, bins=10, range=(2, 5))[0]
+    assert ((counts - n / 10) ** 2 / (n / 10)).sum() < 30
+    zf = zv.astype(np.float64)
+    assert zv.dtype == np.float16
+    assert abs(zf.mean() + 1.0) < 4 * 3 / math.sqrt(n) and abs(zf.std() - 3.0) < 0.1
+    assert abs(np.mean(np.abs(zf + 1) < 3.0) - 0.6827) < 0.015  # one sigma
+    assert bv.dtype == np.bool_ and abs(bv.mean() - 0.2) < 4 * math.sqrt(0.16 / n)
+
+
+def test_dropout_scales_like_torch_and_its_backward_uses_the_mask():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (100, 50), "x")
+    dy = variable(g, "float32", (100, 50), "dy", 3)
+    prog = ip.Sequence()
+    p = 0.3
+    y, mask = RR.dropout(g, x, p, 11, prog)
+    dx = RR.dropout_backward(g, dy, mask, p, prog)
+    rng = np.random.default_rng(0)
+    xv = rng.standard_normal(x.shape).astype(np.float32)
+    dyv = rng.standard_normal(x.shape).astype(np.float32)
+    yv, mv, dxv = run_both(g, prog, {x: xv, dy: dyv}, [y, mask, dx])
+    assert mv.dtype == np.bool_ and abs(mv.mean() - (1 - p)) < 4 * math.sqrt(p * (1 - p) / mv.size)
+    np.testing.assert_array_equal(yv, (xv.astype(np.float64) * mv / (1 - p)).astype(np.float32))
+    np.testing.assert_array_equal(dxv, (dyv.astype(np.float64) * mv / (1 - p)).astype(np.float32))
+    assert (y.tiles() == x.tiles()).all() and (mask.tiles() == x.tiles()).all() and (dx.tiles() == dy.tiles()).all()
+
+
+def test_dropout_edge_probabilities():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float16", (8, 8), "x")
+    prog = ip.Sequence()
+    y0, m0 = RR.dropout(g, x, 0.0, 1, prog)
+    y1, m1 = RR.dropout(g, x, 1.0, 1, prog)
+    xv = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float16)
+    a, ma, b, mb = run_both(g, prog, {x: xv}, [y0, m0, y1, m1])
+    np.testing.assert_array_equal(a, xv)
+    assert ma.all() and not mb.any() and not b.any()
+
+
+def test_device_seed_advances_between_runs():
+    g = ip.Graph(TARGET)
+    seed = RR.seed_tensor(g, tile=2)
+    seed_i32 = g.addVariable("int32", (2,), "seed_i32")
+    g.setTileMapping(seed_i32, 7)
+    prog = ip.Sequence()
+    u = RR.uniform(g, (64,), seed, prog)
+    v = RR.uniform(g, (64,), seed_i32, prog)
+    RR.advance_seed(g, seed, prog)
+    RR.advance_seed(g, seed_i32, prog, step=2 ** 32 - 1)
+    start = 2 ** 32 - 1  # the low word carries into the high word
+    runs = run_both(g, prog, {seed: RR.seed_words(start), seed_i32: RR.seed_words(5).view(np.int32)},
+                    [u, v, seed, seed_i32], runs=2)
+    (u1, v1, s1, t1), (u2, v2, _, _) = runs
+    assert s1.tolist() == [0, 1] and t1.view(np.uint32).tolist() == [4, 1]
+    assert not np.array_equal(u1, u2)
+    # the second run draws exactly what a fresh seed of start + 1 draws
+    g2 = ip.Graph(TARGET)
+    prog2 = ip.Sequence()
+    fresh = RR.uniform(g2, (64,), start + 1, prog2)
+    np.testing.assert_array_equal(run_both(g2, prog2, {}, [fresh])[0], u2)
+    w0, _ = words(5, 0, RR.UNIFORM, 64)  # an int32 seed reads as the same 32-bit words
+    np.testing.assert_array_equal(v1, ((w0 >> np.uint64(8)) * 2.0 ** -24).astype(np.float32))
+
+
+def test_bad_arguments_are_named():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (4,), "x")
+    i = variable(g, "int32", (4,), "i")
+    bad_seed = variable(g, "float32", (2,), "s")
+    prog = ip.Sequence()
+    with pytest.raises(ValueError, match=r"dropout probability p must be in \[0, 1\], got 1.5"):
+        RR.dropout(g, x, 1.5, 0, prog)
+    with pytest.raises(TypeError, match="dropout needs a float tensor"):
+        RR.dropout(g, i, 0.5, 0, prog)
+    with pytest.raises(TypeError, match="seed tensor 's' is float32"):
+        RR.uniform(g, (3,), bad_seed, prog)
+    with pytest.raises(ValueError, match="a seed is an integer"):
+        RR.seed_words(-1)
+    with pytest.raises(TypeError, match="only a seed tensor"):
+        RR.advance_seed(g, 5, prog)
+    split = g.addVariable("uint32", (2,), "split")
+    g.setTileMappingIntervals(split, [(0, 0, 1), (1, 1, 2)])
+    with pytest.raises(ValueError, match="split over tiles"):
+        RR.advance_seed(g, split, prog)
+    with pytest.raises(ValueError, match="must be a bool tensor"):
+        RR.dropout_backward(g, x, x, 0.5, prog)
+
+
+def test_estimators_follow_the_poprand_shape():
+    t = ip.GC200
+    assert RR.rng_instructions(10, 2, RR.UNIFORM) == 19 + 5 * 3
+    assert RR.rng_instructions(10, 4, RR.NORMAL) == 19 + 3 * 2
+    assert RR.RANDOM_VERTEX.cycles({"seed": 2, "out": 10}, (RR.BERNOULLI, 0, 0, 0, 0), np.dtype("float32"), t) == \
+        t.thread_cycles(19 + 5)
+    assert RR.DROPOUT_VERTEX.cycles({"x": 8, "seed": 2, "out": 8, "mask": 8}, (0, 0, 1, 0), np.dtype("float16"), t) \
+        == t.thread_cycles(19 + 2 * 3)
+
+
+def test_work_runs_are_contiguous_and_balanced():
+    tiles = np.array([0] * 24 + [1] * 3 + [0] * 2)
+    work = RR.contiguous_work(tiles, 6)
+    assert [w for w in work if w[0] == 0] == [(0, 0, 8), (0, 8, 16), (0, 16, 24), (0, 27, 29)]
+    assert [w for w in work if w[0] == 1] == [(1, 24, 27)]
