@@ -453,13 +453,13 @@ def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilatio
     _, cg, kh, kw = w.shape
     og = o // groups
     dym = dy.reshape(n, groups, og, oh * ow).transpose(1, 0, 3, 2).reshape(groups, n * oh * ow, og)
-    cols = np.matmul(dym, w.reshape(groups, og, cg * kh * kw)).reshape(groups, n, oh, ow, cg, kh, kw)
+    patches = np.matmul(dym, w.reshape(groups, og, cg * kh * kw)).reshape(groups, n, oh, ow, cg, kh, kw)
     dxp = np.zeros((n, groups, cg, h + 2 * p[0], wd + 2 * p[1]), dtype=np.float32)
     for i in range(kh):
         rows = slice(i * d[0], i * d[0] + s[0] * (oh - 1) + 1, s[0])
         for j in range(kw):
-            cols_ = slice(j * d[1], j * d[1] + s[1] * (ow - 1) + 1, s[1])
-            dxp[:, :, :, rows, cols_] += cols[:, :, :, :, :, i, j].transpose(1, 0, 4, 2, 3)
+            cols = slice(j * d[1], j * d[1] + s[1] * (ow - 1) + 1, s[1])
+            dxp[:, :, :, rows, cols] += patches[:, :, :, :, :, i, j].transpose(1, 0, 4, 2, 3)
     return dxp[:, :, :, p[0]:p[0] + h, p[1]:p[1] + wd].reshape(n, c, h, wd)
 
 

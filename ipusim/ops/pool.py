@@ -1,0 +1,693 @@
+"""2-D pooling in PyTorch's conventions (NCHW): max and average pooling with kernel, stride,
+padding (and dilation for max, `count_include_pad` and `divisor_override` for average),
+`ceil_mode`, adaptive average pooling, and the gradients of all three.
+
+Windows, along each spatial dimension (`PoolDim`): output o reads the input positions
+start + t * step for t in [0, count), positions outside [0, in_size) being padding:
+  regular   start = o * stride - padding, count = kernel, step = dilation
+  adaptive  start = floor(o * in / out), end = ceil((o + 1) * in / out), count = end - start, step 1
+(torch's definitions). Output sizes follow torch, including ceil_mode's rule that the last window
+must start inside the input or its left padding.
+- max: the largest value in the window, padding acting as -inf; a NaN wins (torch's rule).
+- avg: the sum of the window's real elements divided by divisor_override if given; else, with
+  count_include_pad, by the window's extent clipped to the padded input, min(start + kernel,
+  in + padding) - start per dimension; else (and for adaptive windows) by the number of real
+  elements.
+- max gradient: each window's dy goes to the first position, in row-major window order, whose
+  value equals the pooled value (NaN matching NaN): torch's choice for ties (the first maximum).
+  For a window holding several NaNs torch's CPU kernel routes to the last NaN; here it is the first.
+- avg gradient: dy / divisor to every real position of the window.
+
+Plan (`plan_pool`): planes (N * C) and rows (output rows forward, input rows backward) are split
+into blocks, one per tile, spread over the IPU; a tile receives by exchange the input rows its
+windows read (halo included; backward: the x rows of every window touching its rows and the
+y and dy rows of those windows) and writes its piece of the output, which lives there. The cost
+model and the choice rule are matmul's (see matmul.py), with the estimators below. A block's
+work is split into about one vertex per worker, over planes or, with few planes, over rows.
+
+Cycle estimators (thread instructions, like popnn's pooling estimators; vector width V = 2
+float32 or 4 float16; `rows` output rows forward and gradient rows backward, `outputs` output
+elements, `taps` real window positions summed over the vertex's outputs, `inputs` gradient
+elements, `pairs` (window, position) pairs landing in the vertex's gradient rows):
+  max       10 + rows + ceil(outputs / V) + ceil(taps / V)                  (MaxPooling)
+  avg       10 + 3 rows + 3 ceil(outputs / V) + 2 ceil(taps / V)            (ScaledSumPooling)
+  max grad  10 + 5 rows + 5 ceil(inputs / V) + 3 ceil(pairs / V)            (MaxPoolingGrad)
+  avg grad  10 + 2 rows + 4 ceil(inputs / V) + ceil(pairs / V)              (SumPoolingGrad)
+
+Numerics: sums and gradients accumulate in float64 and round once; the fast mode runs the same
+window loops over whole arrays with NumPy.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import njit, prange
+
+from ..graph import Graph
+from ..kernels import JIT, ld, st
+from ..program import Execute, OpProgram, Sequence
+from ..target import Target
+from ..tensor import Tensor
+from ..vertex import VertexType
+from .common import split_work
+from .matmul import (AVAILABLE_MEMORY_PROPORTION, block_tiles, ceil_div, choose_split, float_dtype, gather,
+                     ranges, split_grid)
+
+KINDS = ("max", "avg", "max_grad", "avg_grad")
+
+
+# ---- geometry --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolDim:
+    """The windows of one spatial dimension (see the module doc)."""
+    in_size: int
+    out_size: int
+    kernel: int = 1
+    stride: int = 1
+    padding: int = 0
+    dilation: int = 1
+    adaptive: bool = False
+
+    def windows(self, o) -> tuple[np.ndarray, np.ndarray, int]:
+        """(start, count, step) of the windows of outputs o."""
+        o = np.asarray(o, dtype=np.int64)
+        if self.adaptive:
+            start = (o * self.in_size) // self.out_size
+            return start, -(-((o + 1) * self.in_size) // self.out_size) - start, 1
+        return o * self.stride - self.padding, np.full(o.shape, self.kernel, dtype=np.int64), self.dilation
+
+    @property
+    def max_count(self) -> int:
+        return int(self.windows(np.arange(self.out_size))[1].max())
+
+    def positions(self, o) -> np.ndarray:
+        """[len(o), max_count] input positions of the windows of outputs o; -1 for padding."""
+        start, count, step = self.windows(o)
+        t = np.arange(self.max_count)
+        pos = start[:, None] + t[None, :] * step
+        return np.where((t[None, :] < count[:, None]) & (pos >= 0) & (pos < self.in_size), pos, -1)
+
+    def span(self, o0: int, o1: int) -> tuple[int, int]:
+        """[lo, hi) of the real input read by outputs [o0, o1)."""
+        pos = self.positions(np.arange(o0, o1))
+        real = pos[pos >= 0]
+        return (int(real.min()), int(real.max()) + 1) if real.size else (0, 0)
+
+    def touching(self, i0: int, i1: int) -> tuple[int, int]:
+        """[lo, hi) of the outputs whose windows read an input in [i0, i1)."""
+        pos = self.positions(np.arange(self.out_size))
+        hit = np.flatnonzero(((pos >= i0) & (pos < i1)).any(axis=1))
+        return (int(hit[0]), int(hit[-1]) + 1) if hit.size else (0, 0)
+
+    def divisor_extent(self, o, count_include_pad: bool) -> np.ndarray:
+        """Positions the average divides by along this dimension, per output."""
+        if count_include_pad and not self.adaptive:
+            start = self.windows(o)[0]
+            return np.minimum(start + self.kernel, self.in_size + self.padding) - start
+        return (self.positions(o) >= 0).sum(axis=1)
+
+    @property
+    def params(self) -> tuple[int, ...]:
+        return (int(self.adaptive), self.kernel, self.stride, self.padding, self.dilation, self.in_size,
+                self.out_size)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """The windows of a pooling op over planes of in_h x in_w inputs."""
+    kind: str                    # "max" or "avg"
+    h: PoolDim
+    w: PoolDim
+    count_include_pad: bool = True
+    divisor_override: int = 0    # 0: none
+
+    def divisors(self) -> np.ndarray:
+        """[OH, OW] divisors of the average."""
+        if self.divisor_override:
+            return np.full((self.h.out_size, self.w.out_size), float(self.divisor_override))
+        dh = self.h.divisor_extent(np.arange(self.h.out_size), self.count_include_pad)
+        dw = self.w.divisor_extent(np.arange(self.w.out_size), self.count_include_pad)
+        return np.multiply.outer(dh, dw).astype(np.float64)
+
+
+def _pair(v, what: str) -> tuple[int, int]:
+    t = tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v), int(v))
+    if len(t) != 2:
+        raise ValueError(f"{what} must be an int or a pair of ints, got {v!r}")
+    return t
+
+
+def pool_output_size(in_size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
+    """torch's pooling output size (with ceil_mode's last-window rule)."""
+    out = (in_size + 2 * padding - dilation * (kernel - 1) - 1 + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= in_size + padding:
+        out -= 1
+    return out
+
+
+def _input_shape(shape, what: str) -> tuple[int, int, int, int]:
+    shape = tuple(int(v) for v in shape)
+    if len(shape) != 4:
+        raise ValueError(f"{what}: expected a 4-D input [N, C, H, W], got shape {list(shape)}")
+    if min(shape) < 1:
+        raise ValueError(f"{what}: empty input {list(shape)}")
+    return shape
+
+
+def pool_geometry(kind: str, x_shape, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+                  count_include_pad=True, divisor_override=None, what: str | None = None) -> PoolGeometry:
+    """Geometry of max_pool2d / avg_pool2d with torch's argument checks."""
+    what = what or f"{kind}_pool2d"
+    n, c, h, w = _input_shape(x_shape, what)
+    k = _pair(kernel_size, f"{what}: kernel_size")
+    s = _pair(stride if stride is not None and stride != () else k, f"{what}: stride")
+    p = _pair(padding, f"{what}: padding")
+    d = _pair(dilation, f"{what}: dilation")
+    if min(k) < 1 or min(s) < 1 or min(d) < 1:
+        raise ValueError(f"{what}: kernel_size {k}, stride {s} and dilation {d} must be positive")
+    if min(p) < 0 or p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        raise ValueError(f"{what}: pad should be at most half of kernel size, but got padding={p} and "
+                         f"kernel_size={k}")
+    if divisor_override is not None and int(divisor_override) < 1:
+        raise ValueError(f"{what}: divisor_override must be positive, got {divisor_override}")
+    oh, ow = (pool_output_size(h, k[0], s[0], p[0], d[0], ceil_mode),
+              pool_output_size(w, k[1], s[1], p[1], d[1], ceil_mode))
+    if oh < 1 or ow < 1:
+        raise ValueError(f"{what}: given input size {c}x{h}x{w}, the calculated output size {c}x{oh}x{ow} is too "
+                         "small")
+    return PoolGeometry(kind, PoolDim(h, oh, k[0], s[0], p[0], d[0]), PoolDim(w, ow, k[1], s[1], p[1], d[1]),
+                        bool(count_include_pad), int(divisor_override or 0))
+
+
+def adaptive_geometry(x_shape, output_size, what: str = "adaptive_avg_pool2d") -> PoolGeometry:
+    """Geometry of adaptive_avg_pool2d; None in output_size keeps that input size (torch)."""
+    n, c, h, w = _input_shape(x_shape, what)
+    sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size, output_size)
+    if len(sizes) != 2:
+        raise ValueError(f"{what}: output_size must be an int or a pair, got {output_size!r}")
+    oh, ow = (h if sizes[0] is None else int(sizes[0])), (w if sizes[1] is None else int(sizes[1]))
+    if oh < 1 or ow < 1:
+        raise ValueError(f"{what}: output_size must be positive, got {output_size!r}")
+    return PoolGeometry("avg", PoolDim(h, oh, adaptive=True), PoolDim(w, ow, adaptive=True), False, 0)
+
+
+# ---- cycle estimators ------------------------------------------------------------------------
+def pool_cycles(kind: str, rows, elements, taps, dtype, target: Target):
+    """Cycles of one pooling worker (see the module doc); `elements` are outputs forward and
+    gradient elements backward, `taps` the window positions (or pairs) it visits. Ints or arrays."""
+    v = 4 if np.dtype(dtype) == np.float16 else 2
+    e, t = ceil_div(elements, v), ceil_div(taps, v)
+    instructions = {"max": 10 + rows + e + t, "avg": 10 + 3 * rows + 3 * e + 2 * t,
+                    "max_grad": 10 + 5 * rows + 5 * e + 3 * t, "avg_grad": 10 + 2 * rows + 4 * e + t}[kind]
+    return target.workers_per_tile * instructions
+
+
+@njit(**JIT)
+def _window(o, adaptive, k, s, p, d, n_in, n_out):
+    if adaptive:
+        start = (o * n_in) // n_out
+        return start, ((o + 1) * n_in + n_out - 1) // n_out - start, 1
+    return o * s - p, k, d
+
+
+@njit(**JIT)
+def _dim(q, base):
+    """The 7 DIM_PARAMS of one dimension stored from q[base]."""
+    return (int(q[base]), int(q[base + 1]), int(q[base + 2]), int(q[base + 3]), int(q[base + 4]),
+            int(q[base + 5]), int(q[base + 6]))
+
+
+@njit(**JIT)
+def _real(start, count, step, n_in):
+    n = 0
+    for t in range(count):
+        i = start + t * step
+        if 0 <= i < n_in:
+            n += 1
+    return n
+
+
+@njit(**JIT)
+def _divisor(oh, ow, q, base):
+    """Divisor of the average of window (oh, ow); q[base:base + 16] holds the h and w dimension
+    parameters, count_include_pad and divisor_override."""
+    if q[base + 15] > 0:
+        return q[base + 15]
+    ha, hk, hs, hp, hd, hn, hm = _dim(q, base)
+    wa, wk, ws, wp, wd, wn, wm = _dim(q, base + 7)
+    h0, hc, hstep = _window(oh, ha, hk, hs, hp, hd, hn, hm)
+    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+    if q[base + 14] != 0 and ha == 0:
+        return float((min(h0 + hk, hn + hp) - h0) * (min(w0 + wk, wn + wp) - w0))
+    return float(_real(h0, hc, hstep, hn) * _real(w0, wc, wstep, wn))
+
+
+# Forward vertex parameters: op (0 max, 1 avg), the vertex's planes and output rows, the
+# window's first input row and size, then DIM_PARAMS for h and w, count_include_pad, divisor.
+FWD_PARAMS = ("op", "plane0", "planes", "row0", "rows", "win_row0", "win_rows", "in_cols", "out_cols")
+GRAD_PARAMS = ("plane0", "planes", "row0", "rows", "win_row0", "win_rows", "in_cols", "out_row0", "out_rows",
+               "out_cols")
+DIM_PARAMS = ("adaptive", "kernel", "stride", "padding", "dilation", "in", "out")
+TAIL = 2 * len(DIM_PARAMS) + 2
+
+
+@njit(parallel=True, **JIT)
+def pool_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
+    """Output rows [row0, row0 + rows) of planes [plane0, plane0 + planes) of the block; x is the
+    block's input window [block planes, win_rows, in_cols] starting at input row win_row0."""
+    for v in prange(params.shape[0]):
+        q = params[v]
+        op, plane0, planes, row0, rows = int(q[0]), int(q[1]), int(q[2]), int(q[3]), int(q[4])
+        win_row0, win_rows, in_cols, out_cols = int(q[5]), int(q[6]), int(q[7]), int(q[8])
+        ha, hk, hs, hp, hd, hn, hm = _dim(q, 9)
+        wa, wk, ws, wp, wd, wn, wm = _dim(q, 16)
+        bx, bo = x_start[v], o_start[v]
+        for pl in range(planes):
+            plane = (plane0 + pl) * win_rows
+            for r in range(rows):
+                h0, hc, hstep = _window(row0 + r, ha, hk, hs, hp, hd, hn, hm)
+                for ow in range(out_cols):
+                    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+                    acc = -np.inf if op == 0 else 0.0
+                    for th in range(hc):
+                        ih = h0 + th * hstep
+                        if ih < 0 or ih >= hn:
+                            continue
+                        for tw in range(wc):
+                            iw = w0 + tw * wstep
+                            if iw < 0 or iw >= wn:
+                                continue
+                            val = ld(x, x_addr[bx + (plane + ih - win_row0) * in_cols + iw])
+                            if op == 1:
+                                acc += val
+                            elif val > acc or val != val:
+                                acc = val
+                    if op == 1:
+                        acc = acc / _divisor(row0 + r, ow, q, 9)
+                    st(out, o_addr[bo + (pl * rows + r) * out_cols + ow], acc)
+
+
+@njit(parallel=True, **JIT)
+def max_grad_codelet(x, x_addr, x_start, y, y_addr, y_start, dy, dy_addr, dy_start, dx, dx_addr, dx_start,
+                     params):
+    """dx rows [row0, row0 + rows) of planes [plane0, plane0 + planes): each window of outputs rows
+    [out_row0, out_row0 + out_rows) sends its dy to the first position equal to its y."""
+    for v in prange(params.shape[0]):
+        q = params[v]
+        plane0, planes, row0, rows = int(q[0]), int(q[1]), int(q[2]), int(q[3])
+        win_row0, win_rows, in_cols = int(q[4]), int(q[5]), int(q[6])
+        out_row0, out_rows, out_cols = int(q[7]), int(q[8]), int(q[9])
+        ha, hk, hs, hp, hd, hn, hm = _dim(q, 10)
+        wa, wk, ws, wp, wd, wn, wm = _dim(q, 17)
+        bx, by, bd, bo = x_start[v], y_start[v], dy_start[v], dx_start[v]
+        acc = np.zeros(rows * in_cols)
+        for pl in range(planes):
+            acc[:] = 0.0
+            plane = plane0 + pl
+            for oi in range(out_rows):
+                h0, hc, hstep = _window(out_row0 + oi, ha, hk, hs, hp, hd, hn, hm)
+                if h0 + (hc - 1) * hstep < row0 or h0 >= row0 + rows:
+                    continue
+                for ow in range(out_cols):
+                    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+                    k = (plane * out_rows + oi) * out_cols + ow
+                    target = ld(y, y_addr[by + k])
+                    found = False
+                    for th in range(hc):
+                        ih = h0 + th * hstep
+                        if ih < 0 or ih >= hn:
+                            continue
+                        for tw in range(wc):
+                            iw = w0 + tw * wstep
+                            if iw < 0 or iw >= wn:
+                                continue
+                            val = ld(x, x_addr[bx + (plane * win_rows + ih - win_row0) * in_cols + iw])
+                            if val == target or (val != val and target != target):
+                                if row0 <= ih < row0 + rows:
+                                    acc[(ih - row0) * in_cols + iw] += ld(dy, dy_addr[bd + k])
+                                found = True
+                                break
+                        if found:
+                            break
+            for i in range(rows * in_cols):
+                st(dx, dx_addr[bo + pl * rows * in_cols + i], acc[i])
+
+
+@njit(parallel=True, **JIT)
+def avg_grad_codelet(dy, dy_addr, dy_start, dx, dx_addr, dx_start, params):
+    """dx rows [row0, row0 + rows) of planes [plane0, plane0 + planes): every window of output rows
+    [out_row0, out_row0 + out_rows) adds dy / divisor to its real positions."""
+    for v in prange(params.shape[0]):
+        q = params[v]
+        plane0, planes, row0, rows = int(q[0]), int(q[1]), int(q[2]), int(q[3])
+        in_cols, out_row0, out_rows, out_cols = int(q[6]), int(q[7]), int(q[8]), int(q[9])
+        ha, hk, hs, hp, hd, hn, hm = _dim(q, 10)
+        wa, wk, ws, wp, wd, wn, wm = _dim(q, 17)
+        bd, bo = dy_start[v], dx_start[v]
+        acc = np.zeros(rows * in_cols)
+        for pl in range(planes):
+            acc[:] = 0.0
+            plane = plane0 + pl
+            for oi in range(out_rows):
+                h0, hc, hstep = _window(out_row0 + oi, ha, hk, hs, hp, hd, hn, hm)
+                if h0 + (hc - 1) * hstep < row0 or h0 >= row0 + rows:
+                    continue
+                for ow in range(out_cols):
+                    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+                    g = ld(dy, dy_addr[bd + (plane * out_rows + oi) * out_cols + ow])
+                    g = g / _divisor(out_row0 + oi, ow, q, 10)
+                    for th in range(hc):
+                        ih = h0 + th * hstep
+                        if ih < row0 or ih >= row0 + rows or ih < 0 or ih >= hn:
+                            continue
+                        for tw in range(wc):
+                            iw = w0 + tw * wstep
+                            if 0 <= iw < wn:
+                                acc[(ih - row0) * in_cols + iw] += g
+            for i in range(rows * in_cols):
+                st(dx, dx_addr[bo + pl * rows * in_cols + i], acc[i])
+
+
+@lru_cache(maxsize=65536)
+def _dims(params: tuple) -> tuple[PoolDim, PoolDim]:
+    h, w = (tuple(int(v) for v in params[i:i + 7]) for i in (0, 7))
+    return (PoolDim(h[5], h[6], h[1], h[2], h[3], h[4], bool(h[0])),
+            PoolDim(w[5], w[6], w[1], w[2], w[3], w[4], bool(w[0])))
+
+
+@lru_cache(maxsize=65536)
+def _taps(dim_params: tuple, out0: int, outs: int, row0: int, rows: int) -> int:
+    """Real window positions of outputs rows [out0, out0 + outs) (all columns) that fall in input
+    rows [row0, row0 + rows)."""
+    h, w = _dims(dim_params)
+    pos = h.positions(np.arange(out0, out0 + outs))
+    per_col = int((w.positions(np.arange(w.out_size)) >= 0).sum())
+    return int(((pos >= row0) & (pos < row0 + rows)).sum()) * per_col
+
+
+def _fwd_vertex_cycles(sizes, params, dtype, target):
+    op, planes, row0, rows = int(params[0]), int(params[2]), int(params[3]), int(params[4])
+    dims = tuple(params[9:9 + 14])
+    taps = planes * _taps(dims, row0, rows, 0, int(params[9 + 5]))
+    return int(pool_cycles("max" if op == 0 else "avg", planes * rows, sizes["out"], taps, dtype, target))
+
+
+def _grad_vertex_cycles(kind):
+    def estimate(sizes, params, dtype, target):
+        planes, row0, rows, out0, outs = (int(params[i]) for i in (1, 2, 3, 7, 8))
+        pairs = planes * _taps(tuple(params[10:10 + 14]), out0, outs, row0, rows)
+        return int(pool_cycles(kind, planes * rows, sizes["dx"], pairs, dtype, target))
+    return estimate
+
+
+POOL_VERTEX = VertexType("popnn::Pooling", ("x",), ("out",), pool_codelet, _fwd_vertex_cycles,
+                         num_params=len(FWD_PARAMS) + TAIL)
+MAX_GRAD_VERTEX = VertexType("popnn::MaxPoolingGrad", ("x", "y", "dy"), ("dx",), max_grad_codelet,
+                             _grad_vertex_cycles("max_grad"), num_params=len(GRAD_PARAMS) + TAIL)
+AVG_GRAD_VERTEX = VertexType("popnn::SumPoolingGrad", ("dy",), ("dx",), avg_grad_codelet,
+                             _grad_vertex_cycles("avg_grad"), num_params=len(GRAD_PARAMS) + TAIL)
+
+
+# ---- plan ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolPlan:
+    """Parts of (planes, rows) (output rows forward, input rows backward), one block per tile."""
+    kind: str
+    planes: int
+    rows: int
+    splits: tuple[int, int]
+    cycles: int
+    bytes_per_tile: int
+    fits: bool
+
+    @property
+    def tiles_used(self) -> int:
+        return self.splits[0] * self.splits[1]
+
+
+def _pool_work(planes: int, rows: int, workers: int) -> list[tuple[int, int, int, int]]:
+    """(plane0, planes, row0, rows) of a block's vertices: over planes, or with few planes, rows."""
+    if planes >= workers:
+        return [(b, e - b, 0, rows) for b, e in split_work(planes, workers)]
+    return [(p, 1, b, e - b) for p in range(planes) for b, e in split_work(rows, workers // planes)]
+
+
+def _pool_model(target: Target, kind: str, geom: PoolGeometry, planes: int, splits: np.ndarray, dtype):
+    """(cycles, working-set bytes) of every candidate split, vectorised."""
+    h, w = geom.h, geom.w
+    pb = ceil_div(planes, splits[:, 0])
+    backward = kind.endswith("grad")
+    rb = ceil_div(h.in_size if backward else h.out_size, splits[:, 1])
+    workers, tiles, xb, sync = (target.workers_per_tile, target.num_tiles, target.exchange_bytes_per_cycle,
+                                target.sync_cycles)
+    isz = np.dtype(dtype).itemsize
+    reach = (h.max_count - 1) * (1 if h.adaptive else h.dilation) + 1  # input rows one window spans
+    step = max(1, h.in_size // h.out_size) if h.adaptive else h.stride  # between consecutive windows
+    taps_per_out = (h.positions(np.arange(h.out_size)) >= 0).mean(axis=0).sum() * \
+        (w.positions(np.arange(w.out_size)) >= 0).mean(axis=0).sum()
+    if backward:
+        out_rows = np.minimum(h.out_size, ceil_div(rb + reach, step))
+        win_rows = np.minimum(h.in_size, (out_rows - 1) * step + reach) if kind == "max_grad" else 0
+        received = (pb * win_rows * w.in_size + (2 if kind == "max_grad" else 1) * pb * out_rows * w.out_size) * isz
+        piece = pb * rb * w.in_size
+        per_input = h.out_size * w.out_size * taps_per_out / (h.in_size * w.in_size)
+    else:
+        win_rows = np.minimum(h.in_size, (rb - 1) * step + reach)
+        received = pb * win_rows * w.in_size * isz
+        piece = pb * rb * w.out_size
+    v_planes = np.where(pb >= workers, ceil_div(pb, workers), 1)
+    v_rows = np.where(pb >= workers, rb, ceil_div(rb, np.maximum(1, workers // pb)))
+    cols = w.in_size if backward else w.out_size
+    elements = v_planes * v_rows * cols
+    taps = np.ceil(elements * (per_input if backward else taps_per_out)).astype(np.int64)
+    vertex = pool_cycles(kind, v_planes * v_rows, elements, taps, dtype, target) + target.vertex_overhead_cycles
+    sent = ceil_div(received * splits.prod(axis=1), tiles)
+    cycles = vertex + ceil_div(np.maximum(received, sent), xb) + 2 * sync
+    return cycles, received + piece * isz
+
+
+def plan_pool(target: Target, kind: str, geometry: PoolGeometry, planes: int, dtype="float32",
+              available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> PoolPlan:
+    """The tile plan of a pooling op of `kind` (one of KINDS) over `planes` planes."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown pooling kind {kind!r}; use one of {KINDS}")
+    rows = geometry.h.in_size if kind.endswith("grad") else geometry.h.out_size
+    splits = split_grid((planes, rows), target.num_tiles)
+    cycles, memory = _pool_model(target, kind, geometry, planes, splits, dtype)
+    budget = available_memory_proportion * target.bytes_per_tile
+    best = choose_split(cycles, memory, budget, splits.prod(axis=1)[:, None])
+    return PoolPlan(kind, planes, rows, (int(splits[best, 0]), int(splits[best, 1])), int(cycles[best]),
+                    int(memory[best]), bool(memory[best] <= budget))
+
+
+# ---- building --------------------------------------------------------------------------------
+def _dim_params(geom: PoolGeometry) -> tuple:
+    return geom.h.params + geom.w.params + (int(geom.count_include_pad), geom.divisor_override)
+
+
+def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: str) -> Tensor:
+    n, c, hh, ww = x.shape
+    planes, oh, ow = n * c, geom.h.out_size, geom.w.out_size
+    dtype = float_dtype(x, name)
+    plan = plan_pool(graph.target, geom.kind, geom, planes, dtype)
+    out = graph.addVariable(dtype, (n, c, oh, ow), name, category="activations", always_live=False)
+    x3, o3 = x.reshape(planes, hh, ww), out.reshape(planes, oh, ow)
+    blocks = list(itertools.product(ranges(planes, plan.splits[0]), ranges(oh, plan.splits[1])))
+    tiles = block_tiles(len(blocks), graph.target.num_tiles)
+    spans = [geom.h.span(*rows) for _, rows in blocks]
+    boxes = [o3[slice(*pl), slice(*rows)] for pl, rows in blocks]
+    for box, tile in zip(boxes, tiles):
+        graph.setTileMapping(box, int(tile))
+    body = Sequence(name=name)
+    windows = gather(graph, body, x, [x3[slice(*pl), slice(*sp)] for (pl, _), sp in zip(blocks, spans)], tiles,
+                     f"{name}/in")
+    cs = graph.addComputeSet(f"{name}/pool")
+    op = 0 if geom.kind == "max" else 1
+    for i, (((p0, p1), (r0, r1)), tile) in enumerate(zip(blocks, tiles)):
+        lo, hi = spans[i]
+        for vp, vn, vr, vrows in _pool_work(p1 - p0, r1 - r0, graph.target.workers_per_tile):
+            params = (op, vp, vn, r0 + vr, vrows, lo, hi - lo, ww, ow) + _dim_params(geom)
+            graph.addVertex(cs, POOL_VERTEX, int(tile),
+                            {"x": windows[i], "out": boxes[i][vp:vp + vn, vr:vr + vrows]}, params)
+    body.add(Execute(cs))
+
+    def fast(io):
+        io.write(out, pool_numpy(io.read(x), geom))
+
+    prog.add(OpProgram(name, body, fast, (x,), (out,)))
+    return out
+
+
+def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: Sequence, name: str,
+              x: Tensor | None = None, y: Tensor | None = None) -> Tensor:
+    n, c, hh, ww = input_shape
+    planes, oh, ow = n * c, geom.h.out_size, geom.w.out_size
+    if tuple(dy.shape) != (n, c, oh, ow):
+        raise ValueError(f"{name}: output gradient {dy.name!r} has shape {list(dy.shape)}, but pooling an input "
+                         f"{list(input_shape)} gives {[n, c, oh, ow]}")
+    dtype = float_dtype(dy, name)
+    kind = "max_grad" if geom.kind == "max" else "avg_grad"
+    plan = plan_pool(graph.target, kind, geom, planes, dtype)
+    dx = graph.addVariable(dtype, (n, c, hh, ww), name, category="gradients", always_live=False)
+    dx3, dy3 = dx.reshape(planes, hh, ww), dy.reshape(planes, oh, ow)
+    blocks = list(itertools.product(ranges(planes, plan.splits[0]), ranges(hh, plan.splits[1])))
+    tiles = block_tiles(len(blocks), graph.target.num_tiles)
+    outs = [geom.h.touching(*rows) for _, rows in blocks]
+    boxes = [dx3[slice(*pl), slice(*rows)] for pl, rows in blocks]
+    for box, tile in zip(boxes, tiles):
+        graph.setTileMapping(box, int(tile))
+    body = Sequence(name=name)
+    grads = gather(graph, body, dy, [dy3[slice(*pl), slice(*o)] for (pl, _), o in zip(blocks, outs)], tiles,
+                   f"{name}/dy")
+    if kind == "max_grad":
+        spans = [geom.h.span(*o) for o in outs]
+        x3, y3 = x.reshape(planes, hh, ww), y.reshape(planes, oh, ow)
+        windows = gather(graph, body, x, [x3[slice(*pl), slice(*sp)] for (pl, _), sp in zip(blocks, spans)], tiles,
+                         f"{name}/x")
+        pooled = gather(graph, body, y, [y3[slice(*pl), slice(*o)] for (pl, _), o in zip(blocks, outs)], tiles,
+                        f"{name}/y")
+    else:
+        spans = [(0, 0)] * len(blocks)
+    cs = graph.addComputeSet(f"{name}/pool")
+    for i, (((p0, p1), (r0, r1)), tile) in enumerate(zip(blocks, tiles)):
+        (lo, hi), (o0, o1) = spans[i], outs[i]
+        for vp, vn, vr, vrows in _pool_work(p1 - p0, r1 - r0, graph.target.workers_per_tile):
+            params = (vp, vn, r0 + vr, vrows, lo, hi - lo, ww, o0, o1 - o0, ow) + _dim_params(geom)
+            fields = {"dy": grads[i], "dx": boxes[i][vp:vp + vn, vr:vr + vrows]}
+            if kind == "max_grad":
+                fields.update(x=windows[i], y=pooled[i])
+            graph.addVertex(cs, MAX_GRAD_VERTEX if kind == "max_grad" else AVG_GRAD_VERTEX, int(tile), fields, params)
+    body.add(Execute(cs))
+
+    reads = (x, y, dy) if kind == "max_grad" else (dy,)
+
+    def fast(io):
+        if kind == "max_grad":
+            io.write(dx, max_pool_grad_numpy(io.read(x), io.read(y), io.read(dy), geom))
+        else:
+            io.write(dx, avg_pool_grad_numpy(io.read(dy), (n, c, hh, ww), geom))
+
+    prog.add(OpProgram(name, body, fast, reads, (dx,)))
+    return dx
+
+
+# ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
+def _taps_of(dim: PoolDim):
+    """Per window tap t: (outputs with a real position at t, their input positions)."""
+    pos = dim.positions(np.arange(dim.out_size))
+    return [(np.flatnonzero(pos[:, t] >= 0), pos[pos[:, t] >= 0, t]) for t in range(pos.shape[1])]
+
+
+def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
+    """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max),
+    visiting window taps in the codelet's order."""
+    n, c = x.shape[:2]
+    shape = (n, c, geom.h.out_size, geom.w.out_size)
+    if geom.kind == "max":
+        acc = np.full(shape, -np.inf, dtype=x.dtype)
+    else:
+        acc = np.zeros(shape)
+    for oh, ih in _taps_of(geom.h):
+        for ow, iw in _taps_of(geom.w):
+            val = x[:, :, ih[:, None], iw[None, :]]
+            cur = acc[:, :, oh[:, None], ow[None, :]]
+            if geom.kind == "max":
+                acc[:, :, oh[:, None], ow[None, :]] = np.where((val > cur) | np.isnan(val), val, cur)
+            else:
+                acc[:, :, oh[:, None], ow[None, :]] = cur + val
+    return acc if geom.kind == "max" else acc / geom.divisors()
+
+
+def _scatter(dx: np.ndarray, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
+    """dx[:, :, rows, cols] += values, positions possibly repeated."""
+    if np.unique(rows).size == rows.size and np.unique(cols).size == cols.size:
+        dx[:, :, rows[:, None], cols[None, :]] += values
+    else:
+        np.add.at(dx, (slice(None), slice(None), rows[:, None], cols[None, :]), values)
+
+
+def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
+    """Gradient of max pooling: dy to the first window position equal to y (float64 result)."""
+    hs, ws = _taps_of(geom.h), _taps_of(geom.w)
+    choice = np.full(y.shape, -1, dtype=np.int64)
+    y_nan = np.isnan(y)
+    for th, (oh, ih) in enumerate(hs):
+        for tw, (ow, iw) in enumerate(ws):
+            val = x[:, :, ih[:, None], iw[None, :]]
+            sel = (oh[:, None], ow[None, :])
+            target, free = y[:, :, sel[0], sel[1]], choice[:, :, sel[0], sel[1]] < 0
+            hit = free & ((val == target) | (np.isnan(val) & y_nan[:, :, sel[0], sel[1]]))
+            choice[:, :, sel[0], sel[1]] = np.where(hit, th * len(ws) + tw, choice[:, :, sel[0], sel[1]])
+    dx = np.zeros(x.shape)
+    grads = dy.astype(np.float64)
+    for th, (oh, ih) in enumerate(hs):
+        for tw, (ow, iw) in enumerate(ws):
+            sel = (slice(None), slice(None), oh[:, None], ow[None, :])
+            _scatter(dx, ih, iw, np.where(choice[sel] == th * len(ws) + tw, grads[sel], 0.0))
+    return dx
+
+
+def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.ndarray:
+    """Gradient of average pooling: dy / divisor to every real window position (float64 result)."""
+    grads = dy.astype(np.float64) / geom.divisors()
+    dx = np.zeros(tuple(input_shape))
+    for oh, ih in _taps_of(geom.h):
+        for ow, iw in _taps_of(geom.w):
+            _scatter(dx, ih, iw, grads[:, :, oh[:, None], ow[None, :]])
+    return dx
+
+
+# ---- the ops ---------------------------------------------------------------------------------
+def max_pool2d(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0, dilation=1,
+               ceil_mode: bool = False, name: str = "max_pool2d") -> Tensor:
+    """y = max_pool2d(x[N, C, H, W]) like torch (stride defaults to kernel_size)."""
+    geom = pool_geometry("max", x.shape, kernel_size, stride, padding, dilation, ceil_mode, what=name)
+    return _forward(graph, x, geom, prog, name)
+
+
+def avg_pool2d(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0,
+               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+               name: str = "avg_pool2d") -> Tensor:
+    """y = avg_pool2d(x[N, C, H, W]) like torch (stride defaults to kernel_size)."""
+    geom = pool_geometry("avg", x.shape, kernel_size, stride, padding, 1, ceil_mode, count_include_pad,
+                         divisor_override, what=name)
+    return _forward(graph, x, geom, prog, name)
+
+
+def adaptive_avg_pool2d(graph: Graph, x: Tensor, output_size, prog: Sequence,
+                        name: str = "adaptive_avg_pool2d") -> Tensor:
+    """y = adaptive_avg_pool2d(x[N, C, H, W], output_size) like torch."""
+    return _forward(graph, x, adaptive_geometry(x.shape, output_size, name), prog, name)
+
+
+def max_pool2d_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, kernel_size, prog: Sequence, stride=None,
+                        padding=0, dilation=1, ceil_mode: bool = False, name: str = "max_pool2d_backward") -> Tensor:
+    """dx of max_pool2d: each window's dy goes to its first maximum (y = max_pool2d(x) with the same arguments)."""
+    geom = pool_geometry("max", x.shape, kernel_size, stride, padding, dilation, ceil_mode, what=name)
+    if tuple(y.shape) != tuple(dy.shape):
+        raise ValueError(f"{name}: pooled output {y.name!r} {list(y.shape)} and its gradient {dy.name!r} "
+                         f"{list(dy.shape)} differ in shape")
+    if not x.dtype == y.dtype == dy.dtype:
+        raise TypeError(f"{name}: x, y and dy must share a dtype, got {x.dtype.name}, {y.dtype.name}, {dy.dtype.name}")
+    return _backward(graph, geom, dy, x.shape, prog, name, x, y)
+
+
+def avg_pool2d_backward(graph: Graph, dy: Tensor, input_shape, kernel_size, prog: Sequence, stride=None, padding=0,
+                        ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+                        name: str = "avg_pool2d_backward") -> Tensor:
+    """dx of avg_pool2d for an input of `input_shape`."""
+    geom = pool_geometry("avg", input_shape, kernel_size, stride, padding, 1, ceil_mode, count_include_pad,
+                         divisor_override, what=name)
+    return _backward(graph, geom, dy, tuple(int(v) for v in input_shape), prog, name)
+
+
+def adaptive_avg_pool2d_backward(graph: Graph, dy: Tensor, input_shape, prog: Sequence,
+                                 name: str = "adaptive_avg_pool2d_backward") -> Tensor:
+    """dx of adaptive_avg_pool2d for an input of `input_shape` (the output size is dy's)."""
+    if dy.rank != 4:
+        raise ValueError(f"{name}: expected a 4-D output gradient [N, C, OH, OW], got shape {list(dy.shape)}")
+    geom = adaptive_geometry(input_shape, tuple(dy.shape[2:]), name)
+    return _backward(graph, geom, dy, tuple(int(v) for v in input_shape), prog, name)
