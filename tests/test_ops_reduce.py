@@ -353,3 +353,22 @@ def test_segment_map_exchanges_statistics_once_per_segment():
     assert len(copies) == 1 and copies[0].dst.numel == 16
     (cs,) = [p.compute_set for p in walk(prog) if isinstance(p, ip.Execute)]
     assert len(cs.vertices) == 64
+
+
+
+def test_planner_prefers_a_plan_that_fits_the_tile_memory():
+    tiles = np.array([0, 3, 2, 3, 3, 2, 2, 3, 3, 2, 2, 2, 3, 1, 3, 1, 3, 0, 3, 1, 2, 0, 1, 0, 2, 3, 0, 1, 3, 0, 0, 0, 2,
+                      2, 2, 0, 2, 1, 3, 3, 0, 1, 2, 0, 1, 1, 2, 2, 2, 1, 2, 3, 2, 3, 2, 2, 1, 2, 1, 1, 0, 2, 2, 3, 2, 0,
+                      0, 1, 3, 0, 2, 1, 2, 0, 3, 3, 1, 3, 1, 2, 1, 1, 0, 1, 2, 3, 3, 0, 2, 1, 1, 1, 2, 2, 2, 0, 3, 3, 1,
+                      2])  # a (5, 20) tensor scattered over 4 tiles, reduced over axis 0
+    idx, _, _ = R.output_index((5, 20), (0,))
+    roomy = R.plan_reduction(tiles, idx, 20, ip.Target.test(4, 64 * 1024), R.SUM, np.float32, np.float32,
+                             np.float32, False)
+    tight_target = ip.Target.test(4, 288)
+    tight = R.plan_reduction(tiles, idx, 20, tight_target, R.SUM, np.float32, np.float32, np.float32, False)
+    assert "owner" in roomy.description and "owner" not in tight.description
+    assert tight.cycles > roomy.cycles  # the cheapest plan would not fit a 288-byte tile
+    n, per = 4, np.bincount
+    working = (per(tiles, minlength=n) + per(tight.partial.seg_tile, minlength=n)
+               + per(tight.final.element_tiles(), minlength=n) + per(tight.out_tiles, minlength=n)) * 4
+    assert working.max() <= 288

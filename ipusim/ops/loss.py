@@ -79,7 +79,7 @@ def _valid_count(graph: Graph, labels: Tensor, ignore_index: int, body: Sequence
     ignore = graph.addConstant(np.int32, (1,), ignore_index, f"{name}/ignore_index")
     graph.setTileMapping(ignore, int(labels.tiles().reshape(-1)[0]) if labels.numel else 0)
     valid = ew.binary(graph, "ne", labels, ignore.reshape(()), body, f"{name}/valid")
-    return reduce(graph, valid, None, "sum", body, f"{name}/count", out_dtype=F32)
+    return reduce(graph, valid, None, "sum", body, f"{name}/count", out_dtype=F32, category="temporaries")
 
 
 def _labels_f32(graph: Graph, labels: Tensor, body: Sequence, name: str) -> Tensor:
@@ -117,7 +117,7 @@ def nll_loss(graph: Graph, log_probs: Tensor, labels: Tensor, prog: Sequence, re
     elif reduction == "sum":
         loss = reduce(graph, picked, None, "sum", body, name, out_dtype=log_probs.dtype)
     else:
-        total = reduce(graph, picked, None, "sum", body, f"{name}/total", out_dtype=F32)
+        total = reduce(graph, picked, None, "sum", body, f"{name}/total", out_dtype=F32, category="temporaries")
         loss = ew.div(graph, total, _valid_count(graph, labels, ignore_index, body, name), body, name)
         if log_probs.dtype != F32:
             loss = ew.cast(graph, loss, log_probs.dtype, body, f"{name}/cast")

@@ -53,12 +53,14 @@ def _check_param(t: Tensor | None, shape: tuple, what: str, name: str) -> None:
         raise ValueError(f"{name}: {what} {t.name!r} has shape {t.shape}, expected {shape}")
 
 
-def _moments(graph: Graph, x: Tensor, axes: tuple, count: int, body: Sequence, name: str) -> tuple[Tensor, Tensor]:
+def _moments(graph: Graph, x: Tensor, axes: tuple, count: int, body: Sequence, name: str,
+             var_category: str = "activations") -> tuple[Tensor, Tensor]:
     """(mean, biased variance) over axes, two-pass, float32."""
     mean = reduce(graph, x, axes, "mean", body, f"{name}/mean", out_dtype=F32)
     centred = segment_map(graph, "sub", x, axes, body, f"{name}/centred", r=mean, out_dtype=F32,
                           category="temporaries")
-    var = reduce(graph, centred, axes, "sum_squares", body, f"{name}/var", out_dtype=F32, scale=1.0 / count)
+    var = reduce(graph, centred, axes, "sum_squares", body, f"{name}/var", out_dtype=F32, scale=1.0 / count,
+                 category=var_category)
     return mean, var
 
 
@@ -83,7 +85,7 @@ def layer_norm(graph: Graph, x: Tensor, normalized_ndim: int, weight: Tensor | N
     _check_param(weight, norm_shape, "weight", name)
     _check_param(bias, norm_shape, "bias", name)
     body = Sequence(name=name)
-    mean, var = _moments(graph, x, axes, int(np.prod(norm_shape)), body, name)
+    mean, var = _moments(graph, x, axes, int(np.prod(norm_shape)), body, name, "temporaries")
     inv_std = _inv_std(graph, var, eps, body, name)
     if bias is not None and weight is None:
         weight = graph.addConstant(bias.dtype, (1,), 1.0, f"{name}/ones")
@@ -118,16 +120,17 @@ def layer_norm_backward(graph: Graph, dy: Tensor, x: Tensor, mean: Tensor, inv_s
     g = dy if weight is None else segment_map(graph, "mul", dy, axes, body, f"{name}/g", b=weight, out_dtype=F32,
                                               category="temporaries")
     gx = segment_map(graph, "mul", g, axes, body, f"{name}/g_xhat", b=xhat, out_dtype=F32, category="temporaries")
-    mg = reduce(graph, g, axes, "mean", body, f"{name}/mean_g", out_dtype=F32)
-    mgx = reduce(graph, gx, axes, "mean", body, f"{name}/mean_g_xhat", out_dtype=F32)
+    mg = reduce(graph, g, axes, "mean", body, f"{name}/mean_g", out_dtype=F32, category="temporaries")
+    mgx = reduce(graph, gx, axes, "mean", body, f"{name}/mean_g_xhat", out_dtype=F32, category="temporaries")
     dx = segment_map(graph, "norm_grad", g, axes, body, name, b=xhat, r=mg, q=mgx, s=inv_std, out_dtype=x.dtype)
     dweight = dbias = None
     if weight is not None:
         dy_xhat = segment_map(graph, "mul", dy, axes, body, f"{name}/dy_xhat", b=xhat, out_dtype=F32,
                               category="temporaries")
-        dweight = reduce(graph, dy_xhat, lead, "sum", body, f"{name}/dweight", out_dtype=weight.dtype)
+        dweight = reduce(graph, dy_xhat, lead, "sum", body, f"{name}/dweight", out_dtype=weight.dtype,
+                         category="gradients")
     if bias is not None:
-        dbias = reduce(graph, dy, lead, "sum", body, f"{name}/dbias", out_dtype=bias.dtype)
+        dbias = reduce(graph, dy, lead, "sum", body, f"{name}/dbias", out_dtype=bias.dtype, category="gradients")
     reads = tuple(t for t in (dy, x, mean, inv_std, weight) if t is not None)
     prog.add(composite(name, body, reads, tuple(t for t in (dx, dweight, dbias) if t is not None)))
     return dx, dweight, dbias
@@ -188,10 +191,10 @@ def batch_norm_backward(graph: Graph, dy: Tensor, x: Tensor, mean: Tensor, inv_s
     body = Sequence(name=name)
     xhat = segment_map(graph, "normalise", x, axes, body, f"{name}/xhat", r=mean, q=inv_std, out_dtype=F32,
                        category="temporaries")
-    dbias = reduce(graph, dy, axes, "sum", body, f"{name}/dbias", out_dtype=F32)
+    dbias = reduce(graph, dy, axes, "sum", body, f"{name}/dbias", out_dtype=F32, category="gradients")
     dy_xhat = segment_map(graph, "mul", dy, axes, body, f"{name}/dy_xhat", b=xhat, out_dtype=F32,
                           category="temporaries")
-    dweight = reduce(graph, dy_xhat, axes, "sum", body, f"{name}/dweight", out_dtype=F32)
+    dweight = reduce(graph, dy_xhat, axes, "sum", body, f"{name}/dweight", out_dtype=F32, category="gradients")
     k = inv_std if weight is None else ew.mul(graph, _f32(graph, weight, body, f"{name}/weight"), inv_std, body,
                                               f"{name}/scale")
     mean_dy = ew.scale(graph, dbias, 1.0 / count, body, f"{name}/mean_dy")

@@ -28,6 +28,8 @@ Planner (a small cost model, like PopLibs' reduction planner). Candidates:
 Each candidate is costed with the vertex estimators below (slowest tile, vertices spread over the
 workers), the exchange of the partials (busiest tile, `exchange_bytes_per_cycle`) and one sync per
 superstep; the cheapest wins (ties: the earlier candidate: unsplit first, then owner, linear, spread).
+A candidate whose working set on some tile (input, partials, gathered partials and output) exceeds
+the tile's memory is chosen only when no candidate fits.
 
 Cycle estimators (thread instructions; cycles = `target.thread_cycles(instructions)`), shaped like
 PopLibs' `getCyclesEstimateForReduce` for scalar outputs. `width` = 64-bit vector width of the input
@@ -287,7 +289,10 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
     owners[plain.seg_out[by_size[first]]] = plain.seg_tile[by_size[first]]
     mapping_options = [("owner", owners), ("linear", linear_tiles(num_out, target.num_tiles)),
                        ("spread", linear_tiles(num_out, target.num_tiles, min_elements_per_tile=GRAIN))]
-    best = None
+    n = target.num_tiles
+    part_size, out_size = np.dtype(partial_dtype).itemsize, np.dtype(out_dtype).itemsize
+    input_bytes = np.bincount(np.asarray(tiles, dtype=np.int64).reshape(-1), minlength=n) * np.dtype(in_dtype).itemsize
+    best, best_key = None, None
     for seg_name, segs in segment_options:
         for map_name, out_tiles in mapping_options:
             single = (segs.num_segments == num_out and np.array_equal(segs.seg_tile, out_tiles[segs.seg_out]))
@@ -295,6 +300,7 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
                 cycles = _stage_cycles(segs, width_in, op, scaled, np.dtype(in_dtype) != np.dtype(out_dtype),
                                        target) + target.sync_cycles
                 final = None
+                working = input_bytes
             else:
                 final = plan_segments(out_tiles[segs.seg_out], segs.seg_out)
                 converted = np.dtype(in_dtype) != np.dtype(partial_dtype)
@@ -304,7 +310,12 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
                           + _stage_cycles(final, width_part, final_op, scaled,
                                           np.dtype(partial_dtype) != np.dtype(out_dtype), target)
                           + 2 * target.sync_cycles)
-            if best is None or cycles < best.cycles:
+                working = input_bytes + (np.bincount(segs.seg_tile, minlength=n)
+                                         + np.bincount(final.element_tiles(), minlength=n)) * part_size
+            working = working + np.bincount(out_tiles, minlength=n) * out_size
+            key = (bool((working > target.bytes_per_tile).any()), cycles)
+            if best_key is None or key < best_key:
+                best_key = key
                 best = ReducePlan(segs, out_tiles, final, cycles, f"{seg_name} segments, {map_name} outputs, "
                                   f"{'one stage' if final is None else 'two stages'}")
     return best
@@ -322,13 +333,15 @@ def _add_stage(graph: Graph, cs, src: Tensor, perm: np.ndarray, plan: SegmentPla
 
 
 def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | None = None,
-           keepdims: bool = False, out_dtype=None, *, scale: float = 1.0) -> Tensor:
+           keepdims: bool = False, out_dtype=None, *, scale: float = 1.0,
+           category: str = "activations") -> Tensor:
     """Reduce `x` over `axes` (a tuple; () copies, None reduces all) with `op` in
     {"sum", "mean", "max", "min", "sum_squares", "sum_abs"}, then multiply by `scale`.
 
     The output has x's dtype unless `out_dtype` is given (sums of bool give int32); NaN propagates
     through max and min as in torch. A mean or sum over an empty axis gives NaN or 0 (NaN also
-    when `scale` is NaN); a max or min over an empty axis is an error, as in torch.
+    when `scale` is NaN); a max or min over an empty axis is an error, as in torch. The output is
+    a not-always-live tensor of `category`.
     """
     name = name or f"reduce_{op}"
     if op not in OPS:
@@ -347,7 +360,7 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
     count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
     final_scale = float(scale) * ((1.0 / count if count else math.nan) if op == "mean" else 1.0)
 
-    out = graph.addVariable(out_dt, out_shape, name, category="activations", always_live=False)
+    out = graph.addVariable(out_dt, out_shape, name, category=category, always_live=False)
     result = out.reshape(keep_shape) if keepdims else out
     body = Sequence(name=name)
     if num_out == 0:

@@ -24,6 +24,7 @@ from ..tensor import Tensor
 from .reduce import composite, normalize_axes, reduce, segment_map
 
 F32 = np.float32
+TEMP = "temporaries"
 
 
 def _axis(x: Tensor, axis: int, name: str) -> tuple:
@@ -36,9 +37,9 @@ def _axis(x: Tensor, axis: int, name: str) -> tuple:
 
 def _stats(graph: Graph, x: Tensor, axes: tuple, body: Sequence, name: str) -> tuple[Tensor, Tensor, Tensor]:
     """(max, exp(x - max), sum of exp(x - max)) along the axes."""
-    m = reduce(graph, x, axes, "max", body, f"{name}/max", out_dtype=F32)
-    e = segment_map(graph, "exp_sub", x, axes, body, f"{name}/exp", r=m, out_dtype=F32, category="temporaries")
-    s = reduce(graph, e, axes, "sum", body, f"{name}/sum", out_dtype=F32)
+    m = reduce(graph, x, axes, "max", body, f"{name}/max", out_dtype=F32, category=TEMP)
+    e = segment_map(graph, "exp_sub", x, axes, body, f"{name}/exp", r=m, out_dtype=F32, category=TEMP)
+    s = reduce(graph, e, axes, "sum", body, f"{name}/sum", out_dtype=F32, category=TEMP)
     return m, e, s
 
 
@@ -74,8 +75,8 @@ def softmax_backward(graph: Graph, y: Tensor, dy: Tensor, axis: int, prog: Seque
     _check_pair(y, dy, name)
     body = Sequence(name=name)
     s = reduce(graph, segment_map(graph, "mul", y, axes, body, f"{name}/dy_y", b=dy,
-                                  out_dtype=F32, category="temporaries"),
-               axes, "sum", body, f"{name}/sum", out_dtype=F32)
+                                  out_dtype=F32, category=TEMP),
+               axes, "sum", body, f"{name}/sum", out_dtype=F32, category=TEMP)
     dx = segment_map(graph, "softmax_grad", y, axes, body, name, r=s, b=dy, out_dtype=dy.dtype)
     prog.add(composite(name, body, (y, dy), (dx,)))
     return dx
@@ -87,7 +88,7 @@ def log_softmax_backward(graph: Graph, y: Tensor, dy: Tensor, axis: int, prog: S
     axes = _axis(y, axis, name)
     _check_pair(y, dy, name)
     body = Sequence(name=name)
-    s = reduce(graph, dy, axes, "sum", body, f"{name}/sum", out_dtype=F32)
+    s = reduce(graph, dy, axes, "sum", body, f"{name}/sum", out_dtype=F32, category=TEMP)
     dx = segment_map(graph, "log_softmax_grad", y, axes, body, name, r=s, b=dy, out_dtype=dy.dtype)
     prog.add(composite(name, body, (y, dy), (dx,)))
     return dx
