@@ -178,6 +178,26 @@ def test_float16(mode):
         assert (np.abs(got_.astype(np.float64) - want_) <= ulp + (k + 1) * 2.0 ** -24 * scale).all()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_view_operands(mode):
+    """A flattened activation reshaped back (as a compiler produces) and a sliced weight."""
+    rng = np.random.default_rng(9)
+    g = ip.Graph(SMALL)
+    flat = g.addVariable("float32", (2, 3 * 6 * 5), "flat")
+    big_w = g.addVariable("float32", (6, 3, 3, 3), "big_w")
+    g.map_linearly(flat)
+    g.map_linearly(big_w)
+    prog = ip.Sequence()
+    y = conv2d(g, flat.reshape(2, 3, 6, 5), big_w[1:5], prog, 1, 1)
+    F_, W = rng.standard_normal(flat.shape).astype(np.float32), rng.standard_normal(big_w.shape).astype(np.float32)
+    e = ip.Engine(g, prog, mode=mode).load()
+    e.writeTensor(flat, F_)
+    e.writeTensor(big_w, W)
+    e.run()
+    want = reference(F_.reshape(2, 3, 6, 5), W[1:5], None, 1, 1, 1, 1)[0]
+    np.testing.assert_allclose(e.readTensor(y), want, rtol=1e-5, atol=1e-5)
+
+
 # ---- plans -----------------------------------------------------------------------------------
 def test_reduction_splits_are_planned_and_correct():
     fwd = plan_conv(SMALL, forward_geometry((1, 32, 6, 6), (8, 32, 3, 3), 1, 1, 1, 1))
