@@ -575,10 +575,30 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
-def _taps_of(dim: PoolDim):
-    """Per window tap t: (outputs with a real position at t, their input positions)."""
+def _taps_of(dim: PoolDim) -> list[tuple]:
+    """Per window tap t: (the outputs with a real position at t, those positions), as strided
+    slices for regular windows and as index arrays for adaptive ones."""
     pos = dim.positions(np.arange(dim.out_size))
-    return [(np.flatnonzero(pos[:, t] >= 0), pos[pos[:, t] >= 0, t]) for t in range(pos.shape[1])]
+    taps = []
+    for t in range(pos.shape[1]):
+        outs = np.flatnonzero(pos[:, t] >= 0)
+        ins = pos[outs, t]
+        if not dim.adaptive and outs.size:
+            outs = slice(int(outs[0]), int(outs[-1]) + 1)
+            ins = slice(int(ins[0]), int(ins[-1]) + 1, dim.stride)
+        taps.append((outs, ins))
+    return taps
+
+
+def _at(rows, cols) -> tuple:
+    """Index of [:, :, rows, cols] for slices or index arrays."""
+    if isinstance(rows, np.ndarray) and isinstance(cols, np.ndarray):
+        rows, cols = rows[:, None], cols[None, :]
+    return (slice(None), slice(None), rows, cols)
+
+
+def _empty(index) -> bool:
+    return isinstance(index, np.ndarray) and index.size == 0
 
 
 def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
@@ -586,47 +606,44 @@ def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
     visiting window taps in the codelet's order."""
     n, c = x.shape[:2]
     shape = (n, c, geom.h.out_size, geom.w.out_size)
-    if geom.kind == "max":
-        acc = np.full(shape, -np.inf, dtype=x.dtype)
-    else:
-        acc = np.zeros(shape)
+    acc = np.full(shape, -np.inf, dtype=x.dtype) if geom.kind == "max" else np.zeros(shape)
     for oh, ih in _taps_of(geom.h):
         for ow, iw in _taps_of(geom.w):
-            val = x[:, :, ih[:, None], iw[None, :]]
-            cur = acc[:, :, oh[:, None], ow[None, :]]
+            if _empty(oh) or _empty(ow):
+                continue
+            val, out = x[_at(ih, iw)], _at(oh, ow)
             if geom.kind == "max":
-                acc[:, :, oh[:, None], ow[None, :]] = np.where((val > cur) | np.isnan(val), val, cur)
+                cur = acc[out]
+                acc[out] = np.where((val > cur) | np.isnan(val), val, cur)
             else:
-                acc[:, :, oh[:, None], ow[None, :]] = cur + val
+                acc[out] += val
     return acc if geom.kind == "max" else acc / geom.divisors()
 
 
-def _scatter(dx: np.ndarray, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
-    """dx[:, :, rows, cols] += values, positions possibly repeated."""
-    if np.unique(rows).size == rows.size and np.unique(cols).size == cols.size:
-        dx[:, :, rows[:, None], cols[None, :]] += values
+def _scatter(dx: np.ndarray, rows, cols, values: np.ndarray) -> None:
+    """dx[:, :, rows, cols] += values, where index arrays may repeat a position."""
+    repeated = any(isinstance(i, np.ndarray) and np.unique(i).size < i.size for i in (rows, cols))
+    if repeated:
+        np.add.at(dx, _at(rows, cols), values)
     else:
-        np.add.at(dx, (slice(None), slice(None), rows[:, None], cols[None, :]), values)
+        dx[_at(rows, cols)] += values
 
 
 def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
     """Gradient of max pooling: dy to the first window position equal to y (float64 result)."""
-    hs, ws = _taps_of(geom.h), _taps_of(geom.w)
+    taps = [(th * geom.w.max_count + tw, oh, ih, ow, iw) for th, (oh, ih) in enumerate(_taps_of(geom.h))
+            for tw, (ow, iw) in enumerate(_taps_of(geom.w)) if not (_empty(oh) or _empty(ow))]
     choice = np.full(y.shape, -1, dtype=np.int64)
     y_nan = np.isnan(y)
-    for th, (oh, ih) in enumerate(hs):
-        for tw, (ow, iw) in enumerate(ws):
-            val = x[:, :, ih[:, None], iw[None, :]]
-            sel = (oh[:, None], ow[None, :])
-            target, free = y[:, :, sel[0], sel[1]], choice[:, :, sel[0], sel[1]] < 0
-            hit = free & ((val == target) | (np.isnan(val) & y_nan[:, :, sel[0], sel[1]]))
-            choice[:, :, sel[0], sel[1]] = np.where(hit, th * len(ws) + tw, choice[:, :, sel[0], sel[1]])
+    for tap, oh, ih, ow, iw in taps:
+        val, out = x[_at(ih, iw)], _at(oh, ow)
+        hit = (choice[out] < 0) & ((val == y[out]) | (np.isnan(val) & y_nan[out]))
+        choice[out] = np.where(hit, tap, choice[out])
     dx = np.zeros(x.shape)
     grads = dy.astype(np.float64)
-    for th, (oh, ih) in enumerate(hs):
-        for tw, (ow, iw) in enumerate(ws):
-            sel = (slice(None), slice(None), oh[:, None], ow[None, :])
-            _scatter(dx, ih, iw, np.where(choice[sel] == th * len(ws) + tw, grads[sel], 0.0))
+    for tap, oh, ih, ow, iw in taps:
+        out = _at(oh, ow)
+        _scatter(dx, ih, iw, np.where(choice[out] == tap, grads[out], 0.0))
     return dx
 
 
@@ -636,7 +653,8 @@ def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.n
     dx = np.zeros(tuple(input_shape))
     for oh, ih in _taps_of(geom.h):
         for ow, iw in _taps_of(geom.w):
-            _scatter(dx, ih, iw, grads[:, :, oh[:, None], ow[None, :]])
+            if not (_empty(oh) or _empty(ow)):
+                _scatter(dx, ih, iw, grads[_at(oh, ow)])
     return dx
 
 
