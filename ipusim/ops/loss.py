@@ -35,7 +35,7 @@ from ..program import Execute, OpProgram, Sequence
 from ..tensor import Tensor
 from ..vertex import VertexType
 from . import elementwise as ew
-from .common import flat, placed, split_work, tile_regions
+from .common import placed, split_work, tile_regions
 from .reduce import composite, reduce, segment_map, vector_width
 from .softmax import log_softmax
 
@@ -265,11 +265,10 @@ def _pointwise_backward(graph, grad, input, target, prog, reduction, name, op) -
     tl = placed(graph, body, target, tiles, f"{name}/target")
     gl = placed(graph, body, gb, tiles, f"{name}/grad")
     cs = graph.addComputeSet(name)
+    operands = {"a": input.flatten(), "b": tl.flatten(), "g": gl.flatten(), "out": out.flatten()}
     for tile, pos in tile_regions(tiles).items():
         for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
-            chunk = pos[b:e]
-            graph.addVertex(cs, LOSS_GRAD_VERTEX, tile, {"a": flat(input, chunk), "b": flat(tl, chunk),
-                                                         "g": flat(gl, chunk), "out": flat(out, chunk)}, (op, k))
+            graph.addVertex(cs, LOSS_GRAD_VERTEX, tile, {f: t[pos[b:e]] for f, t in operands.items()}, (op, k))
     body.add(Execute(cs))
 
     def fast(io):

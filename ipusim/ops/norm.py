@@ -33,7 +33,7 @@ from ..program import Execute, OpProgram, Sequence
 from ..tensor import Tensor
 from ..vertex import VertexType
 from . import elementwise as ew
-from .common import flat, placed, split_work, tile_regions
+from .common import placed, split_work, tile_regions
 from .reduce import composite, reduce, segment_map, vector_width
 
 F32 = np.float32
@@ -291,10 +291,10 @@ def update_running_stats(graph: Graph, running_mean: Tensor, running_var: Tensor
     pairs = ((mean, running_mean, 1.0), (var, running_var, count / (count - 1)))
     for stat, running, correction in pairs:
         run = running.flatten()
-        sl = placed(graph, body, stat.reshape(run.shape), run.tiles(), f"{name}/{running.name}")
+        sl = placed(graph, body, stat.reshape(run.shape), run.tiles(), f"{name}/{running.name}").flatten()
         for tile, pos in tile_regions(run.tiles()).items():
             for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
-                fields = {"stat": flat(sl, pos[b:e]), "running": flat(run, pos[b:e])}
+                fields = {"stat": sl[pos[b:e]], "running": run[pos[b:e]]}
                 graph.addVertex(cs, RUNNING_STATS_VERTEX, tile, fields, (float(momentum), correction))
     body.add(Execute(cs))
 

@@ -43,7 +43,7 @@ from ..kernels import JIT, kernel_view, ld, st
 from ..program import Execute, OpProgram, Sequence
 from ..tensor import Tensor, as_dtype
 from ..vertex import VertexType
-from .common import GRAIN, flat, new_output, placed, tile_regions
+from .common import GRAIN, new_output, placed, tile_regions
 from .reduce import vector_width
 
 UNIFORM, NORMAL, BERNOULLI, DROPOUT = range(4)
@@ -392,10 +392,10 @@ def dropout_backward(graph: Graph, dy: Tensor, mask: Tensor, p: float, prog: Seq
     body = Sequence(name=name)
     ml = placed(graph, body, mask, dx.var.mapping, f"{name}/mask")
     cs = graph.addComputeSet(name)
+    operands = {"dy": dy.flatten(), "mask": ml.flatten(), "out": dx.flatten()}
     for tile, pos in tile_regions(dx.var.mapping).items():
         for chunk in np.array_split(pos, min(graph.target.workers_per_tile, max(1, pos.size // GRAIN))):
-            graph.addVertex(cs, DROPOUT_GRAD_VERTEX, tile, {"dy": flat(dy, chunk), "mask": flat(ml, chunk),
-                                                            "out": flat(dx, chunk)}, (scale,))
+            graph.addVertex(cs, DROPOUT_GRAD_VERTEX, tile, {f: t[chunk] for f, t in operands.items()}, (scale,))
     body.add(Execute(cs))
 
     def fast(io):

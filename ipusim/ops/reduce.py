@@ -324,11 +324,12 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
 # ---- reduce ----------------------------------------------------------------------------------
 def _add_stage(graph: Graph, cs, src: Tensor, perm: np.ndarray, plan: SegmentPlan, dst: Tensor,
                op: int, scale: float) -> None:
-    """Reduce vertices: segment s of `plan` reads src[perm[starts[s]:starts[s+1]]] and writes dst[s]."""
+    """Reduce vertices: segment s of `plan` reads src[perm[starts[s]:starts[s+1]]] and writes dst[s]
+    (src and dst 1-D)."""
     counts = plan.counts
     converted = float(src.dtype != dst.dtype)
     for tile, a, b in vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile):
-        fields = {"x": flat(src, perm[plan.starts[a]:plan.starts[b]]), "out": flat(dst, np.arange(a, b))}
+        fields = {"x": src[perm[plan.starts[a]:plan.starts[b]]], "out": dst[a:b]}
         graph.addVertex(cs, REDUCE_VERTEX, tile, fields, (op, int(counts[a]), scale, converted))
 
 
@@ -593,7 +594,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
         parent = np.searchsorted(groups.starts, plan.starts[:-1], side="right") - 1
         bl = placed(graph, body, b, tiles, f"{name}/b")
         cl = placed(graph, body, c, tiles, f"{name}/c") if c is not b else bl
-        per_chunk = {}  # field -> (tensor, element of the tensor for each chunk)
+        per_chunk = {}  # field -> (1-D tensor, element of the tensor for each chunk)
         for key, t in (("r", r), ("q", q), ("s", s)):
             if column and key == "s":
                 first_col = (plan.perm[plan.starts[:-1]] // stride) % shape[axes[0]]
@@ -603,16 +604,17 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
             elif key != "r" and t is r:
                 per_chunk[key] = per_chunk["r"]
             elif t is a:
-                per_chunk[key] = (a, plan.perm[plan.starts[:-1]])
+                per_chunk[key] = (a.flatten(), plan.perm[plan.starts[:-1]])
             else:
                 copies = placed(graph, body, flat(t, groups.seg_out), groups.seg_tile, f"{name}/{key}")
                 per_chunk[key] = (copies, parent)
         cs = graph.addComputeSet(name)
         counts = plan.counts
+        full = {"a": a.flatten(), "b": bl.flatten(), "c": cl.flatten(), "out": out.flatten()}
         for tile, lo, hi in vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile):
             pos = plan.perm[plan.starts[lo]:plan.starts[hi]]
-            fields = {"a": flat(a, pos), "b": flat(bl, pos), "c": flat(cl, pos), "out": flat(out, pos)}
-            fields.update({k: flat(t, index[lo:hi]) for k, (t, index) in per_chunk.items()})
+            fields = {k: t[pos] for k, t in full.items()}
+            fields.update({k: t[index[lo:hi]] for k, (t, index) in per_chunk.items()})
             graph.addVertex(cs, SEGMENT_MAP_VERTEX, tile, fields, (code, int(counts[lo]), float(param)))
         body.add(Execute(cs))
 
