@@ -96,6 +96,7 @@ def vjp(b: Grad, n: Node, gouts: list[Value | None]) -> list[Value | None]:
             "sqrt": lambda: b.binary("div", b.binary("mul", g, 0.5), y),
             "rsqrt": lambda: b.binary("mul", g, b.binary("mul", b.binary("mul", y, b.unary("square", y)), -0.5)),
             "neg": lambda: b.unary("neg", g),
+            "abs": lambda: b.binary("abs_grad", x, g),
             "square": lambda: b.binary("mul", g, b.binary("mul", x, 2.0)),
             "reciprocal": lambda: b.unary("neg", b.binary("mul", g, b.unary("square", y))),
             "scale": lambda: b.unary("scale", g, scale=a.get("scale", 1.0), bias=0.0),
@@ -162,7 +163,8 @@ def vjp(b: Grad, n: Node, gouts: list[Value | None]) -> list[Value | None]:
     if op in ("nll_loss", "cross_entropy", "mse_loss", "l1_loss"):
         target = n.inputs[1]
         gx = b.op(f"{op}_backward", [x, target, g], x.shape, x.dtype, **a)
-        return [gx, None]
+        # mse and l1 depend on input - target only: the target's gradient is the negation
+        return [gx, b.unary("neg", gx) if op in ("mse_loss", "l1_loss") else None]
     if op == "ctc_loss":
         gx = b.op("ctc_loss_backward", [x, *n.inputs[1:], g], x.shape, x.dtype, **a)
         return [gx, None, None, None]

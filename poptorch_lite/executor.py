@@ -97,29 +97,59 @@ class PoplarExecutor:
 
     # ---- PopTorch's implicit weight sync -------------------------------------------------------
     def _install_weight_sync(self) -> None:
-        """Reading the user's parameters after training copies the weights back, once."""
+        """Reading the user's parameters, buffers or state after training copies the weights
+        back from the device, once (PopTorch's implicit copyWeightsToHost)."""
         parent = weakref.ref(self)
         user_cls = type(self._user_model)
 
+        def sync() -> bool:
+            p = parent()
+            if p is not None and p._dirty_host_weights:
+                p._dirty_host_weights = False
+                p.copyWeightsToHost()
+                return True
+            return False
+
         class SyncedModel(user_cls):
             def copyWeightsToHostIfNeeded(self):
-                p = parent()
-                if p is not None and p._dirty_host_weights:
-                    p._dirty_host_weights = False
-                    p.copyWeightsToHost()
-                    return True
-                return False
+                return sync()
 
             def __getattribute__(self, name):
                 if name == "_poptorch_weights_version":
                     p = parent()
                     return p._host_weights_version if p is not None else 0
-                if name in ("_parameters", "_buffers", "forward", "state_dict", "named_parameters", "parameters"):
-                    object.__getattribute__(self, "copyWeightsToHostIfNeeded")()
+                if name in ("_parameters", "_buffers", "forward", "state_dict"):
+                    sync()
                 return object.__getattribute__(self, name)
 
-        SyncedModel.__name__ = f"Poptorch{user_cls.__name__}"
-        SyncedModel.__qualname__ = SyncedModel.__name__
+        class SyncedParameter(torch.nn.Parameter):
+            def __getattribute__(self, name):
+                sync()
+                return object.__getattribute__(self, name)
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                sync()
+                return super().__torch_function__(func, types, args, kwargs or {})
+
+        class SyncedBuffer(torch.Tensor):
+            def __getattribute__(self, name):
+                sync()
+                return object.__getattribute__(self, name)
+
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                sync()
+                return super().__torch_function__(func, types, args, kwargs or {})
+
+        for name, cls in (("Model", SyncedModel), ("Parameter", SyncedParameter), ("Buffer", SyncedBuffer)):
+            cls.__name__ = cls.__qualname__ = f"Poptorch{user_cls.__name__ if name == 'Model' else name}"
+        for p in torch.nn.Module.parameters(self._user_model):
+            if type(p) is torch.nn.Parameter:
+                p.__class__ = SyncedParameter
+        for b in torch.nn.Module.buffers(self._user_model):
+            if type(b) is torch.Tensor:
+                b.__class__ = SyncedBuffer
         self._user_model.__class__ = SyncedModel
 
     @property
@@ -169,12 +199,16 @@ class PoplarExecutor:
         with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
             margs, mkwargs = self._micro_batch_args(args, kwargs)
             was_training = torch.nn.Module.__getattribute__(model, "training")
+            buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
             model.train(self._training)
             try:
                 with torch.no_grad():
                     gm = capture(model, *margs, **mkwargs)
             finally:
                 model.train(was_training)
+                with torch.no_grad():  # capture ran the model once: undo its buffer updates
+                    for b, saved in buffers:
+                        b.copy_(saved)
             bar.update(15)
             placement = place_graph(gm, opts.execution_strategy)
             ir = to_ir(gm, placement, self._training)
@@ -301,8 +335,18 @@ class PoplarExecutor:
         record = self._run_schedule(exe)
         self.last_run = record
         if self._training:
+            self._count_batch_norm_batches(len(self._inputs[0]) if self._inputs else 0)
             self._dirty_host_weights = True
         return self._shape_outputs(exe)
+
+    def _count_batch_norm_batches(self, micro_batches: int) -> None:
+        """num_batches_tracked is a host-side counter (used only with momentum=None, which the
+        device refuses): advance it as torch would, once per micro-batch."""
+        for m in torch.nn.Module.modules(self._user_model):
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                tracked = torch.nn.Module.__getattr__(m, "num_batches_tracked")
+                with torch.no_grad():
+                    tracked.add_(micro_batches)
 
     def _sync_from_training_model(self) -> None:
         sync = getattr(self._user_model, "copyWeightsToHostIfNeeded", None)

@@ -330,9 +330,12 @@ def batch_norm(c, x, running_mean, running_var, weight=None, bias=None, training
     return y
 
 
-def embedding(c, idx, weight, padding_idx=None, max_norm=None, *rest):
-    if max_norm is not None:
-        raise c.error("embedding with max_norm is not supported")
+def embedding(c, idx, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+              sparse=False):
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise c.error("embedding with max_norm, scale_grad_by_freq or sparse gradients is not supported")
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
     return c.one("embedding", [idx, weight], idx.shape + (weight.shape[1],), weight.dtype,
                  padding_idx=-1 if padding_idx is None else int(padding_idx))
 
@@ -450,6 +453,18 @@ def getitem(c, x, key):
         raise c.error("tensor indexing supports integers and slices only")
     index = np.arange(x.numel).reshape(x.shape)[key]
     return c.one("slice", [x], index.shape, x.dtype, key=key)
+
+
+def get_attribute(c, x, name):
+    if not isinstance(x, Value):
+        return getattr(x, name)
+    if name == "T":
+        return c.transpose(x, tuple(reversed(range(len(x.shape)))))
+    if name == "shape":
+        return tuple(x.shape)
+    if name == "ndim":
+        return len(x.shape)
+    raise c.error(f"tensor attribute .{name} is not supported by the IPU compiler")
 
 
 def size(c, x, dim=None):
@@ -570,7 +585,7 @@ FUNCTIONS = {
     torch.mean: reduce_fn("mean"), torch.sum: reduce_fn("sum"),
     F.nll_loss: nll_loss, F.cross_entropy: cross_entropy, F.mse_loss: pointwise_loss("mse_loss"),
     F.l1_loss: pointwise_loss("l1_loss"), F.ctc_loss: ctc_loss,
-    operator.getitem: getitem, torch.transpose: transpose_dims, torch.permute: permute,
+    operator.getitem: getitem, getattr: get_attribute, torch.transpose: transpose_dims, torch.permute: permute,
     torch.unsqueeze: unsqueeze, torch.squeeze: squeeze,
 }
 

@@ -38,7 +38,8 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "gelu_grad": (10, 50, False),    # (x, dy) -> dy * gelu'(x)
           "eq": (11, 1, True), "gt": (12, 1, True), "lt": (13, 1, True), "ge": (14, 1, True),
           "le": (15, 1, True), "ne": (16, 1, True), "logical_and": (17, 1, True),
-          "logical_or": (18, 1, True)}
+          "logical_or": (18, 1, True),
+          "abs_grad": (19, 2, True)}       # (x, dy) -> dy * sign(x)
 COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 SQRT1_2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
@@ -120,7 +121,9 @@ def apply_binary(op, x, y):
         return 1.0 if x != y else 0.0
     if op == 17:
         return 1.0 if (x != 0 and y != 0) else 0.0
-    return 1.0 if (x != 0 or y != 0) else 0.0
+    if op == 18:
+        return 1.0 if (x != 0 or y != 0) else 0.0
+    return y if x > 0 else (-y if x < 0 else 0.0 * y)
 
 
 @njit(parallel=True, **JIT)
