@@ -34,8 +34,10 @@ every kernel tap and group of A input channels (16 float16, 8 float32) a pass th
 weights (6 instructions) and then walks a worklist of one entry per output line; 20 for the
 worker's setup. Padding positions are skipped, as PopLibs' worklists skip them.
 
-Fast mode: im2col (strided views) and one batched BLAS matmul per op, plus a col2im scatter of
-kh x kw strided adds for the gradient to the input; float16 operands computed in float32.
+Numerics: strict vertices accumulate in float64 and round once to the output dtype (or to the
+float32 partials, which the reduction sums in float64 and rounds once). The fast mode uses im2col
+(strided views) and one batched BLAS matmul per op, plus a col2im scatter of kh x kw strided adds
+for the gradient to the input; float16 operands are computed in float32 and rounded once.
 """
 from __future__ import annotations
 

@@ -10,13 +10,14 @@ each tile writes float32 partials; a second exchange brings, for every output el
 partials to the tile that owns the element (C is then spread linearly over all tiles) and a
 reduce compute set sums them and rounds once to the output dtype.
 
-Candidate splits of a dimension: the smallest part counts giving the block sizes of 1, 2, 3, 4,
-6, 8, 12, ... parts (powers of two and 1.5 times powers of two, and one part per element), in
-every combination that needs at most the IPU's tiles. Cost of a candidate, on the busiest tile:
+Candidate splits of a dimension of size d: the smallest part counts giving the block sizes of
+1, 2, 3, 4, 6, 8, 12, ... parts (powers of two and 1.5 times powers of two) and of min(d, tiles)
+parts, in every combination that needs at most the IPU's tiles. Cost of a candidate, on the
+busiest tile:
   compute  = ceil(vertices / workers) * (cycles of the largest vertex + vertex overhead)
   exchange = ceil(max(bytes received, bytes sent) / exchange bytes per cycle); received = the
-             operand blocks, sent = the blocks of all tiles used / all tiles (operands assumed
-             spread over the IPU, every element sent to each tile that needs it)
+             operand blocks, sent = received * tiles used / tiles (operands assumed spread over
+             the IPU, every element sent to each tile that needs it)
   plus one sync per exchange and per compute set; with pk > 1 the partials exchange and the
   reduction are costed the same way.
 Working set of the busiest tile = operand blocks + partials block, and during the reduction the
@@ -137,7 +138,7 @@ REDUCE_VERTEX = VertexType("popops::ReducePartials", ("partials",), ("out",), re
 # ---- tile-grid planning helpers ----------------------------------------------------------------
 def split_candidates(size: int, limit: int) -> np.ndarray:
     """Part counts worth trying for a dimension of `size` on at most `limit` tiles: the smallest
-    count giving each block size reached with 1, 2, 3, 4, 6, 8, 12, ... parts or one part per element."""
+    count giving each block size reached with 1, 2, 3, 4, 6, 8, 12, ... or min(size, limit) parts."""
     top = min(size, limit)
     raw = {1, top}
     p = 1
