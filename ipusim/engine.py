@@ -153,15 +153,21 @@ class Engine:
     # ---- running --------------------------------------------------------------------------
     def run(self, index: int = 0) -> int:
         """Run program `index`; returns its cycles (also in `last_run`, by IPU and kind)."""
+        report = self.execute(index)
+        self.last_run = report
+        self.total_cycles += report.total
+        return report.total
+
+    def execute(self, index: int = 0) -> RunReport:
+        """Run program `index` and return its report without touching `last_run` / `total_cycles`
+        (programs on different IPUs may be executed from several host threads at once)."""
         self._require_loaded()
         if not 0 <= index < len(self.programs):
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
         report = RunReport()
         numba.set_num_threads(self.kernel_threads)
         self._run(self.programs[index], report)
-        self.last_run = report
-        self.total_cycles += report.total
-        return report.total
+        return report
 
     def cost(self, node: Program) -> Cost:
         return self._costs[id(node)][1]

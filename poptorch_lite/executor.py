@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import inspect
-import os
+from concurrent.futures import ThreadPoolExecutor
 import weakref
 from dataclasses import dataclass, field
 
@@ -226,7 +226,10 @@ class PoplarExecutor:
             updates = build_updates(lowering, self._optimizer, opts, self._named_weights()) if self._training \
                 else UpdatePlan()
             bar.update(15)
-            engine = ip.Engine(lowering.device, lowering.programs, mode=mode_of(opts))
+            try:
+                engine = ip.Engine(lowering.device, lowering.programs, mode=opts.Emulator.mode)
+            except ip.OutOfMemoryError as error:
+                raise model_out_of_memory(error, placement, lowering) from None
             engine.load()
             bar.update(25)
         self._executable = Executable(lowering, engine, schedule, ir, placement, updates)
@@ -308,6 +311,9 @@ class PoplarExecutor:
         if self._training:
             self.copyWeightsToHostIfNeeded()
         self._executable.engine.close()
+        if getattr(self, "_pool", None) is not None:
+            self._pool.shutdown()
+            self._pool = None
         self._executable = None
         self._is_attached = False
 
@@ -367,52 +373,59 @@ class PoplarExecutor:
             out.append(np.ascontiguousarray(arr.reshape((plan.micro_batches,) + tuple(v.shape))))
         return out
 
-    def _run_op(self, exe: Executable, op, busy: dict[int, int]) -> None:
+    def _run_op(self, exe: Executable, op) -> dict[int, int]:
+        """Run one scheduled op on its IPU; returns busy cycles per IPU."""
         engine = exe.engine
+        runs = []
         if op.kind == "W":
-            for index in exe.updates.programs.get(op.ipu, []):
-                engine.run(index)
-                self._charge(engine, busy)
-            return
-        key = ("fwd" if op.kind == "F" else "bwd", op.stage)
-        sp = exe.stage_programs.get(key)
-        if sp is None:
-            return
-        k = op.global_micro_batch
-        self._feed[key] = k
-        for ch in exe.in_channels[key]:
-            if ch.recv:
-                engine.run(ch.recv[k % ch.slots])
-                self._charge(engine, busy)
-        engine.run(sp.body)
-        self._charge(engine, busy)
-        if sp.outputs >= 0 and self._wants_output(k):
-            engine.run(sp.outputs)
-            self._charge(engine, busy)
+            runs = list(exe.updates.programs.get(op.ipu, []))
+        else:
+            key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+            sp = exe.stage_programs.get(key)
+            if sp is not None:
+                k = op.global_micro_batch
+                self._feed[key] = k
+                runs = [ch.recv[k % ch.slots] for ch in exe.in_channels[key] if ch.recv] + [sp.body]
+                if sp.outputs >= 0 and self._wants_output(k):
+                    runs.append(sp.outputs)
+        busy: dict[int, int] = {}
+        for index in runs:
+            add_busy(busy, engine.execute(index))
+        return busy
 
     def _send(self, exe: Executable, op, busy: dict[int, int]) -> None:
         if op.kind not in ("F", "B"):
             return
         key = ("fwd" if op.kind == "F" else "bwd", op.stage)
         for ch in exe.out_channels[key]:
-            exe.engine.run(ch.send[op.global_micro_batch % ch.slots])
-            self._charge(exe.engine, busy)
-
-    @staticmethod
-    def _charge(engine: ip.Engine, busy: dict[int, int]) -> None:
-        for ipu, c in engine.last_run.per_ipu.items():
-            busy[ipu] = busy.get(ipu, 0) + c.total
+            add_busy(busy, exe.engine.execute(ch.send[op.global_micro_batch % ch.slots]))
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
+        """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
+        then the channel copies; the step lasts as long as its busiest IPU."""
         record = RunRecord()
+        pool = self._host_pool()
         for t, step in enumerate(exe.schedule.steps):
+            if pool is not None and len(step.ops) > 1:
+                parts = list(pool.map(lambda op: self._run_op(exe, op), step.ops))
+            else:
+                parts = [self._run_op(exe, op) for op in step.ops]
             busy: dict[int, int] = {}
-            for op in step.ops:
-                self._run_op(exe, op, busy)
+            for part in parts:
+                for ipu, c in part.items():
+                    busy[ipu] = busy.get(ipu, 0) + c
             for op in step.ops:
                 self._send(exe, op, busy)
             record.steps.append(StepRecord(t, list(step.ops), busy, max(busy.values(), default=0)))
         return record
+
+    def _host_pool(self):
+        threads = self._options.Emulator.host_threads
+        if threads <= 1:
+            return None
+        if getattr(self, "_pool", None) is None:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ipu")
+        return self._pool
 
     def _step_of(self, k: int) -> tuple[int, int]:
         """(device iteration, accumulation step) of the call's k-th micro-batch."""
@@ -462,6 +475,32 @@ class PoplarExecutor:
         return f"PoplarExecutor({'training' if self._training else 'inference'}, {type(self._user_model).__name__})"
 
 
+def add_busy(busy: dict[int, int], report: ip.RunReport) -> None:
+    for ipu, c in report.per_ipu.items():
+        busy[ipu] = busy.get(ipu, 0) + c.total
+
+
+def model_out_of_memory(error: ip.OutOfMemoryError, placement, lowering) -> ip.OutOfMemoryError:
+    """Poplar's out-of-memory report, said in the model's terms: which IPU, stages and blocks."""
+    lines = []
+    for r in sorted(error.reports, key=lambda r: -r.max_tile):
+        if r.fits:
+            continue
+        stages = sorted({p.stage for p in placement.blocks if p.ipu == r.ipu})
+        blocks = [str(p.block.user_id) for p in placement.blocks if p.ipu == r.ipu]
+        lines.append(f"IPU {r.ipu} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}; blocks "
+                     f"{', '.join(blocks)}) needs {r.max_tile} bytes on its busiest tile, "
+                     f"{r.target.bytes_per_tile} fit; {r.summary()}")
+    busiest = max(error.reports, key=lambda r: r.max_tile)
+    free = [r.ipu for r in error.reports if r.max_tile < busiest.max_tile // 2]
+    hint = ("Split the blocks of that IPU over more IPUs (more pipeline stages with Stage(...).ipu(n)"
+            + (f", e.g. onto IPU {free[0]} which has room" if free else "") +
+            "), reduce the micro-batch size, or move optimiser state off chip "
+            "(Options.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))).")
+    message = "Out of memory compiling the model:\n  " + "\n  ".join(lines) + f"\n{hint}\n\n{error}"
+    return ip.OutOfMemoryError(message, error.reports)
+
+
 def loss_scaling(optimizer) -> float:
     """The loss scaling of a PopTorch optimizer (1 for plain torch optimizers)."""
     values = {float(g.get("loss_scaling", 1.0)) for g in optimizer.param_groups}
@@ -471,16 +510,13 @@ def loss_scaling(optimizer) -> float:
 
 
 def target_of(options) -> ip.Target:
-    """The emulated IPU: IPUSIM_TARGET (GC200, Bow, GC2, ...) or the offline target's version."""
-    name = os.environ.get("IPUSIM_TARGET")
-    if name:
-        return ip.get_target(name)
+    """The emulated IPU: Options.Emulator.setTarget, else the offline target's version (GC200 default)."""
+    target = options.Emulator.target
+    if isinstance(target, ip.Target):
+        return target
+    if target:
+        return ip.get_target(target)
     return ip.GC2 if options.ipu_version == 1 else ip.GC200
-
-
-def mode_of(options) -> str:
-    """The emulator mode: IPUSIM_MODE=strict checks every tile mapping and exchange; fast is the default."""
-    return os.environ.get("IPUSIM_MODE", "fast")
 
 
 def torch_dtype(dtype) -> torch.dtype:

@@ -576,6 +576,46 @@ class _TensorLocationOptions(_OptionGroup):
         return self
 
 
+class _EmulatorOptions(_OptionGroup):
+    """What PopTorch does not have: the emulated IPU and how the emulator runs
+    (``options.Emulator``). Defaults come from ``IPUSIM_TARGET``,
+    ``IPUSIM_MODE`` and ``IPUSIM_HOST_THREADS``."""
+
+    def __init__(self):
+        super().__init__(target=os.environ.get("IPUSIM_TARGET") or None,
+                         mode=os.environ.get("IPUSIM_MODE", "fast"),
+                         host_threads=int(os.environ.get("IPUSIM_HOST_THREADS", "1")))
+        if self._values["mode"] not in ("fast", "strict"):
+            raise ValueError(f"IPUSIM_MODE must be 'fast' or 'strict', got {self._values['mode']!r}")
+
+    target = _value("target", "Target name or ipusim.Target, None for the default (GC200, or Mk1 for "
+                              "useOfflineIpuTarget(1)).")
+    mode = _value("mode", "'fast' (default) or 'strict' (every tile mapping and exchange checked).")
+    host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently.")
+
+    def setTarget(self, target) -> "_EmulatorOptions":
+        """Emulate this IPU: a preset name ('GC200', 'Bow', 'GC2', ...) or an ipusim.Target."""
+        import ipusim  # pylint: disable=import-outside-toplevel
+        if isinstance(target, str):
+            ipusim.get_target(target)  # validates the name
+        elif not isinstance(target, ipusim.Target):
+            raise TypeError(f"Emulator.setTarget expects a target name or an ipusim.Target, got {target!r}")
+        self._set(target=target)
+        return self
+
+    def setMode(self, mode: str) -> "_EmulatorOptions":
+        """'fast' runs each op's whole-tensor kernel; 'strict' runs every vertex from its tile's memory."""
+        if mode not in ("fast", "strict"):
+            raise ValueError(f"Emulator.setMode: mode must be 'fast' or 'strict', got {mode!r}")
+        self._set(mode=mode)
+        return self
+
+    def setHostThreads(self, threads: int) -> "_EmulatorOptions":
+        """Run the emulated IPUs of one pipeline step on this many host threads."""
+        self._set(host_threads=_int_arg("Emulator.setHostThreads", threads))
+        return self
+
+
 def _engine_options_from_env() -> Dict[str, Any]:
     text = os.environ.get("POPLAR_ENGINE_OPTIONS", "").strip()
     if not text:
@@ -624,6 +664,7 @@ class Options(_OptionGroup):
         self._training = _TrainingOptions(self._popart)
         self._distributed = _DistributedOptions()
         self._tensor_locations = _TensorLocationOptions()
+        self._emulator = _EmulatorOptions()
         self._execution_strategy = None
         cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
         if cache_dir:
@@ -648,6 +689,11 @@ class Options(_OptionGroup):
     def TensorLocations(self) -> _TensorLocationOptions:
         """Where tensors live."""
         return self._tensor_locations
+
+    @property
+    def Emulator(self) -> _EmulatorOptions:
+        """The emulated target and how the emulator runs (not in PopTorch)."""
+        return self._emulator
 
     @property
     def Precision(self) -> _PrecisionOptions:
@@ -1033,6 +1079,8 @@ class Options(_OptionGroup):
         out["TensorLocations"] = self._tensor_locations.toDict()
         out["Precision"] = self._precision.toDict()
         out["Jit"] = self._jit.toDict()
+        out["Emulator"] = {k: str(v) if v is not None and not isinstance(v, (str, int)) else v
+                           for k, v in self._emulator.toDict().items()}
         out["_Popart"] = self._popart.toDict()
         return out
 
@@ -1043,6 +1091,7 @@ class Options(_OptionGroup):
             "TensorLocations": self._tensor_locations,
             "Precision": self._precision,
             "Jit": self._jit,
+            "Emulator": self._emulator,
             "_Popart": self._popart,
         }
         body = [f"{k}={v!r}" for k, v in self._values.items()]
