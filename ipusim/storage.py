@@ -85,8 +85,8 @@ class IpuMemory:
     def read(self, t: Tensor) -> np.ndarray:
         """The view's values (a NumPy view when the layout allows it: do not modify)."""
         arena = self.arenas[t.dtype.name]
-        if self.layout == "fast" and t.is_whole:
-            base = self.offset[t.var.id]
+        if self.layout == "fast" and t.span is not None:
+            base = self.offset[t.var.id] + t.span
             return arena[base:base + t.numel].reshape(t.shape)
         return arena[self.addresses(t)].reshape(t.shape)
 
@@ -99,8 +99,8 @@ class IpuMemory:
             except ValueError:
                 raise ValueError(f"cannot write values of shape {values.shape} to tensor {t.name!r} "
                                  f"of shape {t.shape}") from None
-        if self.layout == "fast" and t.is_whole:
-            base = self.offset[t.var.id]
+        if self.layout == "fast" and t.span is not None:
+            base = self.offset[t.var.id] + t.span
             arena[base:base + t.numel] = values.reshape(-1)
         else:
             arena[self.addresses(t)] = values.reshape(-1)

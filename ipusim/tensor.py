@@ -59,11 +59,12 @@ class Variable:
 class Tensor:
     """A view of a Variable. `index` holds flat element indices into the variable."""
 
-    __slots__ = ("var", "_index", "shape")
+    __slots__ = ("var", "_index", "shape", "_span")
 
     def __init__(self, var: Variable, index: np.ndarray | None = None, shape: tuple | None = None):
         self.var = var
         self._index = index
+        self._span = None
         self.shape = tuple(index.shape) if index is not None else tuple(var.shape if shape is None else shape)
 
     # ---- properties -----------------------------------------------------------------------
@@ -77,6 +78,20 @@ class Tensor:
     def is_whole(self) -> bool:
         """True when the view is the whole variable in its natural order."""
         return self._index is None
+
+    @property
+    def span(self) -> int | None:
+        """First flat element when the view is a contiguous run of its variable in C order
+        (then it reads and writes as a slice), else None. Computed once."""
+        if self._span is None:
+            if self.is_whole:
+                self._span = 0
+            else:
+                idx = self.index.reshape(-1)
+                contiguous = idx.size == 0 or (int(idx[-1]) - int(idx[0]) == idx.size - 1
+                                               and bool((np.diff(idx) == 1).all()))
+                self._span = int(idx[0]) if contiguous and idx.size else (0 if contiguous else -1)
+        return None if self._span < 0 else self._span
 
     @property
     def dtype(self) -> np.dtype:

@@ -35,11 +35,22 @@ NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
 
 @dataclass
+class Event:
+    """One program run on the device during a step: which op it serves, what part, its cycles."""
+    op: object                      # the schedule's op (ipusim.schedules.Op)
+    part: str                       # "receive" | "compute" | "outputs" | "send" | "update"
+    program: int                    # engine program index
+    per_ipu: dict[int, ip.Cycles]   # busy cycles by kind on each IPU it touched
+
+
+@dataclass
 class StepRecord:
-    """One executed step: what each IPU ran and how long the step took in cycles."""
+    """One executed step: the programs each IPU ran, their cycles, and the step's length (its
+    busiest IPU: the others idle until the step ends)."""
     index: int
     ops: list
-    busy: dict[int, int]
+    events: list[Event]
+    busy: dict[int, ip.Cycles]
     cycles: int
 
 
@@ -84,6 +95,8 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         self._host_weights_version = 0
         self.last_run: RunRecord | None = None
+        self._collective = None     # cross-process gradient reduction (poptorch_lite.distributed)
+        self._profiler = None       # poptorch_lite.profiling, only when profiling is on
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -233,6 +246,12 @@ class PoplarExecutor:
             engine.load()
             bar.update(25)
         self._executable = Executable(lowering, engine, schedule, ir, placement, updates)
+        if self._training and opts.num_processes > 1:
+            from .distributed import GradientAllReduce
+            self._collective = GradientAllReduce(self)
+        if opts.profile_dir is not None:
+            from .profiling import Profiler
+            self._profiler = Profiler(self, opts.profile_dir)
         self._connect_streams()
         self._is_attached = True
         self.copyWeightsToDevice()
@@ -340,6 +359,8 @@ class PoplarExecutor:
         self._outputs.clear()
         record = self._run_schedule(exe)
         self.last_run = record
+        if self._profiler is not None:
+            self._profiler.called(record)
         if self._training:
             self._count_batch_norm_batches(len(self._inputs[0]) if self._inputs else 0)
             self._dirty_host_weights = True
@@ -373,32 +394,32 @@ class PoplarExecutor:
             out.append(np.ascontiguousarray(arr.reshape((plan.micro_batches,) + tuple(v.shape))))
         return out
 
-    def _run_op(self, exe: Executable, op) -> dict[int, int]:
-        """Run one scheduled op on its IPU; returns busy cycles per IPU."""
+    def _run_op(self, exe: Executable, op) -> list[Event]:
+        """Run one scheduled op on its IPU (receive, compute, outputs; or the weight update)."""
         engine = exe.engine
-        runs = []
+        runs: list[tuple[str, int]] = []
         if op.kind == "W":
-            runs = list(exe.updates.programs.get(op.ipu, []))
+            if self._collective is not None:
+                self._collective.reduce(exe, op.ipu)
+            runs = [("update", i) for i in exe.updates.programs.get(op.ipu, [])]
         else:
             key = ("fwd" if op.kind == "F" else "bwd", op.stage)
             sp = exe.stage_programs.get(key)
             if sp is not None:
                 k = op.global_micro_batch
                 self._feed[key] = k
-                runs = [ch.recv[k % ch.slots] for ch in exe.in_channels[key] if ch.recv] + [sp.body]
+                runs = [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[key] if ch.recv]
+                runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
-                    runs.append(sp.outputs)
-        busy: dict[int, int] = {}
-        for index in runs:
-            add_busy(busy, engine.execute(index))
-        return busy
+                    runs.append(("outputs", sp.outputs))
+        return [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
 
-    def _send(self, exe: Executable, op, busy: dict[int, int]) -> None:
+    def _send(self, exe: Executable, op) -> list[Event]:
         if op.kind not in ("F", "B"):
-            return
+            return []
         key = ("fwd" if op.kind == "F" else "bwd", op.stage)
-        for ch in exe.out_channels[key]:
-            add_busy(busy, exe.engine.execute(ch.send[op.global_micro_batch % ch.slots]))
+        return [Event(op, "send", index, exe.engine.execute(index).per_ipu)
+                for index in (ch.send[op.global_micro_batch % ch.slots] for ch in exe.out_channels[key])]
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
         """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
@@ -410,13 +431,15 @@ class PoplarExecutor:
                 parts = list(pool.map(lambda op: self._run_op(exe, op), step.ops))
             else:
                 parts = [self._run_op(exe, op) for op in step.ops]
-            busy: dict[int, int] = {}
-            for part in parts:
-                for ipu, c in part.items():
-                    busy[ipu] = busy.get(ipu, 0) + c
+            events = [e for part in parts for e in part]
             for op in step.ops:
-                self._send(exe, op, busy)
-            record.steps.append(StepRecord(t, list(step.ops), busy, max(busy.values(), default=0)))
+                events += self._send(exe, op)
+            busy: dict[int, ip.Cycles] = {}
+            for e in events:
+                for ipu, c in e.per_ipu.items():
+                    busy[ipu] = busy.get(ipu, ip.Cycles()) + c
+            record.steps.append(StepRecord(t, list(step.ops), events, busy,
+                                           max((c.total for c in busy.values()), default=0)))
         return record
 
     def _host_pool(self):
@@ -473,11 +496,6 @@ class PoplarExecutor:
 
     def __repr__(self):
         return f"PoplarExecutor({'training' if self._training else 'inference'}, {type(self._user_model).__name__})"
-
-
-def add_busy(busy: dict[int, int], report: ip.RunReport) -> None:
-    for ipu, c in report.per_ipu.items():
-        busy[ipu] = busy.get(ipu, 0) + c.total
 
 
 def model_out_of_memory(error: ip.OutOfMemoryError, placement, lowering) -> ip.OutOfMemoryError:

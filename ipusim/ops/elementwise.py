@@ -6,6 +6,9 @@ output's tiles by exchange (broadcast operands are replicated where needed);
 each tile's elements are split over its workers, one vertex per worker.
 Kernel: one scalar function `apply` shared by the codelet (strict) and the whole-tensor kernel
 (fast), computed in float64 and rounded once to the storage dtype, so both modes agree bit for bit.
+Correctly rounded float ops (+, -, *, /, negation, abs, relu, squares, casts) run as NumPy ufuncs in
+the fast mode: a float64 result rounded once equals the float32 (or float16) IEEE result, so the
+bits are the same and the host work is a single vectorised pass.
 Cycles (per vertex, thread instructions): ceil(n / vector width) * cost of the op + 6, vector
 width 2 for float32 and 4 for float16 (64-bit loads/stores), 1 for int32 and bool; transcendental
 and division ops are not vectorised and cost more per element (table below).
@@ -40,6 +43,12 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "le": (15, 1, True), "ne": (16, 1, True), "logical_and": (17, 1, True),
           "logical_or": (18, 1, True),
           "abs_grad": (19, 2, True)}       # (x, dy) -> dy * sign(x)
+# Fast-mode NumPy equivalents of the correctly rounded ops (same bits as `apply_*`).
+NUMPY_UNARY = {"neg": lambda x, p0, p1: np.negative(x), "abs": lambda x, p0, p1: np.abs(x),
+               "relu": lambda x, p0, p1: np.maximum(x, x.dtype.type(0)),
+               "square": lambda x, p0, p1: np.square(x), "cast": lambda x, p0, p1: x,
+               "fill": lambda x, p0, p1: np.full(x.shape, p0)}
+NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 SQRT1_2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
@@ -52,7 +61,7 @@ def apply_unary(op, x, p0, p1):
     if op == 1:
         return abs(x)
     if op == 2:
-        return x if x > 0 else 0.0 * x
+        return x if (x > 0 or x != x) else 0.0
     if op == 3:
         return 0.5 * x * (1.0 + math.erf(x * SQRT1_2))
     if op == 4:
@@ -99,7 +108,7 @@ def apply_binary(op, x, y):
     if op == 6:
         return x ** y
     if op == 7:
-        return y if x > 0 else 0.0 * y
+        return y if x > 0 else 0.0
     if op == 8:
         return y * (1.0 - x * x)
     if op == 9:
@@ -200,7 +209,12 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
     _vertices(graph, cs, UNARY_VERTEX, out, {"x": xl}, (code, scale, bias))
     body.add(Execute(cs))
 
+    exact = NUMPY_UNARY.get(op) if x.dtype.kind == "f" and out.dtype.kind == "f" else None
+
     def fast(io):
+        if exact is not None:
+            io.write(out, exact(io.read(x), scale, bias).astype(out.dtype, copy=False))
+            return
         res = np.empty(out.shape, dtype=out.dtype)
         unary_whole(kernel_view(np.ascontiguousarray(io.read(x)).reshape(-1)), kernel_view(res.reshape(-1)),
                     code, float(scale), float(bias))
@@ -237,7 +251,12 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
     _vertices(graph, cs, BINARY_VERTEX, out, {"a": al, "b": bl}, (code,))
     body.add(Execute(cs))
 
+    exact = NUMPY_BINARY.get(op) if a.dtype.kind == "f" else None
+
     def fast(io):
+        if exact is not None:
+            io.write(out, exact(io.read(a), io.read(b)))
+            return
         x = np.ascontiguousarray(np.broadcast_to(io.read(a), shape)).reshape(-1)
         y = np.ascontiguousarray(np.broadcast_to(io.read(b), shape)).reshape(-1)
         res = np.empty(shape, dtype=out.dtype)

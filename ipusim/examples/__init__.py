@@ -1,0 +1,1 @@
+"""Runnable examples of the ipusim device layer (`python -m ipusim.examples.matmul`)."""
