@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
+from .blas import blas_threads
 from .cost import Cost, Cycles, estimate
 from .graph import Device, Graph
 from .kernels import kernel_view
@@ -166,7 +167,8 @@ class Engine:
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
         report = RunReport()
         numba.set_num_threads(self.kernel_threads)
-        self._run(self.programs[index], report)
+        with blas_threads():
+            self._run(self.programs[index], report)
         return report
 
     def cost(self, node: Program) -> Cost:
