@@ -7,6 +7,8 @@ The model, superstep by superstep (BSP):
   plus on-tile copies at the local copy rate; then one internal sync.
 - `InterIpuCopy`: link time at the IPU-Link rate (with PopLibs' efficiency) plus a global sync.
 - `StreamCopy`: host link time (PCIe) plus latency and a global sync.
+- `RemoteCopy`: Streaming Memory time at the target's streaming bandwidth plus an internal sync
+  (counted with host I/O).
 - `Sync`: the internal or global sync cost.
 All IPUs of a device advance in lockstep through a program: a node's `total` is the time its
 slowest IPU takes; per IPU we keep the busy cycles by kind, so idle = total - busy.
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .program import (Copy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, Repeat,
+from .program import (Copy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteCopy, Repeat,
                       Sequence, StreamCopy, Sync)
 from .target import Target
 from .tensor import Tensor
@@ -120,6 +122,9 @@ def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
     if isinstance(p, StreamCopy):
         cyc = target.host_cycles(p.tensor.nbytes)
         return Cost(cyc + gsync, {p.tensor.ipu: Cycles(host=cyc, sync=gsync)}, host_bytes=p.tensor.nbytes)
+    if isinstance(p, RemoteCopy):
+        cyc = target.streaming_memory_cycles(p.tensor.nbytes)
+        return Cost(cyc + sync, {p.tensor.ipu: Cycles(host=cyc, sync=sync)}, host_bytes=p.tensor.nbytes)
     if isinstance(p, Sync):
         cyc = gsync if p.global_ else sync
         ipus = range(num_ipus) if p.global_ else [p.ipu]

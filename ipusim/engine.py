@@ -24,8 +24,8 @@ from .cost import Cost, Cycles, estimate
 from .graph import Device, Graph
 from .kernels import kernel_view
 from .memory import check_fits, memory_reports
-from .program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Parallel, Program,
-                      Repeat, Sequence, StreamCopy, Sync)
+from .program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteBuffer,
+                      RemoteCopy, Repeat, Sequence, StreamCopy, Sync)
 from .tensor import Tensor
 
 MODES = ("strict", "fast")
@@ -125,6 +125,14 @@ class Engine:
         self._require_loaded()
         self.mem.write(t, np.asarray(values).astype(t.dtype, copy=False))
 
+    def readRemoteBuffer(self, buffer: RemoteBuffer, slot: int = 0) -> np.ndarray:
+        self._require_loaded()
+        return self.mem[buffer.ipu].remote[buffer.name][slot].reshape(buffer.shape).copy()
+
+    def writeRemoteBuffer(self, buffer: RemoteBuffer, values, slot: int = 0) -> None:
+        self._require_loaded()
+        self.mem[buffer.ipu].remote[buffer.name][slot] = np.asarray(values, dtype=buffer.dtype).reshape(-1)
+
     def connectStream(self, name: str, data, ipu: int | None = None) -> None:
         """Connect a host stream to an array (consumed or filled one element per copy,
         cyclically) or to a callback (`fn()` returns data for host-to-device, `fn(array)`
@@ -194,6 +202,13 @@ class Engine:
             report.charge(self.cost(p))
         elif isinstance(p, StreamCopy):
             self._stream_copy(p)
+            report.charge(self.cost(p))
+        elif isinstance(p, RemoteCopy):
+            remote = self.mem[p.buffer.ipu].remote[p.buffer.name]
+            if p.loads:
+                self.mem.write(p.tensor, remote[p.slot].reshape(p.tensor.shape))
+            else:
+                remote[p.slot] = self.mem.read(p.tensor).reshape(-1)
             report.charge(self.cost(p))
         elif isinstance(p, Repeat):
             for _ in range(p.count):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .program import DataStream
+from .program import DataStream, RemoteBuffer
 from .target import GC200, Target
 from .tensor import Tensor, Variable, as_dtype
 from .vertex import ComputeSet, Vertex, VertexType
@@ -23,6 +23,7 @@ class Graph:
         self.variables: list[Variable] = []
         self.compute_sets: list[ComputeSet] = []
         self.streams: dict[str, DataStream] = {}
+        self.remote_buffers: dict[str, RemoteBuffer] = {}
         self._names: dict[str, int] = {}
 
     def _unique(self, name: str) -> str:
@@ -131,6 +132,16 @@ class Graph:
         s = DataStream(name, as_dtype(dtype), tuple(shape), self.ipu, direction)
         self.streams[name] = s
         return s
+
+    def addRemoteBuffer(self, name: str, dtype, shape, repeats: int = 1) -> RemoteBuffer:
+        """Off-chip storage in Streaming Memory with `repeats` slots of `shape`."""
+        if name in self.remote_buffers:
+            raise ValueError(f"a remote buffer named {name!r} already exists on IPU {self.ipu}")
+        if repeats < 1:
+            raise ValueError(f"remote buffer {name!r} needs at least one slot, got repeats={repeats}")
+        b = RemoteBuffer(name, as_dtype(dtype), tuple(shape), self.ipu, int(repeats))
+        self.remote_buffers[name] = b
+        return b
 
     def addHostToDeviceFIFO(self, name: str, dtype, shape) -> DataStream:
         return self._stream(name, dtype, shape, "host_to_device")

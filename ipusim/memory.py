@@ -3,7 +3,10 @@ state and code; and the out-of-memory error Poplar users know.
 
 Liveness: the program is flattened into its supersteps in order (a Repeat body once, both
 branches of an If). A not-always-live tensor is live from the first superstep that touches it
-to the last; the peak of a tile is the most bytes live on it at any superstep.
+to the last, except that a `RemoteCopy` loading it from Streaming Memory starts a new live range
+(the tensor's previous contents are dead): a tensor kept off chip occupies tiles only between
+its load and its last use. The peak of a tile is the most bytes live on it at any superstep.
+Remote buffers are reported as off-chip bytes per IPU, outside tile memory.
 Estimates not published by Graphcore: vertex state = 8 bytes per field (pointer and size) +
 4 bytes per parameter; code = CODELET_BYTES per distinct vertex type on a tile.
 """
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .program import Copy, Execute, InterIpuCopy, Program, StreamCopy, walk
+from .program import Copy, Execute, InterIpuCopy, Program, RemoteCopy, StreamCopy, walk
 from .target import Target
 from .tensor import Variable
 
@@ -34,6 +37,7 @@ class MemoryReport:
     by_category: dict[str, np.ndarray]
     tensors: dict[str, np.ndarray] = field(repr=False)  # tensor name -> bytes per tile
     liveness: np.ndarray = field(repr=False, default=None)  # live not-always-live bytes per superstep
+    off_chip_bytes: int = 0                                  # remote buffers in Streaming Memory
 
     @property
     def peak(self) -> np.ndarray:
@@ -67,6 +71,7 @@ class MemoryReport:
                 "always_live_bytes": int(self.always_live.sum()),
                 "not_always_live_peak_bytes": int(self.not_always_live_peak.sum()),
                 "vertex_state_bytes": int(self.vertex_state.sum()), "code_bytes": int(self.code.sum()),
+                "off_chip_bytes": self.off_chip_bytes,
                 "by_category": {k: int(v.sum()) for k, v in self.by_category.items()},
                 "per_tile_bytes": self.peak.tolist()}
 
@@ -85,26 +90,35 @@ def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
 
 
 def supersteps(program: Program) -> list[Program]:
-    return [p for p in walk(program) if isinstance(p, (Execute, Copy, InterIpuCopy, StreamCopy))]
+    return [p for p in walk(program) if isinstance(p, (Execute, Copy, InterIpuCopy, StreamCopy, RemoteCopy))]
 
 
 def touched(step: Program) -> list[Variable]:
     if isinstance(step, Execute):
         return [t.var for v in step.compute_set.vertices for t in v.fields.values()]
-    if isinstance(step, StreamCopy):
+    if isinstance(step, (StreamCopy, RemoteCopy)):
         return [step.tensor.var]
     return [step.src.var, step.dst.var]
+
+
+def live_ranges(steps: list[Program]) -> dict[int, list[list[int]]]:
+    """Variable id -> [first, last] superstep ranges; a remote load opens a new range."""
+    ranges: dict[int, list[list[int]]] = {}
+    for i, s in enumerate(steps):
+        reload = isinstance(s, RemoteCopy) and s.loads
+        for v in touched(s):
+            r = ranges.setdefault(v.id, [])
+            if not r or reload:
+                r.append([i, i])
+            else:
+                r[-1][1] = i
+    return ranges
 
 
 def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
     """One report per IPU graph for the given programs."""
     steps = [s for p in programs for s in supersteps(p)]
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, s in enumerate(steps):
-        for v in touched(s):
-            first.setdefault(v.id, i)
-            last[v.id] = i
+    ranges = live_ranges(steps)
     reports = []
     for g in graphs:
         n = g.target.num_tiles
@@ -118,9 +132,10 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
             by_cat[v.category] = by_cat.get(v.category, zero()) + b
             if v.always_live:
                 always += b
-            elif v.id in first:
-                starts.setdefault(first[v.id], []).append(b)
-                ends.setdefault(last[v.id], []).append(b)
+            else:
+                for first, last in ranges.get(v.id, ()):
+                    starts.setdefault(first, []).append(b)
+                    ends.setdefault(last, []).append(b)
         live, peak, curve = zero(), zero(), []
         for i in range(len(steps)):
             for b in starts.get(i, ()):
@@ -138,8 +153,9 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         for tile, _ in kinds:
             code[tile] += CODELET_BYTES
         by_cat["vertex_state"], by_cat["code"] = state, code
+        off_chip = sum(b.nbytes * b.repeats for b in g.remote_buffers.values())
         reports.append(MemoryReport(g.ipu, g.target, always, peak, state, code, by_cat, per_tensor,
-                                    np.asarray(curve, dtype=np.int64)))
+                                    np.asarray(curve, dtype=np.int64), off_chip))
     return reports
 
 

@@ -30,6 +30,22 @@ class DataStream:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+@dataclass(eq=False)
+class RemoteBuffer:
+    """Off-chip storage in the IPU's Streaming Memory: `repeats` slots of one tensor shape,
+    outside tile memory; only `RemoteCopy` moves data in and out."""
+    name: str
+    dtype: np.dtype
+    shape: tuple
+    ipu: int
+    repeats: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one slot."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
 class Program:
     def children(self) -> list["Program"]:
         return []
@@ -145,6 +161,43 @@ class StreamCopy(Program):
     @property
     def tensor(self) -> Tensor:
         return self.dst if isinstance(self.src, DataStream) else self.src
+
+    def ipus(self):
+        return {self.tensor.ipu}
+
+
+@dataclass(eq=False)
+class RemoteCopy(Program):
+    """Tensor to remote buffer slot (`RemoteCopy(tensor, buffer, slot)`) or back
+    (`RemoteCopy(buffer, tensor, slot)`), over the Streaming Memory bandwidth."""
+    src: RemoteBuffer | Tensor
+    dst: RemoteBuffer | Tensor
+    slot: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.src, RemoteBuffer) == isinstance(self.dst, RemoteBuffer):
+            raise TypeError("RemoteCopy needs exactly one RemoteBuffer and one Tensor")
+        buf, t = self.buffer, self.tensor
+        if buf.ipu != t.ipu:
+            raise ValueError(f"remote buffer {buf.name!r} belongs to IPU {buf.ipu}, tensor {t.name!r} to IPU {t.ipu}")
+        if int(np.prod(buf.shape, dtype=np.int64)) != t.numel or buf.dtype != t.dtype:
+            raise ValueError(f"remote buffer {buf.name!r} holds {buf.dtype.name}{buf.shape}, tensor {t.name!r} is "
+                             f"{t.dtype.name}{t.shape}")
+        if not 0 <= self.slot < buf.repeats:
+            raise ValueError(f"slot {self.slot} of remote buffer {buf.name!r} does not exist ({buf.repeats} slots)")
+
+    @property
+    def buffer(self) -> RemoteBuffer:
+        return self.src if isinstance(self.src, RemoteBuffer) else self.dst
+
+    @property
+    def tensor(self) -> Tensor:
+        return self.dst if isinstance(self.src, RemoteBuffer) else self.src
+
+    @property
+    def loads(self) -> bool:
+        """True when the copy brings data onto the chip."""
+        return isinstance(self.src, RemoteBuffer)
 
     def ipus(self):
         return {self.tensor.ipu}

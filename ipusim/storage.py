@@ -32,6 +32,9 @@ class IpuMemory:
         self.offset: dict[int, int] = {}          # fast layout: variable id -> first address
         self.addr: dict[int, np.ndarray] = {}     # strict layout: variable id -> address per element
         self.tile_segments: dict[str, np.ndarray] = {}  # strict: dtype -> start address of each tile (+ end)
+        # Streaming Memory: one host array per remote buffer, outside the tile arenas
+        self.remote = {b.name: np.zeros((b.repeats, int(np.prod(b.shape, dtype=np.int64))), dtype=b.dtype)
+                       for b in graph.remote_buffers.values()}
         by_dtype: dict[str, list[Variable]] = {}
         for v in graph.variables:
             if v.numel and (v.mapping < 0).any():

@@ -368,3 +368,32 @@ def test_same_program_same_bits_across_runs_and_modes():
         results.append(e.readTensor(y))
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_remote_buffers_keep_tensors_off_chip_between_uses(mode):
+    t = ip.Target.test(4, 4096)
+    g = ip.Graph(t)
+    state = g.addVariable("float32", (256,), "state", category="optimiser_state", always_live=False)
+    g.map_linearly(state)
+    other = g.addVariable("float32", (256,), "other", always_live=False)
+    g.map_linearly(other)
+    buf = g.addRemoteBuffer("state_store", "float32", (256,), repeats=2)
+    update = ip.Sequence(ip.RemoteCopy(buf, state, 1))
+    ew.binary(g, "add", state, state, update, out=state)
+    update.add(ip.RemoteCopy(state, buf, 1))
+    work = ip.Sequence()
+    ew.unary(g, "relu", other, work, out=other)
+    e = ip.Engine(g, [update, work], mode=mode).load()
+    e.writeRemoteBuffer(buf, np.arange(256), slot=1)
+    cycles = e.run(0)
+    np.testing.assert_array_equal(e.readRemoteBuffer(buf, 1), 2 * np.arange(256))
+    np.testing.assert_array_equal(e.readRemoteBuffer(buf, 0), 0)
+    e.run(0)
+    np.testing.assert_array_equal(e.readRemoteBuffer(buf, 1), 4 * np.arange(256))
+    assert e.last_run.per_ipu[0].host == 2 * t.streaming_memory_cycles(1024)
+    assert cycles > 2 * t.streaming_memory_cycles(1024)
+    (r,) = e.memory
+    assert r.off_chip_bytes == 2 * 1024
+    assert r.always_live.sum() == 0
+    assert r.not_always_live_peak.sum() == 1024  # state and other are never live at the same time
