@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -423,6 +424,46 @@ def test_two_instances_of_two_replicas_match_one_instance_of_four(tmp_path):
     assert_trained_together(tmp_path, processes=2, local_replicas=2)
     assert_close(saved_weights(tmp_path, 0),
                  single_process_weights(instances=2, local_replicas=2, reduction="mean"))
+
+
+TUTORIAL = HERE.parents[1] / "tutorials" / "pytorch" / "popdist" / "train.py"
+INSTANCE_LINE = re.compile(r"^\[1,(\d)\]<stdout>:instance (\d)/2: epoch 1 on its (\d+) images: "
+                           r"loss ([\d.]+), accuracy ([\d.]+)%$", re.M)
+TOTAL_LINE = re.compile(r"^\[1,0\]<stdout>:epoch 1, all 2 instances \((\d+) images\): "
+                        r"loss ([\d.]+), accuracy ([\d.]+)%$", re.M)
+
+
+@pytest.mark.slow
+def test_tutorial_saves_on_instance_zero_and_averages_metrics(tmp_path):
+    """The popdist tutorial on 2 instances: one checkpoint, written by instance 0; the metrics
+    instance 0 prints are the image-weighted averages of both instances' own."""
+    env = {k: v for k, v in os.environ.items() if k not in core.POPDIST_VARIABLES}
+    done = subprocess.run(
+        [sys.executable, "-m", "popdist.poprun", "--num-instances", "2", "--num-replicas", "2",
+         "--mpi-global-args=--tag-output", sys.executable, str(TUTORIAL), "--dataset",
+         "synthetic", "--train-samples", "256", "--test-samples", "128", "--batch-size", "4",
+         "--device-iterations", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "DATASET: procedural digits (256 training / 128 test images)" in out
+    saves = re.findall(r"^\[1,(\d)\]<stdout>:instance (\d)/2: saved checkpoint (\S+)$", out, re.M)
+    assert saves == [("0", "0", "checkpoints/epoch1.pt")]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch1.pt"]
+    checkpoint = torch.load(tmp_path / "checkpoints" / "epoch1.pt", weights_only=False)
+    assert checkpoint["saved_by_instance"] == 0 and checkpoint["epoch"] == 1
+    assert set(checkpoint["model_state_dict"]) >= {"features.0.weight", "classifier.3.bias"}
+    locals_ = {int(i): (int(n), float(loss), float(acc))
+               for tag, i, n, loss, acc in INSTANCE_LINE.findall(out) if tag == i}
+    assert sorted(locals_) == [0, 1]
+    (images, loss, accuracy), = [(int(n), float(a), float(b)) for n, a, b in TOTAL_LINE.findall(out)]
+    assert images == sum(n for n, _, _ in locals_.values()) == 256
+    assert loss == pytest.approx(sum(n * l for n, l, _ in locals_.values()) / images, abs=1e-4)
+    assert accuracy == pytest.approx(sum(n * a for n, _, a in locals_.values()) / images, abs=0.01)
+    assert checkpoint["loss"] == pytest.approx(loss, abs=1e-4)
+    assert re.search(r"^\[1,0\]<stdout>:test accuracy over 128 images \(all instances\): ", out,
+                     re.M)
 
 
 if __name__ == "__main__":
