@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 import ipusim as ip
+from ipusim.ops import random as rnd
 
 from . import batching
 from .autodiff import differentiate
@@ -27,7 +28,8 @@ from .capture import capture, place_graph
 from .enums import ConnectionType
 from .frontend import to_ir
 from .ir import flatten_values, map_values
-from .lowering import Lowering
+from .enums import Liveness
+from .lowering import Locations, Lowering
 from .optim import UpdatePlan, build_updates, read_state, write_hyperparameters
 from .options import Options
 
@@ -65,21 +67,34 @@ class RunRecord:
 
 
 class Executable:
-    """Everything compiled for one input signature."""
+    """Everything compiled for one input signature: one `Lowering` per replica on one device."""
 
-    def __init__(self, lowering: Lowering, engine: ip.Engine, schedule, ir, placement, updates: UpdatePlan):
-        self.lowering = lowering
+    def __init__(self, lowerings: list[Lowering], engine: ip.Engine, schedule, ir, placement, updates: UpdatePlan):
+        self.lowerings = lowerings
         self.engine = engine
         self.schedule = schedule
         self.ir = ir
         self.placement = placement
         self.updates = updates
-        self.stage_programs = lowering.stage_programs
-        self.in_channels = collections.defaultdict(list)
-        self.out_channels = collections.defaultdict(list)
-        for ch in lowering.channels:
-            self.out_channels[ch.src].append(ch)
-            self.in_channels[ch.dst].append(ch)
+        self.in_channels = collections.defaultdict(list)    # (replica, key) -> channels into it
+        self.out_channels = collections.defaultdict(list)   # (replica, key) -> channels out of it
+        for r, low in enumerate(lowerings):
+            for ch in low.channels:
+                self.out_channels[(r, ch.src)].append(ch)
+                self.in_channels[(r, ch.dst)].append(ch)
+
+    @property
+    def lowering(self) -> Lowering:
+        """Replica 0's lowering (what every replica has, on other IPUs)."""
+        return self.lowerings[0]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.lowerings)
+
+    @property
+    def stage_programs(self) -> dict:
+        return self.lowerings[0].stage_programs
 
 
 class PoplarExecutor:
@@ -232,20 +247,28 @@ class PoplarExecutor:
                 ir.grads = {n: g for n, g in grads.items() if n in trainable}
             bar.update(15)
             schedule = build_schedule(placement, opts, self._training)
-            stage_ipus = dict(enumerate(placement.stage_ipus))
-            lowering = Lowering(ir, target_of(opts), placement.num_ipus, stage_ipus, schedule)
-            lowering.build()
+            replicas = opts.replication_factor
+            per_replica = placement.num_ipus
+            device = ip.Device(target_of(opts), per_replica * replicas)
+            programs: list = []
+            locations = tensor_locations(opts, placement)
+            lowerings = [Lowering(ir, device, programs,
+                                  {s: ipu + r * per_replica for s, ipu in enumerate(placement.stage_ipus)}, schedule,
+                                  replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations)
+                         for r in range(replicas)]
+            for low in lowerings:
+                low.build()
             bar.update(20)
-            updates = build_updates(lowering, self._optimizer, opts, self._named_weights()) if self._training \
+            updates = build_updates(lowerings, self._optimizer, opts, self._named_weights()) if self._training \
                 else UpdatePlan()
             bar.update(15)
             try:
-                engine = ip.Engine(lowering.device, lowering.programs, mode=opts.Emulator.mode)
+                engine = ip.Engine(device, programs, mode=opts.Emulator.mode)
             except ip.OutOfMemoryError as error:
-                raise model_out_of_memory(error, placement, lowering) from None
+                raise model_out_of_memory(error, placement, per_replica) from None
             engine.load()
             bar.update(25)
-        self._executable = Executable(lowering, engine, schedule, ir, placement, updates)
+        self._executable = Executable(lowerings, engine, schedule, ir, placement, updates)
         if self._training and opts.num_processes > 1:
             from .distributed import GradientAllReduce
             self._collective = GradientAllReduce(self)
@@ -261,40 +284,57 @@ class PoplarExecutor:
         exe = self._executable
         self._feed: dict[tuple, int] = {}
         self._inputs: list[np.ndarray] = []
-        self._outputs: dict[int, dict[int, np.ndarray]] = collections.defaultdict(dict)
-        for key, sp in exe.stage_programs.items():
-            for name, index in sp.inputs:
-                exe.engine.connectStream(name, self._input_callback(key, index))
-            for name, index in sp.output_streams:
-                exe.engine.connectStream(name, self._output_callback(key, index))
+        self._outputs: dict[int, dict[tuple, np.ndarray]] = collections.defaultdict(dict)
+        for r, low in enumerate(exe.lowerings):
+            for key, sp in low.stage_programs.items():
+                for name, index in sp.inputs:
+                    exe.engine.connectStream(name, self._input_callback((r, key), index))
+                for name, index in sp.output_streams:
+                    exe.engine.connectStream(name, self._output_callback((r, key), index))
 
     def _input_callback(self, key, index):
+        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout)."""
+        replicas = self._executable.replicas
+
         def feed():
-            return self._inputs[index][self._feed[key]]
+            return self._inputs[index][self._feed[key] * replicas + key[0]]
         return feed
 
     def _output_callback(self, key, index):
         def take(value):
-            self._outputs[index][self._feed[key]] = value
+            self._outputs[index][(self._feed[key], key[0])] = value
         return take
 
     def copyWeightsToDevice(self) -> None:
+        """Write the model's parameters and buffers to every replica (Streaming Memory for weights
+        kept off chip) and seed each IPU's random generator."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         self._dirty_host_weights = False
         exe = self._executable
         weights = self._named_weights()
-        for name, t in exe.lowering.weights.items():
-            exe.engine.writeTensor(t, weights[name].detach().cpu().numpy().astype(t.dtype))
+        for low in exe.lowerings:
+            for name, t in low.weights.items():
+                value = weights[name].detach().cpu().numpy().astype(t.dtype)
+                if name in low.weight_buffers:
+                    exe.engine.writeRemoteBuffer(low.weight_buffers[name], value)
+                else:
+                    exe.engine.writeTensor(t, value)
+            base = self._options.random_seed if self._options.random_seed is not None else torch.initial_seed()
+            for ipu, seed in low.seeds.items():
+                exe.engine.writeTensor(seed, rnd.seed_words((int(base) * 1_000_003 + ipu) % 2 ** 64))
 
     def copyWeightsToHost(self) -> None:
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         exe = self._executable
+        low = exe.lowering
         weights = self._named_weights()
         with torch.no_grad():
-            for name, t in exe.lowering.weights.items():
-                weights[name].copy_(torch.from_numpy(exe.engine.readTensor(t)).to(weights[name].dtype))
+            for name, t in low.weights.items():
+                value = exe.engine.readRemoteBuffer(low.weight_buffers[name]) if name in low.weight_buffers \
+                    else exe.engine.readTensor(t)
+                weights[name].copy_(torch.from_numpy(value).to(weights[name].dtype))
         self._host_weights_version += 1
 
     def detachFromDevice(self) -> None:
@@ -362,7 +402,7 @@ class PoplarExecutor:
         if self._profiler is not None:
             self._profiler.called(record)
         if self._training:
-            self._count_batch_norm_batches(len(self._inputs[0]) if self._inputs else 0)
+            self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
             self._dirty_host_weights = True
         return self._shape_outputs(exe)
 
@@ -395,7 +435,8 @@ class PoplarExecutor:
         return out
 
     def _run_op(self, exe: Executable, op) -> list[Event]:
-        """Run one scheduled op on its IPU (receive, compute, outputs; or the weight update)."""
+        """Run one scheduled op on every replica (receive, compute, outputs; or, for a weight
+        update, the gradient all-reduce, the updates and the shard all-gather)."""
         engine = exe.engine
         runs: list[tuple[str, int]] = []
         if op.kind == "W":
@@ -404,11 +445,13 @@ class PoplarExecutor:
             runs = [("update", i) for i in exe.updates.programs.get(op.ipu, [])]
         else:
             key = ("fwd" if op.kind == "F" else "bwd", op.stage)
-            sp = exe.stage_programs.get(key)
-            if sp is not None:
-                k = op.global_micro_batch
-                self._feed[key] = k
-                runs = [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[key] if ch.recv]
+            k = op.global_micro_batch
+            for r, low in enumerate(exe.lowerings):
+                sp = low.stage_programs.get(key)
+                if sp is None:
+                    continue
+                self._feed[(r, key)] = k
+                runs += [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[(r, key)] if ch.recv]
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
@@ -418,8 +461,9 @@ class PoplarExecutor:
         if op.kind not in ("F", "B"):
             return []
         key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+        k = op.global_micro_batch
         return [Event(op, "send", index, exe.engine.execute(index).per_ipu)
-                for index in (ch.send[op.global_micro_batch % ch.slots] for ch in exe.out_channels[key])]
+                for r in range(exe.replicas) for index in (ch.send[k % ch.slots] for ch in exe.out_channels[(r, key)])]
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
         """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
@@ -463,8 +507,8 @@ class PoplarExecutor:
         results = {}
         for i, v in enumerate(flatten_values(exe.ir.outputs)):
             got = self._outputs.get(i, {})
-            per_step = {(*self._step_of(k), 0): torch.from_numpy(np.array(a)).to(torch_dtype(v.dtype))
-                        for k, a in got.items()}
+            per_step = {(*self._step_of(k), r): torch.from_numpy(np.array(a)).to(torch_dtype(v.dtype))
+                        for (k, r), a in got.items()}
             missing = [st for st in plan.returned_steps if (*st, 0) not in per_step]
             if missing:
                 raise RuntimeError(f"output {i} of micro-batch steps {missing} was not produced by the device")
@@ -476,7 +520,8 @@ class PoplarExecutor:
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
         if self._executable is not None:
-            write_hyperparameters(self._executable.engine, self._executable.updates, optimizer, self._options)
+            write_hyperparameters(self._executable.engine, self._executable.updates, optimizer, self._options,
+                                  self._executable.replicas)
         self._optimizer = optimizer
         self._hook_optimizer_state()
 
@@ -498,16 +543,18 @@ class PoplarExecutor:
         return f"PoplarExecutor({'training' if self._training else 'inference'}, {type(self._user_model).__name__})"
 
 
-def model_out_of_memory(error: ip.OutOfMemoryError, placement, lowering) -> ip.OutOfMemoryError:
+def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica: int) -> ip.OutOfMemoryError:
     """Poplar's out-of-memory report, said in the model's terms: which IPU, stages and blocks."""
     lines = []
     for r in sorted(error.reports, key=lambda r: -r.max_tile):
         if r.fits:
             continue
-        stages = sorted({p.stage for p in placement.blocks if p.ipu == r.ipu})
-        blocks = [str(p.block.user_id) for p in placement.blocks if p.ipu == r.ipu]
-        lines.append(f"IPU {r.ipu} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}; blocks "
-                     f"{', '.join(blocks)}) needs {r.max_tile} bytes on its busiest tile, "
+        ipu = r.ipu % ipus_per_replica
+        replica = f" of replica {r.ipu // ipus_per_replica}" if len(error.reports) > ipus_per_replica else ""
+        stages = sorted({p.stage for p in placement.blocks if p.ipu == ipu})
+        blocks = [str(p.block.user_id) for p in placement.blocks if p.ipu == ipu]
+        lines.append(f"IPU {r.ipu}{replica} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}; "
+                     f"blocks {', '.join(blocks)}) needs {r.max_tile} bytes on its busiest tile, "
                      f"{r.target.bytes_per_tile} fit; {r.summary()}")
     busiest = max(error.reports, key=lambda r: r.max_tile)
     free = [r.ipu for r in error.reports if r.max_tile < busiest.max_tile // 2]
@@ -517,6 +564,20 @@ def model_out_of_memory(error: ip.OutOfMemoryError, placement, lowering) -> ip.O
             "(Options.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))).")
     message = "Out of memory compiling the model:\n  " + "\n  ".join(lines) + f"\n{hint}\n\n{error}"
     return ip.OutOfMemoryError(message, error.reports)
+
+
+def tensor_locations(options, placement) -> Locations:
+    """Which tensor classes live off chip: TensorLocations settings, and the phased strategies'
+    Liveness for the activations a later phase needs."""
+    settings = options.tensor_locations
+    off = {cls: s is not None and s.on_chip is False for cls, s in settings.items()}
+    liveness = getattr(placement, "liveness", Liveness.AlwaysLive)
+    stash_off_chip = off["activation"] or liveness != Liveness.AlwaysLive
+    minimum = {mine: (settings[theirs].min_elements_for_off_chip or 0) if settings[theirs] is not None else 0
+               for mine, theirs in (("weights", "weight"), ("accumulators", "accumulator"),
+                                    ("activations", "activation"), ("optimiser", "optimizer"))}
+    return Locations(weights=off["weight"], accumulators=off["accumulator"], optimiser=off["optimizer"],
+                     activations=stash_off_chip, min_elements=minimum)
 
 
 def loss_scaling(optimizer) -> float:

@@ -62,19 +62,40 @@ def stage_key(n: Node) -> tuple:
     return (n.pass_, n.stage)
 
 
-class Lowering:
-    """Builds the device, tensors and programs for an IR graph."""
+@dataclass(frozen=True)
+class Locations:
+    """Which tensor classes live in Streaming Memory (PopTorch's TensorLocations and the phased
+    strategies' Liveness), as decided at compile time."""
+    weights: bool = False
+    accumulators: bool = False
+    optimiser: bool = False
+    activations: bool = False       # the activation stash between a stage's forward and backward
+    min_elements: dict = field(default_factory=dict)   # tensor class -> smaller tensors stay on chip
 
-    def __init__(self, ir: IRGraph, target: ip.Target, num_ipus: int, stage_ipus: dict[int, int], schedule):
+    def off_chip(self, cls: str, numel: int) -> bool:
+        return getattr(self, cls) and numel >= self.min_elements.get(cls, 0)
+
+
+class Lowering:
+    """Builds the tensors and programs of one replica of an IR graph on its IPUs of a shared
+    device; programs are appended to a list shared by all replicas (one Engine runs them all)."""
+
+    def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
+                 replica: int = 0, prefix: str = "", locations: Locations = Locations()):
         self.ir = ir
-        self.target = target
-        self.device = ip.Device(target, num_ipus)
-        self.programs: list[ip.Program] = []
+        self.device = device
+        self.target = device.target
+        self.programs = programs
         self.stage_ipus = stage_ipus
         self.schedule = schedule
+        self.replica = replica
+        self.prefix = prefix
+        self.locations = locations
         self.tensors: dict[tuple[int, tuple], ip.Tensor] = {}   # (value id, program key) -> tensor
         self.weights: dict[str, ip.Tensor] = {}                  # param/buffer name -> tensor
+        self.weight_buffers: dict[str, ip.RemoteBuffer] = {}     # weights kept in Streaming Memory
         self.accumulators: dict[str, ip.Tensor] = {}
+        self.accumulator_buffers: dict[str, ip.RemoteBuffer] = {}
         self.weight_stage: dict[str, int] = {}
         self.stage_programs: dict[tuple, StageProgram] = {}
         self.channels: list[Channel] = []
@@ -84,7 +105,7 @@ class Lowering:
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
         if ipu not in self.seeds:
-            self.seeds[ipu] = rnd.seed_tensor(self.graph(ipu), f"ipu{ipu}/seed")
+            self.seeds[ipu] = rnd.seed_tensor(self.graph(ipu), f"{self.prefix}ipu{ipu}/seed")
         return self.seeds[ipu]
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -99,10 +120,15 @@ class Lowering:
         k = (v.id, key)
         if k not in self._consts:
             g = self.graph(ipu)
-            t = g.addConstant(v.dtype, v.shape, v.data, f"{key[0]}{key[1]}/const")
+            t = g.addConstant(v.dtype, v.shape, v.data, f"{self.prefix}{key[0]}{key[1]}/const")
             g.map_linearly(t, grain=4, min_elements_per_tile=256)
             self._consts[k] = t
         return self._consts[k]
+
+    def remote(self, graph: ip.Graph, t: ip.Tensor, repeats: int = 1) -> ip.RemoteBuffer:
+        """A Streaming Memory home for `t`, which then occupies tiles only between load and last use."""
+        t.var.always_live = False
+        return graph.addRemoteBuffer(f"{t.name}@remote", t.dtype, t.shape, repeats)
 
     # ---- placement of weights -----------------------------------------------------------------
     def place_weights(self) -> None:
@@ -120,14 +146,15 @@ class Lowering:
             if len(ipus) > 1:
                 raise CompileError(f"weight {name!r} is used on IPUs {sorted(ipus)} (stages {sorted(stages)}); "
                                    "a weight must live on one IPU: put the ops that use it in blocks on the same IPU")
-            stage = min(stages)
             ipu = ipus.pop()
             g = self.graph(ipu)
             category = "weights" if v.kind == "param" else "other"
-            t = g.addVariable(v.dtype, v.shape, name, category=category)
+            t = g.addVariable(v.dtype, v.shape, f"{self.prefix}{name}", category=category)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
             self.weights[name] = t
-            self.weight_stage[name] = stage
+            self.weight_stage[name] = min(stages)
+            if v.kind == "param" and self.locations.off_chip("weights", t.numel):
+                self.weight_buffers[name] = self.remote(g, t)
 
     # ---- stage programs and channels ----------------------------------------------------------
     def build(self) -> None:
@@ -160,50 +187,69 @@ class Lowering:
         for ch in self.channels:
             self._make_send(ch)
 
+    def _stash_off_chip(self, ch: Channel) -> bool:
+        same_ipu = self.stage_programs[ch.src].ipu == self.stage_programs[ch.dst].ipu
+        return same_ipu and ch.src[0] == "fwd" and ch.dst[0] == "bwd" and \
+            self.locations.off_chip("activations", sum(v.numel for v in ch.values))
+
     def _make_receive_buffers(self, ch: Channel) -> None:
+        """Slot buffers on the consumer's IPU (tile memory, or Streaming Memory for an off-chip
+        stash) and, when there are several slots or they are off chip, receive programs."""
         dst_ipu = self.stage_programs[ch.dst].ipu
         g = self.graph(dst_ipu)
         same_ipu = self.stage_programs[ch.src].ipu == dst_ipu
         category = "stashed_activations" if same_ipu else "activations"
+        ch.off_chip = self._stash_off_chip(ch)
         ch.buffers = []
+        name = f"{self.prefix}{ch.dst[0]}{ch.dst[1]}"
         for v in ch.values:
-            slots = []
-            for j in range(ch.slots):
-                t = g.addVariable(v.dtype, v.shape, f"{ch.dst[0]}{ch.dst[1]}/recv/{v.name}/{j}", category=category)
-                g.map_linearly(t, grain=4, min_elements_per_tile=64)
-                slots.append(t)
-            ch.buffers.append(slots)
-            if ch.slots == 1:
-                self.tensors[(v.id, ch.dst)] = slots[0]
-            else:
-                local = g.clone(slots[0], f"{ch.dst[0]}{ch.dst[1]}/in/{v.name}", category="activations",
-                                always_live=False)
+            local = g.addVariable(v.dtype, v.shape, f"{name}/in/{v.name}", category="activations",
+                                  always_live=False)
+            g.map_linearly(local, grain=4, min_elements_per_tile=64)
+            if ch.off_chip:
+                ch.buffers.append(self.remote(g, local, ch.slots))
                 self.tensors[(v.id, ch.dst)] = local
-        if ch.slots > 1:
+                continue
+            slots = [local] if ch.slots == 1 else [g.clone(local, f"{name}/recv/{v.name}/{j}", category=category,
+                                                           always_live=True) for j in range(ch.slots)]
+            local.var.always_live = ch.slots == 1
+            if ch.slots == 1:
+                local.var.category = category
+            ch.buffers.append(slots)
+            self.tensors[(v.id, ch.dst)] = local
+        if ch.slots > 1 or ch.off_chip:
             for j in range(ch.slots):
-                seq = ip.Sequence(name=f"recv {ch.src}->{ch.dst} slot {j}")
-                for v, slots in zip(ch.values, ch.buffers):
-                    seq.add(ip.Copy(slots[j], self.tensors[(v.id, ch.dst)]))
+                seq = ip.Sequence(name=f"{self.prefix}recv {ch.src}->{ch.dst} slot {j}")
+                for v, buf in zip(ch.values, ch.buffers):
+                    local = self.tensors[(v.id, ch.dst)]
+                    seq.add(ip.RemoteCopy(buf, local, j) if ch.off_chip else ip.Copy(buf[j], local))
                 ch.recv.append(self.add_program(seq))
 
     def _make_send(self, ch: Channel) -> None:
         src_ipu = self.stage_programs[ch.src].ipu
         dst_ipu = self.stage_programs[ch.dst].ipu
         for j in range(ch.slots):
-            seq = ip.Sequence(name=f"send {ch.src}->{ch.dst} slot {j}")
-            for v, slots in zip(ch.values, ch.buffers):
+            seq = ip.Sequence(name=f"{self.prefix}send {ch.src}->{ch.dst} slot {j}")
+            for v, buf in zip(ch.values, ch.buffers):
                 src = self.tensors[(v.id, ch.src)]
-                seq.add(ip.InterIpuCopy(src, slots[j]) if src_ipu != dst_ipu else ip.Copy(src, slots[j]))
+                if ch.off_chip:
+                    seq.add(ip.RemoteCopy(src, buf, j))
+                else:
+                    seq.add(ip.InterIpuCopy(src, buf[j]) if src_ipu != dst_ipu else ip.Copy(src, buf[j]))
             ch.send.append(self.add_program(seq))
 
     def _lower_stage(self, sp: StageProgram, weight_ids: dict, input_index: dict) -> None:
         g = self.graph(sp.ipu)
-        body = ip.Sequence(name=sp.name)
+        body = ip.Sequence(name=f"{self.prefix}{sp.name}")
         key = sp.key
         ctx = Context(self, g, body)
+        # off-chip weights used here come in from Streaming Memory first
+        used = {weight_ids[v.id] for n in sp.nodes for v in n.inputs if v.id in weight_ids}
+        for name in sorted(used & set(self.weight_buffers)):
+            body.add(ip.RemoteCopy(self.weight_buffers[name], self.weights[name]))
         # host inputs used by this stage program
         for v in {v.id: v for n in sp.nodes for v in n.inputs if v.id in input_index}.values():
-            name = f"{sp.name}/input/{v.name}"
+            name = f"{self.prefix}{sp.name}/input/{v.name}"
             t = g.addVariable(v.dtype, v.shape, name, category="host_io", always_live=False)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
             stream = g.addHostToDeviceFIFO(name, v.dtype, v.shape)
@@ -225,30 +271,36 @@ class Lowering:
             lower = LOWER.get(n.op)
             if lower is None:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
-            ctx.name = f"{sp.name}/{n.op}"
+            ctx.name = f"{self.prefix}{sp.name}/{n.op}"
             outs = lower(ctx, n, ins)
             for v, t in zip(n.outputs, outs):
                 if t is not None:
                     self.tensors[(v.id, key)] = t
-        # gradient accumulation
+        # gradient accumulation (accumulators in Streaming Memory are loaded and stored around it)
         for name, v in self.ir.grads.items():
             if (v.id, key) in self.tensors:
                 w = self.weights[name]
-                acc = g.clone(w, f"{name}/accumulator", category="accumulators", always_live=True)
+                acc = g.clone(w, f"{w.name}/accumulator", category="accumulators", always_live=True)
                 self.accumulators[name] = acc
                 grad = self.tensors[(v.id, key)]
                 if grad.ipu != w.ipu:
                     raise CompileError(f"the gradient of {name!r} is computed on IPU {grad.ipu}, its weight lives on "
                                        f"IPU {w.ipu}")
-                ew.binary(g, "add", acc, grad, body, f"{name}/accumulate", out=acc)
+                buf = None
+                if self.locations.off_chip("accumulators", acc.numel):
+                    buf = self.accumulator_buffers[name] = self.remote(g, acc)
+                    body.add(ip.RemoteCopy(buf, acc))
+                ew.binary(g, "add", acc, grad, body, f"{acc.name}/accumulate", out=acc)
+                if buf is not None:
+                    body.add(ip.RemoteCopy(acc, buf))
         if ctx.random_ops:
-            rnd.advance_seed(g, self.seed(sp.ipu), body, name=f"{sp.name}/advance_seed")
+            rnd.advance_seed(g, self.seed(sp.ipu), body, name=f"{self.prefix}{sp.name}/advance_seed")
         sp.body = self.add_program(body)
         # model outputs produced here
-        outs = ip.Sequence(name=f"{sp.name}/outputs")
+        outs = ip.Sequence(name=f"{self.prefix}{sp.name}/outputs")
         for i, v in enumerate(flatten_values(self.ir.outputs)):
             if (v.id, key) in self.tensors and v.producer is not None and stage_key(v.producer) == key:
-                name = f"{sp.name}/output/{i}"
+                name = f"{self.prefix}{sp.name}/output/{i}"
                 stream = g.addDeviceToHostFIFO(name, v.dtype, v.shape)
                 outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
                 sp.output_streams.append((name, i))

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import ipusim as ip
+from ipusim.ops import collectives
 from ipusim.ops import elementwise as ew
 from ipusim.ops import optim as dev
 
@@ -182,24 +183,24 @@ def device_config(optimizer: torch.optim.Optimizer, group: dict, divisor: float)
 
 
 def reduction_divisor(options, replicas: int = 1) -> float:
-    """What the accumulated gradient sum is divided by before the update."""
+    """What the accumulated gradient sum is divided by before the update: with Mean, the number
+    of micro-batches each replica accumulates times every replica of every process."""
     mean = options.Training.accumulation_and_replication_reduction_type == ReductionType.Mean
-    return float(options.gradient_accumulation * replicas) if mean else 1.0
+    return float(options.gradient_accumulation * replicas * options.num_processes) if mean else 1.0
 
 
 class UpdatePlan:
     """The weight-update programs of a training model and the device optimisers behind them."""
 
     def __init__(self):
-        self.programs: dict[int, list[int]] = {}         # ipu -> engine program indices
+        self.programs: dict[int, list[int]] = {}         # replica-0 IPU -> engine program indices, in order
         self.configs: list[tuple[int, dev.Optimiser]] = []  # (param group index, configuration)
-        self.states: dict[str, tuple[dev.Optimiser, ip.Tensor]] = {}  # weight name -> (config, weight)
+        # weight name -> [(config, updated weight)] for replica 0, or for every replica's shard when sharded
+        self.states: dict[str, list[tuple[dev.Optimiser, ip.Tensor]]] = {}
+        self.state_buffers: dict[int, ip.RemoteBuffer] = {}  # state tensor variable id -> its Streaming Memory
 
 
-def build_updates(lowering, optimizer: torch.optim.Optimizer, options, named_params: dict) -> UpdatePlan:
-    """Per IPU, one program updating every weight homed there and clearing its accumulator."""
-    plan = UpdatePlan()
-    divisor = reduction_divisor(options)
+def _param_groups(optimizer, named_params: dict) -> dict[str, int]:
     name_of = {id(p): n for n, p in named_params.items()}
     group_of = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -207,27 +208,113 @@ def build_updates(lowering, optimizer: torch.optim.Optimizer, options, named_par
             if id(p) not in name_of:
                 raise ValueError("the optimizer holds a parameter that is not part of the model")
             group_of[name_of[id(p)]] = gi
+    return group_of
+
+
+def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict) -> UpdatePlan:
+    """Per IPU of replica 0, the programs run at each weight update: the all-reduce of the
+    gradient accumulators across replicas (ring over IPU-Links), each replica's in-place
+    optimiser update with its accumulator cleared, and with replicated tensor sharding the
+    all-gather of the updated shards. Off-chip optimiser state, accumulators and weights are
+    streamed from Streaming Memory around their use."""
+    plan = UpdatePlan()
+    replicas = len(lowerings)
+    group_of = _param_groups(optimizer, named_params)
+    divisor = reduction_divisor(options, replicas)
     configs = {gi: device_config(optimizer, g, divisor) for gi, g in enumerate(optimizer.param_groups)}
     plan.configs = list(configs.items())
-    per_ipu: dict[int, ip.Sequence] = {}
-    for name, acc in lowering.accumulators.items():
-        if name not in group_of:
-            continue  # a parameter the optimizer does not update (not in any param group)
-        w = lowering.weights[name]
-        g = lowering.graph(w.ipu)
-        seq = per_ipu.setdefault(w.ipu, ip.Sequence(name=f"weight update ipu{w.ipu}"))
-        cfg = configs[group_of[name]]
-        dev.weight_update(g, w, acc, cfg, seq, f"update/{name}")
-        ew.unary(g, "fill", acc, seq, f"update/{name}/clear", out=acc, scale=0.0)
-        plan.states[name] = (cfg, w)
-    for ipu, seq in sorted(per_ipu.items()):
-        plan.programs[ipu] = [lowering.add_program(seq)]
+    location = options.tensor_locations.get("optimizer")
+    offload_state = location is not None and location.on_chip is False
+    min_offload = (location.min_elements_for_off_chip or 0) if location is not None else 0
+    shard = replicas > 1 and location is not None and bool(location.use_replicated_tensor_sharding)
+    min_shard = (location.min_elements_for_replicated_tensor_sharding or 0) if location is not None else 0
+    first = lowerings[0]
+    device = first.device
+    names = [n for n in first.accumulators if n in group_of]
+    by_ipu: dict[int, list[str]] = {}
+    for name in names:
+        by_ipu.setdefault(first.weights[name].ipu, []).append(name)
+    for ipu0, weight_names in sorted(by_ipu.items()):
+        indices = []
+        if replicas > 1:
+            indices.append(first.add_program(_all_reduce(device, lowerings, weight_names, ipu0)))
+        gathers = ip.Sequence(name=f"all-gather shards ipu{ipu0}")
+        for r, low in enumerate(lowerings):
+            seq = ip.Sequence(name=f"weight update replica {r} ipu{ipu0 + r * (len(device.graphs) // replicas)}")
+            for name in weight_names:
+                cfg = configs[group_of[name]]
+                w, acc = low.weights[name], low.accumulators[name]
+                g = low.graph(w.ipu)
+                sharded = shard and w.numel >= max(min_shard, replicas)
+                bounds = _shards(w.numel, replicas) if sharded else None
+                w_upd = w.flatten()[bounds[r][0]:bounds[r][1]] if sharded else w
+                acc_upd = acc.flatten()[bounds[r][0]:bounds[r][1]] if sharded else acc
+                state = cfg.state(g, w_upd)
+                offloaded = [t for t in (*state.tensors.values(), state.step)
+                             if t is not None and offload_state and t.numel >= min_offload]
+                loads, stores = _streamed(low, g, w, acc, offloaded, plan)
+                for p in loads:
+                    seq.add(p)
+                dev.weight_update(g, w_upd, acc_upd, cfg, seq, f"{low.prefix}update/{name}")
+                ew.unary(g, "fill", acc, seq, f"{acc.name}/clear", out=acc, scale=0.0)
+                for p in stores:
+                    seq.add(p)
+                if r == 0 or sharded:
+                    plan.states.setdefault(name, []).append((cfg, w_upd))
+                if sharded:
+                    lo, hi = bounds[r]
+                    for q, other in enumerate(lowerings):
+                        if q != r:
+                            gathers.add(ip.InterIpuCopy(w.flatten()[lo:hi], other.weights[name].flatten()[lo:hi]))
+            indices.append(first.add_program(seq))
+        if gathers.programs:
+            indices.append(first.add_program(gathers))
+        plan.programs[ipu0] = indices
     return plan
 
 
-def write_hyperparameters(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer, options) -> None:
+def _shards(n: int, replicas: int) -> list[tuple[int, int]]:
+    per = -(-n // replicas)
+    return [(min(r * per, n), min((r + 1) * per, n)) for r in range(replicas)]
+
+
+def _streamed(low, g, w, acc, state_tensors, plan: UpdatePlan) -> tuple[list, list]:
+    """RemoteCopy loads before and stores after an update, for whatever lives off chip."""
+    loads, stores = [], []
+    for t in state_tensors:
+        buf = plan.state_buffers.get(t.var.id)
+        if buf is None:
+            buf = plan.state_buffers[t.var.id] = low.remote(g, ip.Tensor(t.var))
+        loads.append(ip.RemoteCopy(buf, ip.Tensor(t.var)))
+        stores.append(ip.RemoteCopy(ip.Tensor(t.var), buf))
+    name = next((n for n, x in low.weights.items() if x is w), None)
+    for table, t in ((low.accumulator_buffers, acc), (low.weight_buffers, w)):
+        if name in table:
+            loads.append(ip.RemoteCopy(table[name], t))
+            stores.append(ip.RemoteCopy(t, table[name]))
+    return loads, stores
+
+
+def _all_reduce(device, lowerings, names: list[str], ipu0: int) -> ip.Sequence:
+    """Sum each weight's accumulators over the replicas, in place (ring all-reduce)."""
+    seq = ip.Sequence(name=f"gradient all-reduce ipu{ipu0}")
+    for name in names:
+        accs = [low.accumulators[name] for low in lowerings]
+        buffers = [low.accumulator_buffers.get(name) for low in lowerings]
+        for acc, buf in zip(accs, buffers):
+            if buf is not None:
+                seq.add(ip.RemoteCopy(buf, acc))
+        collectives.all_reduce(device, accs, seq, "sum", f"all_reduce/{name}", in_place=True)
+        for acc, buf in zip(accs, buffers):
+            if buf is not None:
+                seq.add(ip.RemoteCopy(acc, buf))
+    return seq
+
+
+def write_hyperparameters(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer, options,
+                          replicas: int = 1) -> None:
     """Apply a new optimizer's hyperparameters to the device (no recompilation)."""
-    divisor = reduction_divisor(options)
+    divisor = reduction_divisor(options, replicas)
     if len(optimizer.param_groups) != len(plan.configs):
         raise ValueError(f"the new optimizer has {len(optimizer.param_groups)} parameter groups, the compiled model "
                          f"{len(plan.configs)}: create a new training model to change the groups")
@@ -243,14 +330,27 @@ def write_hyperparameters(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.
 
 
 def read_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer, named_params: dict) -> None:
-    """Copy the device optimiser state into `optimizer.state` (torch's layout)."""
-    for name, (cfg, w) in plan.states.items():
+    """Copy the device optimiser state into `optimizer.state` (torch's layout); sharded state is
+    gathered from the replicas' shards."""
+    def value(t):
+        buf = plan.state_buffers.get(t.var.id)
+        return engine.readRemoteBuffer(buf) if buf is not None else engine.readTensor(t)
+
+    for name, parts in plan.states.items():
         p = named_params[name]
-        try:
-            state = cfg.state_of(w).read(engine)
-        except KeyError:
-            continue
-        out = {}
-        for k, v in state.items():
-            out[k] = torch.tensor(float(v)) if k == "step" else torch.from_numpy(np.array(v)).to(p.dtype)
-        optimizer.state[p] = out
+        pieces: dict[str, list] = {}
+        step = None
+        for cfg, w in parts:
+            try:
+                ws = cfg.state_of(w)
+            except KeyError:
+                break
+            for k, t in ws.tensors.items():
+                pieces.setdefault(k, []).append(np.asarray(value(t)).reshape(-1))
+            if ws.step is not None:
+                step = int(np.asarray(value(ws.step)).reshape(-1)[0])
+        else:
+            out = {k: torch.from_numpy(np.concatenate(v).reshape(p.shape)).to(p.dtype) for k, v in pieces.items()}
+            if step is not None:
+                out["step"] = torch.tensor(float(step))
+            optimizer.state[p] = out
