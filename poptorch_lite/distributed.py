@@ -235,14 +235,27 @@ def accumulator_scale(updates, optimizer, options) -> float:
 
 
 def model_signature(weights: dict, buckets: dict[int, list[Bucket]], options) -> tuple:
-    """What every process must agree on to train one model together."""
+    """What every process must agree on to train one model together, as (section, entries)."""
     return (
-        tuple((n, tuple(t.shape), str(t.dtype)) for n, t in sorted(weights.items())),
-        tuple((ipu, b.dtype.str, b.names) for ipu, bs in sorted(buckets.items()) for b in bs),
-        ("gradient accumulation", options.gradient_accumulation),
-        ("local replicas", options.replication_factor),
-        ("reduction", str(options.Training.accumulation_and_replication_reduction_type)),
+        ("weights", tuple((n, tuple(t.shape), str(t.dtype)) for n, t in sorted(weights.items()))),
+        ("gradients reduced", tuple((ipu, b.dtype.str, b.names)
+                                    for ipu, bs in sorted(buckets.items()) for b in bs)),
+        ("gradient accumulation", (options.gradient_accumulation,)),
+        ("local replicas", (options.replication_factor,)),
+        ("reduction", (str(options.Training.accumulation_and_replication_reduction_type),)),
     )
+
+
+def first_difference(theirs: tuple, ours: tuple) -> str:
+    """The first entry where two signatures differ, said as 'section: theirs against ours'."""
+    for (section, entries), (_, reference) in zip(theirs, ours):
+        if entries == reference:
+            continue
+        missing = "nothing"
+        for a, b in zip((*entries, missing), (*reference, missing)):
+            if a != b:
+                return f"{section}: {a} against {b}"
+    return "the signatures differ in length"
 
 
 def check_same_model(signature: tuple, process_id: int) -> None:
@@ -255,15 +268,11 @@ def check_same_model(signature: tuple, process_id: int) -> None:
     if not different:
         return
     first = different[0]
-    mine, theirs = gathered[0], gathered[first]
-    detail = next((f"{a} against {b}" for a, b in zip(theirs, mine) if a != b), "")
-    if len(detail) > 400:
-        detail = detail[:400] + "..."
     raise RuntimeError(
         f"processes {different} compiled a different training model than process 0 (this is "
         f"process {process_id}): every process must build the same model, optimiser parameter "
         f"groups, gradient accumulation, replication and reduction. First difference, process "
-        f"{first} against process 0: {detail}")
+        f"{first} against process 0: {first_difference(gathered[first], gathered[0])}")
 
 
 def broadcast_weights(weights: dict[str, torch.Tensor]) -> None:

@@ -359,6 +359,16 @@ def test_global_divisor_counts_every_replica_of_every_process(reduction, expecte
     assert distributed.global_divisor(opts) == expected
 
 
+def test_first_difference_of_model_signatures():
+    ours = (("weights", (("a", (2,), "f32"), ("b", (3,), "f32"))), ("local replicas", (2,)))
+    theirs = (("weights", (("a", (2,), "f32"), ("b", (4,), "f32"))), ("local replicas", (1,)))
+    assert distributed.first_difference(theirs, ours) == \
+        "weights: ('b', (4,), 'f32') against ('b', (3,), 'f32')"
+    shorter = (("weights", (("a", (2,), "f32"),)), ("local replicas", (2,)))
+    assert distributed.first_difference(shorter, ours) == \
+        "weights: nothing against ('b', (3,), 'f32')"
+
+
 def test_joining_needs_a_rendezvous(monkeypatch):
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -410,7 +420,8 @@ def test_processes_with_different_models_fail_clearly(tmp_path):
         assert result.returncode != 0
         assert "processes [1] compiled a different training model than process 0" in result.stderr
         assert f"(this is process {rank})" in result.stderr
-        assert "('fc1.bias', (12,), 'torch.float32')" in result.stderr
+        assert ("First difference, process 1 against process 0: weights: ('fc1.bias', (12,), "
+                "'torch.float32') against ('fc1.bias', (16,), 'torch.float32')") in result.stderr
     assert not list(tmp_path.glob("report.*.json"))
 
 
