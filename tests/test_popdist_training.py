@@ -85,6 +85,8 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--reduction", choices=["mean", "sum"], default="mean")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--read-only", action="store_true",
+                        help="only record which samples two shuffled epochs read")
     args = parser.parse_args(argv)
     if args.options == "popdist":
         opts = popdist.poptorch.Options(ipus_per_replica=2)
@@ -92,6 +94,13 @@ def worker(argv: list[str]) -> None:
         opts = poptorch.Options()
     rank = opts.Distributed.processId
     opts.Training.gradientAccumulation(ACCUMULATION)
+    if args.read_only:
+        opts.randomSeed(3)
+        indices = torch.utils.data.TensorDataset(torch.arange(SAMPLES))
+        loader = poptorch.DataLoader(opts, indices, batch_size=MICRO_BATCH, shuffle=True)
+        epochs = [[int(i) for (batch,) in loader for i in batch] for _ in range(2)]
+        (args.out / f"indices.{rank}.json").write_text(json.dumps(epochs))
+        return
     opts.Emulator.setHostThreads(args.threads)
     set_reduction(opts, args.reduction)
     torch.manual_seed(100 + rank)  # every process starts from different weights: process 0's win
@@ -383,6 +392,23 @@ def test_joining_needs_a_rendezvous(monkeypatch):
 
 
 # --------------------------------------------------------------------------- across processes
+
+
+@pytest.mark.slow
+def test_poprun_instances_share_every_shuffled_epoch(tmp_path):
+    """2 instances x 2 local replicas: in each epoch the instances read disjoint shares that
+    together hold every sample exactly once, in a new order each epoch."""
+    done = poprun(tmp_path, 2, 4, "--read-only")
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"indices.{r}.json").read_text()) for r in range(2)]
+    combined = MICRO_BATCH * 2 * ACCUMULATION
+    for epoch in range(2):
+        shares = [seen[r][epoch] for r in range(2)]
+        assert [len(s) for s in shares] == [SAMPLES // 2] * 2
+        assert all(len(s) % combined == 0 for s in shares)
+        assert sorted(shares[0] + shares[1]) == list(range(SAMPLES))
+    assert seen[0][0] != seen[0][1]
+    assert seen[0][0] != sorted(seen[0][0])
 
 
 @pytest.mark.slow
