@@ -3,30 +3,32 @@ processes run together (PopRun instances, or any launcher plus
 `Options.Distributed.configureProcessId`).
 
 Each process runs its own replicas on its own emulated IPUs and reads its own share of the data.
-Just before the weight update of an IPU (each "W" step of the schedule), the gradient
+Just before the weight-update programs of an IPU (each "W" step of the schedule), the gradient
 accumulators of the weights homed on that IPU are summed over all processes, so every process
-applies the same update and the weights stay identical. Replicas inside one process are reduced
-on the device first; the accumulators read here are replica 0's.
+applies the same update and the weights stay identical.
 
-Host side: the accumulators are read from the engine, concatenated into one flat buffer per IPU
-(and dtype), all-reduced with `torch.distributed` (gloo) and written back. Each IPU has its own
-process group, so IPUs that run on different host threads (`Emulator.setHostThreads`) reduce
-concurrently without their collectives interleaving. When the model compiles, the processes
-check that they compiled the same model (weights, IPUs, batching) and process 0 broadcasts its
-initial weights, so every process starts identical.
+Replicas: the hook runs before the weight-update programs, and the first of those is the
+on-device all-reduce of the local replicas. So each replica's accumulators are summed over the
+processes (replica r of every process together), then the device sums the replicas: every
+replica ends with the sum over all replicas of all processes. The update divides that sum as
+PopTorch does (`optim.reduction_divisor`: with `ReductionType.Mean`, gradient accumulation x local
+replicas x processes, PopART's global replication factor).
 
-Reduction: PopTorch sums the gradients of all replicas of all processes; with
-`ReductionType.Mean` the update divides by gradient accumulation x local replicas x processes
-(PopART's global replication factor). The weight update divides by the divisor it was compiled
-with (`optim.reduction_divisor`); the all-reduced sum is multiplied by compiled / global divisor,
-which is 1 when the compiled divisor already counts every replica of every process.
+Host side: the accumulators of one IPU of replica 0 and of the same IPU of every other replica
+(read from tile memory, or from Streaming Memory when accumulators live off chip) are
+concatenated into one flat buffer per IPU (and dtype), all-reduced with `torch.distributed`
+(gloo) and written back. Each IPU has its own process group, so IPUs that run on different host
+threads (`Emulator.setHostThreads`) reduce concurrently without their collectives interleaving.
+When the model compiles, the processes check that they compiled the same model (weights, IPUs,
+batching) and process 0 broadcasts its initial weights, so every process starts identical.
 
 Cost: on a Pod the reduction runs device to device over the GW-Links; here it runs on the host
 and takes host time, which is not device time. Each reduction is recorded (`Reduction`): the
 bytes reduced, the measured host seconds, the bytes a ring all-reduce sends per process, and
-`host_link_cycles`, the modelled device cost of moving the accumulators to the host and back
-over the host link (`Target.host_cycles`). None of it is added to the cycles of the steps in
-`PoplarExecutor.last_run`, which count device programs only.
+`host_link_cycles`, the modelled device cost of moving one replica's accumulators to the host
+and back over the host link (`Target.host_cycles`; the replicas' IPUs move theirs in parallel).
+None of it is added to the cycles of the steps in `PoplarExecutor.last_run`, which count device
+programs only.
 """
 from __future__ import annotations
 
@@ -35,12 +37,10 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from .enums import ReductionType
 
 #: Seconds a process waits for the others at the rendezvous and in every collective.
 TIMEOUT_SECONDS = 300.0
@@ -48,13 +48,13 @@ TIMEOUT_SECONDS = 300.0
 
 @dataclass(frozen=True)
 class Reduction:
-    """One all-reduce of an IPU's gradient accumulators across processes."""
+    """One all-reduce of an IPU's gradient accumulators (all local replicas) across processes."""
     ipu: int
     elements: int
     nbytes: int
-    host_link_cycles: int   # modelled: the accumulators out to the host and back (Target.host_cycles)
+    host_link_cycles: int   # modelled: one replica's accumulators out to the host and back
     network_bytes: int      # bytes each process sends (and receives) in a ring all-reduce
-    seconds: float          # measured host time: read, all-reduce, scale, write back
+    seconds: float          # measured host time: read, all-reduce, write back
 
 
 @dataclass
@@ -75,12 +75,43 @@ class ReductionTotals:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Where one replica keeps one weight's accumulator: a tensor in tile memory, or a remote
+    buffer in Streaming Memory (accumulators off chip)."""
+    replica: int
+    name: str
+    storage: object   # ip.Tensor or ip.RemoteBuffer
+    off_chip: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.storage.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self, engine) -> np.ndarray:
+        if self.off_chip:
+            return engine.readRemoteBuffer(self.storage)
+        return engine.readTensor(self.storage)
+
+    def write(self, engine, values: np.ndarray) -> None:
+        if self.off_chip:
+            engine.writeRemoteBuffer(self.storage, values)
+        else:
+            engine.writeTensor(self.storage, values)
+
+
+@dataclass(frozen=True)
 class Bucket:
-    """The accumulators of one IPU and dtype, reduced as one flat buffer (in name order)."""
-    ipu: int
+    """The accumulators of one IPU (of every replica) and one dtype, reduced as one flat buffer:
+    replica by replica, weights in name order."""
+    ipu: int            # replica 0's IPU; replica r's is the same IPU of its own copy
     dtype: np.dtype
     names: tuple[str, ...]
-    tensors: tuple = field(repr=False)
+    replicas: int
+    slots: tuple[Slot, ...]
 
 
 class GradientAllReduce:
@@ -98,8 +129,7 @@ class GradientAllReduce:
         self.process_id = options.process_id
         join_process_group(self.num_processes, self.process_id)
         exe = executor._executable
-        self.buckets = gradient_buckets(exe.lowering, exe.updates)
-        self.scale = accumulator_scale(exe.updates, executor._optimizer, options)
+        self.buckets = gradient_buckets(exe.lowerings, exe.updates)
         weights = executor._named_weights()
         check_same_model(model_signature(weights, self.buckets, options), self.process_id)
         # groups are created collectively, in the same order everywhere: IPUs in ascending order
@@ -112,8 +142,8 @@ class GradientAllReduce:
         self.totals: dict[int, ReductionTotals] = {}
 
     def reduce(self, executable, ipu: int) -> None:
-        """Replace the accumulators of the weights on `ipu` by their (scaled) sum over all
-        processes."""
+        """Replace every local replica's accumulators of the weights on `ipu` by their sum over
+        the same replica of all processes."""
         import torch.distributed as dist
 
         buckets = self.buckets.get(ipu)
@@ -121,23 +151,21 @@ class GradientAllReduce:
             return
         start = time.perf_counter()
         engine = executable.engine
-        elements = nbytes = 0
+        elements = nbytes = host_cycles = 0
         for bucket in buckets:
             flat = torch.from_numpy(np.concatenate(
-                [engine.readTensor(t).reshape(-1) for t in bucket.tensors]))
+                [slot.read(engine).reshape(-1) for slot in bucket.slots]))
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._groups[ipu])
-            if self.scale != 1.0:
-                flat.mul_(self.scale)
             values, offset = flat.numpy(), 0
-            for t in bucket.tensors:
-                size = int(np.prod(t.shape))
-                engine.writeTensor(t, values[offset:offset + size].reshape(t.shape))
-                offset += size
+            for slot in bucket.slots:
+                slot.write(engine, values[offset:offset + slot.size].reshape(slot.shape))
+                offset += slot.size
+            size = flat.numel() * flat.element_size()
             elements += flat.numel()
-            nbytes += flat.numel() * flat.element_size()
+            nbytes += size
+            host_cycles += 2 * self._target.host_cycles(size // bucket.replicas)
         record = Reduction(
-            ipu=ipu, elements=elements, nbytes=nbytes,
-            host_link_cycles=2 * self._target.host_cycles(nbytes),
+            ipu=ipu, elements=elements, nbytes=nbytes, host_link_cycles=host_cycles,
             network_bytes=ring_bytes(nbytes, self.num_processes),
             seconds=time.perf_counter() - start)
         with self._lock:
@@ -191,54 +219,30 @@ def join_process_group(num_processes: int, process_id: int) -> None:
                             world_size=num_processes, timeout=_timeout())
 
 
-def gradient_buckets(lowering, updates) -> dict[int, list[Bucket]]:
-    """The accumulators of the weights the optimiser updates, by IPU, one bucket per dtype."""
-    by_ipu: dict[tuple[int, np.dtype], list[str]] = {}
+def gradient_buckets(lowerings: list, updates) -> dict[int, list[Bucket]]:
+    """The accumulators of the weights the optimiser updates, by IPU of replica 0, one bucket per
+    dtype holding that IPU's accumulators of every replica."""
+    first = lowerings[0]
+    by_key: dict[tuple[int, str], list[str]] = {}
     for name in sorted(updates.states):
-        ipu = lowering.weights[name].ipu
-        dtype = np.dtype(lowering.accumulators[name].dtype)
-        by_ipu.setdefault((ipu, dtype), []).append(name)
+        key = (first.weights[name].ipu, np.dtype(first.accumulators[name].dtype).str)
+        by_key.setdefault(key, []).append(name)
     buckets: dict[int, list[Bucket]] = {}
-    for (ipu, dtype), names in sorted(by_ipu.items(), key=lambda item: (item[0][0], item[0][1].str)):
-        tensors = tuple(lowering.accumulators[n] for n in names)
-        buckets.setdefault(ipu, []).append(Bucket(ipu, dtype, tuple(names), tensors))
+    for (ipu, dtype), names in sorted(by_key.items()):
+        slots = tuple(
+            Slot(r, n, low.accumulator_buffers.get(n, low.accumulators[n]),
+                 n in low.accumulator_buffers)
+            for r, low in enumerate(lowerings) for n in names)
+        buckets.setdefault(ipu, []).append(
+            Bucket(ipu, np.dtype(dtype), tuple(names), len(lowerings), slots))
     return buckets
-
-
-def global_divisor(options) -> int:
-    """What PopTorch divides the summed gradients by: with ReductionType.Mean, gradient
-    accumulation x local replicas x processes (every replica of the run); otherwise 1."""
-    if options.Training.accumulation_and_replication_reduction_type != ReductionType.Mean:
-        return 1
-    return options.gradient_accumulation * options.replication_factor * options.num_processes
-
-
-def compiled_divisor(updates, optimizer) -> float:
-    """The divisor the weight-update programs were compiled with: each device optimiser's loss
-    scaling over its parameter group's own."""
-    divisors = {cfg.loss_scaling / float(optimizer.param_groups[gi].get("loss_scaling", 1.0))
-                for gi, cfg in updates.configs}
-    if not divisors:
-        return 1.0
-    low, high = min(divisors), max(divisors)
-    if not math.isclose(low, high, rel_tol=1e-6):
-        raise RuntimeError(f"the weight updates of the parameter groups divide the gradients by "
-                           f"different numbers ({sorted(divisors)}): they cannot share one "
-                           "cross-process reduction")
-    return float(round(low)) if math.isclose(low, round(low), rel_tol=1e-6) else low
-
-
-def accumulator_scale(updates, optimizer, options) -> float:
-    """The factor the all-reduced sum is multiplied by so that the compiled update divides it by
-    the global divisor: compiled / global (1 when the update already divides by every replica)."""
-    return compiled_divisor(updates, optimizer) / global_divisor(options)
 
 
 def model_signature(weights: dict, buckets: dict[int, list[Bucket]], options) -> tuple:
     """What every process must agree on to train one model together, as (section, entries)."""
     return (
         ("weights", tuple((n, tuple(t.shape), str(t.dtype)) for n, t in sorted(weights.items()))),
-        ("gradients reduced", tuple((ipu, b.dtype.str, b.names)
+        ("gradients reduced", tuple((ipu, b.dtype.str, b.names, b.replicas)
                                     for ipu, bs in sorted(buckets.items()) for b in bs)),
         ("gradient accumulation", (options.gradient_accumulation,)),
         ("local replicas", (options.replication_factor,)),
