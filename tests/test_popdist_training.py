@@ -85,6 +85,7 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--reduction", choices=["mean", "sum"], default="mean")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--accumulators-off-chip", action="store_true")
     parser.add_argument("--read-only", action="store_true",
                         help="only record which samples two shuffled epochs read")
     args = parser.parse_args(argv)
@@ -102,6 +103,9 @@ def worker(argv: list[str]) -> None:
         (args.out / f"indices.{rank}.json").write_text(json.dumps(epochs))
         return
     opts.Emulator.setHostThreads(args.threads)
+    if args.accumulators_off_chip:
+        opts.TensorLocations.setAccumulatorLocation(
+            poptorch.TensorLocationSettings().useOnChipStorage(False))
     set_reduction(opts, args.reduction)
     torch.manual_seed(100 + rank)  # every process starts from different weights: process 0's win
     model = TwoStageNet(args.hidden)
@@ -117,6 +121,8 @@ def worker(argv: list[str]) -> None:
         "rank": rank, "processes": opts.Distributed.numProcesses, "steps": steps,
         "replicas": opts.replication_factor, "checksum": checksum(weights),
         "totals": {ipu: vars(t) for ipu, t in training._collective.totals.items()},
+        "off_chip": sorted({slot.off_chip for buckets in training._collective.buckets.values()
+                            for bucket in buckets for slot in bucket.slots}),
     }
     (args.out / f"report.{rank}.json").write_text(json.dumps(report))
 
@@ -411,19 +417,23 @@ def test_two_poprun_instances_train_as_one_process_with_the_combined_batch(tmp_p
     done = poprun(tmp_path, 2, 2, "--reduction", "mean")
     assert done.returncode == 0, done.stderr[-3000:]
     found = assert_trained_together(tmp_path, processes=2, local_replicas=1)
+    assert {tuple(r["off_chip"]) for r in found} == {(False,)}
     weights = saved_weights(tmp_path, 0)
     assert checksum(saved_weights(tmp_path, 1)) == checksum(weights) == found[0]["checksum"]
     assert_close(weights, single_process_weights(instances=2, local_replicas=1, reduction="mean"))
 
 
 @pytest.mark.slow
-def test_processes_of_any_launcher_reduce_sums_on_host_threads(tmp_path):
+def test_processes_of_any_launcher_reduce_sums_on_host_threads_from_streaming_memory(tmp_path):
     """Processes started by hand (OpenMPI rank variables and MASTER_ADDR/PORT, plain Options),
-    Sum reduction, each IPU on its own host thread so both IPUs' all-reduces run concurrently."""
-    results = launch_by_hand(tmp_path, [["--reduction", "sum", "--threads", "2"]] * 2)
+    Sum reduction, each IPU on its own host thread so both IPUs' all-reduces run concurrently,
+    accumulators kept in Streaming Memory."""
+    worker_args = ["--reduction", "sum", "--threads", "2", "--accumulators-off-chip"]
+    results = launch_by_hand(tmp_path, [worker_args] * 2)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     found = assert_trained_together(tmp_path, processes=2, local_replicas=1)
+    assert {tuple(r["off_chip"]) for r in found} == {(True,)}
     assert_close(saved_weights(tmp_path, 1),
                  single_process_weights(instances=2, local_replicas=1, reduction="sum"))
 
