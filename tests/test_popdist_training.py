@@ -471,11 +471,12 @@ TOTAL_LINE = re.compile(r"^\[1,0\]<stdout>:epoch 1, all 2 instances \((\d+) imag
 
 @pytest.mark.slow
 def test_tutorial_saves_on_instance_zero_and_averages_metrics(tmp_path):
-    """The popdist tutorial on 2 instances: one checkpoint, written by instance 0; the metrics
-    instance 0 prints are the image-weighted averages of both instances' own."""
+    """The popdist tutorial's command (2 instances x 2 replicas) on a few images: one checkpoint,
+    written by instance 0; the metrics instance 0 prints are the image-weighted averages of both
+    instances' own."""
     env = {k: v for k, v in os.environ.items() if k not in core.POPDIST_VARIABLES}
     done = subprocess.run(
-        [sys.executable, "-m", "popdist.poprun", "--num-instances", "2", "--num-replicas", "2",
+        [sys.executable, "-m", "popdist.poprun", "--num-instances", "2", "--num-replicas", "4",
          "--mpi-global-args=--tag-output", sys.executable, str(TUTORIAL), "--dataset",
          "synthetic", "--train-samples", "256", "--test-samples", "128", "--batch-size", "4",
          "--device-iterations", "2"],
@@ -483,6 +484,7 @@ def test_tutorial_saves_on_instance_zero_and_averages_metrics(tmp_path):
         stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
+    assert "[1,0]<stdout>:2 instance(s) x 2 replica(s) x 1 IPU(s) per replica" in out
     assert "DATASET: procedural digits (256 training / 128 test images)" in out
     saves = re.findall(r"^\[1,(\d)\]<stdout>:instance (\d)/2: saved checkpoint (\S+)$", out, re.M)
     assert saves == [("0", "0", "checkpoints/epoch1.pt")]
