@@ -20,7 +20,9 @@ concatenated into one flat buffer per IPU (and dtype), all-reduced with `torch.d
 (gloo) and written back. Each IPU has its own process group, so IPUs that run on different host
 threads (`Emulator.setHostThreads`) reduce concurrently without their collectives interleaving.
 When the model compiles, the processes check that they compiled the same model (weights, IPUs,
-batching) and process 0 broadcasts its initial weights, so every process starts identical.
+batching) and process 0 broadcasts its initial weights and buffers, so every process starts
+identical. Buffers the forward pass updates (batch-norm running statistics) are not reduced
+afterwards: each process keeps the statistics of its own data.
 
 Cost: on a Pod the reduction runs device to device over the GW-Links; here it runs on the host
 and takes host time, which is not device time. Each reduction is recorded (`Reduction`): the
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 #: Seconds a process waits for the others at the rendezvous and in every collective.
 TIMEOUT_SECONDS = 300.0
@@ -122,8 +125,6 @@ class GradientAllReduce:
     """
 
     def __init__(self, executor):
-        import torch.distributed as dist
-
         options = executor.options
         self.num_processes = options.num_processes
         self.process_id = options.process_id
@@ -144,8 +145,6 @@ class GradientAllReduce:
     def reduce(self, executable, ipu: int) -> None:
         """Replace every local replica's accumulators of the weights on `ipu` by their sum over
         the same replica of all processes."""
-        import torch.distributed as dist
-
         buckets = self.buckets.get(ipu)
         if not buckets:
             return
@@ -189,8 +188,6 @@ def join_process_group(num_processes: int, process_id: int) -> None:
     Otherwise the group is created with gloo from `MASTER_ADDR` / `MASTER_PORT` (poprun sets
     them, as do torchrun and most launchers), rank = process id, size = number of processes.
     """
-    import torch.distributed as dist
-
     if not dist.is_available():
         raise RuntimeError("training over several processes needs torch.distributed, which this "
                            "torch build does not have")
@@ -264,8 +261,6 @@ def first_difference(theirs: tuple, ours: tuple) -> str:
 
 def check_same_model(signature: tuple, process_id: int) -> None:
     """Compare the signature with every process's; all processes raise the same error."""
-    import torch.distributed as dist
-
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, signature)
     different = [p for p, s in enumerate(gathered) if s != gathered[0]]
@@ -281,8 +276,6 @@ def check_same_model(signature: tuple, process_id: int) -> None:
 
 def broadcast_weights(weights: dict[str, torch.Tensor]) -> None:
     """Give every process process 0's weights and buffers (one flat broadcast per dtype)."""
-    import torch.distributed as dist
-
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name in sorted(weights):
         by_dtype.setdefault(weights[name].dtype, []).append(name)
