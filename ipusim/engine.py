@@ -9,6 +9,10 @@ Modes (same program, same cycles and memory, different host work):
   vertex by vertex, each from its own tile's memory.
 - "fast": variable-major memory; an op's program runs as the op's whole-tensor kernel and its
   internal exchanges are accounted, not copied; other programs run as in strict mode.
+
+Profiling (`profile_dir=DIR`): every run is recorded with the program nodes it executed, and
+DIR receives profile.json, trace.json and charts when the engine is closed or collected, or at
+exit (see ipusim.profile). Off by default, and then nothing is recorded.
 """
 from __future__ import annotations
 
@@ -33,19 +37,24 @@ MODES = ("strict", "fast")
 
 @dataclass
 class RunReport:
-    """Cycles of one run: wall-clock total and busy cycles per IPU by kind."""
+    """Cycles of one run: wall-clock total and busy cycles per IPU by kind. With profiling on,
+    `nodes` lists the nodes charged, in order (a tuple of such lists for a Parallel)."""
     total: int = 0
     per_ipu: dict[int, Cycles] = field(default_factory=dict)
+    nodes: list | None = None
 
-    def charge(self, cost: Cost) -> None:
+    def charge(self, cost: Cost, node: Program | None = None) -> None:
         self.total += cost.total
         for ipu, c in cost.per_ipu.items():
             self.per_ipu[ipu] = self.per_ipu.get(ipu, Cycles()) + c
+        if self.nodes is not None:
+            self.nodes.append(node)
 
 
 class Engine:
     def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
-                 check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None):
+                 check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None,
+                 profile_dir: str | None = None):
         if mode not in MODES:
             raise ValueError(f"unknown engine mode {mode!r}; use 'fast' or 'strict'")
         self.device = Device.of(graph)
@@ -68,6 +77,10 @@ class Engine:
         self.mem = None
         self.last_run: RunReport | None = None
         self.total_cycles = 0
+        self._profiler = None
+        if profile_dir is not None:
+            from .profile import EngineProfiler
+            self._profiler = EngineProfiler(self, profile_dir)
 
     # ---- loading --------------------------------------------------------------------------
     def load(self) -> "Engine":
@@ -173,10 +186,12 @@ class Engine:
         self._require_loaded()
         if not 0 <= index < len(self.programs):
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
-        report = RunReport()
+        report = RunReport(nodes=None if self._profiler is None else [])
         numba.set_num_threads(self.kernel_threads)
         with blas_threads():
             self._run(self.programs[index], report)
+        if self._profiler is not None:
+            self._profiler.ran(index, report)
         return report
 
     def cost(self, node: Program) -> Cost:
@@ -189,27 +204,27 @@ class Engine:
         elif isinstance(p, OpProgram):
             if self.mode == "fast":
                 p.fast(self.mem)
-                report.charge(self.cost(p))
+                report.charge(self.cost(p), p)
             else:
                 self._run(p.body, report)
         elif isinstance(p, Execute):
             for kernel, args in self._plans[id(p)]:
                 kernel(*args)
-            report.charge(self.cost(p))
+            report.charge(self.cost(p), p)
         elif isinstance(p, (Copy, InterIpuCopy)):
             src, sa, dst, da = self._plans[id(p)]
             dst[da] = src[sa]
-            report.charge(self.cost(p))
+            report.charge(self.cost(p), p)
         elif isinstance(p, StreamCopy):
             self._stream_copy(p)
-            report.charge(self.cost(p))
+            report.charge(self.cost(p), p)
         elif isinstance(p, RemoteCopy):
             remote = self.mem[p.buffer.ipu].remote[p.buffer.name]
             if p.loads:
                 self.mem.write(p.tensor, remote[p.slot].reshape(p.tensor.shape))
             else:
                 remote[p.slot] = self.mem.read(p.tensor).reshape(-1)
-            report.charge(self.cost(p))
+            report.charge(self.cost(p), p)
         elif isinstance(p, Repeat):
             for _ in range(p.count):
                 self._run(p.body, report)
@@ -218,12 +233,12 @@ class Engine:
         elif isinstance(p, Parallel):
             self._run_parallel(p, report)
         elif isinstance(p, Sync):
-            report.charge(self.cost(p))
+            report.charge(self.cost(p), p)
         else:
             raise TypeError(f"cannot run {type(p).__name__}")
 
     def _run_parallel(self, p: Parallel, report: RunReport) -> None:
-        parts = [RunReport() for _ in p.programs]
+        parts = [RunReport(nodes=None if report.nodes is None else []) for _ in p.programs]
         if self._pool is not None and len(p.programs) > 1:
             list(self._pool.map(lambda cr: self._run(*cr), zip(p.programs, parts)))
         else:
@@ -233,6 +248,8 @@ class Engine:
             for ipu, c in r.per_ipu.items():
                 report.per_ipu[ipu] = report.per_ipu.get(ipu, Cycles()) + c
         report.total += max((r.total for r in parts), default=0)
+        if report.nodes is not None:
+            report.nodes.append(tuple(r.nodes for r in parts))
 
     def _stream_copy(self, p: StreamCopy) -> None:
         s = p.stream
@@ -259,6 +276,8 @@ class Engine:
                 self._stream_pos[key] = i + 1
 
     def close(self) -> None:
+        if self._profiler is not None:
+            self._profiler.close()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

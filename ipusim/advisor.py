@@ -1,0 +1,405 @@
+"""Balance advice: the contiguous split of a model's blocks into pipeline stages that minimises
+the run time of a call while every IPU fits in memory, and its predicted speedup.
+
+The model is built from a *block table*: for every block (in pipeline order) the cycles of its
+forward and backward body for one micro-batch and of its weight update, the bytes it needs on
+every tile without its channel buffers, and the values that flow between blocks. A candidate
+split puts stage k (blocks [b_k, b_k+1)) on IPU k. Its cost model:
+
+- an op of stage k costs the bodies of its blocks, plus every value crossing into or out of it
+  (between IPUs: IPU-Link time and a global sync, paid by both ends; on one IPU, the stash
+  from forward to backward: an exchange and a sync) and, when a channel holds several
+  micro-batches, the copy out of its slot;
+- the schedule of the strategy (ipusim.schedules) runs the ops; a step lasts as long as its
+  slowest op, and a call as long as its steps;
+- memory: the blocks' bytes per tile plus every channel's buffers (value bytes times the
+  micro-batches the schedule keeps in flight on it), mapped linearly as the lowering does.
+
+Splits are enumerated when there are few enough (EXHAUSTIVE_LIMIT), otherwise a dynamic program
+on the stage bottleneck gives a start that a local search improves. The current split is always
+a candidate, so the advice is never worse than it under the model.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from . import schedules
+from .target import Target
+
+EXHAUSTIVE_LIMIT = 2000
+
+
+@dataclass(frozen=True)
+class Flow:
+    """A value made by one block's pass and used by another's (`src`, `dst`: (pass, block) with
+    pass "fwd" or "bwd")."""
+    value: int
+    nbytes: int
+    src: tuple[str, int]
+    dst: tuple[str, int]
+
+
+@dataclass
+class BlockTable:
+    """What the advisor knows about each block, in pipeline order."""
+    names: list[str]
+    forward: list[float]            # cycles of the forward body per micro-batch
+    backward: list[float]           # cycles of the backward body per micro-batch (0 in inference)
+    update: list[float]             # cycles of the weight update per group
+    tile_bytes: np.ndarray          # [block, tile] bytes without channel buffers
+    flows: list[Flow]
+    current_split: list[int] | None  # blocks per stage of the profiled placement (stage k on IPU k)
+    source: str = ""                # how the table was measured
+
+    def __post_init__(self):
+        n = len(self.names)
+        self.tile_bytes = np.asarray(self.tile_bytes, dtype=np.int64)
+        for name, seq in (("forward", self.forward), ("backward", self.backward), ("update", self.update)):
+            if len(seq) != n:
+                raise ValueError(f"block table: {len(seq)} {name} costs for {n} blocks")
+        if self.tile_bytes.ndim != 2 or self.tile_bytes.shape[0] != n:
+            raise ValueError(f"block table: tile_bytes must be [blocks, tiles], got shape {self.tile_bytes.shape}")
+        if self.current_split is not None and (sum(self.current_split) != n or min(self.current_split) < 1):
+            raise ValueError(f"block table: current split {self.current_split} does not cover {n} blocks")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.names)
+
+    def to_dict(self) -> dict:
+        return {"names": list(self.names), "forward_cycles": [float(x) for x in self.forward],
+                "backward_cycles": [float(x) for x in self.backward], "update_cycles": [float(x) for x in self.update],
+                "tile_bytes": self.tile_bytes.tolist(),
+                "flows": [{"value": f.value, "bytes": f.nbytes, "src_pass": f.src[0], "src_block": f.src[1],
+                           "dst_pass": f.dst[0], "dst_block": f.dst[1]} for f in self.flows],
+                "current_split": None if self.current_split is None else list(self.current_split),
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockTable":
+        return cls(list(d["names"]), list(d["forward_cycles"]), list(d["backward_cycles"]), list(d["update_cycles"]),
+                   np.asarray(d["tile_bytes"], dtype=np.int64),
+                   [Flow(f["value"], f["bytes"], (f["src_pass"], f["src_block"]), (f["dst_pass"], f["dst_block"]))
+                    for f in d["flows"]],
+                   None if d["current_split"] is None else list(d["current_split"]), d.get("source", ""))
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How the stages run: the strategy's schedule parameters."""
+    training: bool
+    gradient_accumulation: int = 1
+    device_iterations: int = 1
+    strategy: str = "pipelined"     # "pipelined" or "sharded"
+    kind: str = "grouped"           # pipelined schedules: "grouped", "interleaved", "sequential"
+
+    def schedule(self, num_stages: int) -> schedules.Schedule:
+        g = self.gradient_accumulation if self.training else 1
+        if self.strategy == "sharded":
+            return schedules.sharded_schedule(num_stages, training=self.training, gradient_accumulation=g,
+                                              device_iterations=self.device_iterations)
+        if self.strategy == "pipelined":
+            return schedules.pipelined_schedule(num_stages, training=self.training, gradient_accumulation=g,
+                                                device_iterations=self.device_iterations, kind=self.kind)
+        raise ValueError(f"balance advice covers pipelined and sharded execution, not {self.strategy!r}")
+
+    @classmethod
+    def of_schedule(cls, schedule_dict: dict) -> "Pipeline":
+        """From a profile's execution.schedule section."""
+        strategy = schedule_dict["strategy"]
+        base, _, kind = strategy.partition("-")
+        training = schedule_dict["training"]
+        per_group, groups = schedule_dict["micro_batches_per_group"], schedule_dict["num_groups"]
+        return cls(training, per_group if training else 1, groups if training else per_group,
+                   base, kind or "grouped")
+
+
+@dataclass
+class Prediction:
+    """The modelled call of one split."""
+    split: tuple[int, ...]
+    stages: list[list[str]]
+    cycles: int                       # per call
+    forward: list[int]                # op cycles per stage
+    backward: list[int]
+    update: list[int]
+    max_tile_bytes: list[int]         # busiest tile per stage's IPU
+    fits: bool
+
+    @property
+    def bottleneck_stage(self) -> int:
+        return int(np.argmax([f + b for f, b in zip(self.forward, self.backward)]))
+
+
+@dataclass
+class Advice:
+    """The best split on `num_ipus` IPUs against the current one."""
+    num_ipus: int
+    best: Prediction | None
+    current: Prediction | None
+    measured_cycles: int | None
+    candidates: int
+    exhaustive: bool
+    clock_hz: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        """Predicted current time / predicted best time (same model for both)."""
+        if self.best is None or self.current is None or not self.best.cycles:
+            return None
+        return self.current.cycles / self.best.cycles
+
+    def text(self) -> str:
+        lines = [f"Balance advice for {self.num_ipus} IPU{'s' if self.num_ipus != 1 else ''} "
+                 f"({'all' if self.exhaustive else 'a search over'} {self.candidates:,} contiguous splits):"]
+        if self.best is None:
+            lines.append("  no split fits in memory" + (f": {self.notes[0]}" if self.notes else ""))
+            return "\n".join(lines)
+
+        def describe(p: Prediction) -> str:
+            return " | ".join(f"IPU{k}: {', '.join(s)}" for k, s in enumerate(p.stages))
+
+        b, c = self.best, self.current
+        if c is not None:
+            lines.append(f"  current  {describe(c)}")
+            lines.append(f"           predicted {c.cycles:,} cycles per call"
+                         + (f" (measured {self.measured_cycles:,}; model error "
+                            f"{100 * (c.cycles - self.measured_cycles) / self.measured_cycles:+.1f}%)"
+                            if self.measured_cycles else ""))
+        if c is not None and tuple(b.split) == tuple(c.split) and len(c.split) == self.num_ipus:
+            lines.append("  the current split is already the best contiguous split under the model")
+        else:
+            lines.append(f"  proposed {describe(b)}")
+            lines.append(f"           predicted {b.cycles:,} cycles per call"
+                         + (f", speedup x{self.speedup:.2f} over the current split" if self.speedup else ""))
+            lines.append("           stage op cycles (F/B): " + ", ".join(
+                f"{f:,}/{bb:,}" if bb else f"{f:,}" for f, bb in zip(b.forward, b.backward)))
+            lines.append("           busiest tile per IPU: " + ", ".join(f"{m:,} B" for m in b.max_tile_bytes))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# =========================================================================================
+# The model
+# =========================================================================================
+@lru_cache(maxsize=4096)
+def linear_tile_bytes(nbytes: int, num_tiles: int, itemsize: int = 4, grain: int = 4,
+                      min_elements_per_tile: int = 64) -> np.ndarray:
+    """Bytes per tile of a buffer spread like Graph.map_linearly(grain=4, min_elements_per_tile=64)
+    (cached: treat the result as read-only)."""
+    out = np.zeros(num_tiles, dtype=np.int64)
+    n = -(-nbytes // itemsize)
+    if n <= 0:
+        return out
+    grains = -(-n // grain)
+    per_tile = max(-(-grains // num_tiles), -(-min_elements_per_tile // grain)) * grain
+    full, rest = divmod(n, per_tile)
+    out[:full] = per_tile * itemsize
+    if rest and full < num_tiles:
+        out[full] = rest * itemsize
+    return out
+
+
+def in_flight(schedule: schedules.Schedule, src: tuple[str, int], dst: tuple[str, int]) -> int:
+    """The most micro-batches a channel from stage program `src` to `dst` holds at once: from the
+    step its producer runs a micro-batch to the step its consumer does."""
+    when: dict[tuple, dict[int, int]] = {}
+    for t, step in enumerate(schedule.steps):
+        for op in step.ops:
+            if op.kind in ("F", "B"):
+                when.setdefault(("fwd" if op.kind == "F" else "bwd", op.stage), {})[op.global_micro_batch] = t
+    a, b = when.get(src, {}), when.get(dst, {})
+    events = sorted([(t, 1) for k, t in a.items() if k in b] + [(b[k] + 1, -1) for k in a if k in b])
+    live = peak = 0
+    for _, d in events:
+        live += d
+        peak = max(peak, live)
+    return max(1, peak)
+
+
+class _Model:
+    """Evaluates splits of one block table under one pipeline on one target."""
+
+    def __init__(self, table: BlockTable, target: Target, pipeline: Pipeline):
+        self.table, self.target, self.pipeline = table, target, pipeline
+        self.prefix = np.vstack([np.zeros((1, table.tile_bytes.shape[1]), np.int64), np.cumsum(table.tile_bytes, 0)])
+        self._schedules: dict[int, tuple] = {}
+        self._slots: dict[tuple, int] = {}
+
+    def schedule(self, n: int):
+        """(schedule, step index matrix into the op-cost vector [F.., B.., W.., 0])."""
+        if n not in self._schedules:
+            s = self.pipeline.schedule(n)
+            width = max((len(st.ops) for st in s.steps), default=1)
+            idx = np.full((len(s.steps), width), 3 * n, dtype=np.int64)
+            for t, st in enumerate(s.steps):
+                for j, op in enumerate(st.ops):
+                    idx[t, j] = {"F": 0, "B": n, "W": 2 * n}[op.kind] + (op.stage if op.kind != "W" else op.ipu)
+            self._schedules[n] = (s, idx)
+        return self._schedules[n]
+
+    def slots(self, n: int, src, dst) -> int:
+        key = (n, src, dst)
+        if key not in self._slots:
+            self._slots[key] = in_flight(self.schedule(n)[0], src, dst)
+        return self._slots[key]
+
+    def channels(self, stage_of: np.ndarray) -> dict[tuple, dict[int, int]]:
+        """(src key, dst key) -> {value: bytes} of the values crossing stage programs."""
+        out: dict[tuple, dict[int, int]] = {}
+        for f in self.table.flows:
+            src, dst = (f.src[0], int(stage_of[f.src[1]])), (f.dst[0], int(stage_of[f.dst[1]]))
+            if src != dst:
+                out.setdefault((src, dst), {})[f.value] = f.nbytes
+        return out
+
+    def evaluate(self, split: tuple[int, ...]) -> Prediction:
+        t, table = self.target, self.table
+        n = len(split)
+        bounds = np.concatenate([[0], np.cumsum(split)])
+        stage_of = np.repeat(np.arange(n), split)
+        fwd = np.array([sum(table.forward[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
+        bwd = np.array([sum(table.backward[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
+        upd = np.array([sum(table.update[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
+        memory = [self.prefix[bounds[k + 1]] - self.prefix[bounds[k]] for k in range(n)]
+        gsync = t.global_sync_cycles(n)
+        tiles = table.tile_bytes.shape[1]
+        for (src, dst), values in self.channels(stage_of).items():
+            slots = self.slots(n, src, dst)
+            for nbytes in values.values():
+                spread = linear_tile_bytes(nbytes, tiles)
+                if src[1] != dst[1]:
+                    link = t.inter_ipu_cycles(nbytes) + gsync
+                    costs = [(src, link), (dst, link)]
+                else:
+                    costs = [(src, t.sync_cycles + math.ceil(int(spread.max()) / t.exchange_bytes_per_cycle))]
+                if slots > 1:
+                    costs.append((dst, t.sync_cycles + math.ceil(int(spread.max()) / t.local_copy_bytes_per_cycle)))
+                for (pass_, stage), c in costs:
+                    (fwd if pass_ == "fwd" else bwd)[stage] += c
+                memory[dst[1]] = memory[dst[1]] + spread * slots
+        _, idx = self.schedule(n)
+        vector = np.concatenate([fwd, bwd, upd, [0.0]])
+        cycles = int(round(vector[idx].max(axis=1).sum()))
+        peaks = [int(m.max(initial=0)) for m in memory]
+        return Prediction(tuple(int(x) for x in split),
+                          [table.names[bounds[k]:bounds[k + 1]] for k in range(n)], cycles,
+                          [int(round(x)) for x in fwd], [int(round(x)) for x in bwd], [int(round(x)) for x in upd],
+                          peaks, all(p <= t.bytes_per_tile for p in peaks))
+
+
+def _compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def _bottleneck_start(model: _Model, n: int) -> tuple[int, ...]:
+    """The split minimising the largest per-micro-batch work of a stage (dynamic programming)."""
+    table = model.table
+    work = np.asarray(table.forward) + np.asarray(table.backward)
+    prefix = np.concatenate([[0.0], np.cumsum(work)])
+    b = table.num_blocks
+
+    @lru_cache(maxsize=None)
+    def best(k: int, j: int) -> tuple[float, tuple[int, ...]]:
+        if k == 1:
+            return prefix[j], (j,)
+        out = (math.inf, ())
+        for i in range(k - 1, j):
+            cost, split = best(k - 1, i)
+            cand = (max(cost, prefix[j] - prefix[i]), split + (j - i,))
+            out = min(out, cand)
+        return out
+
+    return best(n, b)[1]
+
+
+def _neighbours(split: tuple[int, ...]):
+    for k in range(len(split) - 1):
+        for d in (-1, 1):
+            a, b = split[k] + d, split[k + 1] - d
+            if a >= 1 and b >= 1:
+                yield split[:k] + (a, b) + split[k + 2:]
+
+
+def _key(p: Prediction):
+    return (not p.fits, p.cycles, max(p.max_tile_bytes, default=0), p.split)
+
+
+def advise(table: BlockTable, target: Target, pipeline: Pipeline, num_ipus: int | None = None,
+           measured_cycles: int | None = None) -> Advice:
+    """The best contiguous split of `table`'s blocks over `num_ipus` IPUs (default: as many as
+    the current split uses) against the current split."""
+    current_n = len(table.current_split) if table.current_split else None
+    n = num_ipus or current_n
+    if n is None:
+        raise ValueError("the block table has no current split: say how many IPUs to split over (num_ipus=)")
+    if not 1 <= n <= table.num_blocks:
+        raise ValueError(f"{table.num_blocks} block(s) cannot fill {n} pipeline stages: split the model into at least "
+                         f"{n} blocks (poptorch.BeginBlock / Block) or ask for at most {table.num_blocks} IPUs")
+    if pipeline.training and pipeline.strategy == "pipelined" and pipeline.gradient_accumulation < 2 * n - 1:
+        raise ValueError(f"a training pipeline over {n} IPUs needs gradient_accumulation >= {2 * n - 1} "
+                         f"(it is {pipeline.gradient_accumulation}): advise for fewer IPUs or raise "
+                         "options.Training.gradientAccumulation")
+    if not pipeline.training and pipeline.strategy == "pipelined" and pipeline.device_iterations < n:
+        raise ValueError(f"pipelined inference over {n} IPUs needs device_iterations >= {n} (it is "
+                         f"{pipeline.device_iterations})")
+    model = _Model(table, target, pipeline)
+    current = model.evaluate(tuple(table.current_split)) if table.current_split else None
+    count = math.comb(table.num_blocks - 1, n - 1)
+    exhaustive = count <= EXHAUSTIVE_LIMIT
+    if exhaustive:
+        candidates = [model.evaluate(s) for s in _compositions(table.num_blocks, n)]
+    else:
+        starts = {_bottleneck_start(model, n)}
+        if current is not None and len(current.split) == n:
+            starts.add(current.split)
+        candidates, seen = [], set()
+        for start in starts:
+            p = model.evaluate(start)
+            seen.add(start)
+            improved = True
+            while improved:
+                improved = False
+                for s in _neighbours(p.split):
+                    if s in seen:
+                        continue
+                    seen.add(s)
+                    q = model.evaluate(s)
+                    if _key(q) < _key(p):
+                        p, improved = q, True
+            candidates.append(p)
+        count = len(seen)
+    if current is not None and len(current.split) == n:
+        candidates.append(current)
+    best = min(candidates, key=_key)
+    notes = []
+    if not best.fits:
+        notes.append(f"even the best split needs {max(best.max_tile_bytes):,} bytes on a tile; a "
+                     f"{target.name} tile has {target.bytes_per_tile:,}")
+        best = None
+    return Advice(n, best, current, measured_cycles, count, exhaustive, target.clock_hz, notes)
+
+
+def target_of(doc: dict) -> Target:
+    """The Target a profile was made for."""
+    return Target(**doc["target"])
+
+
+def advise_profile(doc: dict, num_ipus: int | None = None) -> Advice:
+    """Balance advice from a profile.json document that has a block table."""
+    if not doc.get("blocks"):
+        raise ValueError(f"profile {doc.get('name')!r} has no block table: balance advice needs a poptorch_lite "
+                         "model profile (plain ipusim programs have no blocks)")
+    if not doc["execution"]["schedule"]:
+        raise ValueError(f"profile {doc.get('name')!r} has no schedule")
+    table = BlockTable.from_dict(doc["blocks"])
+    measured = doc["execution"]["cycles"] if not doc["estimated"] else None
+    return advise(table, target_of(doc), Pipeline.of_schedule(doc["execution"]["schedule"]), num_ipus, measured)

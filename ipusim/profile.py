@@ -1,0 +1,1082 @@
+"""Profiles of executed programs: the data behind profile.json, trace.json, the charts and the
+end-of-run summary (see docs/profile-schema.md for the document).
+
+A profile joins what compiling knows (memory per tile, the static cycles of every program, the
+schedule) with what running did (the steps executed, each a list of program runs with their
+cycles per IPU). Both front ends produce the same records:
+
+- poptorch_lite's executor runs a schedule step by step; its `RunRecord.steps` have the shape of
+  `ExecutedStep` (ops, events of `op, part, program, per_ipu`, busy cycles, cycles) and a step
+  lasts as long as its busiest IPU;
+- a plain `Engine(..., profile_dir=DIR)` records each `run()` as one step whose single event also
+  lists the program nodes it executed, in order; the IPUs advance in lockstep through a program.
+
+Cycles are exact for the model: they come from the static estimates of ipusim.cost, so a profile
+costs bookkeeping only. Times are cycles at the target clock.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+import numpy as np
+
+from .cost import Cost, Cycles
+from .memory import MemoryReport, supersteps
+from .program import If, OpProgram, Parallel, Program, Repeat, Sequence
+from .target import Target
+
+SCHEMA_NAME = "ipusim.profile"
+SCHEMA_VERSION = 1
+# Kinds of busy cycles, in the order a superstep spends them (its sync comes last).
+SEGMENT_KINDS = ("compute", "exchange", "inter_ipu", "host", "sync")
+LANES = ("ops", "programs", "compute", "exchange", "sync", "inter_ipu", "host")
+LANE_TITLES = {"ops": "ops (stage, micro-batch)", "programs": "programs", "compute": "compute",
+               "exchange": "exchange", "sync": "sync", "inter_ipu": "inter-IPU", "host": "host I/O"}
+# A Repeat whose body would give more trace segments than this is drawn as one segment per kind.
+REPEAT_EXPAND_LIMIT = 256
+
+
+# =========================================================================================
+# Records
+# =========================================================================================
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of one IPU's time inside a program run: `cycles` of one kind."""
+    name: str
+    kind: str
+    cycles: int
+
+
+@dataclass
+class ProgramEvent:
+    """One program run: the schedule op it serves (None for a plain engine run), its part
+    ("receive", "compute", "outputs", "send", "update", "run"), the engine program index and the
+    busy cycles on every IPU it touched. `nodes` are the executed program nodes in order (a
+    tuple of node lists for a Parallel), kept by the Engine profiler."""
+    op: object
+    part: str
+    program: int
+    per_ipu: dict[int, Cycles]
+    nodes: list | None = None
+
+
+@dataclass
+class ExecutedStep:
+    """One executed step: its ops (at most one per IPU), its program runs and how long it took."""
+    index: int
+    ops: list
+    events: list
+    busy: dict[int, Cycles]
+    cycles: int
+
+
+def executed_step(index: int, ops: list, events: list, cycles: int | None = None) -> ExecutedStep:
+    """Sum the busy cycles of `events` per IPU; a step lasts as long as its busiest IPU unless
+    `cycles` says otherwise (a lockstep engine run lasts its program's total)."""
+    busy: dict[int, Cycles] = {}
+    for e in events:
+        for ipu, c in e.per_ipu.items():
+            busy[ipu] = busy.get(ipu, Cycles()) + c
+    if cycles is None:
+        cycles = max((c.total for c in busy.values()), default=0)
+    return ExecutedStep(index, list(ops), list(events), busy, cycles)
+
+
+def simulate(schedule, events_of: Callable[[object], list[ProgramEvent]],
+             sends_of: Callable[[object], list[ProgramEvent]] | None = None) -> list[ExecutedStep]:
+    """The steps of `schedule` executed with static costs: each op's events from `events_of`,
+    then (like the poptorch_lite runtime) the sends of every op of the step from `sends_of`.
+    This is how a profile is estimated without running the numbers."""
+    steps = []
+    for t, step in enumerate(schedule.steps):
+        events = [e for op in step.ops for e in events_of(op)]
+        if sends_of is not None:
+            events += [e for op in step.ops for e in sends_of(op)]
+        steps.append(executed_step(t, list(step.ops), events))
+    return steps
+
+
+# =========================================================================================
+# Static description of programs
+# =========================================================================================
+@dataclass
+class ProgramInfo:
+    """An engine program as a profile sees it: its static cost, its time line per IPU as
+    segments, the bytes it moves over each IPU pair, and its supersteps in the liveness order."""
+    index: int
+    name: str
+    cost: Cost
+    segments: dict[int, list[Segment]]
+    links: dict[tuple[int, int], int]
+    first_superstep: int
+    num_supersteps: int
+
+
+def leaf_name(p: Program) -> str:
+    """A readable name for a superstep node."""
+    cs = getattr(p, "compute_set", None)
+    if cs is not None:
+        return cs.name
+    src, dst = getattr(p, "src", None), getattr(p, "dst", None)
+    kind = type(p).__name__
+    if src is not None and dst is not None:
+        return f"{kind} {getattr(src, 'name', '?')} -> {getattr(dst, 'name', '?')}"
+    return kind
+
+
+def kind_segments(name: str, c: Cycles) -> list[Segment]:
+    """The busy cycles of one node on one IPU as segments, in the order a superstep spends them."""
+    return [Segment(name, k, getattr(c, k)) for k in SEGMENT_KINDS if getattr(c, k)]
+
+
+def _heavier_branch(p: If, cost_of) -> Program:
+    """The branch the static estimate charges (ipusim.cost takes the worse one)."""
+    return p.then if cost_of(p.then).total >= cost_of(p.else_).total else p.else_
+
+
+def _flatten(p: Program, cost_of, segs: dict, links: dict, times: int = 1) -> None:
+    if isinstance(p, (Sequence, OpProgram, Parallel)):
+        for c in p.children():
+            _flatten(c, cost_of, segs, links, times)
+    elif isinstance(p, If):
+        _flatten(_heavier_branch(p, cost_of), cost_of, segs, links, times)
+    elif isinstance(p, Repeat):
+        body: dict[int, list[Segment]] = {}
+        _flatten(p.body, cost_of, body, links, times * p.count)
+        for ipu, s in body.items():
+            if p.count * len(s) <= REPEAT_EXPAND_LIMIT:
+                segs.setdefault(ipu, []).extend(s * p.count)
+            else:
+                name = f"{getattr(p.body, 'name', '') or 'repeat'} x{p.count}"
+                sums = {k: p.count * sum(x.cycles for x in s if x.kind == k) for k in SEGMENT_KINDS}
+                segs.setdefault(ipu, []).extend(Segment(name, k, v) for k, v in sums.items() if v)
+    else:
+        cost = cost_of(p)
+        name = leaf_name(p)
+        for ipu, c in cost.per_ipu.items():
+            segs.setdefault(ipu, []).extend(kind_segments(name, c))
+        if cost.inter_ipu_bytes and hasattr(p, "src") and hasattr(p, "dst"):
+            pair = (p.src.ipu, p.dst.ipu)
+            links[pair] = links.get(pair, 0) + cost.inter_ipu_bytes * times
+
+
+def describe_programs(programs: list[Program], cost_of: Callable[[Program], Cost]) -> list[ProgramInfo]:
+    """ProgramInfo for every engine program (`cost_of` is `Engine.cost`)."""
+    out, first = [], 0
+    for i, p in enumerate(programs):
+        segs: dict[int, list[Segment]] = {}
+        links: dict[tuple[int, int], int] = {}
+        _flatten(p, cost_of, segs, links)
+        n = len(supersteps(p))
+        out.append(ProgramInfo(i, getattr(p, "name", "") or f"program {i}", cost_of(p), segs, links, first, n))
+        first += n
+    return out
+
+
+@dataclass
+class StageInfo:
+    """A pipeline stage: the IPU it runs on and the blocks placed on it."""
+    stage: int
+    ipu: int
+    blocks: list[str]
+
+
+@dataclass
+class StaticProfile:
+    """What compiling knows. `blocks` is the advisor's block table as a dict (or None) and
+    `settings` the batching of one call (micro_batch_size, gradient_accumulation, ...)."""
+    name: str
+    source: str                                  # "poptorch_lite" or "ipusim"
+    target: Target
+    num_ipus: int
+    memory: list[MemoryReport]
+    programs: list[ProgramInfo]
+    schedule: object = None                      # ipusim.schedules.Schedule or None
+    stages: list[StageInfo] = field(default_factory=list)
+    blocks: dict | None = None
+    settings: dict = field(default_factory=dict)
+    estimated: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def static_profile(name: str, engine, *, source: str = "ipusim", **kw) -> StaticProfile:
+    """The StaticProfile of a compiled Engine (loaded or not)."""
+    return StaticProfile(name, source, engine.target, engine.device.num_ipus, engine.memory,
+                         describe_programs(engine.programs, engine.cost), **kw)
+
+
+# =========================================================================================
+# Recording calls
+# =========================================================================================
+class Recording:
+    """Runs accumulated over calls: totals of every call (cheap), and the steps of the first
+    `trace_calls` calls, kept for the trace and the per-step tables."""
+
+    def __init__(self, num_ipus: int, trace_calls: int = 1):
+        if trace_calls < 1:
+            raise ValueError(f"trace_calls must be at least 1, got {trace_calls}")
+        self.num_ipus = num_ipus
+        self.trace_calls = trace_calls
+        self.traced: list[list[ExecutedStep]] = []
+        self.call_cycles: list[int] = []
+        self.busy = [Cycles() for _ in range(num_ipus)]
+        self.bubble = [0] * num_ipus        # idle cycles in steps without an op of the IPU
+        self.imbalance = [0] * num_ipus     # idle cycles in steps with one (waiting for the slowest IPU)
+
+    @property
+    def calls(self) -> int:
+        return len(self.call_cycles)
+
+    @property
+    def total_cycles(self) -> int:
+        return sum(self.call_cycles)
+
+    def add(self, steps: list) -> None:
+        """Account one call (a list of ExecutedStep-shaped records)."""
+        cycles = 0
+        n = self.num_ipus
+        for s in steps:
+            cycles += s.cycles
+            own = {op.ipu for op in s.ops} if s.ops else {i for i, c in s.busy.items() if c.total}
+            for i in range(n):
+                c = s.busy.get(i)
+                spent = 0
+                if c is not None:
+                    self.busy[i] = self.busy[i] + c
+                    spent = c.total
+                if i in own:
+                    self.imbalance[i] += s.cycles - spent
+                else:
+                    self.bubble[i] += s.cycles - spent
+        self.call_cycles.append(cycles)
+        if len(self.traced) < self.trace_calls:
+            self.traced.append(list(steps))
+
+
+# =========================================================================================
+# The profile document
+# =========================================================================================
+def _cycles(c: Cycles) -> dict:
+    return c.to_dict()
+
+
+def op_label(op) -> str:
+    """"F3 s0" (forward of micro-batch 3 on stage 0), "W ipu1", or "" for no op."""
+    if op is None:
+        return ""
+    label = getattr(op, "label", None) or str(op)
+    if getattr(op, "stage", None) is not None:
+        return f"{label} s{op.stage}"
+    if getattr(op, "kind", None) == "W":
+        return f"W ipu{op.ipu}"
+    return label
+
+
+def _op_dict(op) -> dict:
+    return {"label": op_label(op), "kind": getattr(op, "kind", None), "stage": getattr(op, "stage", None),
+            "micro_batch": getattr(op, "global_micro_batch", None), "group": getattr(op, "group", None),
+            "ipu": op.ipu}
+
+
+def step_label(static: StaticProfile, step) -> str:
+    if step.ops:
+        return " ".join(op_label(op) for op in step.ops)
+    return " ".join(static.programs[e.program].name for e in step.events)
+
+
+def _memory_section(static: StaticProfile) -> dict:
+    ipus = []
+    for r in static.memory:
+        totals = {name: int(b.sum()) for name, b in r.tensors.items()}
+        largest = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+        ipus.append({
+            "ipu": r.ipu, "capacity_bytes": r.target.bytes_per_ipu, "tile_capacity_bytes": r.target.bytes_per_tile,
+            "total_bytes": r.total, "max_tile_bytes": r.max_tile, "max_tile": int(np.argmax(r.peak)) if r.peak.size else 0,
+            "fits": r.fits, "always_live_bytes": int(r.always_live.sum()),
+            "not_always_live_peak_bytes": int(r.not_always_live_peak.sum()),
+            "vertex_state_bytes": int(r.vertex_state.sum()), "code_bytes": int(r.code.sum()),
+            "by_category": {k: int(v.sum()) for k, v in r.by_category.items()},
+            "per_tile": {"always_live": r.always_live.tolist(), "not_always_live_peak": r.not_always_live_peak.tolist(),
+                         "vertex_state": r.vertex_state.tolist(), "code": r.code.tolist(), "peak": r.peak.tolist()},
+            "per_tile_by_category": {k: v.tolist() for k, v in r.by_category.items()},
+            "largest_tensors": [{"name": n, "bytes": b} for n, b in largest],
+            "liveness": (r.liveness if r.liveness is not None else np.zeros(0, np.int64)).tolist(),
+        })
+    return {"ipus": ipus,
+            "supersteps": [{"program": p.index, "first": p.first_superstep, "count": p.num_supersteps}
+                           for p in static.programs]}
+
+
+def _program_section(static: StaticProfile) -> list[dict]:
+    return [{"index": p.index, "name": p.name, "cycles": p.cost.total,
+             "per_ipu": [{"ipu": i, **_cycles(c)} for i, c in sorted(p.cost.per_ipu.items())],
+             "exchange_bytes": p.cost.exchange_bytes, "inter_ipu_bytes": p.cost.inter_ipu_bytes,
+             "host_bytes": p.cost.host_bytes} for p in static.programs]
+
+
+def _program_live_peaks(static: StaticProfile) -> np.ndarray:
+    """[program, ipu]: the most not-always-live bytes live during the program's supersteps."""
+    out = np.zeros((len(static.programs), static.num_ipus), dtype=np.int64)
+    for r in static.memory:
+        curve = r.liveness if r.liveness is not None else np.zeros(0, np.int64)
+        for p in static.programs:
+            window = curve[p.first_superstep:p.first_superstep + p.num_supersteps]
+            out[p.index, r.ipu] = int(window.max()) if window.size else 0
+    return out
+
+
+def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list[dict]]:
+    """Per stage: forward/backward cycles per micro-batch (all its program runs on its IPU, and
+    the compute body alone); per IPU: the weight update. `steps` are (call, step) pairs."""
+    per_op: dict[tuple, dict[tuple, list[int]]] = {}
+    for call, s in steps:
+        for e in s.events:
+            op = e.op
+            if op is None or getattr(op, "kind", None) is None or op.ipu not in e.per_ipu:
+                continue
+            key = (op.kind, op.stage) if op.kind != "W" else ("W", op.ipu)
+            slot = per_op.setdefault(key, {})
+            c = e.per_ipu[op.ipu].total
+            mb = (call, getattr(op, "global_micro_batch", None), getattr(op, "group", None))
+            slot.setdefault(mb, [0, 0])
+            slot[mb][0] += c
+            if e.part in ("compute", "update"):
+                slot[mb][1] += c
+
+    def summary(key):
+        runs = per_op.get(key)
+        if not runs:
+            return None
+        n = len(runs)
+        return {"cycles_per_micro_batch": sum(v[0] for v in runs.values()) / n,
+                "body_cycles": sum(v[1] for v in runs.values()) / n, "runs": n}
+
+    stages = [{"stage": st.stage, "ipu": st.ipu, "blocks": list(st.blocks),
+               "forward": summary(("F", st.stage)), "backward": summary(("B", st.stage))}
+              for st in static.stages]
+    updates = [{"ipu": ipu, "cycles": v["cycles_per_micro_batch"]}
+               for ipu in range(static.num_ipus) if (v := summary(("W", ipu))) is not None]
+    return stages, updates
+
+
+def _stage_work(stage: dict) -> float:
+    return sum((stage[k] or {}).get("cycles_per_micro_batch", 0.0) for k in ("forward", "backward"))
+
+
+def _longest_stage(stages: list[dict], steps: list[dict]) -> dict | None:
+    if not stages:
+        return None
+    work = [_stage_work(s) for s in stages]
+    total = sum(work)
+    if total <= 0:
+        return None
+    k = int(np.argmax(work))
+    st = stages[k]
+    critical = sum(s["cycles"] for s in steps
+                   if s["critical_ipu"] == st["ipu"] and any(o["stage"] == st["stage"] and o["ipu"] == st["ipu"]
+                                                            for o in s["ops"]))
+    run = sum(s["cycles"] for s in steps)
+    return {"stage": st["stage"], "ipu": st["ipu"], "blocks": st["blocks"], "cycles_per_micro_batch": work[k],
+            "forward_cycles": (st["forward"] or {}).get("cycles_per_micro_batch", 0.0),
+            "backward_cycles": (st["backward"] or {}).get("cycles_per_micro_batch", 0.0),
+            "share_of_work": work[k] / total, "balanced_share": 1.0 / len(stages),
+            "critical_fraction": critical / run if run else 0.0}
+
+
+def schedule_summary(schedule) -> dict | None:
+    if schedule is None:
+        return None
+    return {"strategy": schedule.strategy, "num_ipus": schedule.num_ipus, "stage_ipus": list(schedule.stage_ipus),
+            "training": schedule.training, "micro_batches_per_group": schedule.micro_batches_per_group,
+            "num_groups": schedule.num_groups, "num_steps": schedule.num_steps, "ramp_up": schedule.ramp_up(),
+            "main": schedule.main(), "ramp_down": schedule.ramp_down(),
+            "bubble_fraction": schedule.bubble_fraction(),
+            "bubble_fraction_per_ipu": [schedule.bubble_fraction(i) for i in range(schedule.num_ipus)]}
+
+
+def _execution_section(static: StaticProfile, rec: Recording) -> dict:
+    n = static.num_ipus
+    traced = [(call, s) for call, steps in enumerate(rec.traced) for s in steps]
+    live_peaks = _program_live_peaks(static)
+    base = [r.always_live.sum() + r.vertex_state.sum() + r.code.sum() for r in static.memory]
+    steps, start = [], 0
+    links: dict[tuple[int, int], int] = {}
+    exchange = inter = host = 0
+    for call, s in traced:
+        critical = max(s.busy, key=lambda i: (s.busy[i].total, -i)) if s.busy else None
+        programs = [e.program for e in s.events]
+        for e in s.events if call == 0 else ():
+            info = static.programs[e.program]
+            exchange += info.cost.exchange_bytes
+            inter += info.cost.inter_ipu_bytes
+            host += info.cost.host_bytes
+            for pair, b in info.links.items():
+                links[pair] = links.get(pair, 0) + b
+        live = [int(base[i] + (live_peaks[programs, i].max() if programs else 0)) for i in range(len(static.memory))]
+        steps.append({"call": call + 1, "index": s.index, "label": step_label(static, s),
+                      "group": s.ops[0].group if s.ops and hasattr(s.ops[0], "group") else None,
+                      "start_cycle": start, "cycles": int(s.cycles), "critical_ipu": critical,
+                      "ops": [_op_dict(op) for op in s.ops],
+                      "busy": [{"ipu": i, **_cycles(c)} for i, c in sorted(s.busy.items())],
+                      "live_bytes": [{"ipu": i, "bytes": b} for i, b in enumerate(live)]})
+        start += int(s.cycles)
+    total = rec.total_cycles
+    ipus = []
+    sched = static.schedule
+    for i in range(n):
+        busy = rec.busy[i]
+        idle = total - busy.total
+        ipus.append({"ipu": i, "busy": _cycles(busy), "idle_cycles": idle,
+                     "utilisation": busy.total / total if total else 0.0,
+                     "compute_utilisation": busy.compute / total if total else 0.0,
+                     "bubble_fraction": rec.bubble[i] / total if total else 0.0,
+                     "imbalance_fraction": rec.imbalance[i] / total if total else 0.0,
+                     "schedule_bubble_fraction": sched.bubble_fraction(i) if sched is not None and i < sched.num_ipus
+                     else None})
+    stages, updates = _stage_section(static, traced)
+    return {
+        "calls": rec.calls, "traced_calls": len(rec.traced), "cycles_per_call": list(rec.call_cycles),
+        "total_cycles": total, "total_seconds": static.target.seconds(total),
+        "cycles": start, "steps": steps, "ipus": ipus,
+        "schedule": schedule_summary(sched), "stages": stages, "updates": updates,
+        "longest_stage": _longest_stage(stages, steps),
+        "exchange_bytes_per_call": exchange, "host_bytes_per_call": host,
+        "inter_ipu": {"bytes_per_call": inter,
+                      "links": [{"src": a, "dst": b, "bytes": v} for (a, b), v in sorted(links.items())]},
+    }
+
+
+def target_dict(target: Target) -> dict:
+    return {f.name: getattr(target, f.name) for f in fields(target)}
+
+
+def build_profile(static: StaticProfile, rec: Recording) -> dict:
+    """The profile.json document (schema `ipusim.profile`, version SCHEMA_VERSION)."""
+    return {
+        "schema": SCHEMA_NAME, "version": SCHEMA_VERSION, "name": static.name, "source": static.source,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "estimated": static.estimated, "notes": list(static.notes),
+        "target": target_dict(static.target), "num_ipus": static.num_ipus, "settings": dict(static.settings),
+        "memory": _memory_section(static), "programs": _program_section(static),
+        "execution": _execution_section(static, rec), "blocks": static.blocks,
+    }
+
+
+# =========================================================================================
+# Chrome trace (Perfetto / chrome://tracing)
+# =========================================================================================
+class _Trace:
+    def __init__(self, clock_hz: float):
+        self.scale = 1e6 / clock_hz     # microseconds per cycle
+        self.events: list[dict] = []
+
+    def us(self, cycles: int) -> float:
+        return round(cycles * self.scale, 6)
+
+    def x(self, name: str, pid: int, lane: str, start: int, cycles: int, args: dict) -> None:
+        if cycles <= 0:
+            return
+        ts, end = self.us(start), self.us(start + cycles)
+        self.events.append({"name": name, "cat": lane, "ph": "X", "pid": pid, "tid": LANES.index(lane) + 1,
+                            "ts": ts, "dur": round(end - ts, 6),
+                            "args": {**args, "start_cycle": start, "cycles": cycles}})
+
+
+def _segments_for(info: ProgramInfo, ipu: int, c: Cycles, prefix: str) -> list[Segment]:
+    segs = info.segments.get(ipu, [])
+    if sum(s.cycles for s in segs) == c.total:
+        return segs
+    return kind_segments(f"{prefix} {info.name}", c)    # the run took another branch than the static walk
+
+
+def _lay_out_scheduled(tr: _Trace, static: StaticProfile, step, start: int, args: dict) -> None:
+    """Executor steps: each IPU runs its program runs one after the other from the step start."""
+    cursor = {i: start for i in range(static.num_ipus)}
+    spans: dict[int, list] = {}
+    for e in step.events:
+        info = static.programs[e.program]
+        label = op_label(e.op)
+        for ipu, c in sorted(e.per_ipu.items()):
+            if c.total <= 0:
+                continue
+            t0 = cursor[ipu]
+            eargs = {**args, "op": label, "part": e.part, "program": info.name}
+            tr.x(f"{label} {e.part}".strip(), ipu + 1, "programs", t0, c.total, eargs)
+            t = t0
+            for seg in _segments_for(info, ipu, c, label):
+                tr.x(seg.name, ipu + 1, seg.kind, t, seg.cycles, eargs)
+                t += seg.cycles
+            cursor[ipu] = t0 + c.total
+            if e.op is not None and e.op.ipu == ipu:
+                span = spans.setdefault(ipu, [t0, t0 + c.total, e.op])
+                span[1] = t0 + c.total
+    for ipu, (t0, t1, op) in spans.items():
+        tr.x(op_label(op), ipu + 1, "ops", t0, t1 - t0,
+             {**args, "kind": op.kind, "stage": op.stage, "micro_batch": op.global_micro_batch})
+
+
+def _lay_out_node(tr: _Trace, node: Program, cost_of, t: int, args: dict) -> int:
+    """One node in lockstep from cycle t (a container's static leaves, e.g. an op run as one
+    kernel in fast mode); returns the cycle it ends."""
+    if isinstance(node, Parallel):
+        return max((_lay_out_node(tr, c, cost_of, t, args) for c in node.children()), default=t)
+    if isinstance(node, If):
+        return _lay_out_node(tr, _heavier_branch(node, cost_of), cost_of, t, args)
+    if isinstance(node, Repeat) and node.count > REPEAT_EXPAND_LIMIT:
+        node_args = {**args, "repeat": node.count}
+        for ipu, c in cost_of(node).per_ipu.items():
+            u = t
+            for seg in kind_segments(f"{getattr(node.body, 'name', '') or 'repeat'} x{node.count}", c):
+                tr.x(seg.name, ipu + 1, seg.kind, u, seg.cycles, node_args)
+                u += seg.cycles
+        return t + cost_of(node).total
+    if isinstance(node, Repeat):
+        for _ in range(node.count):
+            t = _lay_out_node(tr, node.body, cost_of, t, args)
+        return t
+    if isinstance(node, (Sequence, OpProgram)):
+        for c in node.children():
+            t = _lay_out_node(tr, c, cost_of, t, args)
+        return t
+    cost = cost_of(node)
+    for ipu, c in cost.per_ipu.items():
+        u = t
+        for seg in kind_segments(leaf_name(node), c):
+            tr.x(seg.name, ipu + 1, seg.kind, u, seg.cycles, args)
+            u += seg.cycles
+    return t + cost.total
+
+
+def _lay_out_nodes(tr: _Trace, nodes: list, cost_of, t: int, args: dict) -> int:
+    """Engine runs: all IPUs advance in lockstep, node after node as the engine charged them
+    (a tuple holds the node lists of a Parallel's branches, which run together)."""
+    for n in nodes:
+        if isinstance(n, tuple):
+            t = max((_lay_out_nodes(tr, branch, cost_of, t, args) for branch in n), default=t)
+        else:
+            t = _lay_out_node(tr, n, cost_of, t, args)
+    return t
+
+
+def chrome_trace(static: StaticProfile, rec: Recording, cost_of=None) -> dict:
+    """The traced calls as Chrome trace events: one process per IPU with lanes for ops, program
+    runs, compute, exchange, sync, inter-IPU and host I/O, and a "schedule" process with the
+    steps. Complete events ("X"), timestamps in microseconds at the target clock, sorted per
+    lane. `cost_of` resolves engine-recorded nodes (plain Engine profiles)."""
+    tr = _Trace(static.target.clock_hz)
+    meta = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "schedule"}},
+            {"name": "process_sort_index", "ph": "M", "pid": 0, "tid": 0, "args": {"sort_index": 0}},
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": 1, "args": {"name": "steps"}}]
+    for i in range(static.num_ipus):
+        meta += [{"name": "process_name", "ph": "M", "pid": i + 1, "tid": 0, "args": {"name": f"IPU {i}"}},
+                 {"name": "process_sort_index", "ph": "M", "pid": i + 1, "tid": 0, "args": {"sort_index": i + 1}}]
+        for k, lane in enumerate(LANES):
+            meta += [{"name": "thread_name", "ph": "M", "pid": i + 1, "tid": k + 1, "args": {"name": LANE_TITLES[lane]}},
+                     {"name": "thread_sort_index", "ph": "M", "pid": i + 1, "tid": k + 1, "args": {"sort_index": k + 1}}]
+    live_peaks = _program_live_peaks(static)
+    base = [int(r.always_live.sum() + r.vertex_state.sum() + r.code.sum()) for r in static.memory]
+    t = 0
+    for call, steps in enumerate(rec.traced):
+        for s in steps:
+            args = {"call": call + 1, "step": s.index + 1}
+            if static.source == "ipusim":
+                name = f"run {call + 1}: {step_label(static, s)}"
+            else:
+                name = f"step {s.index + 1}" + (f" (call {call + 1})" if len(rec.traced) > 1 else "")
+            tr.events.append({"name": name, "cat": "step", "ph": "X", "pid": 0, "tid": 1, "ts": tr.us(t),
+                              "dur": round(tr.us(t + s.cycles) - tr.us(t), 6),
+                              "args": {**args, "ops": step_label(static, s), "cycles": int(s.cycles)}})
+            programs = [e.program for e in s.events]
+            for r in static.memory:
+                live = base[r.ipu] + (int(live_peaks[programs, r.ipu].max()) if programs else 0)
+                tr.events.append({"name": "live bytes", "ph": "C", "pid": r.ipu + 1, "ts": tr.us(t),
+                                  "args": {"bytes": live}})
+            if any(e.nodes is not None for e in s.events if isinstance(e, ProgramEvent)) and cost_of is not None:
+                for e in s.events:
+                    info = static.programs[e.program]
+                    for ipu in sorted(e.per_ipu):
+                        tr.x(info.name, ipu + 1, "programs", t, s.cycles, {**args, "program": info.name})
+                    _lay_out_nodes(tr, e.nodes or [], cost_of, t, {**args, "program": info.name})
+            else:
+                _lay_out_scheduled(tr, static, s, t, args)
+            t += int(s.cycles)
+    body = sorted(tr.events, key=lambda e: (e["pid"], e.get("tid", 0), e["ts"], -e.get("dur", 0)))
+    return {"traceEvents": meta + body, "displayTimeUnit": "ns",
+            "otherData": {"schema": SCHEMA_NAME, "version": SCHEMA_VERSION, "name": static.name,
+                          "target": static.target.name, "clock_hz": static.target.clock_hz,
+                          "time_unit": "microseconds at the target clock"}}
+
+
+# =========================================================================================
+# Text: summary and comparison
+# =========================================================================================
+def _mib(b: float) -> str:
+    """Bytes in a readable binary unit."""
+    if b >= 2**20:
+        return f"{b / 2**20:,.2f} MiB"
+    if b >= 2**10:
+        return f"{b / 2**10:,.1f} KiB"
+    return f"{int(b):,} B"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:5.1f}%"
+
+
+def _time(cycles: float, clock: float) -> str:
+    s = cycles / clock
+    if s >= 1:
+        return f"{s:,.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:,.3f} ms"
+    return f"{s * 1e6:,.1f} us"
+
+
+def _run_line(doc: dict) -> str:
+    ex, clock = doc["execution"], doc["target"]["clock_hz"]
+    if doc["source"] == "ipusim":
+        return (f"  {ex['calls']} program run{'s' if ex['calls'] != 1 else ''}, {ex['total_cycles']:,} cycles = "
+                f"{_time(ex['total_cycles'], clock)}")
+    first = ex["cycles_per_call"][0] if ex["cycles_per_call"] else 0
+    steps = sum(1 for s in ex["steps"] if s["call"] == 1)
+    line = f"  per call: {steps} steps, {first:,} cycles = {_time(first, clock)}"
+    samples = doc["settings"].get("samples_per_call")
+    if samples and first:
+        line += f" ({samples / (first / clock):,.0f} samples/s)"
+    if ex["calls"] > 1:
+        line += f"; {ex['calls']} calls, {ex['total_cycles']:,} cycles = {_time(ex['total_cycles'], clock)} in all"
+    return line
+
+
+def summary(doc: dict) -> str:
+    """The end-of-run summary: per-IPU busy and idle time, the longest stage and its share of the
+    work and of the step time, memory per IPU against capacity."""
+    ex, tgt = doc["execution"], doc["target"]
+    clock = tgt["clock_hz"]
+    sched = ex["schedule"]
+    kind = "estimate, not run" if doc["estimated"] else (
+        f"{ex['calls']} call{'s' if ex['calls'] != 1 else ''}" if doc["source"] != "ipusim" else "plain programs")
+    lines = [f"Profile {doc['name']!r}: {doc['num_ipus']} x {tgt['name']} ({clock / 1e9:.2f} GHz)"
+             + (f", {sched['strategy']} schedule" if sched else "") + f"; {kind}", _run_line(doc)]
+    total = ex["total_cycles"] or 1
+    lines.append(f"  {'IPU':>3}  {'busy':>6}  {'idle':>6} {'(bubble':>8} {'wait)':>7}   {'compute':>7} {'exchange':>8} "
+                 f"{'sync':>6} {'inter-IPU':>9} {'host':>6}")
+    for u in ex["ipus"]:
+        b = u["busy"]
+        lines.append(f"  {u['ipu']:>3}  {_pct(u['utilisation'])}  {_pct(1 - u['utilisation'])}  "
+                     f"({_pct(u['bubble_fraction'])}  {_pct(u['imbalance_fraction'])})   "
+                     + " ".join(f"{_pct(b[k] / total):>{w}}" for k, w in
+                                (("compute", 7), ("exchange", 8), ("sync", 6), ("inter_ipu", 9), ("host", 6))))
+    lines.append("  (shares of the run time; bubble: idle in steps without an op of the IPU; wait: idle in its "
+                 "own steps until the slowest IPU finishes)")
+    ls = ex["longest_stage"]
+    if ls:
+        parts = f"forward {ls['forward_cycles']:,.0f}" + (f" + backward {ls['backward_cycles']:,.0f}"
+                                                          if ls["backward_cycles"] else "")
+        lines.append(f"Longest stage: stage {ls['stage']} on IPU {ls['ipu']} (blocks {', '.join(map(str, ls['blocks']))}), "
+                     f"{ls['cycles_per_micro_batch']:,.0f} cycles per micro-batch ({parts}): "
+                     f"{100 * ls['share_of_work']:.1f}% of the work of all stages ({100 * ls['balanced_share']:.1f}% "
+                     f"if balanced); its IPU sets the step time for {100 * ls['critical_fraction']:.1f}% of the run.")
+    if doc["memory"]["ipus"]:
+        lines.append(f"Memory per IPU (capacity {_mib(tgt['num_tiles'] * tgt['bytes_per_tile'])}, "
+                     f"{tgt['bytes_per_tile']:,} B per tile):")
+        for m in doc["memory"]["ipus"]:
+            top = sorted(m["by_category"].items(), key=lambda kv: -kv[1])[:3]
+            lines.append(f"  IPU {m['ipu']}  {_mib(m['total_bytes']):>12} ({_pct(m['total_bytes'] / m['capacity_bytes']).strip()})"
+                         f"  busiest tile {m['max_tile']}: {m['max_tile_bytes']:,} B "
+                         f"({_pct(m['max_tile_bytes'] / m['tile_capacity_bytes']).strip()})"
+                         + ("  OUT OF MEMORY" if not m["fits"] else "")
+                         + "  largest: " + ", ".join(f"{k.replace('_', ' ')} {_mib(v)}" for k, v in top))
+    if ex["inter_ipu"]["bytes_per_call"] or ex["host_bytes_per_call"]:
+        lines.append(f"Traffic per {'call' if doc['source'] != 'ipusim' else 'first run'}: inter-IPU "
+                     f"{ex['inter_ipu']['bytes_per_call']:,} B, host I/O {ex['host_bytes_per_call']:,} B.")
+    for note in doc.get("notes", []):
+        lines.append(f"Note: {note}")
+    return "\n".join(lines)
+
+
+def comparison_rows(a: dict, b: dict) -> list[tuple[str, float | None, float | None]]:
+    """(metric, value in a, value in b) rows for two profiles."""
+    ea, eb = a["execution"], b["execution"]
+
+    def per_ipu(doc, key):
+        return {u["ipu"]: u[key] for u in doc["execution"]["ipus"]}
+
+    def mem(doc, key):
+        return {m["ipu"]: m[key] for m in doc["memory"]["ipus"]}
+
+    rows = [("IPUs", a["num_ipus"], b["num_ipus"]),
+            ("clock (GHz)", a["target"]["clock_hz"] / 1e9, b["target"]["clock_hz"] / 1e9),
+            ("steps per call", len(ea["steps"]), len(eb["steps"])),
+            ("cycles per call", ea["cycles"], eb["cycles"]),
+            ("time per call (us)", ea["cycles"] / a["target"]["clock_hz"] * 1e6,
+             eb["cycles"] / b["target"]["clock_hz"] * 1e6)]
+    sa, sb = a.get("settings", {}), b.get("settings", {})
+    if sa.get("samples_per_call") and sb.get("samples_per_call"):
+        rows.append(("time per sample (us)", ea["cycles"] / a["target"]["clock_hz"] * 1e6 / sa["samples_per_call"],
+                     eb["cycles"] / b["target"]["clock_hz"] * 1e6 / sb["samples_per_call"]))
+    ua, ub = per_ipu(a, "utilisation"), per_ipu(b, "utilisation")
+    rows.append(("mean utilisation", float(np.mean(list(ua.values()))) if ua else None,
+                 float(np.mean(list(ub.values()))) if ub else None))
+    for i in sorted(set(ua) | set(ub)):
+        rows.append((f"IPU {i} utilisation", ua.get(i), ub.get(i)))
+    ta, tb = mem(a, "total_bytes"), mem(b, "total_bytes")
+    rows.append(("memory, all IPUs (MiB)", sum(ta.values()) / 2**20, sum(tb.values()) / 2**20))
+    for i in sorted(set(ta) | set(tb)):
+        rows.append((f"IPU {i} memory (MiB)", ta[i] / 2**20 if i in ta else None, tb[i] / 2**20 if i in tb else None))
+    xa, xb = mem(a, "max_tile_bytes"), mem(b, "max_tile_bytes")
+    rows.append(("busiest tile (bytes)", max(xa.values(), default=None), max(xb.values(), default=None)))
+    rows.append(("inter-IPU bytes per call", ea["inter_ipu"]["bytes_per_call"], eb["inter_ipu"]["bytes_per_call"]))
+    rows.append(("host bytes per call", ea["host_bytes_per_call"], eb["host_bytes_per_call"]))
+    la, lb = ea["longest_stage"], eb["longest_stage"]
+    if la or lb:
+        rows.append(("longest stage (cycles per micro-batch)", la and la["cycles_per_micro_batch"],
+                     lb and lb["cycles_per_micro_batch"]))
+    if ea["schedule"] or eb["schedule"]:
+        rows.append(("schedule bubble fraction", ea["schedule"] and ea["schedule"]["bubble_fraction"],
+                     eb["schedule"] and eb["schedule"]["bubble_fraction"]))
+    return rows
+
+
+def comparison(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
+    """Two profiles side by side with the ratio B / A."""
+    rows = comparison_rows(a, b)
+
+    def fmt(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float) and not v.is_integer():
+            return f"{v:,.4g}" if abs(v) < 1 else f"{v:,.2f}"
+        return f"{int(v):,}"
+
+    width = max(len(r[0]) for r in rows)
+    head = [f"A = {names[0]!s}: {a['name']!r} ({a['num_ipus']} x {a['target']['name']}"
+            f"{', ' + a['execution']['schedule']['strategy'] if a['execution']['schedule'] else ''})",
+            f"B = {names[1]!s}: {b['name']!r} ({b['num_ipus']} x {b['target']['name']}"
+            f"{', ' + b['execution']['schedule']['strategy'] if b['execution']['schedule'] else ''})",
+            f"{'metric':<{width}}  {'A':>14}  {'B':>14}  {'B / A':>8}"]
+    out = []
+    for name, va, vb in rows:
+        ratio = "-"
+        if va is not None and vb is not None and va != 0:
+            ratio = f"{vb / va:.3f}"
+        out.append(f"{name:<{width}}  {fmt(va):>14}  {fmt(vb):>14}  {ratio:>8}")
+    return "\n".join(head + out)
+
+
+# =========================================================================================
+# Schema and validation
+# =========================================================================================
+_INT = {"type": "integer", "minimum": 0}
+_NUM = {"type": "number", "minimum": 0}
+_FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
+_CYCLES = {"type": "object", "required": ["compute", "exchange", "sync", "inter_ipu", "host", "total"],
+           "properties": {k: _INT for k in ("compute", "exchange", "sync", "inter_ipu", "host", "total")},
+           "additionalProperties": False}
+_IPU_CYCLES = {"type": "object", "required": ["ipu", "total"],
+               "properties": {"ipu": _INT, **_CYCLES["properties"]}, "additionalProperties": False}
+_INTS = {"type": "array", "items": _INT}
+_STAGE_PASS = {"type": ["object", "null"], "required": ["cycles_per_micro_batch", "body_cycles", "runs"],
+               "properties": {"cycles_per_micro_batch": _NUM, "body_cycles": _NUM, "runs": _INT}}
+
+PROFILE_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "ipusim profile", "type": "object",
+    "required": ["schema", "version", "name", "source", "created", "estimated", "notes", "target", "num_ipus",
+                 "settings", "memory", "programs", "execution", "blocks"],
+    "properties": {
+        "schema": {"const": SCHEMA_NAME}, "version": {"const": SCHEMA_VERSION},
+        "name": {"type": "string"}, "source": {"enum": ["poptorch_lite", "ipusim"]},
+        "created": {"type": "string"}, "estimated": {"type": "boolean"},
+        "notes": {"type": "array", "items": {"type": "string"}},
+        "target": {"type": "object", "required": ["name", "num_tiles", "bytes_per_tile", "clock_hz"],
+                   "properties": {"name": {"type": "string"}, "num_tiles": _INT, "bytes_per_tile": _INT,
+                                  "clock_hz": _NUM}},
+        "num_ipus": {"type": "integer", "minimum": 1},
+        "settings": {"type": "object"},
+        "memory": {
+            "type": "object", "required": ["ipus", "supersteps"],
+            "properties": {
+                "ipus": {"type": "array", "items": {
+                    "type": "object",
+                    "required": ["ipu", "capacity_bytes", "tile_capacity_bytes", "total_bytes", "max_tile_bytes",
+                                 "max_tile", "fits", "always_live_bytes", "not_always_live_peak_bytes",
+                                 "vertex_state_bytes", "code_bytes", "by_category", "per_tile",
+                                 "per_tile_by_category", "largest_tensors", "liveness"],
+                    "properties": {
+                        "ipu": _INT, "capacity_bytes": _INT, "tile_capacity_bytes": _INT, "total_bytes": _INT,
+                        "max_tile_bytes": _INT, "max_tile": _INT, "fits": {"type": "boolean"},
+                        "always_live_bytes": _INT, "not_always_live_peak_bytes": _INT, "vertex_state_bytes": _INT,
+                        "code_bytes": _INT, "by_category": {"type": "object", "additionalProperties": _INT},
+                        "per_tile": {"type": "object",
+                                     "required": ["always_live", "not_always_live_peak", "vertex_state", "code", "peak"],
+                                     "additionalProperties": _INTS},
+                        "per_tile_by_category": {"type": "object", "additionalProperties": _INTS},
+                        "largest_tensors": {"type": "array", "items": {
+                            "type": "object", "required": ["name", "bytes"],
+                            "properties": {"name": {"type": "string"}, "bytes": _INT}}},
+                        "liveness": _INTS}}},
+                "supersteps": {"type": "array", "items": {
+                    "type": "object", "required": ["program", "first", "count"],
+                    "properties": {"program": _INT, "first": _INT, "count": _INT}}}}},
+        "programs": {"type": "array", "items": {
+            "type": "object",
+            "required": ["index", "name", "cycles", "per_ipu", "exchange_bytes", "inter_ipu_bytes", "host_bytes"],
+            "properties": {"index": _INT, "name": {"type": "string"}, "cycles": _INT,
+                           "per_ipu": {"type": "array", "items": _IPU_CYCLES}, "exchange_bytes": _INT,
+                           "inter_ipu_bytes": _INT, "host_bytes": _INT}}},
+        "execution": {
+            "type": "object",
+            "required": ["calls", "traced_calls", "cycles_per_call", "total_cycles", "total_seconds", "cycles",
+                         "steps", "ipus", "schedule", "stages", "updates", "longest_stage",
+                         "exchange_bytes_per_call", "host_bytes_per_call", "inter_ipu"],
+            "properties": {
+                "calls": _INT, "traced_calls": _INT, "cycles_per_call": _INTS, "total_cycles": _INT,
+                "total_seconds": _NUM, "cycles": _INT,
+                "steps": {"type": "array", "items": {
+                    "type": "object",
+                    "required": ["call", "index", "label", "group", "start_cycle", "cycles", "critical_ipu", "ops",
+                                 "busy", "live_bytes"],
+                    "properties": {
+                        "call": {"type": "integer", "minimum": 1}, "index": _INT, "label": {"type": "string"}, "group": {"type": ["integer", "null"]},
+                        "start_cycle": _INT, "cycles": _INT, "critical_ipu": {"type": ["integer", "null"]},
+                        "ops": {"type": "array", "items": {
+                            "type": "object", "required": ["label", "kind", "stage", "micro_batch", "ipu"],
+                            "properties": {"label": {"type": "string"}, "kind": {"enum": ["F", "B", "W", "R"]},
+                                           "stage": {"type": ["integer", "null"]},
+                                           "micro_batch": {"type": ["integer", "null"]},
+                                           "group": {"type": ["integer", "null"]}, "ipu": _INT}}},
+                        "busy": {"type": "array", "items": _IPU_CYCLES},
+                        "live_bytes": {"type": "array", "items": {
+                            "type": "object", "required": ["ipu", "bytes"],
+                            "properties": {"ipu": _INT, "bytes": _INT}}}}}},
+                "ipus": {"type": "array", "items": {
+                    "type": "object",
+                    "required": ["ipu", "busy", "idle_cycles", "utilisation", "compute_utilisation", "bubble_fraction",
+                                 "imbalance_fraction", "schedule_bubble_fraction"],
+                    "properties": {"ipu": _INT, "busy": _CYCLES, "idle_cycles": _INT, "utilisation": _FRACTION,
+                                   "compute_utilisation": _FRACTION, "bubble_fraction": _FRACTION,
+                                   "imbalance_fraction": _FRACTION,
+                                   "schedule_bubble_fraction": {"type": ["number", "null"]}}}},
+                "schedule": {"type": ["object", "null"],
+                             "required": ["strategy", "num_ipus", "stage_ipus", "training", "micro_batches_per_group",
+                                          "num_groups", "num_steps", "ramp_up", "main", "ramp_down",
+                                          "bubble_fraction", "bubble_fraction_per_ipu"]},
+                "stages": {"type": "array", "items": {
+                    "type": "object", "required": ["stage", "ipu", "blocks", "forward", "backward"],
+                    "properties": {"stage": _INT, "ipu": _INT, "blocks": {"type": "array", "items": {"type": "string"}},
+                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS}}},
+                "updates": {"type": "array", "items": {"type": "object", "required": ["ipu", "cycles"],
+                                                       "properties": {"ipu": _INT, "cycles": _NUM}}},
+                "longest_stage": {"type": ["object", "null"],
+                                  "required": ["stage", "ipu", "blocks", "cycles_per_micro_batch", "forward_cycles",
+                                               "backward_cycles", "share_of_work", "balanced_share",
+                                               "critical_fraction"]},
+                "exchange_bytes_per_call": _INT, "host_bytes_per_call": _INT,
+                "inter_ipu": {"type": "object", "required": ["bytes_per_call", "links"],
+                              "properties": {"bytes_per_call": _INT, "links": {"type": "array", "items": {
+                                  "type": "object", "required": ["src", "dst", "bytes"],
+                                  "properties": {"src": _INT, "dst": _INT, "bytes": _INT}}}}}}},
+        "blocks": {"type": ["object", "null"],
+                   "required": ["names", "forward_cycles", "backward_cycles", "update_cycles", "tile_bytes", "flows",
+                                "current_split", "source"]},
+    },
+}
+
+
+class ProfileError(ValueError):
+    """A profile document that does not follow the schema."""
+
+
+def _check(value, schema: dict, path: str, errors: list[str]) -> None:
+    """A small JSON Schema checker for the keywords PROFILE_SCHEMA uses."""
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else types
+        ok = {"object": isinstance(value, dict), "array": isinstance(value, list),
+              "string": isinstance(value, str), "boolean": isinstance(value, bool), "null": value is None,
+              "integer": isinstance(value, int) and not isinstance(value, bool),
+              "number": isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if not any(ok[n] for n in names):
+            errors.append(f"{path}: expected {' or '.join(names)}, got {type(value).__name__}")
+            return
+    if "const" in schema and value != schema["const"]:
+        errors.append(f"{path}: expected {schema['const']!r}, got {value!r}")
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            errors.append(f"{path}: {value} is below the minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"] + 1e-12:
+            errors.append(f"{path}: {value} is above the maximum {schema['maximum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", ()):
+            if key not in value:
+                errors.append(f"{path}: missing required field {key!r}")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        for key, v in value.items():
+            if key in props:
+                _check(v, props[key], f"{path}.{key}", errors)
+            elif extra is False:
+                errors.append(f"{path}: unexpected field {key!r}")
+            elif isinstance(extra, dict):
+                _check(v, extra, f"{path}.{key}", errors)
+    if isinstance(value, list) and "items" in schema:
+        if schema["items"] is _INT and all(type(v) is int and v >= 0 for v in value):
+            return    # the long per-tile and liveness arrays: one pass
+        for i, v in enumerate(value):
+            _check(v, schema["items"], f"{path}[{i}]", errors)
+            if len(errors) > 20:
+                return
+
+
+def validate(doc: dict) -> None:
+    """Raise ProfileError listing what in `doc` does not follow PROFILE_SCHEMA."""
+    errors: list[str] = []
+    _check(doc, PROFILE_SCHEMA, "profile", errors)
+    if errors:
+        version = doc.get("version") if isinstance(doc, dict) else None
+        hint = (f" (this ipusim reads version {SCHEMA_VERSION}; the file has version {version})"
+                if version not in (None, SCHEMA_VERSION) else "")
+        raise ProfileError("not a valid ipusim profile" + hint + ":\n  " + "\n  ".join(errors[:20]))
+
+
+def load(path: str) -> dict:
+    """Read and validate a profile.json (or the profile.json inside a directory)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "profile.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no profile at {path}: run with profiling on (POPLAR_ENGINE_OPTIONS="
+                                "'{\"autoReport.all\":\"true\",\"autoReport.directory\":DIR}') or pass the directory "
+                                "that holds profile.json")
+    with open(path) as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ProfileError(f"{path} is not JSON: {error}") from None
+    validate(doc)
+    return doc
+
+
+# =========================================================================================
+# Writing, and the session that writes once at the end
+# =========================================================================================
+def _write_json(path: str, obj: dict) -> None:
+    """Write atomically (readers never see half a file); one dumps call keeps the C encoder."""
+    text = json.dumps(obj, separators=(",", ":"))
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_profile(directory: str, static: StaticProfile, rec: Recording, *, trace: bool = True,
+                  charts: bool = True, cost_of=None) -> tuple[dict, list[str], list[str]]:
+    """Write profile.json (and trace.json, and the PNG charts) into `directory`. Returns the
+    document, the files written and messages (e.g. charts skipped without matplotlib)."""
+    os.makedirs(directory, exist_ok=True)
+    doc = build_profile(static, rec)
+    files, messages = [], []
+    path = os.path.join(directory, "profile.json")
+    _write_json(path, doc)
+    files.append(path)
+    if trace:
+        path = os.path.join(directory, "trace.json")
+        _write_json(path, chrome_trace(static, rec, cost_of))
+        files.append(path)
+    if charts:
+        from .charts import ChartsUnavailable, write_charts
+        try:
+            files += write_charts(doc, directory)
+        except ChartsUnavailable as why:
+            messages.append(str(why))
+    return doc, files, messages
+
+
+class ProfileSession:
+    """Collects calls for one compiled program and writes its profile into `directory`.
+
+    `write_early()` writes profile.json and trace.json once the traced calls are in; `finish()`
+    writes everything (profile with the totals of all calls, trace, charts) and prints the
+    summary. `finish` runs once: at the end of the owner's life (a weakref finalizer, which also
+    runs at interpreter exit) or when called."""
+
+    def __init__(self, directory: str, static: StaticProfile, *, trace_calls: int = 1, cost_of=None,
+                 advice: Callable[[dict], str] | None = None, echo: Callable[[str], None] = print):
+        self.directory = directory
+        self.static = static
+        self.recording = Recording(static.num_ipus, trace_calls)
+        self.cost_of = cost_of
+        self.advice = advice
+        self.echo = echo
+        self.finished = False
+        self.files: list[str] = []
+
+    def add(self, steps: list) -> None:
+        self.recording.add(steps)
+
+    def write_early(self) -> None:
+        _, self.files, _ = write_profile(self.directory, self.static, self.recording, charts=False,
+                                         cost_of=self.cost_of)
+
+    def finish(self) -> str | None:
+        """Write the files and print the summary; returns the summary (None if nothing ran or
+        it already finished)."""
+        if self.finished:
+            return None
+        self.finished = True
+        if not self.recording.calls:
+            return None
+        doc, self.files, messages = write_profile(self.directory, self.static, self.recording, cost_of=self.cost_of)
+        text = summary(doc)
+        if self.advice is not None:
+            advice = self.advice(doc)
+            if advice:
+                text += "\n" + advice
+        text += f"\nProfile written to {self.directory}: " + ", ".join(os.path.basename(f) for f in self.files)
+        for m in messages:
+            text += f"\n{m}"
+        self.echo(text)
+        return text
+
+
+def finish_on_collect(owner, session: ProfileSession) -> weakref.finalize:
+    """Run `session.finish()` once, when `owner` is garbage collected or at interpreter exit."""
+    return weakref.finalize(owner, session.finish)
+
+
+class EngineProfiler:
+    """Profiling of a plain Engine (`Engine(..., profile_dir=DIR)`): every `run()` / `execute()`
+    is one step; the first `trace_calls` runs keep their executed nodes for the trace. Files are
+    written when the engine is closed or collected, or at interpreter exit."""
+
+    def __init__(self, engine, directory: str, name: str = "engine", trace_calls: int = 16):
+        costs = engine._costs
+        self.session = ProfileSession(
+            directory, static_profile(name, engine, source="ipusim"), trace_calls=trace_calls,
+            cost_of=lambda node: costs[id(node)][1])
+        self._finalizer = finish_on_collect(engine, self.session)
+        self._lock = threading.Lock()     # programs may run from several host threads
+
+    def ran(self, index: int, report) -> None:
+        with self._lock:
+            runs = self.session.recording.calls
+            keep = runs < self.session.recording.trace_calls
+            event = ProgramEvent(None, "run", index, dict(report.per_ipu), report.nodes if keep else None)
+            self.session.add([executed_step(runs, [], [event], cycles=report.total)])
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+__all__ = ["ExecutedStep", "EngineProfiler", "ProfileError", "ProfileSession", "ProgramEvent", "ProgramInfo",
+           "PROFILE_SCHEMA", "Recording", "SCHEMA_VERSION", "Segment", "StageInfo", "StaticProfile",
+           "build_profile", "chrome_trace", "comparison", "describe_programs",
+           "executed_step", "load", "simulate", "static_profile", "summary", "validate", "write_profile"]

@@ -1,0 +1,97 @@
+"""`python -m ipusim.report DIR [--compare DIR2]`: read profiles and print their summaries, balance
+advice and side-by-side comparisons.
+
+DIR is a profile directory (it holds profile.json) or a directory of them (a run's
+autoReport.directory, with one sub-directory per model: "training", "inference", ...).
+With --compare, profiles of the same name are paired (or the single profile of each side).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from . import advisor
+from . import profile as prof
+
+
+def find_profiles(path: str) -> dict[str, str]:
+    """name -> directory of every profile in `path` (itself, or its sub-directories)."""
+    if os.path.isfile(os.path.join(path, "profile.json")):
+        return {os.path.basename(os.path.normpath(path)) or path: path}
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    found = {d: os.path.join(path, d) for d in sorted(os.listdir(path))
+             if os.path.isfile(os.path.join(path, d, "profile.json"))}
+    if not found:
+        raise FileNotFoundError(f"no profile.json in {path} or its sub-directories: run with profiling on "
+                                "(Options.enableProfiling(DIR) or POPLAR_ENGINE_OPTIONS='{\"autoReport.all\":\"true\","
+                                "\"autoReport.directory\":\"DIR\"}') or Engine(..., profile_dir=DIR)")
+    return found
+
+
+def pairs(a: dict[str, str], b: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(label, dir a, dir b) of the profiles to compare."""
+    if len(a) == 1 and len(b) == 1:
+        (na, da), (nb, db) = next(iter(a.items())), next(iter(b.items()))
+        return [(na if na == nb else f"{na} vs {nb}", da, db)]
+    common = [n for n in a if n in b]
+    if not common:
+        raise ValueError(f"nothing to compare: the first side has profiles {sorted(a)}, the second {sorted(b)}; "
+                         "point both at single profile directories")
+    return [(n, a[n], b[n]) for n in common]
+
+
+def report(path: str, num_ipus: int | None = None, advice: bool = True) -> str:
+    out = []
+    for name, directory in find_profiles(path).items():
+        doc = prof.load(directory)
+        out.append(prof.summary(doc))
+        if advice and doc.get("blocks"):
+            try:
+                out.append(advisor.advise_profile(doc, num_ipus).text())
+            except ValueError as error:
+                out.append(f"Balance advice: {error}")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def compare(path_a: str, path_b: str) -> str:
+    out = []
+    for label, da, db in pairs(find_profiles(path_a), find_profiles(path_b)):
+        out += [f"== {label} ==", prof.comparison(prof.load(da), prof.load(db), (da, db)), ""]
+    return "\n".join(out).rstrip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ipusim.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", nargs="?", help="profile directory, or a directory of profile directories")
+    parser.add_argument("--compare", metavar="DIR2", help="show DIR and DIR2 side by side with ratios DIR2 / DIR")
+    parser.add_argument("--ipus", type=int, metavar="N", help="balance advice for N IPUs (default: as profiled)")
+    parser.add_argument("--no-advice", action="store_true", help="leave out the balance advice")
+    parser.add_argument("--charts", action="store_true", help="(re)draw the PNG charts next to each profile.json")
+    parser.add_argument("--schema", action="store_true", help="print the JSON Schema of profile.json and exit")
+    args = parser.parse_args(argv)
+    if args.schema:
+        print(json.dumps(prof.PROFILE_SCHEMA, indent=2))
+        return 0
+    if not args.dir:
+        parser.error("give a profile directory (or --schema)")
+    try:
+        if args.charts:
+            from .charts import write_charts
+            for _, directory in find_profiles(args.dir).items():
+                print("\n".join(write_charts(prof.load(directory), directory)))
+        if args.compare:
+            print(compare(args.dir, args.compare))
+        else:
+            print(report(args.dir, args.ipus, not args.no_advice))
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        print(f"ipusim.report: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
