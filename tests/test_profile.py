@@ -1,0 +1,374 @@
+"""Profiles: the profile.json schema, the Chrome trace, per-step accounting, utilisation against
+the closed form, plain Engine profiling, the poptorch_lite hook and "what if" estimates."""
+import collections
+import dataclasses
+import gc
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ipusim as ip
+import poptorch_lite as poptorch
+from ipusim import profile as prof
+from ipusim.ops.matmul import matmul
+from ipusim.schedules import pipelined_schedule
+from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
+
+SMALL = ip.Target.test(num_tiles=64, bytes_per_tile=256 * 1024)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def check_trace(trace: dict) -> dict:
+    """Well-formed Chrome trace: complete events with the required fields, sorted and
+    non-overlapping per lane; returns the events by (pid, tid)."""
+    assert isinstance(trace["traceEvents"], list)
+    lanes = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        assert e["ph"] in ("X", "M", "C"), e
+        if e["ph"] == "X":
+            assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) and isinstance(e["name"], str) and e["name"]
+            assert e["dur"] > 0 and e["ts"] >= 0
+            lanes[(e["pid"], e["tid"])].append(e)
+    for events in lanes.values():
+        for a, b in zip(events, events[1:]):
+            assert a["ts"] <= b["ts"] and a["ts"] + a["dur"] <= b["ts"] + 1e-6, (a, b)
+    return lanes
+
+
+def lane_cycles(trace: dict) -> dict:
+    """(ipu, kind) -> cycles drawn on that lane (exact: from the events' args)."""
+    out = collections.Counter()
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["pid"] > 0 and e["cat"] in prof.SEGMENT_KINDS:
+            out[(e["pid"] - 1, e["cat"])] += e["args"]["cycles"]
+    return out
+
+
+def pipeline_profile(n: int, g: int, stage_costs=None, update_cost: int = 1000):
+    """The grouped training pipeline on N IPUs with static program costs: one program per
+    (kind, stage), forward and backward of stage s costing stage_costs[s] (default 1000 each),
+    and one weight update per IPU."""
+    stage_costs = stage_costs or [1000] * n
+    schedule = pipelined_schedule(n, training=True, gradient_accumulation=g)
+    programs, index = [], {}
+    for kind, s in [(k, s) for k in "FBW" for s in range(n)]:
+        cost = update_cost if kind == "W" else stage_costs[s]
+        index[(kind, s)] = len(programs)
+        programs.append(prof.ProgramInfo(len(programs), f"{kind}{s}", ip.Cost(cost, {s: ip.Cycles(compute=cost)}),
+                                         {s: [prof.Segment(f"{kind}{s}", "compute", cost)]}, {}, 0, 0))
+
+    def events(op):
+        p = programs[index[(op.kind, op.ipu if op.kind == "W" else op.stage)]]
+        return [prof.ProgramEvent(op, "update" if op.kind == "W" else "compute", p.index, dict(p.cost.per_ipu))]
+
+    static = prof.StaticProfile("pipeline", "ipusim", ip.GC200, n, [], programs, schedule=schedule,
+                                stages=[prof.StageInfo(s, s, [f"B{s}"]) for s in range(n)])
+    rec = prof.Recording(n)
+    rec.add(prof.simulate(schedule, events))
+    return static, rec
+
+
+# --------------------------------------------------------------------------- utilisation
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 6))
+def test_equal_stage_costs_give_the_closed_form_utilisation(n, extra):
+    """docs/schedules.md: every IPU idles 2(N-1) of the 2(G+N-1)+1 steps of a group."""
+    g = 2 * n - 1 + extra
+    static, rec = pipeline_profile(n, g)
+    doc = prof.build_profile(static, rec)
+    closed_form = 1 - 2 * (n - 1) / (2 * (g + n - 1) + 1)
+    for u in doc["execution"]["ipus"]:
+        assert u["utilisation"] == pytest.approx(closed_form, abs=1e-12)
+        assert u["bubble_fraction"] == pytest.approx(1 - closed_form, abs=1e-12)
+        assert u["imbalance_fraction"] == 0
+        assert u["schedule_bubble_fraction"] == pytest.approx(1 - closed_form, abs=1e-12)
+
+
+def test_tutorial_figure_with_equal_costs():
+    static, rec = pipeline_profile(4, 8)
+    doc = prof.build_profile(static, rec)
+    ex = doc["execution"]
+    assert len(ex["steps"]) == 23 and ex["cycles"] == 23 * 1000
+    assert [s["label"] for s in ex["steps"][:5]] == ["F1 s0", "F2 s0 F1 s1", "F3 s0 F2 s1 F1 s2",
+                                                      "F4 s0 F3 s1 F2 s2 F1 s3", "B1 s3"]
+    assert [u["utilisation"] for u in ex["ipus"]] == [17 / 23] * 4
+    longest = ex["longest_stage"]
+    assert longest["share_of_work"] == pytest.approx(0.25) and longest["cycles_per_micro_batch"] == 2000
+
+
+def test_imbalance_is_waiting_not_bubble():
+    """Doubling one stage's cost makes the other IPUs wait in the steps they share with it."""
+    static, rec = pipeline_profile(3, 5, stage_costs=[1000, 2000, 1000])
+    ex = prof.build_profile(static, rec)["execution"]
+    assert ex["longest_stage"]["stage"] == 1 and ex["longest_stage"]["share_of_work"] == pytest.approx(0.5)
+    ipus = ex["ipus"]
+    assert ipus[1]["imbalance_fraction"] == 0 and ipus[0]["imbalance_fraction"] > 0
+    for u in ipus:
+        assert u["utilisation"] + u["bubble_fraction"] + u["imbalance_fraction"] == pytest.approx(1)
+    assert ex["longest_stage"]["critical_fraction"] > 0.5
+
+
+# --------------------------------------------------------------------------- plain Engine profiles
+
+def two_ipu_engine(profile_dir=None):
+    t = ip.Target.test(num_tiles=16)
+    dev = ip.Device(t, 2)
+    g0, g1 = dev.graph(0), dev.graph(1)
+    a = g0.addVariable("float32", (32, 32), "a")
+    b = g0.addVariable("float32", (32, 32), "b")
+    e = g1.addVariable("float32", (32, 32), "e")
+    for g, x in ((g0, a), (g0, b), (g1, e)):
+        g.map_linearly(x)
+    prog = ip.Sequence(ip.StreamCopy(g0.addHostToDeviceFIFO("in", "float32", (32, 32)), a), name="matmul step")
+    c = matmul(g0, a, b, prog, "c")
+    d = g1.addVariable("float32", (32, 32), "d")
+    g1.map_linearly(d)
+    prog.add(ip.InterIpuCopy(c, d))
+    both = ip.Sequence(ip.Parallel(ip.Copy(a, b), ip.Copy(d, e)), ip.Repeat(3, ip.Sync(0)), name="copies")
+    engine = ip.Engine(dev, [prog, both], profile_dir=profile_dir).load()
+    engine.writeTensor(b, np.eye(32, dtype=np.float32))
+    engine.connectStream("in", np.ones((32, 32), np.float32))
+    return engine
+
+
+def test_engine_profile_files_schema_and_trace(tmp_path, capsys):
+    engine = two_ipu_engine(str(tmp_path))
+    totals = [engine.run(0), engine.run(1), engine.run(0)]
+    engine.close()
+    out = capsys.readouterr().out
+    assert "3 program runs" in out and "Memory per IPU" in out
+    doc = prof.load(str(tmp_path))
+    ex = doc["execution"]
+    assert doc["source"] == "ipusim" and ex["calls"] == 3 and ex["cycles_per_call"] == totals
+    assert [s["cycles"] for s in ex["steps"]] == totals and ex["cycles"] == sum(totals) == ex["total_cycles"]
+    assert [s["label"] for s in ex["steps"]] == ["matmul step", "copies", "matmul step"]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    check_trace(trace)
+    busy = collections.Counter()
+    for s in ex["steps"]:
+        for b in s["busy"]:
+            for k in prof.SEGMENT_KINDS:
+                busy[(b["ipu"], k)] += b[k]
+    assert lane_cycles(trace) == +busy
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"schedule", "IPU 0", "IPU 1"}
+    engine.close()      # finishing twice writes nothing more and prints nothing
+    assert capsys.readouterr().out == ""
+
+
+def test_engine_profile_is_written_when_the_engine_is_collected(tmp_path):
+    engine = two_ipu_engine(str(tmp_path))
+    engine.run(1)
+    assert not (tmp_path / "profile.json").exists()
+    del engine
+    gc.collect()
+    assert prof.load(str(tmp_path))["execution"]["calls"] == 1
+
+
+def test_profiling_off_records_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    engine = two_ipu_engine()
+    report = engine.execute(0)
+    assert engine._profiler is None and report.nodes is None
+    engine.close()
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- schema
+
+def test_validation_names_what_is_wrong():
+    static, rec = pipeline_profile(2, 3)
+    doc = prof.build_profile(static, rec)
+    prof.validate(doc)
+    broken = json.loads(json.dumps(doc))
+    del broken["execution"]["steps"][0]["cycles"]
+    broken["memory"]["supersteps"][0]["count"] = -1
+    with pytest.raises(prof.ProfileError, match=r"steps\[0\]: missing required field 'cycles'") as error:
+        prof.validate(broken)
+    assert "supersteps[0].count: -1 is below the minimum 0" in str(error.value)
+    with pytest.raises(prof.ProfileError, match="reads version 1; the file has version 99"):
+        prof.validate({**doc, "version": 99})
+
+
+def test_schema_is_a_valid_json_schema_that_accepts_profiles():
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.Draft202012Validator.check_schema(prof.PROFILE_SCHEMA)
+    static, rec = pipeline_profile(3, 5)
+    jsonschema.validate(prof.build_profile(static, rec), prof.PROFILE_SCHEMA)
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="autoReport.directory"):
+        prof.load(str(tmp_path))
+    (tmp_path / "profile.json").write_text("{not json")
+    with pytest.raises(prof.ProfileError, match="is not JSON"):
+        prof.load(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- poptorch_lite models
+
+def tutorial_training(profile_dir, **names):
+    torch.manual_seed(0)
+    model = TrainingModelWithLoss(Network())
+    opts = poptorch.Options().setExecutionStrategy(TUTORIAL_STRATEGY)
+    opts.Emulator.setTarget(SMALL)
+    opts.Training.gradientAccumulation(8)
+    if profile_dir is not None:
+        opts.enableProfiling(str(profile_dir))
+    if names.get("model_name"):
+        opts.modelName(names["model_name"])
+    return poptorch.trainingModel(model, opts)
+
+
+BATCH = (torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(0)),
+         torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """The tutorial network trained for two calls with profiling on; the profile before and
+    after the model is destroyed, and the summary it printed."""
+    root = tmp_path_factory.mktemp("profile")
+    model = tutorial_training(root)
+    model(*BATCH)
+    early = sorted(os.listdir(root / "training"))
+    records = [model.last_run]
+    model(*BATCH)
+    records.append(model.last_run)
+    printed = []
+    model._profiler.session.echo = printed.append
+    model.destroy()
+    return {"dir": root / "training", "early": early, "records": records, "printed": printed, "model": model}
+
+
+@pytest.mark.slow
+def test_model_profile_files(profiled):
+    assert profiled["early"] == ["profile.json", "trace.json"]       # written after the first call
+    files = sorted(os.listdir(profiled["dir"]))
+    assert files == ["memory.png", "pipeline.png", "profile.json", "trace.json", "utilisation.png"]
+    doc = prof.load(str(profiled["dir"]))
+    assert doc["source"] == "poptorch_lite" and doc["name"] == "training" and not doc["estimated"]
+    assert doc["target"]["num_tiles"] == 64 and doc["num_ipus"] == 4
+    assert doc["settings"]["samples_per_call"] == 16 and doc["settings"]["gradient_accumulation"] == 8
+
+
+@pytest.mark.slow
+def test_model_profile_per_step_durations_add_up(profiled):
+    doc = prof.load(str(profiled["dir"]))
+    ex = doc["execution"]
+    records = profiled["records"]
+    assert ex["calls"] == 2 and ex["cycles_per_call"] == [r.cycles for r in records]
+    assert ex["total_cycles"] == sum(r.cycles for r in records)
+    steps = ex["steps"]
+    assert [s["cycles"] for s in steps] == [s.cycles for s in records[0].steps]
+    assert sum(s["cycles"] for s in steps) == ex["cycles"] == ex["cycles_per_call"][0]
+    assert all(b["start_cycle"] == a["start_cycle"] + a["cycles"] for a, b in zip(steps, steps[1:]))
+    for s in steps:
+        assert s["cycles"] == max(b["total"] for b in s["busy"])
+        assert s["critical_ipu"] == max(s["busy"], key=lambda b: (b["total"], -b["ipu"]))["ipu"]
+
+
+@pytest.mark.slow
+def test_model_profile_stages_memory_and_traffic(profiled):
+    doc = prof.load(str(profiled["dir"]))
+    ex = doc["execution"]
+    assert [(s["stage"], s["ipu"], s["blocks"]) for s in ex["stages"]] == [(i, i, [f"B{i + 1}"]) for i in range(4)]
+    # measured on the traced (first) call: 8 micro-batches
+    assert all(s["forward"]["runs"] == 8 and s["backward"]["runs"] == 8 for s in ex["stages"])
+    work = [s["forward"]["cycles_per_micro_batch"] + s["backward"]["cycles_per_micro_batch"] for s in ex["stages"]]
+    assert ex["longest_stage"]["stage"] == int(np.argmax(work))
+    assert ex["longest_stage"]["share_of_work"] == pytest.approx(max(work) / sum(work))
+    assert len(ex["updates"]) == 4
+    assert ex["inter_ipu"]["bytes_per_call"] == sum(link["bytes"] for link in ex["inter_ipu"]["links"]) > 0
+    assert {(link["src"], link["dst"]) for link in ex["inter_ipu"]["links"]} >= {(0, 1), (1, 2), (2, 3), (3, 2)}
+    for m in doc["memory"]["ipus"]:
+        peak = np.asarray(m["per_tile"]["peak"])
+        parts = sum(np.asarray(m["per_tile"][k]) for k in ("always_live", "not_always_live_peak", "vertex_state", "code"))
+        assert np.array_equal(peak, parts) and m["total_bytes"] == peak.sum() and m["max_tile_bytes"] == peak.max()
+        assert {"weights", "accumulators", "optimiser_state", "code", "vertex_state"} <= set(m["by_category"])
+        assert len(m["liveness"]) == sum(s["count"] for s in doc["memory"]["supersteps"])
+    assert any("stashed_activations" in m["by_category"] for m in doc["memory"]["ipus"])
+
+
+@pytest.mark.slow
+def test_model_trace_matches_the_record(profiled):
+    trace = json.loads((profiled["dir"] / "trace.json").read_text())
+    lanes = check_trace(trace)
+    record = profiled["records"][0]
+    busy = collections.Counter()
+    for s in record.steps:
+        for ipu, c in s.busy.items():
+            for k in prof.SEGMENT_KINDS:
+                busy[(ipu, k)] += getattr(c, k)
+    assert lane_cycles(trace) == +busy
+    steps = lanes[(0, 1)]
+    assert [e["args"]["cycles"] for e in steps] == [s.cycles for s in record.steps]
+    clock = SMALL.clock_hz
+    assert steps[-1]["ts"] + steps[-1]["dur"] == pytest.approx(record.cycles / clock * 1e6, rel=1e-9)
+    ops = [e["name"] for e in lanes[(4, 1)]]           # IPU 3's op lane: F1 s3, B1 s3, F2 s3, ...
+    assert ops[:4] == ["F1 s3", "B1 s3", "F2 s3", "B2 s3"] and ops[-1] == "W ipu3"
+
+
+@pytest.mark.slow
+def test_model_summary_is_printed_once(profiled):
+    (text,) = profiled["printed"]
+    assert "Longest stage: stage" in text and "Memory per IPU" in text
+    for i in range(4):
+        assert f"IPU {i}" in text
+    assert "Balance advice" in text and "already the best" in text
+    assert profiled["model"]._profiler.finish() is None        # never twice
+
+
+@pytest.mark.slow
+def test_poplar_engine_options_turn_profiling_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("POPLAR_ENGINE_OPTIONS", json.dumps({"autoReport.all": "true",
+                                                            "autoReport.directory": str(tmp_path)}))
+    model = tutorial_training(None, model_name="tutorial")
+    model(*BATCH)
+    assert model._profiler is not None and model._profiler.directory == str(tmp_path / "tutorial")
+    model._profiler.session.echo = lambda text: None
+    model.destroy()
+    assert prof.load(str(tmp_path / "tutorial"))["name"] == "tutorial"
+
+
+@pytest.mark.slow
+def test_no_profiler_without_profiling(tmp_path, monkeypatch):
+    monkeypatch.delenv("POPLAR_ENGINE_OPTIONS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    model = tutorial_training(None)
+    model(*BATCH)
+    assert model._profiler is None
+    model.destroy()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_what_if_estimates(profiled, tmp_path):
+    """Re-lowering on the same target reproduces the measured call exactly; on Bow (a faster
+    GC200) compute cycles stay and the call takes less time; Mk1 is estimated without running."""
+    from poptorch_lite.profiling import what_if
+    model = tutorial_training(None)
+    model(*BATCH)
+    measured = model.last_run
+    same = what_if(model)
+    assert same["estimated"] and same["execution"]["cycles"] == measured.cycles
+    assert [s["cycles"] for s in same["execution"]["steps"]] == [s.cycles for s in measured.steps]
+    bow = what_if(model, target=dataclasses.replace(SMALL, name="small Bow", clock_hz=ip.BOW.clock_hz),
+                  directory=str(tmp_path / "bow"))
+    prof.validate(bow)
+    assert [u["busy"]["compute"] for u in bow["execution"]["ipus"]] == \
+        [u["busy"]["compute"] for u in same["execution"]["ipus"]]
+    assert bow["execution"]["cycles"] / bow["target"]["clock_hz"] < measured.cycles / SMALL.clock_hz
+    assert (tmp_path / "bow" / "pipeline.png").exists()
+    mk1 = what_if(model, target="Mk1")
+    assert mk1["target"]["name"] == "GC2" and mk1["target"]["num_tiles"] == 1216
+    assert "estimated without running" in mk1["notes"][0]
+    assert "estimate, not run" in prof.summary(mk1)
+    model.destroy()

@@ -1,0 +1,167 @@
+"""`python -m ipusim.report`: summaries, side-by-side comparison, advice, charts, errors."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ipusim as ip
+from ipusim import advisor as adv
+from ipusim import charts
+from ipusim import profile as prof
+from ipusim import report
+from ipusim.schedules import pipelined_schedule, sharded_schedule
+
+TARGET = ip.Target.test(num_tiles=16)
+
+
+def write_pipeline(directory, name, schedule, stage_costs, blocks=None):
+    """A profile of `schedule` where the forward and backward of stage s cost stage_costs[s]
+    and a weight update 500 cycles, with memory from a small real engine."""
+    n = len(stage_costs)
+    dev = ip.Device(TARGET, n)
+    for i in range(n):
+        t = dev.graph(i).addVariable("float32", (256 * (i + 1),), f"w{i}", category="weights")
+        dev.graph(i).map_linearly(t)
+    memory = ip.Engine(dev, [ip.Sequence()]).memory
+    programs, index = [], {}
+    for kind, s in [(k, s) for k in "FBW" for s in range(n)]:
+        cost = 500 if kind == "W" else stage_costs[s]
+        index[(kind, s)] = len(programs)
+        programs.append(prof.ProgramInfo(len(programs), f"{kind}{s}", ip.Cost(cost, {s: ip.Cycles(compute=cost)}),
+                                         {s: [prof.Segment(f"{kind}{s}", "compute", cost)]}, {}, len(programs), 0))
+
+    def events(op):
+        p = programs[index[(op.kind, op.ipu if op.kind == "W" else op.stage)]]
+        return [prof.ProgramEvent(op, "compute", p.index, dict(p.cost.per_ipu))]
+
+    static = prof.StaticProfile(name, "poptorch_lite", TARGET, n, memory, programs, schedule=schedule,
+                                stages=[prof.StageInfo(s, s, [f"B{s}"]) for s in range(n)], blocks=blocks,
+                                settings={"samples_per_call": 8})
+    rec = prof.Recording(n)
+    rec.add(prof.simulate(schedule, events))
+    directory.mkdir(parents=True, exist_ok=True)
+    prof.write_profile(str(directory), static, rec, charts=False)
+    return directory
+
+
+def run(argv, capsys):
+    code = report.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    costs = [1000, 3000, 1000, 1000]
+    piped = write_pipeline(tmp_path / "piped" / "training", "training",
+                           pipelined_schedule(4, training=True, gradient_accumulation=8), costs)
+    sharded = write_pipeline(tmp_path / "sharded" / "training", "training",
+                             sharded_schedule(4, training=True, gradient_accumulation=8), costs)
+    return piped, sharded
+
+
+def test_summary_of_one_profile(two_runs, capsys):
+    code, out, _ = run([two_runs[0]], capsys)
+    assert code == 0
+    assert "Profile 'training': 4 x test-16x64KiB" in out and "pipelined-grouped schedule" in out
+    assert "Longest stage: stage 1 on IPU 1 (blocks B1)" in out and "50.0% of the work" in out
+    assert out.count("busiest tile") == 4
+
+
+def test_directory_of_profiles_and_pairing(two_runs, capsys):
+    piped, sharded = two_runs
+    write_pipeline(piped.parent / "inference", "inference", pipelined_schedule(4, training=False, device_iterations=4),
+                   [1000] * 4)
+    code, out, _ = run([piped.parent], capsys)
+    assert code == 0 and "Profile 'inference'" in out and "Profile 'training'" in out
+    code, out, _ = run([piped.parent, "--compare", sharded.parent], capsys)     # pairs by name
+    assert code == 0 and out.startswith("== training ==") and "inference" not in out
+
+
+def test_comparison_shows_ratios(two_runs, capsys):
+    piped, sharded = two_runs
+    code, out, _ = run([piped, "--compare", sharded], capsys)
+    assert code == 0
+    a, b = prof.load(str(piped)), prof.load(str(sharded))
+    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()}
+    ratio = b["execution"]["cycles"] / a["execution"]["cycles"]
+    assert ratio > 1.5                      # sharded runs one IPU at a time
+    assert rows["cycles per call"].split()[-1] == f"{ratio:.3f}"
+    assert rows["time per sample (us)"].split()[-1] == f"{ratio:.3f}"
+    assert rows["steps per call"].split()[-3:] == [str(len(a["execution"]["steps"])), str(len(b["execution"]["steps"])),
+                                                   f"{len(b['execution']['steps']) / len(a['execution']['steps']):.3f}"]
+    assert "IPU 3 utilisation" in rows and "memory, all IPUs (MiB)" in rows
+
+
+def test_advice_in_the_report(tmp_path, capsys):
+    n = 6
+    table = adv.BlockTable([f"B{i}" for i in range(n)], [4000, 4000, 4000, 1000, 1000, 1000], [8000, 8000, 8000, 2000,
+                                                                                                2000, 2000],
+                           [100] * n, np.zeros((n, TARGET.num_tiles), np.int64),
+                           [adv.Flow(b, 1024, ("fwd", b), ("fwd", b + 1)) for b in range(n - 1)], [4, 1, 1], "test")
+    d = write_pipeline(tmp_path / "p", "training", pipelined_schedule(3, training=True, gradient_accumulation=8),
+                       [12000, 1000, 1000], blocks=table.to_dict())
+    code, out, _ = run([d], capsys)
+    assert code == 0 and "Balance advice for 3 IPUs" in out and "speedup x" in out
+    code, out, _ = run([d, "--ipus", "2"], capsys)
+    assert "Balance advice for 2 IPUs" in out
+    code, out, _ = run([d, "--no-advice"], capsys)
+    assert "Balance advice" not in out
+    code, out, err = run([d, "--ipus", "9"], capsys)
+    assert code == 0 and "cannot fill 9 pipeline stages" in out
+
+
+def test_errors(tmp_path, capsys):
+    code, _, err = run([tmp_path / "missing"], capsys)
+    assert code == 1 and "does not exist" in err
+    code, _, err = run([tmp_path], capsys)
+    assert code == 1 and "enableProfiling" in err
+    a = write_pipeline(tmp_path / "x" / "training", "training", pipelined_schedule(2, training=True,
+                                                                                  gradient_accumulation=3), [1, 1])
+    b = write_pipeline(tmp_path / "y" / "other", "other", pipelined_schedule(2, training=True,
+                                                                            gradient_accumulation=3), [1, 1])
+    write_pipeline(tmp_path / "y" / "third", "third", pipelined_schedule(2, training=True, gradient_accumulation=3),
+                   [1, 1])
+    code, _, err = run([a.parent, "--compare", b.parent], capsys)
+    assert code == 1 and "nothing to compare" in err
+    (a / "profile.json").write_text(json.dumps({"schema": "ipusim.profile", "version": 2}))
+    code, _, err = run([a], capsys)
+    assert code == 1 and "the file has version 2" in err
+
+
+def test_schema_option(capsys):
+    code, out, _ = run(["--schema"], capsys)
+    assert code == 0 and json.loads(out) == json.loads(json.dumps(prof.PROFILE_SCHEMA))
+
+
+def test_module_entry_point(two_runs):
+    done = subprocess.run([sys.executable, "-m", "ipusim.report", str(two_runs[0])], capture_output=True, text=True)
+    assert done.returncode == 0 and "Longest stage" in done.stdout
+
+
+# --------------------------------------------------------------------------- charts
+
+def test_charts_are_decodable_pngs(two_runs, capsys):
+    image = pytest.importorskip("matplotlib.image")
+    code, out, _ = run([two_runs[0], "--charts"], capsys)
+    assert code == 0
+    for name, (width, height) in (("pipeline.png", (900, 200)), ("utilisation.png", (800, 200)),
+                                  ("memory.png", (900, 400))):
+        path = two_runs[0] / name
+        assert str(path) in out and path.stat().st_size > 10_000
+        pixels = image.imread(str(path))
+        assert pixels.shape[1] >= width and pixels.shape[0] >= height and pixels.shape[2] in (3, 4)
+        assert pixels[..., :3].std() > 0.05          # not a blank canvas
+
+
+def test_charts_without_matplotlib(two_runs, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(charts.ChartsUnavailable, match="pip install"):
+        charts.write_charts(prof.load(str(two_runs[0])), str(tmp_path))
+    static, rec = prof.StaticProfile("x", "ipusim", TARGET, 1, [], []), prof.Recording(1)
+    rec.add([])
+    doc, files, messages = prof.write_profile(str(tmp_path / "x"), static, rec)
+    assert [f.rsplit("/", 1)[1] for f in files] == ["profile.json", "trace.json"]
+    assert messages and "matplotlib is not installed" in messages[0]
