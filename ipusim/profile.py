@@ -1034,7 +1034,12 @@ class ProfileSession:
         self.finished = True
         if not self.recording.calls:
             return None
-        doc, self.files, messages = write_profile(self.directory, self.static, self.recording, cost_of=self.cost_of)
+        try:
+            doc, self.files, messages = write_profile(self.directory, self.static, self.recording,
+                                                      cost_of=self.cost_of)
+        except OSError as error:
+            self.echo(f"Profiling: could not write the profile to {self.directory}: {error}")
+            return None
         text = summary(doc)
         if self.advice is not None:
             advice = self.advice(doc)
@@ -1070,7 +1075,7 @@ class EngineProfiler:
             runs = self.session.recording.calls
             keep = runs < self.session.recording.trace_calls
             event = ProgramEvent(None, "run", index, dict(report.per_ipu), report.nodes if keep else None)
-            self.session.add([executed_step(runs, [], [event], cycles=report.total)])
+            self.session.add([executed_step(0, [], [event], cycles=report.total)])
 
     def close(self) -> None:
         self._finalizer()

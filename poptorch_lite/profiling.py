@@ -197,7 +197,9 @@ def advise(executor, num_ipus: int | None = None) -> advisor.Advice:
     IPUs (default: the IPUs it uses) that minimises a call's time while fitting memory, and the
     predicted speedup over its current split."""
     exe = _compiled(executor)
-    table = block_table(executor)
+    profiler = executor._profiler
+    known = profiler.session.static.blocks if profiler is not None else None
+    table = advisor.BlockTable.from_dict(known) if known else block_table(executor)
     pipeline = advisor.Pipeline.of_schedule(ipprofile.schedule_summary(exe.schedule))
     measured = executor.last_run.cycles if executor.last_run is not None else None
     return advisor.advise(table, exe.engine.target, pipeline, num_ipus, measured)
