@@ -43,19 +43,40 @@ def _time_axis(clock_hz: float, total_cycles: int) -> tuple[float, str]:
     return 1.0 / clock_hz, "s"
 
 
+MAX_CHART_STEPS = 80
+
+
+def chart_steps(steps: list[dict]) -> tuple[list[dict], str]:
+    """The steps the Gantt chart draws and how to name them: the first gradient-accumulation
+    group of the first call (what the tutorial's figure shows), at most MAX_CHART_STEPS."""
+    first = [s for s in steps if s["call"] == 1]
+    groups = sorted({s["group"] for s in first if s["group"] is not None})
+    if len(groups) > 1:
+        first = [s for s in first if s["group"] == groups[0]]
+    chosen = first[:MAX_CHART_STEPS]
+    what = f"{len(chosen)} steps"
+    if len(groups) > 1:
+        what += f" of group 1 of {len(groups)}"
+    if len(chosen) < len(first):
+        what += f" (first {len(chosen)} of {len(first)})"
+    return chosen, what
+
+
 def pipeline_chart(doc: dict, path: str) -> str:
     """The executed steps as a Gantt chart in the style of the tutorial figure: one row per IPU,
     one box per op labelled F<k>/B<k>/W (micro-batches numbered from 1), box width = the IPU's
     busy time in that step, step boundaries dotted; the gap to the next boundary is idle."""
     from matplotlib.patches import Rectangle
     ex = doc["execution"]
-    steps = ex["steps"]
+    steps, shown = chart_steps(ex["steps"])
     n = doc["num_ipus"]
-    scale, unit = _time_axis(doc["target"]["clock_hz"], max(ex["cycles"], 1))
+    origin = steps[0]["start_cycle"] if steps else 0
+    span = sum(s["cycles"] for s in steps)
+    scale, unit = _time_axis(doc["target"]["clock_hz"], max(span, 1))
     fig, (ax,) = _figure(min(max(8.0, 0.45 * len(steps)), 40.0), 1.2 + 0.55 * n)
-    end = ex["cycles"] * scale
+    end = span * scale
     for s in steps:
-        t0 = s["start_cycle"] * scale
+        t0 = (s["start_cycle"] - origin) * scale
         ax.axvline(t0, color="#999999", lw=0.5, ls=":")
         busy = {b["ipu"]: b["total"] for b in s["busy"]}
         ops = {o["ipu"]: o for o in s["ops"]}
@@ -74,7 +95,7 @@ def pipeline_chart(doc: dict, path: str) -> str:
     ax.axvline(end, color="#999999", lw=0.5, ls=":")
     if len(steps) <= 60:
         for s in steps:
-            ax.text((s["start_cycle"] + s["cycles"] / 2) * scale, n - 0.35, str(s["index"] + 1), ha="center",
+            ax.text((s["start_cycle"] - origin + s["cycles"] / 2) * scale, n - 0.35, str(s["index"] + 1), ha="center",
                     va="bottom", fontsize=6, color="#555555")
     ax.set_yticks(range(n), [f"IPU{i}" for i in range(n)])
     ax.set_ylim(n - 0.3, -0.7)
@@ -82,7 +103,7 @@ def pipeline_chart(doc: dict, path: str) -> str:
     ax.set_xlabel(f"simulated time ({unit}) at {doc['target']['clock_hz'] / 1e9:.2f} GHz; steps numbered along the "
                   "bottom; box = busy time of the IPU in the step, blank = idle")
     sched = ex["schedule"]
-    title = f"{doc['name']}: {len(steps)} steps, {ex['cycles']:,} cycles per call"
+    title = f"{doc['name']}: {shown}, {span:,} cycles"
     if sched:
         title += f" ({sched['strategy']}, {sched['micro_batches_per_group']} micro-batches per group)"
     ax.set_title(title, fontsize=9)
