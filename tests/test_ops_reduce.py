@@ -372,3 +372,171 @@ def test_planner_prefers_a_plan_that_fits_the_tile_memory():
     working = (per(tiles, minlength=n) + per(tight.partial.seg_tile, minlength=n)
                + per(tight.final.element_tiles(), minlength=n) + per(tight.out_tiles, minlength=n)) * 4
     assert working.max() <= 288
+
+
+# ---- accumulation order and the fast mode's plans ---------------------------------------------
+def lane_order(values, op, rounded=False):
+    """The documented accumulation order, in plain Python floats (IEEE float64)."""
+    def combine(o, acc, v):
+        if o == R.MAX:
+            return v if (v > acc or v != v) else acc
+        if o == R.MIN:
+            return v if (v < acc or v != v) else acc
+        if o == R.SUM_SQUARES:
+            return acc + (float(np.float32(v * v)) if rounded else v * v)
+        return acc + (abs(v) if o == R.SUM_ABS else v)
+    lanes = [R.identity_value(op)] * R.LANES
+    for i, v in enumerate(values):
+        lanes[i % R.LANES] = combine(op, lanes[i % R.LANES], float(v))
+    lane_op = op if op in (R.MAX, R.MIN) else R.SUM
+    w = R.LANES // 2
+    while w:
+        for lane in range(w):
+            lanes[lane] = combine(lane_op, lanes[lane], lanes[lane + w])
+        w //= 2
+    return lanes[0]
+
+
+@pytest.mark.parametrize("op", [R.SUM, R.MAX, R.MIN, R.SUM_SQUARES, R.SUM_ABS])
+def test_fast_kernels_follow_the_documented_lane_order(op):
+    """Contiguous (vector), strided, side-by-side and gathered segments all give the bits of the
+    lane order, for lengths around multiples of the lane count, with NaN and signed zeros."""
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal(4000) * 10 ** rng.uniform(-3, 3, 4000)).astype(np.float32)
+    x[[5, 700]] = [-0.0, 0.0]
+    x[1500:1503] = [0.0, -0.0, 0.0]
+    x[3001] = np.nan
+    lengths = [1, 2, 7, 15, 16, 17, 31, 33, 64, 100]
+    starts = np.cumsum([0] + lengths)
+    cases = {"contiguous": np.arange(starts[-1]),
+             "strided": np.concatenate([1000 + s * 3 + np.arange(n) * 3 for s, n in zip(starts[:-1], lengths)]),
+             "gathered": np.sort(rng.choice(np.arange(1500, 4000), starts[-1], replace=False))}
+    for rounded in ([False, True] if op == R.SUM_SQUARES else [False]):
+        for kind, positions in cases.items():
+            stage = R.stage_blocks(positions, starts)
+            got = R.run_stage(x, stage, op, 1.0, rounded)
+            want = [lane_order(x[positions[a:b]], op, rounded) for a, b in zip(starts[:-1], starts[1:])]
+            np.testing.assert_array_equal(got.view(np.int64), np.array(want).view(np.int64), err_msg=kind)
+        # 40 columns of a (70, 40) block side by side; the same bits per column
+        block = x[1000:3800]
+        cols = R.stage_blocks(np.arange(2800).reshape(70, 40).T.reshape(-1), np.arange(0, 2801, 70))
+        assert cols.blocks[:, 6].tolist() == [R.COLUMNS]
+        got = R.run_stage(block, cols, op, 1.0, rounded)
+        want = [lane_order(block.reshape(70, 40)[:, k], op, rounded) for k in range(40)]
+        np.testing.assert_array_equal(got.view(np.int64), np.array(want).view(np.int64))
+
+
+def test_stage_blocks_group_equally_spaced_segments():
+    rows = R.stage_blocks(np.arange(24), np.arange(0, 25, 6))  # 4 rows of 6
+    assert rows.blocks.tolist() == [[0, 6, 1, 4, 6, 0, R.ROWS]]
+    cols = R.stage_blocks(np.arange(24).reshape(4, 6).T.reshape(-1), np.arange(0, 25, 4))  # 6 columns of 4
+    assert cols.blocks.tolist() == [[0, 4, 6, 6, 1, 0, R.COLUMNS]]
+    mixed = R.stage_blocks(np.array([0, 1, 2, 9, 10, 11, 3, 5, 4]), np.array([0, 3, 6, 8, 9]))
+    # two rows 9 apart, then (3, 5) with stride 2, then the singleton (4)
+    assert mixed.blocks.tolist() == [[0, 3, 1, 2, 9, 0, R.ROWS], [3, 2, 2, 1, 0, 2, R.ROWS], [4, 1, 1, 1, 0, 3, R.ROWS]]
+    odd = R.stage_blocks(np.array([0, 2, 3]), np.array([0, 3]))
+    assert odd.blocks.tolist() == [[0, 3, 2, 1, 0, 0, R.GATHERED]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_one_element_partials_skip_the_partial_stage_with_the_same_bits(dtype):
+    """Rows on their own tiles reduced over the rows: every partial holds one element, so the
+    fast mode reads the elements directly; squares are rounded to float32 as partials are."""
+    g = ip.Graph(TARGET)
+    x = variable(g, dtype, (16, 40), "x", "rows")
+    prog = ip.Sequence()
+    ops = ["sum", "max", "sum_squares", "sum_abs", "mean"]
+    outs = [R.reduce(g, x, 0, op, prog, out_dtype="float32") for op in ops]
+    idx, _, _ = R.output_index(x.shape, (0,))
+    plan = R.plan_reduction(x.tiles(), idx, 40, TARGET, R.SUM_SQUARES, np.dtype(dtype), np.float32, np.float32, False)
+    assert plan.final is not None and (plan.partial.counts == 1).all()
+    assert len(R.fast_reduction(plan, R.SUM_SQUARES, np.dtype(dtype), np.float32, 1.0).stages) == 1
+    xv = (np.random.default_rng(11).standard_normal(x.shape) * 3).astype(dtype)
+    got, _ = run_both(g, prog, {x: xv}, outs)
+    for op, o in zip(ops, got):
+        np.testing.assert_allclose(o, REFS[op](xv.astype(np.float64), axis=0), rtol=2e-6, atol=1e-6, err_msg=op)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "bool"])
+def test_column_reductions_match_strict_bits(dtype):
+    """(64, 48) spread linearly: each tile holds whole rows, so reducing over the rows gives
+    strided segments of neighbouring columns (read side by side in the fast mode)."""
+    g = ip.Graph(TARGET)
+    x = variable(g, dtype, (64, 48), "x")
+    prog = ip.Sequence()
+    ops = ["sum", "max", "min"] + (["sum_squares", "sum_abs"] if dtype != "bool" else [])
+    outs = [R.reduce(g, x, 0, op, prog, out_dtype="float32" if dtype in ("bool", "float16") else None) for op in ops]
+    rng = np.random.default_rng(12)
+    xv = (rng.standard_normal(x.shape) * 100).astype(dtype) if dtype != "bool" else rng.random(x.shape) < 0.3
+    got, _ = run_both(g, prog, {x: xv}, outs)
+    for op, o in zip(ops, got):
+        np.testing.assert_allclose(o, REFS[op](xv.astype(np.float64), axis=0), rtol=1e-6, err_msg=op)
+
+
+def test_exp64_is_within_two_ulp_and_handles_the_edges():
+    rng = np.random.default_rng(13)
+    z = np.concatenate([rng.uniform(-745, 709.7, 200_000), rng.uniform(-1, 1, 50_000)])
+    got = np.array([R.exp64(v) for v in z[:2000]])  # the scalar function
+    want = np.exp(z[:2000])
+    normal = want > np.finfo(np.float64).tiny
+    assert np.max(np.abs(got - want)[normal] / np.spacing(want[normal])) <= 2
+    edges = np.array([0.0, -0.0, 709.78, 709.79, 1e300, np.inf, -np.inf, np.nan, -745.2, -1e300, -720.0, 88.72])
+    with np.errstate(over="ignore"):
+        want = np.exp(edges)
+    got = np.array([R.exp64(v) for v in edges])
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    fin = ~np.isnan(want)
+    assert np.all((got[fin] == want[fin]) | (np.abs(got[fin] - want[fin]) <= np.spacing(want[fin])))
+
+
+def test_row_layout_describes_runs_of_inner_dims():
+    idx, _, _ = R.output_index((12, 10), (1,))
+    rows = R.row_layout((12, 10), (1,), idx, column=True)
+    assert (rows.rows, rows.length, rows.stat_step, rows.col_step) == (12, 10, 0, 1)
+    assert rows.stat_row.tolist() == list(range(12)) and not rows.col_row.any()
+    idx, _, _ = R.output_index((4, 1, 6, 5), (0,))
+    kept = R.row_layout((4, 1, 6, 5), (0,), idx, column=True)
+    assert (kept.rows, kept.length, kept.stat_step, kept.col_step) == (4, 30, 1, 0)
+    assert kept.stat_row.tolist() == [0] * 4 and kept.col_row.tolist() == [0, 1, 2, 3]
+    idx, _, _ = R.output_index((2, 3, 4), (0, 2))
+    mixed = R.row_layout((2, 3, 4), (0, 2), idx, column=False)
+    assert (mixed.rows, mixed.length, mixed.stat_step) == (6, 4, 0) and mixed.stat_row.tolist() == [0, 1, 2] * 2
+
+
+def test_segment_maps_on_every_layout_match_strict_bits():
+    """Stats along kept inner dims, reduced inner dims split by kept ones, column ops away from the
+    last axis, b with contiguous and with repeated runs, float16 and float32 outputs."""
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (12, 10), "x")
+    x3 = variable(g, "float32", (4, 6, 5), "x3")
+    h = variable(g, "float16", (6, 20), "h")
+    w = variable(g, "float32", (10,), "w", "tile0")
+    col = variable(g, "float32", (12, 1), "col")
+    r0, q0 = variable(g, "float32", (10,), "r0"), variable(g, "float32", (10,), "q0")
+    r1 = variable(g, "float32", (12,), "r1")
+    r3 = variable(g, "float32", (6,), "r3")
+    rh = variable(g, "float32", (6,), "rh")
+    lab = variable(g, "float32", (4, 5), "lab")
+    prog = ip.Sequence()
+    outs = {"kept": R.segment_map(g, "normalise", x, 0, prog, "kept", r=r0, q=q0),
+            "split": R.segment_map(g, "exp_sub", x3, (0, 2), prog, "split", r=r3),
+            "weight": R.segment_map(g, "norm_scale", x, 1, prog, "weight", r=r1, q=r1, b=w),
+            "repeat": R.segment_map(g, "softmax_grad", x, 1, prog, "repeat", r=r1, b=col),
+            "column": R.segment_map(g, "softmax_xent_grad", x3, 1, prog, "column", r=lab, q=lab, param=2.0),
+            "half": R.segment_map(g, "sub", h, 1, prog, "half", r=rh),
+            "half32": R.segment_map(g, "log_softmax_grad", h, 1, prog, "half32", r=rh, b=h, out_dtype="float32")}
+    rng = np.random.default_rng(14)
+    vals = {t: rng.standard_normal(t.shape).astype(t.dtype) for t in (x, x3, h, w, col, r0, q0, r1, r3, rh)}
+    vals[lab] = rng.integers(0, 7, lab.shape).astype(np.float32)
+    got, _ = run_both(g, prog, vals, list(outs.values()))
+    X, X3, H = (vals[t].astype(np.float64) for t in (x, x3, h))
+    E = lambda t: vals[t].astype(np.float64)  # noqa: E731
+    onehot = np.arange(6)[None, :, None] == E(lab)[:, None, :]
+    refs = {"kept": (X - E(r0)) * E(q0), "split": np.exp(X3 - E(r3)[None, :, None]),
+            "weight": (X - E(r1)[:, None]) * E(r1)[:, None] * E(w), "repeat": X * (E(col) - E(r1)[:, None]),
+            "column": np.where(E(lab)[:, None, :] == 2, 0.0, (np.exp(X3) - onehot) * E(lab)[:, None, :]),
+            "half": H - E(rh)[:, None], "half32": H - np.exp(H) * E(rh)[:, None]}
+    for (k, ref), o in zip(refs.items(), got):
+        tol = 1e-3 if o.dtype == np.float16 else 2e-6
+        np.testing.assert_allclose(o, ref, rtol=tol, atol=tol * 1e-1, err_msg=k)
+    assert got[5].dtype == np.float16 and got[6].dtype == np.float32

@@ -15,9 +15,23 @@ Reduction, in two stages as in PopLibs:
    there, applying the final scale (1/N for a mean, or the caller's `scale`).
 When every output has exactly one segment and lives on that segment's tile, the partial stage
 writes the output directly and there is no exchange at all (e.g. rows that each live on one tile).
-Inside a vertex the accumulator is float64; partials and outputs are rounded once when stored.
-The fast mode runs the same two stages over the same segments in the same order with the same
-accumulator (one Numba call per stage), so both modes give bit-identical results.
+
+Numerics. A vertex accumulates each segment in float64 in LANES = 16 interleaved lanes (element i
+of the segment into lane i % 16, like a vertex's vector accumulators), joins the lanes by halving
+(lane l takes lane l + w for w = 8, 4, 2, 1) and rounds partials and outputs once when storing
+them. The fast mode runs the same stages over the same segments in the same order, so both modes
+give bit-identical results. Its plan is made once, with the graph (`FastReduction`): runs of
+segments that are equally spaced elements are read with strides instead of gathered (contiguous
+float32 segments with 8-wide float64 vector instructions, one vector lane per accumulator lane;
+strided segments of neighbouring outputs side by side, vectorised across the outputs), and when
+every partial holds exactly one element the partial stage is skipped (the final stage reads the
+elements themselves, rounding squares to float32 as the partials would).
+
+Segment maps compute each element in float64 from its operands and round once; `exp` is `exp64`
+(branch-free, within 2 ulp in float64, so that loops over it vectorise), in both modes. The fast
+mode runs one kernel per op over the tensor seen as runs of its innermost reduced or kept
+dimensions (`RowLayout`): statistics are read as one value per output, b and c in place where
+their runs are contiguous, and a float32 output is written straight into its storage.
 
 Planner (a small cost model, like PopLibs' reduction planner). Candidates:
 - segments as they are, or long segments split into chunks of at most a worker's share of their
@@ -49,7 +63,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from ..graph import Graph
 from ..kernels import JIT, kernel_view, ld, st
@@ -68,25 +85,172 @@ FINAL_OP = {SUM: SUM, MAX: MAX, MIN: MIN, SUM_SQUARES: SUM, SUM_ABS: SUM}
 ERR = dict(error_model="numpy")  # IEEE results (inf, nan) for division by zero, as on the device
 
 
+# Accumulation order (see the module docstring). Lanes start at the op's identity. Strict
+# codelets run this order one element at a time; the fast kernels vectorise it without changing
+# any lane's sequence of operations, so both modes give the same bits.
+LANES = 16
+VECTOR = 8  # float64 elements per vector register in `reduce_contiguous`
+
+
+def identity_value(op: int) -> float:
+    return -math.inf if op == MAX else (math.inf if op == MIN else 0.0)
+
+
 @njit(**ERR, **JIT)
-def accumulate(src, index, begin, n, op):
-    """Reduce src[index[begin:begin + n]] with `op` in a float64 accumulator."""
-    acc = -np.inf if op == MAX else (np.inf if op == MIN else 0.0)
-    for i in range(n):
-        v = np.float64(ld(src, index[begin + i]))
+def identity(op):
+    return -np.inf if op == MAX else (np.inf if op == MIN else 0.0)
+
+
+@njit(**ERR, **JIT)
+def combine(op, acc, v, rounded):
+    """acc combined with element v (NaN wins max and min). `rounded`: a square is rounded to
+    float32 first, as a one-element float32 partial is."""
+    if op == SUM:
+        return acc + v
+    if op == MAX:
+        return v if (v > acc) | (v != v) else acc
+    if op == MIN:
+        return v if (v < acc) | (v != v) else acc
+    if op == SUM_SQUARES:
+        return acc + (np.float64(np.float32(v * v)) if rounded else v * v)
+    return acc + abs(v)
+
+
+@njit(**ERR, **JIT)
+def join_lanes(lanes, op):
+    """The result of LANES lanes joined by halving."""
+    lane_op = op if (op == MAX or op == MIN) else SUM
+    w = LANES // 2
+    while w >= 1:
+        for lane in range(w):
+            lanes[lane] = combine(lane_op, lanes[lane], lanes[lane + w], False)
+        w //= 2
+    return lanes[0]
+
+
+def _vector_combine(builder, op, acc, v, rounded, f32s):
+    """IR of `combine` on vectors (or scalars) of float64."""
+    if op in (MAX, MIN):
+        better = builder.fcmp_ordered(">" if op == MAX else "<", v, acc)
+        return builder.select(builder.or_(better, builder.fcmp_unordered("uno", v, v)), v, acc)
+    if op == SUM_SQUARES:
+        v = builder.fmul(v, v)
+        if rounded:
+            v = builder.fpext(builder.fptrunc(v, f32s), v.type)
+    elif op == SUM_ABS:
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v.type, [v.type]),
+                                              f"llvm.fabs.v{VECTOR}f64")
+        v = builder.call(fabs, [v])
+    return builder.fadd(acc, v)
+
+
+@intrinsic
+def reduce_contiguous(typingctx, src, start, n, op, rounded):
+    """The lane-order reduction of the contiguous float32 run src[start:start + n] for a constant
+    op and `rounded` flag, with the LANES lanes in two 8-wide float64 vector registers (lanes
+    0-7 and 8-15): each vector lane does the additions (or comparisons) of its scalar lane in
+    the same order, so the result has the bits of the scalar form."""
+    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(op, types.IntegerLiteral)
+            and isinstance(rounded, types.BooleanLiteral)):
+        return None
+    code, round_squares = op.literal_value, rounded.literal_value
+    lane_op = code if code in (MAX, MIN) else SUM
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        f32s, f64s = ir.VectorType(ir.FloatType(), VECTOR), ir.VectorType(ir.DoubleType(), VECTOR)
+        i64 = args[2].type
+        regs = [cgutils.alloca_once_value(builder, ir.Constant(f64s, [identity_value(code)] * VECTOR))
+                for _ in range(LANES // VECTOR)]
+        base = builder.gep(data, [args[1]])
+        rows = builder.sdiv(args[2], ir.Constant(i64, LANES))
+        with cgutils.for_range(builder, rows) as loop:
+            row = builder.mul(loop.index, ir.Constant(i64, LANES))
+            for half, reg in enumerate(regs):
+                at = builder.gep(base, [builder.add(row, ir.Constant(i64, half * VECTOR))])
+                v = builder.fpext(builder.load(builder.bitcast(at, f32s.as_pointer()), align=4, typ=f32s), f64s)
+                builder.store(_vector_combine(builder, code, builder.load(reg), v, round_squares, f32s), reg)
+        done = builder.mul(rows, ir.Constant(i64, LANES))
+        left = builder.sub(args[2], done)
+        with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, 0))):
+            last = builder.sub(left, ir.Constant(i64, 1))
+            for half, reg in enumerate(regs):
+                tail = ir.Constant(f32s, None)
+                for j in range(VECTOR):  # element min(j, last) of the tail: always in the run
+                    lane = ir.Constant(i64, half * VECTOR + j)
+                    at = builder.add(done, builder.select(builder.icmp_signed("<", lane, last), lane, last))
+                    tail = builder.insert_element(tail, builder.load(builder.gep(base, [at]), typ=ir.FloatType()),
+                                                  ir.Constant(ir.IntType(32), j))
+                lanes = ir.Constant(ir.VectorType(i64, VECTOR), [half * VECTOR + j for j in range(VECTOR)])
+                used = builder.icmp_signed("<", lanes, _splat(builder, left, VECTOR))
+                acc = builder.load(reg)
+                new = _vector_combine(builder, code, acc, builder.fpext(tail, f64s), round_squares, f32s)
+                builder.store(builder.select(used, new, acc), reg)
+        acc = _vector_combine(builder, lane_op, builder.load(regs[0]), builder.load(regs[1]), False, f32s)
+        width = VECTOR
+        while width > 1:  # halving: lane l takes lane l + width / 2
+            width //= 2
+            low = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(width))))
+            high = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(ir.IntType(32), width),
+                                                                list(range(width, 2 * width))))
+            acc = _vector_combine(builder, lane_op, low, high, False, f32s)
+        return builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
+
+    return types.float64(src, start, n, op, rounded), codegen
+
+
+def _splat(builder, value, count):
+    vec = ir.Constant(ir.VectorType(value.type, count), None)
+    vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), count), [0] * count))
+
+
+def contiguous_reduce(src, start, n, op, rounded):
+    """The lane-order reduction of the contiguous run src[start:start + n] (vectorised for float32)."""
+
+
+@overload(contiguous_reduce, jit_options=JIT)
+def _contiguous_reduce(src, start, n, op, rounded):
+    if src.dtype != types.float32:
+        def scalar(src, start, n, op, rounded):
+            return reduce_strided(np.empty(LANES), src, start, n, 1, op, rounded)
+        return scalar
+
+    def vectorised(src, start, n, op, rounded):
         if op == SUM:
-            acc += v
-        elif op == MAX:
-            if v > acc or v != v:
-                acc = v
-        elif op == MIN:
-            if v < acc or v != v:
-                acc = v
-        elif op == SUM_SQUARES:
-            acc += v * v
-        else:
-            acc += abs(v)
-    return acc
+            return reduce_contiguous(src, start, n, SUM, False)
+        if op == MAX:
+            return reduce_contiguous(src, start, n, MAX, False)
+        if op == MIN:
+            return reduce_contiguous(src, start, n, MIN, False)
+        if op == SUM_SQUARES and rounded:
+            return reduce_contiguous(src, start, n, SUM_SQUARES, True)
+        if op == SUM_SQUARES:
+            return reduce_contiguous(src, start, n, SUM_SQUARES, False)
+        return reduce_contiguous(src, start, n, SUM_ABS, False)
+    return vectorised
+
+
+@njit(**ERR, **JIT)
+def reduce_strided(lanes, src, start, n, stride, op, rounded):
+    """Segment src[start + i * stride], i < n, in the lane order (`lanes`: LANES scratch values)."""
+    for lane in range(LANES):
+        lanes[lane] = identity(op)
+    for i in range(n):
+        lane = i % LANES
+        lanes[lane] = combine(op, lanes[lane], np.float64(ld(src, np.uint64(start + i * stride))), rounded)
+    return join_lanes(lanes, op)
+
+
+@njit(**ERR, **JIT)
+def reduce_gathered(lanes, src, index, start, n, op, rounded):
+    """Segment src[index[start:start + n]] in the lane order."""
+    for lane in range(LANES):
+        lanes[lane] = identity(op)
+    for i in range(n):
+        lane = i % LANES
+        lanes[lane] = combine(op, lanes[lane], np.float64(ld(src, np.uint64(index[np.uint64(start + i)]))), rounded)
+    return join_lanes(lanes, op)
 
 
 @njit(**ERR, **JIT)
@@ -100,16 +264,87 @@ def reduce_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
     for v in prange(params.shape[0]):
         op = int(params[v, 0])
         n = int(params[v, 1])
+        lanes = np.empty(LANES)
         bx, bo = x_start[v], o_start[v]
         for k in range(o_start[v + 1] - bo):
-            st(out, o_addr[bo + k], finish(accumulate(x, x_addr, bx + k * n, n, op), params[v, 2]))
+            st(out, o_addr[bo + k], finish(reduce_gathered(lanes, x, x_addr, bx + k * n, n, op, False), params[v, 2]))
 
 
-@njit(parallel=True, **ERR, **JIT)
-def reduce_segments(x, perm, starts, out, op, scale):
-    """Whole-tensor form of one stage: out[s] = reduce(x[perm[starts[s]:starts[s + 1]]])."""
-    for s in prange(starts.size - 1):
-        st(out, s, finish(accumulate(x, perm, starts[s], starts[s + 1] - starts[s], op), scale))
+@njit(**ERR, **JIT)
+def fold_row(row, src, start, count, gap, op, rounded):
+    """row[k] = combine(op, row[k], src[start + k * gap], rounded) for k < count, one loop per op
+    (vectorised over k)."""
+    if op == SUM:
+        for k in range(count):
+            row[k] += np.float64(ld(src, np.uint64(start + k * gap)))
+    elif op == MAX:
+        for k in range(count):
+            v = np.float64(ld(src, np.uint64(start + k * gap)))
+            row[k] = v if (v > row[k]) | (v != v) else row[k]
+    elif op == MIN:
+        for k in range(count):
+            v = np.float64(ld(src, np.uint64(start + k * gap)))
+            row[k] = v if (v < row[k]) | (v != v) else row[k]
+    elif op == SUM_SQUARES and rounded:
+        for k in range(count):
+            v = np.float64(ld(src, np.uint64(start + k * gap)))
+            row[k] += np.float64(np.float32(v * v))
+    elif op == SUM_SQUARES:
+        for k in range(count):
+            v = np.float64(ld(src, np.uint64(start + k * gap)))
+            row[k] += v * v
+    else:
+        for k in range(count):
+            row[k] += abs(np.float64(ld(src, np.uint64(start + k * gap))))
+
+
+@njit(**ERR, **JIT)
+def reduce_side_by_side(acc, src, first, n, stride, count, gap, op, rounded, out, o, scale):
+    """`count` segments at once, segment k being src[first + k * gap + i * stride] for i < n, in
+    the lane order of each (acc[lane, k] holds lane `lane` of segment k; loops over k innermost).
+    Lanes that no element reaches hold the identity, so joining them is skipped."""
+    used = min(n, LANES)
+    for lane in range(max(used, 1)):
+        acc[lane, :count] = identity(op)
+    for i in range(n):
+        fold_row(acc[i % LANES], src, first + i * stride, count, gap, op, rounded)
+    lane_op = op if (op == MAX or op == MIN) else SUM
+    w = LANES // 2
+    while w >= 1:
+        for lane in range(used - w):
+            fold_row(acc[lane], acc[lane + w], 0, count, 1, lane_op, False)
+        used = min(used, w)
+        w //= 2
+    for k in range(count):
+        out[o + k] = finish(acc[0, k], scale)
+
+
+GATHERED, ROWS, COLUMNS = range(3)
+
+
+@njit(**ERR, **JIT)
+def reduce_blocks(src, index, blocks, op, rounded, scale, out):
+    """Whole-tensor form of one stage (see `stage_blocks`): out[o + k] = the reduction of segment
+    k of each block, in float64."""
+    width = 1
+    for b in range(blocks.shape[0]):
+        if blocks[b, 6] == COLUMNS:
+            width = max(width, blocks[b, 3])
+    acc = np.empty((LANES, width))
+    lanes = np.empty(LANES)
+    for b in range(blocks.shape[0]):
+        first, n, stride, count, gap, o, kind = (blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3],
+                                                 blocks[b, 4], blocks[b, 5], blocks[b, 6])
+        if kind == GATHERED:
+            out[o] = finish(reduce_gathered(lanes, src, index, first, n, op, rounded), scale)
+        elif kind == COLUMNS:
+            reduce_side_by_side(acc, src, first, n, stride, count, gap, op, rounded, out, o, scale)
+        elif stride == 1:
+            for k in range(count):
+                out[o + k] = finish(contiguous_reduce(src, first + k * gap, n, op, rounded), scale)
+        else:
+            for k in range(count):
+                out[o + k] = finish(reduce_strided(lanes, src, first + k * gap, n, stride, op, rounded), scale)
 
 
 def vector_width(dtype) -> int:
@@ -185,6 +420,58 @@ def plan_segments(tiles: np.ndarray, out_index: np.ndarray, *, workers: int | No
         new |= rank % share[t] == 0
     begins = np.flatnonzero(new)
     return SegmentPlan(order, np.append(begins, n).astype(np.int64), o[begins], t[begins])
+
+
+@dataclass(frozen=True, eq=False)
+class StageBlocks:
+    """One reduction stage as the fast kernel reads it. Segment s reduces
+    src[positions[starts[s]:starts[s + 1]]] into slot s. Consecutive segments that are
+    equally long arithmetic progressions with the same stride, whose first elements are equally
+    far apart, form one block, read with strides instead of an index; a segment that is no
+    progression is a block of its own, read through `index`. Row `blocks[b]` holds
+    (first, elements per segment, stride, segments, gap between firsts, first slot, kind):
+    kind ROWS reduces one segment after the other, COLUMNS all of the block's segments at once
+    (strided segments side by side), GATHERED reads `index[first:first + n]`."""
+    blocks: np.ndarray
+    index: np.ndarray
+    num_segments: int
+
+
+def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
+    """Group the segments of a stage into blocks (built once, with the graph)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.diff(starts)
+    num = counts.size
+    if num == 0:
+        return StageBlocks(np.zeros((0, 7), dtype=np.int64), positions, 0)
+    firsts = positions[starts[:-1]]
+    seg = np.repeat(np.arange(num), counts)
+    stride = np.ones(num, dtype=np.int64)
+    long = counts >= 2
+    stride[long] = positions[starts[:-1][long] + 1] - firsts[long]
+    irregular = (seg[1:] == seg[:-1]) & (np.diff(positions) != stride[seg[1:]])
+    regular = np.bincount(seg[1:][irregular], minlength=num) == 0
+    link = np.zeros(num, dtype=bool)
+    link[1:] = regular[1:] & regular[:-1] & (counts[1:] == counts[:-1]) & (stride[1:] == stride[:-1])
+    gap = np.zeros(num, dtype=np.int64)
+    gap[1:] = np.diff(firsts)
+    new = ~link
+    new[2:] |= link[1:-1] & (gap[2:] != gap[1:-1])
+    begins = np.flatnonzero(new)
+    sizes = np.diff(np.append(begins, num))
+    kind = np.where(~regular[begins], GATHERED, np.where((sizes > 1) & (stride[begins] != 1), COLUMNS, ROWS))
+    first = np.where(kind == GATHERED, starts[:-1][begins], firsts[begins])
+    block_gap = np.where(sizes > 1, gap[np.minimum(begins + 1, num - 1)], 0)
+    table = np.stack([first, counts[begins], stride[begins], sizes, block_gap, begins, kind], axis=1)
+    return StageBlocks(np.ascontiguousarray(table, dtype=np.int64), positions, num)
+
+
+def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounded: bool = False) -> np.ndarray:
+    """The float64 result of every segment of a stage."""
+    out = np.empty(stage.num_segments, dtype=np.float64)
+    reduce_blocks(kernel_view(src), stage.index, stage.blocks, op, rounded, scale, out)
+    return out
 
 
 def vertex_groups(seg_tile: np.ndarray, counts: np.ndarray, workers: int) -> list[tuple[int, int, int]]:
@@ -321,6 +608,64 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
     return best
 
 
+# ---- fast mode ---------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class FastReduction:
+    """A reduction as the fast mode runs it: one or two stages of the plan's segments, in the
+    same order with the same accumulation. When every partial holds one element exactly, the
+    partial stage is skipped and the final stage reads the input elements directly (same bits;
+    a square is rounded to float32 as its partial would be)."""
+    stages: tuple
+    ops: tuple
+    scales: tuple
+    rounded: bool
+    partial_dtype: np.dtype
+    slots: np.ndarray | None  # output of each final segment; None when they are in output order
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """The outputs (float64, flat) from the input values."""
+        src = x.reshape(-1)
+        if src.dtype == np.float16:
+            src = src.astype(np.float32)
+        vals = run_stage(src, self.stages[0], self.ops[0], self.scales[0], self.rounded)
+        if len(self.stages) == 2:
+            vals = run_stage(stored(vals, self.partial_dtype), self.stages[1], self.ops[1], self.scales[1])
+        if self.slots is None:
+            return vals
+        res = np.empty(self.slots.size, dtype=np.float64)
+        res[self.slots] = vals
+        return res
+
+
+def stored(values: np.ndarray, dtype) -> np.ndarray:
+    """Float64 results rounded as `st` stores them (float16 through float32)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return values.astype(np.float32).astype(np.float16)
+    return values.astype(dtype)
+
+
+def _slots(seg_out: np.ndarray) -> np.ndarray | None:
+    return None if np.array_equal(seg_out, np.arange(seg_out.size)) else seg_out
+
+
+def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: float) -> FastReduction:
+    """The fast mode's form of a reduction plan (built once, with the graph)."""
+    segs, final = plan.partial, plan.final
+    if final is None:
+        return FastReduction((stage_blocks(segs.perm, segs.starts),), (op,), (scale,), False,
+                             np.dtype(partial_dtype), _slots(segs.seg_out))
+    in_dtype, partial_dtype = np.dtype(in_dtype), np.dtype(partial_dtype)
+    exact = (partial_dtype == np.float32 and in_dtype in (np.float16, np.float32, np.bool_)) or (
+        partial_dtype == np.int32 and in_dtype in (np.int32, np.bool_) and op != SUM_SQUARES)
+    if exact and (segs.counts == 1).all():
+        firsts = segs.perm[segs.starts[:-1]]
+        return FastReduction((stage_blocks(firsts[final.perm], final.starts),), (op,), (scale,),
+                             op == SUM_SQUARES, partial_dtype, _slots(final.seg_out))
+    return FastReduction((stage_blocks(segs.perm, segs.starts), stage_blocks(final.perm, final.starts)),
+                         (op, FINAL_OP[op]), (1.0, scale), False, partial_dtype, _slots(final.seg_out))
+
+
 # ---- reduce ----------------------------------------------------------------------------------
 def _add_stage(graph: Graph, cs, src: Tensor, perm: np.ndarray, plan: SegmentPlan, dst: Tensor,
                op: int, scale: float) -> None:
@@ -400,21 +745,10 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
                    FINAL_OP[code], final_scale)
         body.add(Execute(cs2))
 
+    fast_plan = fast_reduction(plan, code, in_dt, part_dt, final_scale)
+
     def fast(io):
-        xs = kernel_view(np.ascontiguousarray(io.read(x)).reshape(-1))
-        res = np.empty(num_out, dtype=out_dt)
-        if final is None:
-            vals = np.empty(segs.num_segments, dtype=out_dt)
-            reduce_segments(xs, segs.perm, segs.starts, kernel_view(vals), code, final_scale)
-            res[segs.seg_out] = vals
-        else:
-            parts = np.empty(segs.num_segments, dtype=part_dt)
-            reduce_segments(xs, segs.perm, segs.starts, kernel_view(parts), code, 1.0)
-            vals = np.empty(final.num_segments, dtype=out_dt)
-            reduce_segments(kernel_view(parts), final.perm, final.starts, kernel_view(vals), FINAL_OP[code],
-                            final_scale)
-            res[final.seg_out] = vals
-        io.write(out, res.reshape(out_shape))
+        io.write(out, stored(fast_plan.run(io.read(x)), out_dt).reshape(out_shape))
 
     prog.add(OpProgram(name, body, fast, (x,), (out,)))
     return result
@@ -455,12 +789,52 @@ SEGMENT_OPS = {
 }
 USES_COLUMN = 12  # ops from this code on use the element's index along the axis
 STATLESS = ("mul",)
+# The operands each op reads besides a (nll_grad does not read a).
+READS = {0: "r", 1: "r", 2: "rq", 3: "br", 4: "br", 5: "r", 6: "rq", 7: "bcrq", 8: "brq", 9: "rqs",
+         10: "brqs", 11: "b", 12: "r", 13: "rq", 14: "rq"}
+
+INV_LN2 = 1.4426950408889634
+LN2_HI = 6.93147180369123816490e-01  # ln 2 to 32 bits: k * LN2_HI is exact
+LN2_LO = 1.90821492927058770002e-10  # ln 2 - LN2_HI
+
+
+@intrinsic
+def bits_to_float(typingctx, bits):
+    """The float64 whose IEEE bits are the int64 `bits`."""
+    if bits != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+    return types.float64(types.int64), codegen
+
+
+@njit(**ERR, **JIT)
+def exp64(x):
+    """e**x in float64 within 2 ulp, without branches so that loops over it vectorise: x = k ln 2 + r
+    with |r| <= ln 2 / 2 (Cody-Waite), e**r by its degree-13 Taylor polynomial (Estrin's scheme),
+    times 2**k in two steps (so results near overflow and subnormal ones are right)."""
+    y = min(max(x, -746.0), 710.0)
+    if y != y:
+        y = 0.0
+    k = np.floor(y * INV_LN2 + 0.5)
+    r = (y - k * LN2_HI) - k * LN2_LO
+    r2 = r * r
+    r4 = r2 * r2
+    p = (((1.0 + r) + r2 * (1.0 / 2 + r * (1.0 / 6)))
+         + r4 * ((1.0 / 24 + r * (1.0 / 120)) + r2 * (1.0 / 720 + r * (1.0 / 5040))))
+    p += (r4 * r4) * (((1.0 / 40320 + r * (1.0 / 362880)) + r2 * (1.0 / 3628800 + r * (1.0 / 39916800)))
+                      + r4 * (1.0 / 479001600 + r * (1.0 / 6227020800)))
+    ki = np.int64(k)
+    half = ki >> 1
+    res = p * bits_to_float((half + 1023) << 52) * bits_to_float((ki - half + 1023) << 52)
+    return res if x == x else x
 
 
 @njit(**ERR, **JIT)
 def segment_value(op, a, b, c, r, q, s, col, p):
     if op == 0:
-        return math.exp(a - r)
+        return exp64(a - r)
     if op == 1:
         return a / r
     if op == 2:
@@ -468,7 +842,7 @@ def segment_value(op, a, b, c, r, q, s, col, p):
     if op == 3:
         return a * (b - r)
     if op == 4:
-        return b - math.exp(a) * r
+        return b - exp64(a) * r
     if op == 5:
         return a - r
     if op == 6:
@@ -489,7 +863,7 @@ def segment_value(op, a, b, c, r, q, s, col, p):
         return -q if (col == r and r != p) else 0.0
     if r == p:
         return 0.0
-    return (math.exp(a) - (1.0 if col == r else 0.0)) * q
+    return (exp64(a) - (1.0 if col == r else 0.0)) * q
 
 
 @njit(parallel=True, **ERR, **JIT)
@@ -512,14 +886,29 @@ def segment_map_codelet(a, a_addr, a_start, b, b_addr, b_start, c, c_addr, c_sta
                 st(out, o_addr[o_start[v] + e], segment_value(op, av, bv, cv, rv, qv, sv, sv + i, p))
 
 
-@njit(parallel=True, **ERR, **JIT)
-def segment_map_whole(op, a, b, c, r, q, s, out, p):
-    """Whole-tensor form: every operand flattened and broadcast to the output; for column ops, s
-    holds the element's column."""
-    for i in prange(out.size):
-        sv = np.float64(ld(s, i))
-        st(out, i, segment_value(op, np.float64(ld(a, i)), np.float64(ld(b, i)), np.float64(ld(c, i)),
-                                 np.float64(ld(r, i)), np.float64(ld(q, i)), sv, sv, p))
+def _row_kernel(op: int):
+    """The fast kernel of one segment op (compiled on first use, for that op only, so that
+    `segment_value` folds to the op's formula and the inner loop vectorises): out[k * length + j]
+    for run k and j < length (see RowLayout), b and c read from their own run starts."""
+    @njit(**ERR, **JIT)
+    def rows_kernel(a, b, b_rows, c, c_rows, r, q, s, stat_row, stat_step, col_row, col_step, p, length, out):
+        for k in range(stat_row.size):
+            base, t, bk, ck, col = k * length, stat_row[k], b_rows[k], c_rows[k], col_row[k]
+            if stat_step == 0:
+                rv, qv, sv = r[t], q[t], s[t]
+                for j in range(length):
+                    i = np.uint64(base + j)
+                    out[i] = segment_value(op, np.float64(a[i]), np.float64(b[np.uint64(bk + j)]),
+                                           np.float64(c[np.uint64(ck + j)]), rv, qv, sv, col + j * col_step, p)
+            else:
+                for j in range(length):
+                    i, u = np.uint64(base + j), np.uint64(t + j)
+                    out[i] = segment_value(op, np.float64(a[i]), np.float64(b[np.uint64(bk + j)]),
+                                           np.float64(c[np.uint64(ck + j)]), r[u], q[u], s[u], col + j * col_step, p)
+    return rows_kernel
+
+
+ROW_KERNELS = {code: _row_kernel(code) for code, *_ in SEGMENT_OPS.values()}
 
 
 SEGMENT_COSTS = {code: (setup, per, vec) for code, setup, per, vec in SEGMENT_OPS.values()}
@@ -553,6 +942,123 @@ def _per_output(t: Tensor, stats_shape: tuple, what: str) -> Tensor:
                          f"{stats_shape} of the segments") from None
 
 
+# ---- segment maps in the fast mode ---------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """A tensor as `rows` runs of `length` consecutive elements (the innermost dims of one kind,
+    reduced or kept) for the fast segment-map kernels. Run k's first element belongs to output
+    `stat_row[k]`; along a run the output stays the same (`stat_step` 0: the run lies in reduced
+    dims) or advances by one (1: in kept dims). The element's index along the single axis of a
+    column op starts at `col_row[k]` and advances by `col_step`."""
+    rows: int
+    length: int
+    stat_row: np.ndarray
+    stat_step: int
+    col_row: np.ndarray
+    col_step: int
+
+
+def row_layout(shape: tuple, axes: tuple, out_index: np.ndarray, column: bool) -> RowLayout:
+    """The runs of a segment map over `axes` (built once, with the graph)."""
+    numel = int(np.prod(shape, dtype=np.int64))
+    length, reduced = 1, None
+    for d in reversed(range(len(shape))):
+        if shape[d] == 1:
+            continue
+        if reduced is None:
+            reduced = d in axes
+        elif (d in axes) != reduced:
+            break
+        length *= shape[d]
+    rows = numel // length
+    starts = np.arange(rows, dtype=np.int64) * length
+    col_row, col_step = np.zeros(rows), 0
+    if column:
+        size = shape[axes[0]]
+        stride = int(np.prod(shape[axes[0] + 1:], dtype=np.int64))
+        col_row = ((starts // stride) % size).astype(np.float64)
+        col_step = int(stride == 1 and size > 1)
+    return RowLayout(rows, length, np.ascontiguousarray(out_index.reshape(-1)[starts]), int(reduced is False),
+                     col_row, col_step)
+
+
+def operand_rows(t: Tensor, shape: tuple, layout: RowLayout) -> np.ndarray | None:
+    """Where each run starts in the flat values of `t` when `t` broadcast to `shape` reads every
+    run contiguously from them; None when it does not (the operand is then broadcast in full)."""
+    if tuple(t.shape) == tuple(shape):
+        return np.arange(layout.rows, dtype=np.int64) * layout.length
+    index = np.broadcast_to(np.arange(t.numel, dtype=np.int64).reshape(t.shape), shape)
+    index = index.reshape(layout.rows, layout.length)
+    if layout.length > 1 and not (np.diff(index, axis=1) == 1).all():
+        return None
+    return np.ascontiguousarray(index[:, 0])
+
+
+def kernel_values(values: np.ndarray) -> np.ndarray:
+    """Flat values as a fast kernel reads them: float32 as they are, float16 widened to float32,
+    integers and bools as float64 (all exact)."""
+    flat = values.reshape(-1)
+    if flat.dtype == np.float32:
+        return flat
+    return flat.astype(np.float32 if flat.dtype == np.float16 else np.float64)
+
+
+def output_storage(io, t: Tensor) -> np.ndarray | None:
+    """The fast layout's storage of a whole float32 variable, to write in place; None when `io`
+    gives a copy."""
+    if t.dtype != np.float32:
+        return None
+    view = io.read(t)
+    return view.reshape(-1) if np.may_share_memory(view, io[t.ipu].arena(t.dtype)) else None
+
+
+def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tensor, axes: tuple,
+                      out_index: np.ndarray, param: float):
+    """The fast mode of a segment map: the op's row kernel over the runs of `a` (RowLayout),
+    reading only the operands the op uses: b and c from their own values (broadcast in full
+    only when their runs are not contiguous), statistics as one float64 value per output."""
+    shape, kernel = a.shape, ROW_KERNELS[code]
+    if out.numel == 0:
+        return lambda io: None
+    layout = row_layout(shape, axes, out_index, code >= USES_COLUMN)
+    a_rows = np.arange(layout.rows, dtype=np.int64) * layout.length
+    operands = {}
+    for key in "bc":
+        t = given[key]
+        if key in READS[code] and t is not None:
+            operands[key] = (t, operand_rows(t, shape, layout))
+    stat_keys = [key for key in "rqs" if key in READS[code]]
+    stat_row, stat_step = (layout.stat_row, layout.stat_step) if stat_keys else (np.zeros(layout.rows, np.int64), 0)
+    out_dtype = out.dtype
+    temp_dtype = np.float32 if out_dtype.kind == "f" else np.float64
+
+    def fast(io):
+        av = kernel_values(io.read(a))
+        args = []
+        for key in "bc":
+            if key not in operands:
+                args += [av, a_rows]
+                continue
+            t, rows = operands[key]
+            if rows is None:
+                args += [kernel_values(np.ascontiguousarray(np.broadcast_to(io.read(t), shape))), a_rows]
+            else:
+                args += [kernel_values(io.read(t)), rows]
+        values = {}
+        for key in stat_keys:
+            if id(stats[key]) not in values:
+                values[id(stats[key])] = io.read(stats[key]).reshape(-1).astype(np.float64)
+        unused = next(iter(values.values()), np.zeros(1))  # a valid array for the fields the op ignores
+        r, q, s = (values[id(stats[key])] if key in stat_keys else unused for key in "rqs")
+        target = output_storage(io, out)
+        res = target if target is not None else np.empty(out.numel, dtype=temp_dtype)
+        kernel(av, *args, r, q, s, stat_row, stat_step, layout.col_row, layout.col_step, param, layout.length, res)
+        if target is None:
+            io.write(out, res.reshape(shape))
+
+    return fast
+
+
 def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: str, *, r: Tensor | None = None,
                 b: Tensor | None = None, c: Tensor | None = None, q: Tensor | None = None,
                 s: Tensor | None = None, param: float = 0.0, out_dtype=None,
@@ -577,6 +1083,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
     if column and len(axes) != 1:
         raise ValueError(f"{name}: op {op!r} indexes along one axis, got axes {axes}")
     stride = int(np.prod(shape[axes[0] + 1:], dtype=np.int64)) if column else None
+    given = {"b": b, "c": c}
     b = a if b is None else (b if b.shape == shape else b.broadcast(shape))
     c = a if c is None else (c if c.shape == shape else c.broadcast(shape))
     r = a if r is None else _per_output(r, stats_shape, name)
@@ -618,24 +1125,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
             graph.addVertex(cs, SEGMENT_MAP_VERTEX, tile, fields, (code, int(counts[lo]), float(param)))
         body.add(Execute(cs))
 
-    def full(t: Tensor, io, kept: bool) -> np.ndarray:
-        if t is a:
-            kept = False
-        arr = io.read(t)
-        arr = np.broadcast_to(arr.reshape(keep_shape) if kept else arr, shape)
-        return kernel_view(np.ascontiguousarray(arr).reshape(-1))
-
-    def fast(io):
-        res = np.empty(shape, dtype=out_dt)
-        if column:
-            along = [-1 if d == axes[0] else 1 for d in range(len(shape))]
-            cols = np.arange(shape[axes[0]], dtype=np.float32).reshape(along)
-            sv = np.ascontiguousarray(np.broadcast_to(cols, shape)).reshape(-1)
-        else:
-            sv = full(s, io, True)
-        segment_map_whole(code, full(a, io, False), full(b, io, False), full(c, io, False), full(r, io, True),
-                          full(q, io, True), sv, kernel_view(res.reshape(-1)), float(param))
-        io.write(out, res)
+    fast = _fast_segment_map(code, a, given, {"r": r, "q": q, "s": s}, out, axes, out_index, float(param))
 
     reads = tuple(dict.fromkeys(t for t in (a, b, c, r, q) + (() if column else (s,))))
     prog.add(OpProgram(name, body, fast, reads, (out,)))
