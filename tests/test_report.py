@@ -165,3 +165,13 @@ def test_charts_without_matplotlib(two_runs, monkeypatch, tmp_path):
     doc, files, messages = prof.write_profile(str(tmp_path / "x"), static, rec)
     assert [f.rsplit("/", 1)[1] for f in files] == ["profile.json", "trace.json"]
     assert messages and "matplotlib is not installed" in messages[0]
+
+
+def test_gantt_chart_draws_the_first_group_of_the_first_call():
+    steps = [{"call": c, "group": g, "index": i} for c in (1, 2) for g in (0, 1, 2) for i in range(5)]
+    chosen, what = charts.chart_steps(steps)
+    assert chosen == steps[:5] and what == "5 steps of group 1 of 3"
+    many = [{"call": 1, "group": None, "index": i} for i in range(charts.MAX_CHART_STEPS + 7)]
+    chosen, what = charts.chart_steps(many)
+    assert len(chosen) == charts.MAX_CHART_STEPS and what.endswith(f"(first {charts.MAX_CHART_STEPS} of "
+                                                                   f"{charts.MAX_CHART_STEPS + 7})")
