@@ -30,13 +30,13 @@ import numpy as np
 from numba import njit, prange
 
 from ..graph import Graph
-from ..kernels import JIT, kernel_view, ld, st
+from ..kernels import JIT, ld, st
 from ..program import Execute, OpProgram, Sequence
 from ..tensor import Tensor
 from ..vertex import VertexType
 from . import elementwise as ew
 from .common import placed, split_work, tile_regions
-from .reduce import composite, reduce, segment_map, vector_width
+from .reduce import composite, kernel_values, output_storage, reduce, segment_map, vector_width
 from .softmax import log_softmax
 
 F32 = np.float32
@@ -192,10 +192,24 @@ def loss_grad_codelet(a, a_addr, a_start, b, b_addr, b_start, g, g_addr, g_start
             st(out, o_addr[o_start[v] + i], value)
 
 
-@njit(parallel=True, **JIT)
-def loss_grad_whole(op, a, b, g, out, k):
-    for i in prange(out.size):
-        st(out, i, loss_grad_value(op, ld(a, i), ld(b, i), ld(g, i), k))
+@njit(**JIT)
+def loss_grad_whole(op, a, b, g, g_step, out, k):
+    """Whole-tensor form: g holds one gradient per element (g_step 1) or one for all (g_step 0);
+    one loop per op and gradient form, so that each vectorises."""
+    if g_step == 0:
+        gv = np.float64(g[0])
+        if op == MSE:
+            for i in range(out.size):
+                out[i] = loss_grad_value(MSE, np.float64(a[i]), np.float64(b[i]), gv, k)
+        else:
+            for i in range(out.size):
+                out[i] = loss_grad_value(L1, np.float64(a[i]), np.float64(b[i]), gv, k)
+    elif op == MSE:
+        for i in range(out.size):
+            out[i] = loss_grad_value(MSE, np.float64(a[i]), np.float64(b[i]), np.float64(g[i]), k)
+    else:
+        for i in range(out.size):
+            out[i] = loss_grad_value(L1, np.float64(a[i]), np.float64(b[i]), np.float64(g[i]), k)
 
 
 def loss_grad_instructions(n: int, width: int, op: int) -> int:
@@ -272,11 +286,15 @@ def _pointwise_backward(graph, grad, input, target, prog, reduction, name, op) -
     body.add(Execute(cs))
 
     def fast(io):
-        res = np.empty(shape, dtype=out.dtype)
-        arrays = [kernel_view(np.ascontiguousarray(np.broadcast_to(io.read(t), shape)).reshape(-1))
-                  for t in (input, target, grad if reduction == "none" else grad.reshape(()))]
-        loss_grad_whole(op, *arrays, kernel_view(res.reshape(-1)), k)
-        io.write(out, res)
+        res = output_storage(io, out)
+        direct = res is not None
+        if not direct:
+            res = np.empty(out.numel, dtype=np.float32)
+        g = kernel_values(io.read(grad))
+        loss_grad_whole(op, kernel_values(io.read(input)), kernel_values(io.read(target)), g,
+                        int(reduction == "none"), res, k)
+        if not direct:
+            io.write(out, res.reshape(shape))
 
     prog.add(OpProgram(name, body, fast, (grad, input, target), (out,)))
     return out
