@@ -197,8 +197,10 @@ class PoplarExecutor:
         return self._executable is not None
 
     def compile(self, *args, **kwargs) -> None:
+        """Compile for these inputs without running (the only way with an offline target)."""
         if self._executable is None:
             self._compile(args, kwargs)
+            self._compiled_shapes = input_signature(args)
 
     def _tensor_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
         names = list(inspect.signature(self._user_model.forward).parameters)
@@ -247,28 +249,15 @@ class PoplarExecutor:
                 ir.grads = {n: g for n, g in grads.items() if n in trainable}
             bar.update(15)
             schedule = build_schedule(placement, opts, self._training)
-            replicas = opts.replication_factor
-            per_replica = placement.num_ipus
-            device = ip.Device(target_of(opts), per_replica * replicas)
-            programs: list = []
-            locations = tensor_locations(opts, placement)
-            lowerings = [Lowering(ir, device, programs,
-                                  {s: ipu + r * per_replica for s, ipu in enumerate(placement.stage_ipus)}, schedule,
-                                  replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations)
-                         for r in range(replicas)]
-            for low in lowerings:
-                low.build()
-            bar.update(20)
-            updates = build_updates(lowerings, self._optimizer, opts, self._named_weights()) if self._training \
-                else UpdatePlan()
-            bar.update(15)
             try:
-                engine = ip.Engine(device, programs, mode=opts.Emulator.mode)
+                executable = build_executable(ir, placement, schedule, placement.stage_ipus, opts, target_of(opts),
+                                              self._optimizer if self._training else None, self._named_weights())
             except ip.OutOfMemoryError as error:
-                raise model_out_of_memory(error, placement, per_replica) from None
-            engine.load()
+                raise model_out_of_memory(error, placement, placement.num_ipus) from None
+            bar.update(35)
+            executable.engine.load()
             bar.update(25)
-        self._executable = Executable(lowerings, engine, schedule, ir, placement, updates)
+        self._executable = executable
         if self._training and opts.num_processes > 1:
             from .distributed import GradientAllReduce
             self._collective = GradientAllReduce(self)
@@ -381,7 +370,7 @@ class PoplarExecutor:
         if self._options.connection_type == ConnectionType.Never:
             raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
-        shapes = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        shapes = input_signature(args)
         if self._executable is None:
             self._compile(args, kwargs)
             self._compiled_shapes = shapes
@@ -564,6 +553,29 @@ def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica:
             "(Options.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))).")
     message = "Out of memory compiling the model:\n  " + "\n  ".join(lines) + f"\n{hint}\n\n{error}"
     return ip.OutOfMemoryError(message, error.reports)
+
+
+def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
+                     *, check_memory: bool = True) -> Executable:
+    """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
+    weight-update programs when training (`optimizer` given) and build the Engine (not loaded)."""
+    replicas = options.replication_factor
+    per_replica = 1 + max(stage_ipus)
+    device = ip.Device(target, per_replica * replicas)
+    programs: list = []
+    locations = tensor_locations(options, placement)
+    lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
+                          schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations)
+                 for r in range(replicas)]
+    for low in lowerings:
+        low.build()
+    updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
+    engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
+    return Executable(lowerings, engine, schedule, ir, placement, updates)
+
+
+def input_signature(args) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def tensor_locations(options, placement) -> Locations:

@@ -23,9 +23,7 @@ from ipusim import advisor
 from ipusim import profile as ipprofile
 
 from . import batching
-from .executor import Executable, tensor_locations
-from .lowering import Lowering
-from .optim import UpdatePlan, build_updates
+from .executor import build_executable
 
 
 class Profiler:
@@ -120,18 +118,9 @@ def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, repl
     else:
         schedule = ip.schedules.pipelined_schedule(num_stages, training=training, gradient_accumulation=g,
                                                    device_iterations=d, kind=kind)
-    device = ip.Device(target, num_stages * replicas)
-    programs: list = []
-    locations = tensor_locations(opts, exe.placement)
-    lowerings = [Lowering(ir, device, programs, {s: s + r * num_stages for s in range(num_stages)}, schedule,
-                          replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations)
-                 for r in range(replicas)]
-    for low in lowerings:
-        low.build()
-    updates = build_updates(lowerings, executor._optimizer, opts, executor._named_weights()) if training \
-        else UpdatePlan()
-    engine = ip.Engine(device, programs, mode=opts.Emulator.mode, check_memory=False)
-    return Executable(lowerings, engine, schedule, ir, exe.placement, updates)
+    return build_executable(ir, exe.placement, schedule, list(range(num_stages)), opts.clone().replicationFactor(replicas)
+                            if replicas != opts.replication_factor else opts, target,
+                            executor._optimizer if training else None, executor._named_weights(), check_memory=False)
 
 
 def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTable:

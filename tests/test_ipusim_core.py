@@ -304,7 +304,7 @@ def test_memory_report_and_liveness():
     g.map_linearly(w)
     prog = ip.Sequence()
     y = ew.unary(g, "tanh", w, prog)      # activations, not always live
-    z = ew.unary(g, "relu", y, prog)
+    ew.unary(g, "relu", y, prog)
     e = ip.Engine(g, prog)
     (r,) = e.memory
     assert r.always_live.sum() == 1024
