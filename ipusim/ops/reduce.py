@@ -130,9 +130,9 @@ def join_lanes(lanes, op):
 
 def _vector_combine(builder, op, acc, v, rounded, f32s):
     """IR of `combine` on vectors (or scalars) of float64."""
-    if op in (MAX, MIN):
-        better = builder.fcmp_ordered(">" if op == MAX else "<", v, acc)
-        return builder.select(builder.or_(better, builder.fcmp_unordered("uno", v, v)), v, acc)
+    if op in (MAX, MIN):  # a NaN element wins, tested apart so the compare chain is a plain max / min
+        kept = builder.select(builder.fcmp_ordered(">" if op == MAX else "<", v, acc), v, acc)
+        return builder.select(builder.fcmp_unordered("uno", v, v), v, kept)
     if op == SUM_SQUARES:
         v = builder.fmul(v, v)
         if rounded:
@@ -809,14 +809,14 @@ def bits_to_float(typingctx, bits):
     return types.float64(types.int64), codegen
 
 
-@njit(**ERR, **JIT)
+@njit(fastmath={"contract"}, **ERR, **JIT)
 def exp64(x):
     """e**x in float64 within 2 ulp, without branches so that loops over it vectorise: x = k ln 2 + r
-    with |r| <= ln 2 / 2 (Cody-Waite), e**r by its degree-13 Taylor polynomial (Estrin's scheme),
-    times 2**k in two steps (so results near overflow and subnormal ones are right)."""
+    with |r| <= ln 2 / 2 (Cody-Waite), e**r by its degree-13 Taylor polynomial (Estrin's scheme,
+    multiply-adds fused where the CPU has them: the same in both modes, which compile this one
+    function), times 2**k in two steps (so results near overflow and subnormal ones are right).
+    NaN gives NaN (the select at the end discards whatever a NaN made of k)."""
     y = min(max(x, -746.0), 710.0)
-    if y != y:
-        y = 0.0
     k = np.floor(y * INV_LN2 + 0.5)
     r = (y - k * LN2_HI) - k * LN2_LO
     r2 = r * r
