@@ -1,0 +1,707 @@
+"""Executable cache: PopTorch's ``Options.enableExecutableCaching(path)``.
+
+A compiled model is saved as ``<path>/<key>.ipusim`` and a later process that compiles the same
+model for the same inputs, options and target loads it instead of compiling. poprun's
+``--executable-cache-path`` sets ``POPTORCH_CACHE_DIR``, which enables caching in every
+``Options``; the instances of a run share the directory and only one compiles (below).
+
+Key (:func:`cache_key`): the SHA-256 of :func:`key_contents`, everything that shapes the
+compiled program: the captured graph (fx code, block of every node, leaf modules' types and
+settings, tensor shapes, constant tensors), parameter and buffer names, shapes, dtypes and
+``requires_grad`` (not their values: weights are copied to the device after loading, as after a
+compile), input shapes and dtypes, the options except host-side ones (:data:`HOST_OPTIONS`), the
+target's fields, the optimiser's type, parameter groups and structure (state layout, state
+dtype, loss scaling; learning rates and other hyperparameters live in device tensors and are
+written after loading), and the software: this package's version and a digest of its sources,
+Python, NumPy, Numba and PyTorch versions.
+
+Entry: a magic line, a JSON header line (format version, key, payload size and SHA-256) and the
+payload, the pickled ``Executable`` without host-side state (the engine's memory and address
+plans, connected streams, thread pools; ``engine.load()`` re-creates them). Entries are written
+to a temporary file and renamed, so readers never see a partial entry (and the checksum catches
+one a system crash may leave, as entries are not synced to disk). A missing, truncated,
+corrupt, stale or unreadable entry makes :func:`load` return None (the reason is logged at
+info level) and the model is compiled again and the entry rewritten. Entries are pickles: point
+the cache only at directories you trust, as you would for any executable.
+
+Serialisation uses the cloudpickle vendored in Numba (a dependency already): op programs hold
+closures (each ``OpProgram.fast``), which the standard pickle cannot save. Codelets, vertex
+types and other module-level objects are saved by reference (their import path), so a loaded
+program runs the same Numba dispatchers and hits Numba's own on-disk cache. Compute sets are
+saved column-wise (vertex types, tiles, parameters, the views of all fields) and decoded when
+first used; integer arrays (tile mappings, element indices, bytes per tile) are saved as runs of
+equal or consecutive values when that is much smaller.
+
+Concurrency: a process that misses takes an exclusive lock on ``<key>.lock`` (``flock``) while
+it compiles; processes compiling the same model wait for it and then load its entry. The lock
+dies with its process; after ``lock_timeout`` seconds a waiting process compiles anyway. Writers
+never corrupt each other's entries either way (each writes its own temporary file).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import hashlib
+import importlib
+import io
+import json
+import logging
+import os
+import pickle
+import platform
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from numba.cloudpickle import cloudpickle
+from numba.core.dispatcher import Dispatcher
+from torch.fx.passes.shape_prop import TensorMetadata
+
+import ipusim as ip
+from ipusim.ops import optim as device_optim
+
+from .capture import capture
+from .executor import Executable, PoplarExecutor, target_of
+from .optim import device_config
+
+try:
+    import fcntl
+except ImportError:  # no advisory locks (Windows): concurrent processes may each compile
+    fcntl = None
+
+logger = logging.getLogger("poptorch_lite")
+
+FORMAT_VERSION = 1
+MAGIC = b"poptorch_lite executable\n"
+SUFFIX = ".ipusim"
+MAX_HEADER_BYTES = 1 << 16
+LOCK_TIMEOUT = 3600.0
+
+# Options that only change what the host does, never the compiled program.
+# (The random seed is written to the device with the weights, after compiling or loading.)
+HOST_OPTIONS = ("log_dir", "show_compilation_progress_bar", "relax_optimizer_attributes_checks",
+                "connection_type", "ipu_id", "model_name", "random_seed")
+
+
+# ---- key ------------------------------------------------------------------------------------------
+def cache_key(model: torch.nn.Module, example_args, options, target: ip.Target, training: bool,
+              optimizer=None, example_kwargs: dict | None = None) -> str:
+    """The cache key of `model` compiled for these micro-batch inputs (hex SHA-256). Like the
+    compiler, it captures the model, which runs it once on the inputs (drawing from torch's
+    random generator when the model has random ops)."""
+    contents = key_contents(model, example_args, options, target, training, optimizer, example_kwargs)
+    text = json.dumps(contents, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def key_contents(model: torch.nn.Module, example_args, options, target: ip.Target, training: bool,
+                 optimizer=None, example_kwargs: dict | None = None) -> dict:
+    """Everything the key hashes, as plain data (compare two of them to see why a key changed)."""
+    if training and optimizer is None:
+        raise ValueError("key_contents: a training model's key depends on its optimizer; pass optimizer=")
+    example_kwargs = example_kwargs or {}
+    weights = {**dict(torch.nn.Module.named_parameters(model)), **dict(torch.nn.Module.named_buffers(model))}
+    return {
+        "format": FORMAT_VERSION,
+        "software": software_versions(),
+        "training": bool(training),
+        "graph": graph_description(traced(model, training, example_args, example_kwargs)),
+        "weights": {name: [list(w.shape), str(w.dtype), bool(w.requires_grad)] for name, w in weights.items()},
+        "inputs": {"args": [_describe_input(a) for a in example_args],
+                   "kwargs": {k: _describe_input(v) for k, v in example_kwargs.items()}},
+        "options": compiled_options(options),
+        "target": dataclasses.asdict(target),
+        "optimizer": optimizer_description(optimizer, model) if training else None,
+    }
+
+
+def traced(model: torch.nn.Module, training: bool, args, kwargs) -> torch.fx.GraphModule:
+    """The model captured as the compiler captures it: in train/eval mode as the executor runs it,
+    with the buffer updates of the capture's example run undone."""
+    was_training = torch.nn.Module.__getattribute__(model, "training")
+    buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
+    model.train(training)
+    try:
+        with torch.no_grad():
+            return capture(model, *args, **kwargs)
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def graph_description(gm: torch.fx.GraphModule) -> dict:
+    """The captured graph as plain data: fx's code, and per node its block, result shapes, and
+    for leaf modules their type and settings (``repr``), for constant tensors a digest."""
+    weights = {n for n, _ in gm.named_parameters()} | {n for n, _ in gm.named_buffers()}
+    nodes = []
+    for node in gm.graph.nodes:
+        entry = {"name": node.name, "block": str(node.meta.get("block")),
+                 "result": _describe_meta(node.meta.get("tensor_meta"))}
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            entry["module"] = [_qualified_name(type(module)), repr(module), module.training]
+        elif node.op == "get_attr" and node.target not in weights:
+            entry["constant"] = _digest_value(_attribute(gm, node.target))
+        nodes.append(entry)
+    return {"code": gm.code, "nodes": nodes}
+
+
+def compiled_options(options) -> dict:
+    """The options as plain data without the host-side ones (they do not change the program):
+    :data:`HOST_OPTIONS`, the process id, Emulator host threads, the cache path itself and
+    profiling (``autoReport.*``) engine options."""
+    values = options.toDict()
+    for name in HOST_OPTIONS:
+        values.pop(name, None)
+    values["Distributed"].pop("distributed_process_id", None)
+    values["Emulator"].pop("host_threads", None)
+    popart = values["_Popart"]
+    popart.pop("cachePath", None)
+    popart.pop("enableEngineCaching", None)
+    if "engineOptions" in popart:
+        popart["engineOptions"] = {k: v for k, v in popart["engineOptions"].items() if not k.startswith("autoReport.")}
+    return values
+
+
+def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
+    """What of the optimiser shapes the program: its type, which parameters each group updates,
+    the device optimiser's state layout and structural settings, and the loss scaling (the seed
+    of the backward pass). Learning rates and other hyperparameters are not part of it."""
+    names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
+    groups = []
+    for group in optimizer.param_groups:
+        config = device_config(optimizer, group, 1.0)
+        groups.append({
+            "params": [names.get(id(p), "<not in the model>") for p in group["params"]],
+            "device": type(config).__name__,
+            "layout": repr(config.layout()),
+            "structural": {k: repr(getattr(config, k)) for k in config.STRUCTURAL},
+            "loss_scaling": float(group.get("loss_scaling", 1.0)),
+        })
+    return {"type": _qualified_name(type(optimizer)), "groups": groups}
+
+
+def software_versions() -> dict:
+    from . import __version__  # pylint: disable=import-outside-toplevel
+    return {"poptorch_lite": __version__, "sources": source_digest(),
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "numpy": np.__version__, "numba": numba.__version__, "torch": torch.__version__}
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of the compiler's and the emulator's sources: an edited source tree never loads
+    entries of another."""
+    digest = hashlib.sha256()
+    for package in (ip, sys.modules[__package__]):
+        root = Path(package.__file__).parent
+        for file in sorted(root.rglob("*.py")):
+            digest.update(str(file.relative_to(root.parent)).encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def _describe_input(value):
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype)}
+    return repr(value)
+
+
+def _describe_meta(meta):
+    if isinstance(meta, TensorMetadata):
+        return [list(meta.shape), str(meta.dtype)]
+    if isinstance(meta, (list, tuple)):
+        return [_describe_meta(m) for m in meta]
+    if isinstance(meta, dict):
+        return {str(k): _describe_meta(m) for k, m in meta.items()}
+    return None if meta is None else repr(meta)
+
+
+def _digest_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().contiguous()
+        return f"{list(array.shape)} {array.dtype} " + hashlib.sha256(array.view(torch.uint8).numpy()).hexdigest()
+    return repr(value)
+
+
+def _attribute(root, dotted: str):
+    for part in dotted.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _qualified_name(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# ---- entries on disk ------------------------------------------------------------------------------
+class CacheEntryError(ValueError):
+    """A cache entry that cannot be used (truncated, corrupt, stale or of another format)."""
+
+
+def entry_path(path, key: str) -> str:
+    return os.path.join(os.fspath(path), key + SUFFIX)
+
+
+def store(path, key: str, executable: Executable) -> str | None:
+    """Save `executable` as the entry of `key` in directory `path` (created if missing); returns
+    the entry's file, or None, with a warning, when it cannot be written: the model is compiled
+    either way."""
+    file = entry_path(path, key)
+    try:
+        payload = serialize(executable)
+    except Exception as error:  # noqa: BLE001 - an unpicklable program must not fail the run
+        logger.warning("The compiled model cannot be cached (%s: %s); it runs normally but the next process "
+                       "will compile it again.", type(error).__name__, error)
+        return None
+    header = {"format": FORMAT_VERSION, "key": key, "payload_bytes": len(payload),
+              "payload_sha256": hashlib.sha256(payload).hexdigest(), "software": software_versions()}
+    tmp = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{key}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(MAGIC)
+            f.write(json.dumps(header).encode() + b"\n")
+            f.write(payload)
+        os.replace(tmp, file)
+    except OSError as error:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        logger.warning("Cannot write the executable cache entry %s (%s); the model was compiled but not cached. "
+                       "Make the directory writable or choose another with Options.enableExecutableCaching(path) "
+                       "(or POPTORCH_CACHE_DIR).", file, error)
+        return None
+    logger.info("Saved the compiled model to the executable cache: %s (%.1f MB)", file, len(payload) / 1e6)
+    return file
+
+
+def load(path, key: str) -> Executable | None:
+    """The executable of `key` from directory `path`, loaded and ready to run, or None when there is
+    no usable entry (the reason is logged: debug when there is none, info when it is unusable)."""
+    file = entry_path(path, key)
+    try:
+        with open(file, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        logger.debug("No executable cache entry %s", file)
+        return None
+    except OSError as error:
+        logger.info("Cannot read the executable cache entry %s (%s): compiling the model", file, error)
+        return None
+    try:
+        executable = deserialize(read_entry(data, key))
+        executable.engine.load()
+    except Exception as error:  # noqa: BLE001 - whatever is wrong with the entry, compiling fixes it
+        logger.info("The executable cache entry %s is unusable (%s: %s): compiling the model again",
+                    file, type(error).__name__, error)
+        return None
+    return executable
+
+
+def read_entry(data: bytes, key: str) -> memoryview:
+    """The payload of an entry after checking its magic, format, key, size and checksum."""
+    if not data.startswith(MAGIC):
+        raise CacheEntryError("not an executable cache entry (bad magic)")
+    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+    if end < 0:
+        raise CacheEntryError("truncated or corrupt header")
+    try:
+        header = json.loads(data[len(MAGIC):end])
+    except ValueError as error:
+        raise CacheEntryError(f"corrupt header ({error})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+        raise CacheEntryError(f"entry format {header.get('format') if isinstance(header, dict) else None!r}, "
+                              f"this version reads format {FORMAT_VERSION}")
+    if header.get("key") != key:
+        raise CacheEntryError(f"the entry was saved for key {header.get('key')!r}, not {key!r}")
+    payload = memoryview(data)[end + 1:]
+    if len(payload) != header.get("payload_bytes"):
+        raise CacheEntryError(f"truncated: {len(payload)} of {header.get('payload_bytes')} payload bytes")
+    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
+        raise CacheEntryError("payload checksum mismatch (corrupt)")
+    return payload
+
+
+# ---- serialisation --------------------------------------------------------------------------------
+def serialize(executable: Executable) -> bytes:
+    """The executable as bytes, without host-side state."""
+    buffer = io.BytesIO()
+    with _gc_paused():
+        _ExecutablePickler(buffer).dump(executable)
+    return buffer.getvalue()
+
+
+def deserialize(payload) -> Executable:
+    """The executable of `serialize` (its engine not loaded yet)."""
+    with _gc_paused():
+        executable = pickle.loads(payload)
+    if not isinstance(executable, Executable):
+        raise CacheEntryError(f"the payload holds a {type(executable).__name__}, not an Executable")
+    return executable
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection while (un)pickling: a program is ~10^5 new objects, which
+    would trigger many full collections over a heap that only grows."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+class _ExecutablePickler(cloudpickle.Pickler):
+    """cloudpickle with the reducers of the emulator's objects (see the module docstring)."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        # The same reducers as cloudpickle's ChainMap, looked up at C speed.
+        self.dispatch_table = dict(cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        if type(obj) is np.ndarray:
+            return _reduce_array(obj) or NotImplemented
+        reduce = _REDUCERS.get(type(obj))
+        if reduce is not None:
+            return reduce(obj)
+        if isinstance(obj, Dispatcher):
+            return _reduce_dispatcher(obj)
+        if isinstance(obj, device_optim.Optimiser):
+            return _reduce_optimiser(obj)
+        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, PoplarExecutor)):
+            raise TypeError(f"the executable refers to a {type(obj).__name__}: an entry holds no model, "
+                            "optimiser or weights")
+        return super().reducer_override(obj)
+
+
+def _new(cls):
+    return cls.__new__(cls)
+
+
+def _import_attribute(module: str, qualname: str):
+    return _attribute(importlib.import_module(module), qualname)
+
+
+def _by_reference(obj, module_names) -> tuple | None:
+    """(module, attribute) of a module-level object, or None when it is not one."""
+    for name in dict.fromkeys(module_names):
+        module = sys.modules.get(name)
+        for attribute, value in vars(module).items() if module is not None else ():
+            if value is obj:
+                return name, attribute
+    return None
+
+
+def _reduce_dispatcher(dispatcher: Dispatcher):
+    """A Numba dispatcher by import path when it is a module attribute, else Numba's own pickling."""
+    func = dispatcher.py_func
+    found = _by_reference(dispatcher, [func.__module__])
+    return (_import_attribute, found) if found else dispatcher.__reduce__()
+
+
+def _reduce_vertex_type(vertex_type: ip.VertexType):
+    kernel, cycles = vertex_type.kernel, vertex_type.cycles
+    modules = [getattr(kernel, "py_func", kernel).__module__, getattr(cycles, "__module__", None)]
+    found = _by_reference(vertex_type, [m for m in modules if m])
+    if found:
+        return _import_attribute, found
+    return ip.VertexType, tuple(getattr(vertex_type, f.name) for f in dataclasses.fields(vertex_type))
+
+
+# Engine attributes that belong to the host process, not to the compiled program.
+_ENGINE_HOST_STATE = ("mem", "_plans", "_streams", "_stream_pos", "_pool", "last_run", "total_cycles", "_profiler")
+
+
+def _reduce_engine(engine: ip.Engine):
+    state = {k: v for k, v in vars(engine).items() if k not in _ENGINE_HOST_STATE}
+    state["_costs"] = list(engine._costs.values())  # keyed by id(node): re-keyed when loaded
+    state["host_pool_threads"] = engine._pool._max_workers if engine._pool is not None else 1
+    return _new, (type(engine),), state, None, None, _set_engine_state
+
+
+def _set_engine_state(engine: ip.Engine, state: dict) -> None:
+    state = dict(state)
+    threads = state.pop("host_pool_threads")
+    costs = state.pop("_costs")
+    vars(engine).update(state)
+    engine._costs = {id(node): (node, cost) for node, cost in costs}
+    engine._streams, engine._stream_pos = {}, {}
+    engine._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    # The saving machine may have had more cores than this one.
+    engine.kernel_threads = min(engine.kernel_threads, numba.config.NUMBA_NUM_THREADS)
+    engine.mem = None
+    engine.last_run = None
+    engine.total_cycles = 0
+    engine._profiler = None
+
+
+def _reduce_optimiser(optimiser: device_optim.Optimiser):
+    state = dict(vars(optimiser))
+    state["_hypers"] = list(optimiser._hypers.values())  # keyed by id(graph): re-keyed when loaded
+    return _new, (type(optimiser),), state, None, None, _set_optimiser_state
+
+
+def _set_optimiser_state(optimiser: device_optim.Optimiser, state: dict) -> None:
+    state = dict(state)
+    hypers = state.pop("_hypers")
+    vars(optimiser).update(state)
+    optimiser._hypers = {id(h.graph): h for h in hypers}
+
+
+def _reduce_array(a: np.ndarray):
+    """Integer arrays (tile mappings, element indices, bytes per tile) as runs (`runs`) when that
+    is at least four times smaller, else None (plain pickling)."""
+    if a.dtype.kind not in "iu" or a.dtype == np.uint64 or a.size < 64 or not a.flags.c_contiguous:
+        return None
+    flat = a.reshape(-1)
+    for step in (1, 0):
+        values, lengths = runs(flat, step)
+        if values.size * 8 <= flat.size:
+            return _array, (a.dtype.str, a.shape, step, _compact(values), _compact(lengths))
+    return None
+
+
+def _array(dtype: str, shape: tuple, step: int, values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    return expand(values, lengths, step).astype(dtype, copy=False).reshape(shape)
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """An int64 array as int32 when its values allow."""
+    if a.dtype == np.int64 and (a.size == 0 or (a.min() >= -2 ** 31 and a.max() < 2 ** 31)):
+        return a.astype(np.int32)
+    return a
+
+
+def _reduce_compute_set(cs: ip.ComputeSet):
+    state = {k: v for k, v in vars(cs).items() if k not in ("vertices", "_packed")}
+    state["_packed"] = _pack_vertices(cs.vertices)
+    return _new, (_PackedComputeSet,), state
+
+
+class _PackedComputeSet(ip.ComputeSet):
+    """A loaded compute set: its vertices are decoded on first use. The fast mode runs an op's
+    whole-tensor kernel, not the vertices of its program, so most are never decoded."""
+
+    @property
+    def vertices(self) -> list:
+        packed = self.__dict__.pop("_packed", None)
+        if packed is not None:
+            self.__dict__["_vertices"] = _unpack_vertices(*packed)
+        return self.__dict__["_vertices"]
+
+    @vertices.setter
+    def vertices(self, value: list) -> None:
+        self.__dict__.pop("_packed", None)
+        self.__dict__["_vertices"] = value
+
+
+def _pack_vertices(vertices: list) -> tuple:
+    """Vertices column-wise: the vertex types and field orders (a vertex's first field gives its
+    dtype), per vertex its type, field order, tile and parameters, and the views of all fields
+    packed by `_pack_views`."""
+    types = list({id(v.type): v.type for v in vertices}.values())
+    type_index = {id(t): i for i, t in enumerate(types)}
+    orders = list(dict.fromkeys(tuple(v.fields) for v in vertices))
+    order_index = {o: i for i, o in enumerate(orders)}
+    count = len(vertices)
+    kinds = np.fromiter((type_index[id(v.type)] for v in vertices), np.int32, count)
+    layouts = np.fromiter((order_index[tuple(v.fields)] for v in vertices), np.int32, count)
+    tiles = np.fromiter((v.tile for v in vertices), np.int32, count)
+    params = [v.params for v in vertices]
+    views = _pack_views([t for v in vertices for t in v.fields.values()])
+    return types, orders, kinds, layouts, tiles, params, views
+
+
+def _unpack_vertices(types, orders, kinds, layouts, tiles, params, views) -> list:
+    tensors = iter(_unpack_views(*views))
+    return [ip.Vertex(types[kind], tile, {f: next(tensors) for f in orders[layout]}, p)
+            for kind, layout, tile, p in zip(kinds.tolist(), layouts.tolist(), tiles.tolist(), params)]
+
+
+def _pack_views(tensors: list) -> tuple:
+    """Tensor views column-wise: their variables, per view its variable, whether it is the whole
+    variable, its shape, and the element indices of all other views as runs (`runs`)."""
+    variables = list({id(t.var): t.var for t in tensors}.values())
+    index = {id(v): i for i, v in enumerate(variables)}
+    count = len(tensors)
+    which = np.fromiter((index[id(t.var)] for t in tensors), np.int32, count)
+    whole = np.fromiter((t.is_whole for t in tensors), np.bool_, count)
+    ranks = np.fromiter((len(t.shape) for t in tensors), np.int32, count)
+    dims = np.fromiter((d for t in tensors for d in t.shape), np.int64)
+    parts = [t.index.reshape(-1) for t in tensors if not t.is_whole]
+    flat = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+    values, lengths = runs(flat, 1)
+    return variables, which, whole, ranks, _compact(dims), _compact(values), _compact(lengths)
+
+
+def _unpack_views(variables, which, whole, ranks, dims, values, lengths) -> list:
+    flat = expand(values, lengths, 1)
+    dims = dims.tolist()
+    out = []
+    d = o = 0
+    for var, is_whole, rank in zip((variables[i] for i in which.tolist()), whole.tolist(), ranks.tolist()):
+        shape = tuple(dims[d:d + rank])
+        d += rank
+        if is_whole:
+            out.append(ip.Tensor(var, None, shape))
+        else:
+            n = 1
+            for s in shape:
+                n *= s
+            out.append(ip.Tensor(var, flat[o:o + n].reshape(shape)))
+            o += n
+    return out
+
+
+def runs(a: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """A 1-d integer array as runs in which each element is the previous plus `step`: the first
+    value and the length of each run."""
+    if a.size == 0:
+        return a.copy(), np.zeros(0, np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(a) != step) + 1))
+    return a[starts], np.diff(np.append(starts, a.size))
+
+
+def expand(values: np.ndarray, lengths: np.ndarray, step: int) -> np.ndarray:
+    """The array `runs` describes."""
+    if step == 0:
+        return np.repeat(values, lengths)
+    values = values.astype(np.int64, copy=False)
+    n = int(lengths.sum())
+    if values.size <= 1:
+        return values[0] + step * np.arange(n) if values.size else np.zeros(0, np.int64)
+    # one cumulative sum: each element is the previous plus step, except at the start of a run
+    deltas = np.full(n, step, dtype=np.int64)
+    deltas[0] = values[0]
+    starts = np.cumsum(lengths[:-1])
+    deltas[starts] = values[1:] - values[:-1] - step * (lengths[:-1] - 1)
+    return np.cumsum(deltas)
+
+
+_REDUCERS = {
+    ip.Engine: _reduce_engine,
+    ip.ComputeSet: _reduce_compute_set,
+    _PackedComputeSet: _reduce_compute_set,
+    ip.VertexType: _reduce_vertex_type,
+}
+
+
+# ---- compile or load ------------------------------------------------------------------------------
+def compile_or_load(executor: PoplarExecutor, args, kwargs, *, lock_timeout: float = LOCK_TIMEOUT) -> bool:
+    """Compile `executor` for this call's inputs, or load its executable from the cache when
+    ``options.cache_path`` is set and holds an entry for it; returns True when loaded.
+
+    On a miss a single-process run holds the key's lock while it compiles and stores the entry,
+    so that other processes compiling the same model wait and load it instead. The processes of a
+    distributed run (``numProcesses > 1``) compile without the lock: compiling ends with
+    collectives between them (weight broadcast), which a process waiting for the lock would
+    never join."""
+    options = executor.options
+    path = options.cache_path
+    if path is None:
+        executor._compile(args, kwargs)
+        return False
+    start = time.perf_counter()
+    margs, mkwargs = executor._micro_batch_args(args, kwargs)
+    key = cache_key(executor.model, margs, options, target_of(options), executor._training,
+                    executor._optimizer, mkwargs)
+    seen = _entry_version(path, key)
+    executable = load(path, key)
+    if executable is None:
+        lock = _compile_lock(path, key, lock_timeout) if options.num_processes == 1 else contextlib.nullcontext()
+        with lock:
+            if _entry_version(path, key) != seen:  # another process stored it meanwhile
+                executable = load(path, key)
+            if executable is None:
+                # the key's capture already drew what the compiler's capture draws from torch's
+                # random generator: the generator ends as after compiling without the cache
+                with torch.random.fork_rng(devices=[]):
+                    executor._compile(args, kwargs)
+                store(path, key, executor._executable)
+                return False
+    _install(executor, executable)
+    logger.info("Loaded the compiled model from the executable cache %s in %.2f s", entry_path(path, key),
+                time.perf_counter() - start)
+    return True
+
+
+def _install(executor: PoplarExecutor, executable: Executable) -> None:
+    """What the executor does after building an executable: hooks, streams, weights, and the
+    optimiser's current hyperparameters (the entry has those of the process that saved it)."""
+    options = executor.options
+    executor._executable = executable
+    if executor._training and options.num_processes > 1:
+        from .distributed import GradientAllReduce  # pylint: disable=import-outside-toplevel
+        executor._collective = GradientAllReduce(executor)
+    if options.profile_dir is not None:
+        from .profiling import Profiler  # pylint: disable=import-outside-toplevel
+        executor._profiler = Profiler(executor, options.profile_dir)
+    executor._connect_streams()
+    executor._is_attached = True
+    executor.copyWeightsToDevice()
+    if executor._training:
+        executor.setOptimizer(executor._optimizer)
+
+
+def _entry_version(path, key: str) -> tuple | None:
+    try:
+        st = os.stat(entry_path(path, key))
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+@contextlib.contextmanager
+def _compile_lock(path, key: str, timeout: float):
+    """Hold the exclusive lock of `key` in `path`; wait at most `timeout` seconds for it."""
+    fd = None
+    if fcntl is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+            fd = os.open(os.path.join(os.fspath(path), key + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            logger.debug("No compile lock in %s (%s): compiling without waiting for other processes", path, error)
+    try:
+        if fd is not None:
+            _acquire(fd, path, timeout)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _acquire(fd: int, path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not waiting:
+                logger.info("Another process is compiling the same model into the executable cache %s: waiting "
+                            "for it", path)
+                waiting = True
+            if time.monotonic() >= deadline:
+                logger.warning("Waited %.0f s for another process compiling the same model into %s; compiling "
+                               "here too", timeout, path)
+                return
+            time.sleep(0.05)
+
+
+__all__ = ["CacheEntryError", "cache_key", "compile_or_load", "entry_path", "key_contents", "load", "store"]
