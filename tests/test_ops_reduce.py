@@ -433,9 +433,13 @@ def test_stage_blocks_group_equally_spaced_segments():
     assert cols.blocks.tolist() == [[0, 4, 6, 6, 1, 0, R.COLUMNS]]
     mixed = R.stage_blocks(np.array([0, 1, 2, 9, 10, 11, 3, 5, 4]), np.array([0, 3, 6, 8, 9]))
     # two rows 9 apart, then (3, 5) with stride 2, then the singleton (4)
-    assert mixed.blocks.tolist() == [[0, 3, 1, 2, 9, 0, R.ROWS], [3, 2, 2, 1, 0, 2, R.ROWS], [4, 1, 1, 1, 0, 3, R.ROWS]]
-    odd = R.stage_blocks(np.array([0, 2, 3]), np.array([0, 3]))
-    assert odd.blocks.tolist() == [[0, 3, 2, 1, 0, 0, R.GATHERED]]
+    assert mixed.blocks.tolist() == [[0, 3, 1, 2, 9, 0, R.ROWS], [3, 2, 2, 1, 0, 2, R.COLUMNS],
+                                     [4, 1, 1, 1, 0, 3, R.ROWS]]
+    odd = R.stage_blocks(np.array([7, 8, 0, 2, 3, 5, 6, 9]), np.array([0, 2, 5, 8]))
+    # (0, 2, 3) and (5, 6, 9) are no progressions: read from the gathered elements 0, 2, 3, 5, 6, 9
+    assert odd.blocks.tolist() == [[7, 2, 1, 1, 0, 0, R.ROWS], [0, 3, 1, 1, 0, 1, R.GATHERED],
+                                   [3, 3, 1, 1, 0, 2, R.GATHERED]]
+    assert odd.gather.tolist() == [0, 2, 3, 5, 6, 9]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

@@ -69,7 +69,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..graph import Graph
-from ..kernels import JIT, kernel_view, ld, st
+from ..kernels import JIT, ld, st
 from ..program import Copy, Execute, OpProgram, Sequence
 from ..target import Target
 from ..tensor import Tensor, as_dtype
@@ -87,7 +87,9 @@ ERR = dict(error_model="numpy")  # IEEE results (inf, nan) for division by zero,
 
 # Accumulation order (see the module docstring). Lanes start at the op's identity. Strict
 # codelets run this order one element at a time; the fast kernels vectorise it without changing
-# any lane's sequence of operations, so both modes give the same bits.
+# any lane's sequence of operations, so both modes give the same bits. The fast kernels do sum,
+# max, min and sum_squares; `run_stage` turns sum_abs and rounded squares into sums of exactly
+# transformed elements.
 LANES = 16
 VECTOR = 8  # float64 elements per vector register in `reduce_contiguous`
 
@@ -102,9 +104,8 @@ def identity(op):
 
 
 @njit(**ERR, **JIT)
-def combine(op, acc, v, rounded):
-    """acc combined with element v (NaN wins max and min). `rounded`: a square is rounded to
-    float32 first, as a one-element float32 partial is."""
+def combine(op, acc, v):
+    """acc combined with element v (a NaN element wins max and min)."""
     if op == SUM:
         return acc + v
     if op == MAX:
@@ -112,7 +113,7 @@ def combine(op, acc, v, rounded):
     if op == MIN:
         return v if (v < acc) | (v != v) else acc
     if op == SUM_SQUARES:
-        return acc + (np.float64(np.float32(v * v)) if rounded else v * v)
+        return acc + v * v
     return acc + abs(v)
 
 
@@ -123,133 +124,19 @@ def join_lanes(lanes, op):
     w = LANES // 2
     while w >= 1:
         for lane in range(w):
-            lanes[lane] = combine(lane_op, lanes[lane], lanes[lane + w], False)
+            lanes[lane] = combine(lane_op, lanes[lane], lanes[lane + w])
         w //= 2
     return lanes[0]
 
 
-def _vector_combine(builder, op, acc, v, rounded, f32s):
-    """IR of `combine` on vectors (or scalars) of float64."""
-    if op in (MAX, MIN):  # a NaN element wins, tested apart so the compare chain is a plain max / min
-        kept = builder.select(builder.fcmp_ordered(">" if op == MAX else "<", v, acc), v, acc)
-        return builder.select(builder.fcmp_unordered("uno", v, v), v, kept)
-    if op == SUM_SQUARES:
-        v = builder.fmul(v, v)
-        if rounded:
-            v = builder.fpext(builder.fptrunc(v, f32s), v.type)
-    elif op == SUM_ABS:
-        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v.type, [v.type]),
-                                              f"llvm.fabs.v{VECTOR}f64")
-        v = builder.call(fabs, [v])
-    return builder.fadd(acc, v)
-
-
-@intrinsic
-def reduce_contiguous(typingctx, src, start, n, op, rounded):
-    """The lane-order reduction of the contiguous float32 run src[start:start + n] for a constant
-    op and `rounded` flag, with the LANES lanes in two 8-wide float64 vector registers (lanes
-    0-7 and 8-15): each vector lane does the additions (or comparisons) of its scalar lane in
-    the same order, so the result has the bits of the scalar form."""
-    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(op, types.IntegerLiteral)
-            and isinstance(rounded, types.BooleanLiteral)):
-        return None
-    code, round_squares = op.literal_value, rounded.literal_value
-    lane_op = code if code in (MAX, MIN) else SUM
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        f32s, f64s = ir.VectorType(ir.FloatType(), VECTOR), ir.VectorType(ir.DoubleType(), VECTOR)
-        i64 = args[2].type
-        regs = [cgutils.alloca_once_value(builder, ir.Constant(f64s, [identity_value(code)] * VECTOR))
-                for _ in range(LANES // VECTOR)]
-        base = builder.gep(data, [args[1]])
-        rows = builder.sdiv(args[2], ir.Constant(i64, LANES))
-        with cgutils.for_range(builder, rows) as loop:
-            row = builder.mul(loop.index, ir.Constant(i64, LANES))
-            for half, reg in enumerate(regs):
-                at = builder.gep(base, [builder.add(row, ir.Constant(i64, half * VECTOR))])
-                v = builder.fpext(builder.load(builder.bitcast(at, f32s.as_pointer()), align=4, typ=f32s), f64s)
-                builder.store(_vector_combine(builder, code, builder.load(reg), v, round_squares, f32s), reg)
-        done = builder.mul(rows, ir.Constant(i64, LANES))
-        left = builder.sub(args[2], done)
-        with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, 0))):
-            last = builder.sub(left, ir.Constant(i64, 1))
-            for half, reg in enumerate(regs):
-                tail = ir.Constant(f32s, None)
-                for j in range(VECTOR):  # element min(j, last) of the tail: always in the run
-                    lane = ir.Constant(i64, half * VECTOR + j)
-                    at = builder.add(done, builder.select(builder.icmp_signed("<", lane, last), lane, last))
-                    tail = builder.insert_element(tail, builder.load(builder.gep(base, [at]), typ=ir.FloatType()),
-                                                  ir.Constant(ir.IntType(32), j))
-                lanes = ir.Constant(ir.VectorType(i64, VECTOR), [half * VECTOR + j for j in range(VECTOR)])
-                used = builder.icmp_signed("<", lanes, _splat(builder, left, VECTOR))
-                acc = builder.load(reg)
-                new = _vector_combine(builder, code, acc, builder.fpext(tail, f64s), round_squares, f32s)
-                builder.store(builder.select(used, new, acc), reg)
-        acc = _vector_combine(builder, lane_op, builder.load(regs[0]), builder.load(regs[1]), False, f32s)
-        width = VECTOR
-        while width > 1:  # halving: lane l takes lane l + width / 2
-            width //= 2
-            low = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(width))))
-            high = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(ir.IntType(32), width),
-                                                                list(range(width, 2 * width))))
-            acc = _vector_combine(builder, lane_op, low, high, False, f32s)
-        return builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
-
-    return types.float64(src, start, n, op, rounded), codegen
-
-
-def _splat(builder, value, count):
-    vec = ir.Constant(ir.VectorType(value.type, count), None)
-    vec = builder.insert_element(vec, value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(ir.IntType(32), count), [0] * count))
-
-
-def contiguous_reduce(src, start, n, op, rounded):
-    """The lane-order reduction of the contiguous run src[start:start + n] (vectorised for float32)."""
-
-
-@overload(contiguous_reduce, jit_options=JIT)
-def _contiguous_reduce(src, start, n, op, rounded):
-    if src.dtype != types.float32:
-        def scalar(src, start, n, op, rounded):
-            return reduce_strided(np.empty(LANES), src, start, n, 1, op, rounded)
-        return scalar
-
-    def vectorised(src, start, n, op, rounded):
-        if op == SUM:
-            return reduce_contiguous(src, start, n, SUM, False)
-        if op == MAX:
-            return reduce_contiguous(src, start, n, MAX, False)
-        if op == MIN:
-            return reduce_contiguous(src, start, n, MIN, False)
-        if op == SUM_SQUARES and rounded:
-            return reduce_contiguous(src, start, n, SUM_SQUARES, True)
-        if op == SUM_SQUARES:
-            return reduce_contiguous(src, start, n, SUM_SQUARES, False)
-        return reduce_contiguous(src, start, n, SUM_ABS, False)
-    return vectorised
-
-
 @njit(**ERR, **JIT)
-def reduce_strided(lanes, src, start, n, stride, op, rounded):
-    """Segment src[start + i * stride], i < n, in the lane order (`lanes`: LANES scratch values)."""
+def reduce_gathered(lanes, src, index, start, n, op):
+    """Segment src[index[start:start + n]] in the lane order (`lanes`: LANES scratch values)."""
     for lane in range(LANES):
         lanes[lane] = identity(op)
     for i in range(n):
         lane = i % LANES
-        lanes[lane] = combine(op, lanes[lane], np.float64(ld(src, np.uint64(start + i * stride))), rounded)
-    return join_lanes(lanes, op)
-
-
-@njit(**ERR, **JIT)
-def reduce_gathered(lanes, src, index, start, n, op, rounded):
-    """Segment src[index[start:start + n]] in the lane order."""
-    for lane in range(LANES):
-        lanes[lane] = identity(op)
-    for i in range(n):
-        lane = i % LANES
-        lanes[lane] = combine(op, lanes[lane], np.float64(ld(src, np.uint64(index[np.uint64(start + i)]))), rounded)
+        lanes[lane] = combine(op, lanes[lane], np.float64(ld(src, np.uint64(index[np.uint64(start + i)]))))
     return join_lanes(lanes, op)
 
 
@@ -267,39 +154,123 @@ def reduce_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
         lanes = np.empty(LANES)
         bx, bo = x_start[v], o_start[v]
         for k in range(o_start[v + 1] - bo):
-            st(out, o_addr[bo + k], finish(reduce_gathered(lanes, x, x_addr, bx + k * n, n, op, False), params[v, 2]))
+            st(out, o_addr[bo + k], finish(reduce_gathered(lanes, x, x_addr, bx + k * n, n, op), params[v, 2]))
+
+
+def _vector_combine(builder, op, acc, v):
+    """IR of `combine` on vectors (or scalars) of float64, for sum, max, min and sum_squares."""
+    if op in (MAX, MIN):  # a NaN element wins, tested apart so the compare chain is a plain max / min
+        kept = builder.select(builder.fcmp_ordered(">" if op == MAX else "<", v, acc), v, acc)
+        return builder.select(builder.fcmp_unordered("uno", v, v), v, kept)
+    return builder.fadd(acc, builder.fmul(v, v) if op == SUM_SQUARES else v)
+
+
+@intrinsic
+def reduce_contiguous(typingctx, src, start, n, op):
+    """The lane-order reduction of the contiguous float32 run src[start:start + n] for a constant
+    op, with the LANES lanes in two 8-wide float64 vector registers (lanes 0-7 and 8-15): each
+    vector lane does the operations of its scalar lane in the same order, so the result has the
+    bits of the scalar form. The last n % LANES elements go to lanes 0, 1, ... under a mask."""
+    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(op, types.IntegerLiteral)):
+        return None
+    code = op.literal_value
+    lane_op = code if code in (MAX, MIN) else SUM
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        f32s, f64s = ir.VectorType(ir.FloatType(), VECTOR), ir.VectorType(ir.DoubleType(), VECTOR)
+        i32, i64 = ir.IntType(32), args[2].type
+        regs = [cgutils.alloca_once_value(builder, ir.Constant(f64s, [identity_value(code)] * VECTOR))
+                for _ in range(LANES // VECTOR)]
+        base = builder.gep(data, [args[1]])
+        rows = builder.sdiv(args[2], ir.Constant(i64, LANES))
+        with cgutils.for_range(builder, rows) as loop:
+            row = builder.mul(loop.index, ir.Constant(i64, LANES))
+            for half, reg in enumerate(regs):
+                at = builder.gep(base, [builder.add(row, ir.Constant(i64, half * VECTOR))])
+                v = builder.fpext(builder.load(builder.bitcast(at, f32s.as_pointer()), align=4, typ=f32s), f64s)
+                builder.store(_vector_combine(builder, code, builder.load(reg), v), reg)
+        done = builder.mul(rows, ir.Constant(i64, LANES))
+        left = builder.sub(args[2], done)
+        with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, 0))):
+            last = builder.sub(left, ir.Constant(i64, 1))
+            splat = builder.insert_element(ir.Constant(ir.VectorType(i64, VECTOR), None), left, ir.Constant(i32, 0))
+            splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(i32, VECTOR), [0] * VECTOR))
+            for half, reg in enumerate(regs):
+                tail = ir.Constant(f32s, None)
+                for j in range(VECTOR):  # element min(lane, last) of the tail: always inside the run
+                    lane = ir.Constant(i64, half * VECTOR + j)
+                    at = builder.add(done, builder.select(builder.icmp_signed("<", lane, last), lane, last))
+                    tail = builder.insert_element(tail, builder.load(builder.gep(base, [at]), typ=ir.FloatType()),
+                                                  ir.Constant(i32, j))
+                lanes = ir.Constant(ir.VectorType(i64, VECTOR), [half * VECTOR + j for j in range(VECTOR)])
+                acc = builder.load(reg)
+                new = _vector_combine(builder, code, acc, builder.fpext(tail, f64s))
+                builder.store(builder.select(builder.icmp_signed("<", lanes, splat), new, acc), reg)
+        acc = _vector_combine(builder, lane_op, builder.load(regs[0]), builder.load(regs[1]))
+        width = VECTOR
+        while width > 1:  # halving: lane l takes lane l + width / 2
+            width //= 2
+            low = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+            high = builder.shuffle_vector(acc, acc, ir.Constant(ir.VectorType(i32, width),
+                                                                list(range(width, 2 * width))))
+            acc = _vector_combine(builder, lane_op, low, high)
+        return builder.extract_element(acc, ir.Constant(i32, 0))
+
+    return types.float64(src, start, n, op), codegen
+
+
+def contiguous_reduce(src, start, n, op):
+    """The lane-order reduction of the contiguous run src[start:start + n] with sum, max, min or
+    sum_squares (vectorised for float32)."""
+
+
+@overload(contiguous_reduce, jit_options=JIT)
+def _contiguous_reduce(src, start, n, op):
+    if src.dtype != types.float32:
+        def scalar(src, start, n, op):
+            lanes = np.empty(LANES)
+            for lane in range(LANES):
+                lanes[lane] = identity(op)
+            for i in range(n):
+                lanes[i % LANES] = combine(op, lanes[i % LANES], np.float64(src[np.uint64(start + i)]))
+            return join_lanes(lanes, op)
+        return scalar
+
+    def vectorised(src, start, n, op):
+        if op == SUM:
+            return reduce_contiguous(src, start, n, SUM)
+        if op == MAX:
+            return reduce_contiguous(src, start, n, MAX)
+        if op == MIN:
+            return reduce_contiguous(src, start, n, MIN)
+        return reduce_contiguous(src, start, n, SUM_SQUARES)
+    return vectorised
 
 
 @njit(**ERR, **JIT)
-def fold_row(row, src, start, count, gap, op, rounded):
-    """row[k] = combine(op, row[k], src[start + k * gap], rounded) for k < count, one loop per op
+def fold_row(row, src, start, count, gap, op):
+    """row[k] = combine(op, row[k], src[start + k * gap]) for k < count, one loop per op
     (vectorised over k)."""
     if op == SUM:
         for k in range(count):
-            row[k] += np.float64(ld(src, np.uint64(start + k * gap)))
+            row[k] += np.float64(src[np.uint64(start + k * gap)])
     elif op == MAX:
         for k in range(count):
-            v = np.float64(ld(src, np.uint64(start + k * gap)))
+            v = np.float64(src[np.uint64(start + k * gap)])
             row[k] = v if (v > row[k]) | (v != v) else row[k]
     elif op == MIN:
         for k in range(count):
-            v = np.float64(ld(src, np.uint64(start + k * gap)))
+            v = np.float64(src[np.uint64(start + k * gap)])
             row[k] = v if (v < row[k]) | (v != v) else row[k]
-    elif op == SUM_SQUARES and rounded:
-        for k in range(count):
-            v = np.float64(ld(src, np.uint64(start + k * gap)))
-            row[k] += np.float64(np.float32(v * v))
-    elif op == SUM_SQUARES:
-        for k in range(count):
-            v = np.float64(ld(src, np.uint64(start + k * gap)))
-            row[k] += v * v
     else:
         for k in range(count):
-            row[k] += abs(np.float64(ld(src, np.uint64(start + k * gap))))
+            v = np.float64(src[np.uint64(start + k * gap)])
+            row[k] += v * v
 
 
 @njit(**ERR, **JIT)
-def reduce_side_by_side(acc, src, first, n, stride, count, gap, op, rounded, out, o, scale):
+def reduce_side_by_side(acc, src, first, n, stride, count, gap, op, out, o, scale):
     """`count` segments at once, segment k being src[first + k * gap + i * stride] for i < n, in
     the lane order of each (acc[lane, k] holds lane `lane` of segment k; loops over k innermost).
     Lanes that no element reaches hold the identity, so joining them is skipped."""
@@ -307,12 +278,13 @@ def reduce_side_by_side(acc, src, first, n, stride, count, gap, op, rounded, out
     for lane in range(max(used, 1)):
         acc[lane, :count] = identity(op)
     for i in range(n):
-        fold_row(acc[i % LANES], src, first + i * stride, count, gap, op, rounded)
+        fold_row(acc[i % LANES], src, first + i * stride, count, gap, op)
     lane_op = op if (op == MAX or op == MIN) else SUM
     w = LANES // 2
     while w >= 1:
         for lane in range(used - w):
-            fold_row(acc[lane], acc[lane + w], 0, count, 1, lane_op, False)
+            for k in range(count):
+                acc[lane, k] = combine(lane_op, acc[lane, k], acc[lane + w, k])
         used = min(used, w)
         w //= 2
     for k in range(count):
@@ -323,7 +295,7 @@ GATHERED, ROWS, COLUMNS = range(3)
 
 
 @njit(**ERR, **JIT)
-def reduce_blocks(src, index, blocks, op, rounded, scale, out):
+def reduce_blocks(src, gathered, blocks, op, scale, out):
     """Whole-tensor form of one stage (see `stage_blocks`): out[o + k] = the reduction of segment
     k of each block, in float64."""
     width = 1
@@ -331,20 +303,16 @@ def reduce_blocks(src, index, blocks, op, rounded, scale, out):
         if blocks[b, 6] == COLUMNS:
             width = max(width, blocks[b, 3])
     acc = np.empty((LANES, width))
-    lanes = np.empty(LANES)
     for b in range(blocks.shape[0]):
         first, n, stride, count, gap, o, kind = (blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3],
                                                  blocks[b, 4], blocks[b, 5], blocks[b, 6])
-        if kind == GATHERED:
-            out[o] = finish(reduce_gathered(lanes, src, index, first, n, op, rounded), scale)
-        elif kind == COLUMNS:
-            reduce_side_by_side(acc, src, first, n, stride, count, gap, op, rounded, out, o, scale)
-        elif stride == 1:
-            for k in range(count):
-                out[o + k] = finish(contiguous_reduce(src, first + k * gap, n, op, rounded), scale)
+        if kind == COLUMNS:
+            reduce_side_by_side(acc, src, first, n, stride, count, gap, op, out, o, scale)
+        elif kind == GATHERED:
+            out[o] = finish(contiguous_reduce(gathered, first, n, op), scale)
         else:
             for k in range(count):
-                out[o + k] = finish(reduce_strided(lanes, src, first + k * gap, n, stride, op, rounded), scale)
+                out[o + k] = finish(contiguous_reduce(src, first + k * gap, n, op), scale)
 
 
 def vector_width(dtype) -> int:
@@ -425,15 +393,15 @@ def plan_segments(tiles: np.ndarray, out_index: np.ndarray, *, workers: int | No
 @dataclass(frozen=True, eq=False)
 class StageBlocks:
     """One reduction stage as the fast kernel reads it. Segment s reduces
-    src[positions[starts[s]:starts[s + 1]]] into slot s. Consecutive segments that are
-    equally long arithmetic progressions with the same stride, whose first elements are equally
-    far apart, form one block, read with strides instead of an index; a segment that is no
-    progression is a block of its own, read through `index`. Row `blocks[b]` holds
-    (first, elements per segment, stride, segments, gap between firsts, first slot, kind):
-    kind ROWS reduces one segment after the other, COLUMNS all of the block's segments at once
-    (strided segments side by side), GATHERED reads `index[first:first + n]`."""
+    src[positions[starts[s]:starts[s + 1]]] into slot s. Consecutive segments that are equally
+    long arithmetic progressions with the same stride, whose first elements are equally far
+    apart, form one block read with strides; a segment that is no progression is a block of its
+    own, read from `src[gather]` (gathered once per run). Row `blocks[b]` holds (first, elements
+    per segment, stride, segments, gap between firsts, first slot, kind): ROWS are contiguous
+    segments reduced one after the other, COLUMNS strided segments reduced side by side,
+    GATHERED a segment at `first` of the gathered elements."""
     blocks: np.ndarray
-    index: np.ndarray
+    gather: np.ndarray
     num_segments: int
 
 
@@ -444,7 +412,7 @@ def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
     counts = np.diff(starts)
     num = counts.size
     if num == 0:
-        return StageBlocks(np.zeros((0, 7), dtype=np.int64), positions, 0)
+        return StageBlocks(np.zeros((0, 7), dtype=np.int64), np.zeros(0, dtype=np.int64), 0)
     firsts = positions[starts[:-1]]
     seg = np.repeat(np.arange(num), counts)
     stride = np.ones(num, dtype=np.int64)
@@ -452,6 +420,7 @@ def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
     stride[long] = positions[starts[:-1][long] + 1] - firsts[long]
     irregular = (seg[1:] == seg[:-1]) & (np.diff(positions) != stride[seg[1:]])
     regular = np.bincount(seg[1:][irregular], minlength=num) == 0
+    stride[~regular] = 1
     link = np.zeros(num, dtype=bool)
     link[1:] = regular[1:] & regular[:-1] & (counts[1:] == counts[:-1]) & (stride[1:] == stride[:-1])
     gap = np.zeros(num, dtype=np.int64)
@@ -460,17 +429,25 @@ def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
     new[2:] |= link[1:-1] & (gap[2:] != gap[1:-1])
     begins = np.flatnonzero(new)
     sizes = np.diff(np.append(begins, num))
-    kind = np.where(~regular[begins], GATHERED, np.where((sizes > 1) & (stride[begins] != 1), COLUMNS, ROWS))
-    first = np.where(kind == GATHERED, starts[:-1][begins], firsts[begins])
+    kind = np.where(~regular[begins], GATHERED, np.where(stride[begins] != 1, COLUMNS, ROWS))
+    gathered = np.where(regular, 0, counts)
+    first = np.where(kind == GATHERED, (np.cumsum(gathered) - gathered)[begins], firsts[begins])
     block_gap = np.where(sizes > 1, gap[np.minimum(begins + 1, num - 1)], 0)
     table = np.stack([first, counts[begins], stride[begins], sizes, block_gap, begins, kind], axis=1)
-    return StageBlocks(np.ascontiguousarray(table, dtype=np.int64), positions, num)
+    return StageBlocks(np.ascontiguousarray(table, dtype=np.int64), positions[np.repeat(~regular, counts)], num)
 
 
 def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounded: bool = False) -> np.ndarray:
-    """The float64 result of every segment of a stage."""
+    """The float64 result of every segment of a stage. `rounded`: squares are rounded to float32
+    first (as one-element float32 partials hold them)."""
+    if src.dtype != np.float32:  # one more kernel specialisation only: integers and bools exactly as float64
+        src = src.astype(np.float64)
+    if op == SUM_ABS:
+        src, op = np.abs(src), SUM  # |x| is exact
+    elif op == SUM_SQUARES and rounded:
+        src, op = np.square(src).astype(np.float32), SUM  # x * x rounded once, as the partial's store
     out = np.empty(stage.num_segments, dtype=np.float64)
-    reduce_blocks(kernel_view(src), stage.index, stage.blocks, op, rounded, scale, out)
+    reduce_blocks(src, src[stage.gather], stage.blocks, op, scale, out)
     return out
 
 
