@@ -399,16 +399,17 @@ def lane_order(values, op, rounded=False):
 
 @pytest.mark.parametrize("op", [R.SUM, R.MAX, R.MIN, R.SUM_SQUARES, R.SUM_ABS])
 def test_fast_kernels_follow_the_documented_lane_order(op):
-    """Contiguous (vector), strided, side-by-side and gathered segments all give the bits of the
-    lane order, for lengths around multiples of the lane count, with NaN and signed zeros."""
+    """Contiguous (vector, also ending at the array's end), strided, side-by-side and gathered
+    segments all give the bits of the lane order, for lengths around multiples of the lane count,
+    with NaN and signed zeros."""
     rng = np.random.default_rng(10)
     x = (rng.standard_normal(4000) * 10 ** rng.uniform(-3, 3, 4000)).astype(np.float32)
     x[[5, 700]] = [-0.0, 0.0]
     x[1500:1503] = [0.0, -0.0, 0.0]
-    x[3001] = np.nan
+    x[[3001, 3995]] = np.nan
     lengths = [1, 2, 7, 15, 16, 17, 31, 33, 64, 100]
     starts = np.cumsum([0] + lengths)
-    cases = {"contiguous": np.arange(starts[-1]),
+    cases = {"contiguous": np.arange(starts[-1]), "contiguous up to the end": np.arange(4000 - starts[-1], 4000),
              "strided": np.concatenate([1000 + s * 3 + np.arange(n) * 3 for s, n in zip(starts[:-1], lengths)]),
              "gathered": np.sort(rng.choice(np.arange(1500, 4000), starts[-1], replace=False))}
     for rounded in ([False, True] if op == R.SUM_SQUARES else [False]):

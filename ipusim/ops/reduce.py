@@ -159,10 +159,36 @@ def reduce_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
 
 def _vector_combine(builder, op, acc, v):
     """IR of `combine` on vectors (or scalars) of float64, for sum, max, min and sum_squares."""
-    if op in (MAX, MIN):  # a NaN element wins, tested apart so the compare chain is a plain max / min
+    if op in (MAX, MIN):
         kept = builder.select(builder.fcmp_ordered(">" if op == MAX else "<", v, acc), v, acc)
         return builder.select(builder.fcmp_unordered("uno", v, v), v, kept)
     return builder.fadd(acc, builder.fmul(v, v) if op == SUM_SQUARES else v)
+
+
+def _vector_lane_step(builder, op, regs, v, used=None):
+    """One row of elements into the lanes. For max and min a lane is two registers, the max (min)
+    of its non-NaN elements and its last NaN (0 until one comes): `combine` gives exactly that
+    lane a NaN element wins and stays until a later NaN replaces it, and the two short chains
+    run in parallel."""
+    acc = builder.load(regs[0])
+    if op in (MAX, MIN):
+        new = builder.select(builder.fcmp_ordered(">" if op == MAX else "<", v, acc), v, acc)
+        last_nan = builder.load(regs[1])
+        nan = builder.select(builder.fcmp_unordered("uno", v, v), v, last_nan)
+        builder.store(new if used is None else builder.select(used, new, acc), regs[0])
+        builder.store(nan if used is None else builder.select(used, nan, last_nan), regs[1])
+        return
+    new = _vector_combine(builder, op, acc, v)
+    builder.store(new if used is None else builder.select(used, new, acc), regs[0])
+
+
+def _vector_lane_value(builder, op, regs):
+    """The lanes' values (see `_vector_lane_step`)."""
+    acc = builder.load(regs[0])
+    if op in (MAX, MIN):
+        nan = builder.load(regs[1])
+        return builder.select(builder.fcmp_unordered("uno", nan, nan), nan, acc)
+    return acc
 
 
 @intrinsic
@@ -177,10 +203,12 @@ def reduce_contiguous(typingctx, src, start, n, op):
     lane_op = code if code in (MAX, MIN) else SUM
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        data = array.data
         f32s, f64s = ir.VectorType(ir.FloatType(), VECTOR), ir.VectorType(ir.DoubleType(), VECTOR)
         i32, i64 = ir.IntType(32), args[2].type
-        regs = [cgutils.alloca_once_value(builder, ir.Constant(f64s, [identity_value(code)] * VECTOR))
+        regs = [(cgutils.alloca_once_value(builder, ir.Constant(f64s, [identity_value(code)] * VECTOR)),
+                 cgutils.alloca_once_value(builder, ir.Constant(f64s, [0.0] * VECTOR)))
                 for _ in range(LANES // VECTOR)]
         base = builder.gep(data, [args[1]])
         rows = builder.sdiv(args[2], ir.Constant(i64, LANES))
@@ -189,25 +217,41 @@ def reduce_contiguous(typingctx, src, start, n, op):
             for half, reg in enumerate(regs):
                 at = builder.gep(base, [builder.add(row, ir.Constant(i64, half * VECTOR))])
                 v = builder.fpext(builder.load(builder.bitcast(at, f32s.as_pointer()), align=4, typ=f32s), f64s)
-                builder.store(_vector_combine(builder, code, builder.load(reg), v), reg)
+                _vector_lane_step(builder, code, reg, v)
         done = builder.mul(rows, ir.Constant(i64, LANES))
         left = builder.sub(args[2], done)
         with builder.if_then(builder.icmp_signed(">", left, ir.Constant(i64, 0))):
-            last = builder.sub(left, ir.Constant(i64, 1))
             splat = builder.insert_element(ir.Constant(ir.VectorType(i64, VECTOR), None), left, ir.Constant(i32, 0))
             splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(i32, VECTOR), [0] * VECTOR))
-            for half, reg in enumerate(regs):
-                tail = ir.Constant(f32s, None)
-                for j in range(VECTOR):  # element min(lane, last) of the tail: always inside the run
-                    lane = ir.Constant(i64, half * VECTOR + j)
-                    at = builder.add(done, builder.select(builder.icmp_signed("<", lane, last), lane, last))
-                    tail = builder.insert_element(tail, builder.load(builder.gep(base, [at]), typ=ir.FloatType()),
-                                                  ir.Constant(i32, j))
+            inside = builder.icmp_signed("<=", builder.add(builder.add(args[1], done), ir.Constant(i64, LANES)),
+                                         array.nitems)
+            tails = []
+            with builder.if_else(inside) as (whole_rows, near_the_end):
+                with whole_rows:  # a full row of loads stays inside the array; lanes >= left are masked
+                    tails.append((builder.block, [builder.load(builder.bitcast(
+                        builder.gep(base, [builder.add(done, ir.Constant(i64, half * VECTOR))]), f32s.as_pointer()),
+                        align=4, typ=f32s) for half in range(len(regs))]))
+                with near_the_end:  # element min(lane, left - 1) of the tail: always inside the run
+                    last = builder.sub(left, ir.Constant(i64, 1))
+                    loaded = []
+                    for half in range(len(regs)):
+                        tail = ir.Constant(f32s, None)
+                        for j in range(VECTOR):
+                            lane = ir.Constant(i64, half * VECTOR + j)
+                            at = builder.add(done, builder.select(builder.icmp_signed("<", lane, last), lane, last))
+                            tail = builder.insert_element(tail, builder.load(builder.gep(base, [at]),
+                                                                             typ=ir.FloatType()), ir.Constant(i32, j))
+                        loaded.append(tail)
+                    tails.append((builder.block, loaded))
+            merged = [builder.phi(f32s) for _ in regs]
+            for half, tail in enumerate(merged):
+                for block, loaded in tails:
+                    tail.add_incoming(loaded[half], block)
+            for half, (reg, tail) in enumerate(zip(regs, merged)):
                 lanes = ir.Constant(ir.VectorType(i64, VECTOR), [half * VECTOR + j for j in range(VECTOR)])
-                acc = builder.load(reg)
-                new = _vector_combine(builder, code, acc, builder.fpext(tail, f64s))
-                builder.store(builder.select(builder.icmp_signed("<", lanes, splat), new, acc), reg)
-        acc = _vector_combine(builder, lane_op, builder.load(regs[0]), builder.load(regs[1]))
+                _vector_lane_step(builder, code, reg, builder.fpext(tail, f64s), builder.icmp_signed("<", lanes, splat))
+        acc = _vector_combine(builder, lane_op, _vector_lane_value(builder, code, regs[0]),
+                              _vector_lane_value(builder, code, regs[1]))
         width = VECTOR
         while width > 1:  # halving: lane l takes lane l + width / 2
             width //= 2
