@@ -52,8 +52,9 @@ import os
 import pickle
 import platform
 import sys
-import tempfile
+import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -265,20 +266,18 @@ def store(path, key: str, executable: Executable) -> str | None:
         return None
     header = {"format": FORMAT_VERSION, "key": key, "payload_bytes": len(payload),
               "payload_sha256": hashlib.sha256(payload).hexdigest(), "software": software_versions()}
-    tmp = None
+    tmp = os.path.join(os.fspath(path), f".{key}.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}.tmp")
     try:
         os.makedirs(path, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=f".{key}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
+        # a file of its own for every writer, with the permissions the umask gives
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             f.write(MAGIC)
             f.write(json.dumps(header).encode() + b"\n")
             f.write(payload)
         os.replace(tmp, file)
     except OSError as error:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         logger.warning("Cannot write the executable cache entry %s (%s); the model was compiled but not cached. "
                        "Make the directory writable or choose another with Options.enableExecutableCaching(path) "
                        "(or POPTORCH_CACHE_DIR).", file, error)
@@ -514,17 +513,25 @@ def _pack_vertices(vertices: list) -> tuple:
     """Vertices column-wise: the vertex types and field orders (a vertex's first field gives its
     dtype), per vertex its type, field order, tile and parameters, and the views of all fields
     packed by `_pack_views`."""
-    types = list({id(v.type): v.type for v in vertices}.values())
-    type_index = {id(t): i for i, t in enumerate(types)}
-    orders = list(dict.fromkeys(tuple(v.fields) for v in vertices))
-    order_index = {o: i for i, o in enumerate(orders)}
-    count = len(vertices)
-    kinds = np.fromiter((type_index[id(v.type)] for v in vertices), np.int32, count)
-    layouts = np.fromiter((order_index[tuple(v.fields)] for v in vertices), np.int32, count)
-    tiles = np.fromiter((v.tile for v in vertices), np.int32, count)
-    params = [v.params for v in vertices]
-    views = _pack_views([t for v in vertices for t in v.fields.values()])
-    return types, orders, kinds, layouts, tiles, params, views
+    types, type_index, orders, order_index = [], {}, [], {}
+    kinds, layouts, tiles, params, views = [], [], [], [], []
+    for v in vertices:
+        kind = type_index.get(id(v.type))
+        if kind is None:
+            kind = type_index[id(v.type)] = len(types)
+            types.append(v.type)
+        order = tuple(v.fields)
+        layout = order_index.get(order)
+        if layout is None:
+            layout = order_index[order] = len(orders)
+            orders.append(order)
+        kinds.append(kind)
+        layouts.append(layout)
+        tiles.append(v.tile)
+        params.append(v.params)
+        views.extend(v.fields.values())
+    return (types, orders, np.array(kinds, np.int32), np.array(layouts, np.int32), np.array(tiles, np.int32),
+            params, _pack_views(views))
 
 
 def _unpack_vertices(types, orders, kinds, layouts, tiles, params, views) -> list:
@@ -536,17 +543,23 @@ def _unpack_vertices(types, orders, kinds, layouts, tiles, params, views) -> lis
 def _pack_views(tensors: list) -> tuple:
     """Tensor views column-wise: their variables, per view its variable, whether it is the whole
     variable, its shape, and the element indices of all other views as runs (`runs`)."""
-    variables = list({id(t.var): t.var for t in tensors}.values())
-    index = {id(v): i for i, v in enumerate(variables)}
-    count = len(tensors)
-    which = np.fromiter((index[id(t.var)] for t in tensors), np.int32, count)
-    whole = np.fromiter((t.is_whole for t in tensors), np.bool_, count)
-    ranks = np.fromiter((len(t.shape) for t in tensors), np.int32, count)
-    dims = np.fromiter((d for t in tensors for d in t.shape), np.int64)
-    parts = [t.index.reshape(-1) for t in tensors if not t.is_whole]
+    variables, index = [], {}
+    which, whole, ranks, dims, parts = [], [], [], [], []
+    for t in tensors:
+        i = index.get(id(t.var))
+        if i is None:
+            i = index[id(t.var)] = len(variables)
+            variables.append(t.var)
+        which.append(i)
+        ranks.append(len(t.shape))
+        dims.extend(t.shape)
+        whole.append(t.is_whole)
+        if not whole[-1]:
+            parts.append(t.index.reshape(-1))
     flat = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
     values, lengths = runs(flat, 1)
-    return variables, which, whole, ranks, _compact(dims), _compact(values), _compact(lengths)
+    return (variables, np.array(which, np.int32), np.array(whole, np.bool_), np.array(ranks, np.int32),
+            _compact(np.array(dims, np.int64)), _compact(values), _compact(lengths))
 
 
 def _unpack_views(variables, which, whole, ranks, dims, values, lengths) -> list:

@@ -466,6 +466,15 @@ def test_concurrent_writers_leave_one_valid_entry(compiled, tmp_path):
     assert cache.load(tmp_path, "k" * 64) is not None
 
 
+def test_entries_get_the_permissions_of_the_umask(compiled, tmp_path):
+    old = os.umask(0o027)
+    try:
+        file = cache.store(tmp_path, compiled.key, compiled.executable)
+    finally:
+        os.umask(old)
+    assert os.stat(file).st_mode & 0o777 == 0o640
+
+
 def test_waiting_process_loads_the_entry_the_compiling_one_stores(compiled, tmp_path, monkeypatch):
     """While another compiler holds the key's lock, compile_or_load waits, then loads its entry."""
     _, second = tiny_training(tmp_path)
