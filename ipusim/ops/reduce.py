@@ -1050,8 +1050,7 @@ def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tenso
             operands[key] = (t, operand_rows(t, shape, layout))
     stat_keys = [key for key in "rqs" if key in READS[code]]
     stat_row, stat_step = (layout.stat_row, layout.stat_step) if stat_keys else (np.zeros(layout.rows, np.int64), 0)
-    out_dtype = out.dtype
-    temp_dtype = np.float32 if out_dtype.kind == "f" else np.float64
+    temp_dtype = np.float32 if out.dtype.kind == "f" else np.float64  # stored as `st` rounds: float16 via float32
 
     def fast(io):
         av = kernel_values(io.read(a))
@@ -1099,7 +1098,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
         raise ValueError(f"{name}: segment op {op!r} " + ("takes no statistics" if r is not None else "needs r="))
     axes = normalize_axes(axes, a.rank, name)
     shape = a.shape
-    out_index, stats_shape, keep_shape = output_index(shape, axes)
+    out_index, stats_shape, _ = output_index(shape, axes)
     column = code >= USES_COLUMN
     if column and len(axes) != 1:
         raise ValueError(f"{name}: op {op!r} indexes along one axis, got axes {axes}")
@@ -1147,7 +1146,6 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
         body.add(Execute(cs))
 
     fast = _fast_segment_map(code, a, given, {"r": r, "q": q, "s": s}, out, axes, out_index, float(param))
-
     reads = tuple(dict.fromkeys(t for t in (a, b, c, r, q) + (() if column else (s,))))
     prog.add(OpProgram(name, body, fast, reads, (out,)))
     return out

@@ -12,7 +12,8 @@ back. Statistics and the exponentials are kept in float32 (float16 inputs accumu
     log_softmax backward:  dx = dy - exp(y) * sum(dy)
 
 Cycles are those of the parts (see reduce.py): two reductions and two segment maps forward,
-one reduction and one or two maps backward. The output is mapped like the input.
+one reduction and one or two maps backward. The output is mapped like the input. Both modes take
+exp from `reduce.exp64` and sum in the reductions' lane order, so they agree bit for bit.
 """
 from __future__ import annotations
 
