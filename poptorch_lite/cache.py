@@ -654,19 +654,9 @@ def compile_or_load(executor: PoplarExecutor, args, kwargs, *, lock_timeout: flo
 
 
 def _install(executor: PoplarExecutor, executable: Executable) -> None:
-    """What the executor does after building an executable: hooks, streams, weights, and the
-    optimiser's current hyperparameters (the entry has those of the process that saved it)."""
-    options = executor.options
-    executor._executable = executable
-    if executor._training and options.num_processes > 1:
-        from .distributed import GradientAllReduce  # pylint: disable=import-outside-toplevel
-        executor._collective = GradientAllReduce(executor)
-    if options.profile_dir is not None:
-        from .profiling import Profiler  # pylint: disable=import-outside-toplevel
-        executor._profiler = Profiler(executor, options.profile_dir)
-    executor._connect_streams()
-    executor._is_attached = True
-    executor.copyWeightsToDevice()
+    """What the executor does after building an executable, then the optimiser's current
+    hyperparameters (the entry has those of the process that saved it)."""
+    executor._install(executable)
     if executor._training:
         executor.setOptimizer(executor._optimizer)
 

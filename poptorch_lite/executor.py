@@ -199,7 +199,7 @@ class PoplarExecutor:
     def compile(self, *args, **kwargs) -> None:
         """Compile for these inputs without running (the only way with an offline target)."""
         if self._executable is None:
-            self._compile(args, kwargs)
+            compile_or_load(self, args, kwargs)
             self._compiled_shapes = input_signature(args)
 
     def _tensor_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
@@ -257,6 +257,11 @@ class PoplarExecutor:
             bar.update(35)
             executable.engine.load()
             bar.update(25)
+        self._install(executable)
+
+    def _install(self, executable: Executable) -> None:
+        """Make a compiled (or cached) executable this model's: hooks, streams, weights."""
+        opts = self._options
         self._executable = executable
         if self._training and opts.num_processes > 1:
             from .distributed import GradientAllReduce
@@ -372,7 +377,7 @@ class PoplarExecutor:
                                "model.compile(inputs) instead of model(inputs)")
         shapes = input_signature(args)
         if self._executable is None:
-            self._compile(args, kwargs)
+            compile_or_load(self, args, kwargs)
             self._compiled_shapes = shapes
         elif shapes != self._compiled_shapes:
             raise RuntimeError(f"the model was compiled for inputs {self._compiled_shapes} and is now called with "
@@ -553,6 +558,15 @@ def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica:
             "(Options.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))).")
     message = "Out of memory compiling the model:\n  " + "\n  ".join(lines) + f"\n{hint}\n\n{error}"
     return ip.OutOfMemoryError(message, error.reports)
+
+
+def compile_or_load(executor: PoplarExecutor, args, kwargs) -> None:
+    """Compile, or load from the executable cache when Options.enableExecutableCaching is set."""
+    if executor.options.cache_path is None:
+        executor._compile(args, kwargs)
+        return
+    from .cache import compile_or_load as cached
+    cached(executor, args, kwargs)
 
 
 def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
