@@ -105,16 +105,12 @@ def identity(op):
 
 @njit(**ERR, **JIT)
 def combine(op, acc, v):
-    """acc combined with element v (a NaN element wins max and min)."""
-    if op == SUM:
-        return acc + v
-    if op == MAX:
-        return v if (v > acc) | (v != v) else acc
-    if op == MIN:
-        return v if (v < acc) | (v != v) else acc
-    if op == SUM_SQUARES:
-        return acc + v * v
-    return acc + abs(v)
+    """acc combined with element v (a NaN element wins max and min). Branch-free: every form is
+    computed and the op's is selected, which keeps the compiled loops small."""
+    term = v * v if op == SUM_SQUARES else (abs(v) if op == SUM_ABS else v)
+    wins = (v > acc) if op == MAX else (v < acc)
+    extreme = v if wins | (v != v) else acc
+    return extreme if (op == MAX) | (op == MIN) else acc + term
 
 
 @njit(**ERR, **JIT)
@@ -339,24 +335,28 @@ GATHERED, ROWS, COLUMNS = range(3)
 
 
 @njit(**ERR, **JIT)
-def reduce_blocks(src, gathered, blocks, op, scale, out):
-    """Whole-tensor form of one stage (see `stage_blocks`): out[o + k] = the reduction of segment
-    k of each block, in float64."""
-    width = 1
+def reduce_rows(src, gathered, blocks, op, scale, out):
+    """The ROWS and GATHERED blocks of a stage (see `stage_blocks`): out[o + k] = the reduction
+    of segment k of each block, in float64."""
     for b in range(blocks.shape[0]):
-        if blocks[b, 6] == COLUMNS:
-            width = max(width, blocks[b, 3])
-    acc = np.empty((LANES, width))
-    for b in range(blocks.shape[0]):
-        first, n, stride, count, gap, o, kind = (blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3],
-                                                 blocks[b, 4], blocks[b, 5], blocks[b, 6])
-        if kind == COLUMNS:
-            reduce_side_by_side(acc, src, first, n, stride, count, gap, op, out, o, scale)
-        elif kind == GATHERED:
+        first, n, count, gap, o = blocks[b, 0], blocks[b, 1], blocks[b, 3], blocks[b, 4], blocks[b, 5]
+        if blocks[b, 6] == GATHERED:
             out[o] = finish(contiguous_reduce(gathered, first, n, op), scale)
         else:
             for k in range(count):
                 out[o + k] = finish(contiguous_reduce(src, first + k * gap, n, op), scale)
+
+
+@njit(**ERR, **JIT)
+def reduce_columns(src, blocks, op, scale, out):
+    """The COLUMNS blocks of a stage, each block's segments side by side."""
+    width = 1
+    for b in range(blocks.shape[0]):
+        width = max(width, blocks[b, 3])
+    acc = np.empty((LANES, width))
+    for b in range(blocks.shape[0]):
+        reduce_side_by_side(acc, src, blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3], blocks[b, 4], op,
+                            out, blocks[b, 5], scale)
 
 
 def vector_width(dtype) -> int:
@@ -436,7 +436,7 @@ def plan_segments(tiles: np.ndarray, out_index: np.ndarray, *, workers: int | No
 
 @dataclass(frozen=True, eq=False)
 class StageBlocks:
-    """One reduction stage as the fast kernel reads it. Segment s reduces
+    """One reduction stage as the fast kernels read it. Segment s reduces
     src[positions[starts[s]:starts[s + 1]]] into slot s. Consecutive segments that are equally
     long arithmetic progressions with the same stride, whose first elements are equally far
     apart, form one block read with strides; a segment that is no progression is a block of its
@@ -447,6 +447,8 @@ class StageBlocks:
     blocks: np.ndarray
     gather: np.ndarray
     num_segments: int
+    rows: np.ndarray  # the ROWS and GATHERED blocks
+    columns: np.ndarray  # the COLUMNS blocks
 
 
 def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
@@ -456,7 +458,8 @@ def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
     counts = np.diff(starts)
     num = counts.size
     if num == 0:
-        return StageBlocks(np.zeros((0, 7), dtype=np.int64), np.zeros(0, dtype=np.int64), 0)
+        none = np.zeros((0, 7), dtype=np.int64)
+        return StageBlocks(none, np.zeros(0, dtype=np.int64), 0, none, none)
     firsts = positions[starts[:-1]]
     seg = np.repeat(np.arange(num), counts)
     stride = np.ones(num, dtype=np.int64)
@@ -477,13 +480,17 @@ def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
     gathered = np.where(regular, 0, counts)
     first = np.where(kind == GATHERED, (np.cumsum(gathered) - gathered)[begins], firsts[begins])
     block_gap = np.where(sizes > 1, gap[np.minimum(begins + 1, num - 1)], 0)
-    table = np.stack([first, counts[begins], stride[begins], sizes, block_gap, begins, kind], axis=1)
-    return StageBlocks(np.ascontiguousarray(table, dtype=np.int64), positions[np.repeat(~regular, counts)], num)
+    table = np.ascontiguousarray(np.stack([first, counts[begins], stride[begins], sizes, block_gap, begins, kind],
+                                          axis=1), dtype=np.int64)
+    columns = kind == COLUMNS
+    return StageBlocks(table, positions[np.repeat(~regular, counts)], num, np.ascontiguousarray(table[~columns]),
+                       np.ascontiguousarray(table[columns]))
 
 
 def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounded: bool = False) -> np.ndarray:
     """The float64 result of every segment of a stage. `rounded`: squares are rounded to float32
-    first (as one-element float32 partials hold them)."""
+    first (as one-element float32 partials hold them). Row and column blocks are separate kernels,
+    compiled only when a stage has such blocks."""
     if src.dtype != np.float32:  # one more kernel specialisation only: integers and bools exactly as float64
         src = src.astype(np.float64)
     if op == SUM_ABS:
@@ -491,7 +498,10 @@ def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounde
     elif op == SUM_SQUARES and rounded:
         src, op = np.square(src).astype(np.float32), SUM  # x * x rounded once, as the partial's store
     out = np.empty(stage.num_segments, dtype=np.float64)
-    reduce_blocks(src, src[stage.gather], stage.blocks, op, scale, out)
+    if stage.rows.shape[0]:
+        reduce_rows(src, src[stage.gather], stage.rows, op, scale, out)
+    if stage.columns.shape[0]:
+        reduce_columns(src, stage.columns, op, scale, out)
     return out
 
 
