@@ -96,7 +96,8 @@ def emulator_run(opts, datasets) -> tuple[float, float]:
     inference_model = poptorch.inferenceModel(model, tutorial.inference_options(model_opts, opts))
     training_model.detachFromDevice()
     accuracy = tutorial.test(inference_model, test_data)
-    inference_model.detachFromDevice()
+    inference_model.destroy()
+    training_model.destroy()
     return accuracy, sum(e.wall_s for e in epochs)
 
 

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIAL = os.path.join(REPO, "tutorials", "pytorch", "pipelining")
 sys.path.insert(0, TUTORIAL)
 import mnist_data  # noqa: E402
-from mnist_pipeline import accuracy, parse_args  # noqa: E402
+from mnist_pipeline import accuracy, inference_options, parse_args, training_options  # noqa: E402
 
 
 def test_accuracy_of_graphcores_example():
@@ -44,6 +44,26 @@ def test_command_line_defaults_are_the_tutorials():
         parse_args(["--strategy", "phased"])
     with pytest.raises(SystemExit):
         parse_args(["--batch-size", "0"])
+
+
+def test_model_options_follow_the_tutorial():
+    pipelined = training_options(parse_args([]))
+    assert (pipelined.gradient_accumulation, pipelined.device_iterations) == (10, 10)
+    assert repr(pipelined.execution_strategy) == ('PipelinedExecution(Stage("B1").ipu(0), Stage("B2").ipu(1), '
+                                                  'Stage("B3").ipu(2), Stage("B4").ipu(3))')
+    assert pipelined.tensor_locations["optimizer"] is None and pipelined.profile_dir is None
+    sharded = training_options(parse_args(["--strategy", "sharded"]))
+    assert sharded.gradient_accumulation == 1 and type(sharded.execution_strategy).__name__ == "ShardedExecution"
+    inference = inference_options(pipelined, parse_args([]))
+    assert (inference.gradient_accumulation, inference.device_iterations) == (1, 100)
+    assert type(inference.execution_strategy).__name__ == "PipelinedExecution"
+
+
+def test_offload_keeps_only_the_optimiser_state_off_chip(tmp_path):
+    opts = training_options(parse_args(["--offload-optimiser", "--profile", "--profile-dir", str(tmp_path)]))
+    assert {k: v.on_chip for k, v in opts.tensor_locations.items()} == \
+        {"activation": True, "weight": True, "accumulator": True, "optimizer": False}
+    assert opts.profile_dir == str(tmp_path)
 
 
 def write_idx(path, array: np.ndarray) -> None:
