@@ -545,3 +545,16 @@ def test_segment_maps_on_every_layout_match_strict_bits():
         tol = 1e-3 if o.dtype == np.float16 else 2e-6
         np.testing.assert_allclose(o, ref, rtol=tol, atol=tol * 1e-1, err_msg=k)
     assert got[5].dtype == np.float16 and got[6].dtype == np.float32
+
+
+def test_fast_outputs_are_written_straight_into_storage():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (4, 8), "x")
+    h = variable(g, "float16", (4, 8), "h")
+    fast = ip.Engine(g, ip.Sequence()).load()
+    view = R.output_storage(fast.mem, x)
+    view[:] = np.arange(32)
+    np.testing.assert_array_equal(fast.readTensor(x).reshape(-1), np.arange(32))
+    assert R.output_storage(fast.mem, h) is None  # float16 is stored through a float32 result
+    strict = ip.Engine(g, ip.Sequence(), mode="strict").load()
+    assert R.output_storage(strict.mem, x) is None  # tile-major memory: a read is a copy

@@ -1040,7 +1040,8 @@ def output_storage(io, t: Tensor) -> np.ndarray | None:
     if t.dtype != np.float32:
         return None
     view = io.read(t)
-    return view.reshape(-1) if np.may_share_memory(view, io[t.ipu].arena(t.dtype)) else None
+    memory = io if hasattr(io, "arena") else io[t.ipu]  # one IPU's memory, or a device's
+    return view.reshape(-1) if np.may_share_memory(view, memory.arena(t.dtype)) else None
 
 
 def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tensor, axes: tuple,
