@@ -289,24 +289,25 @@ def _contiguous_reduce(src, start, n, op):
 
 
 @njit(**ERR, **JIT)
-def fold_row(row, src, start, count, gap, op):
-    """row[k] = combine(op, row[k], src[start + k * gap]) for k < count, one loop per op
-    (vectorised over k)."""
+def fold_row(acc, lane, src, start, count, gap, op):
+    """acc[lane, k] = combine(op, acc[lane, k], src[start + k * gap]) for k < count, one loop per
+    op (vectorised over k)."""
+    row = np.uint64(lane)
     if op == SUM:
         for k in range(count):
-            row[k] += np.float64(src[np.uint64(start + k * gap)])
+            acc[row, k] += np.float64(src[np.uint64(start + k * gap)])
     elif op == MAX:
         for k in range(count):
             v = np.float64(src[np.uint64(start + k * gap)])
-            row[k] = v if (v > row[k]) | (v != v) else row[k]
+            acc[row, k] = v if (v > acc[row, k]) | (v != v) else acc[row, k]
     elif op == MIN:
         for k in range(count):
             v = np.float64(src[np.uint64(start + k * gap)])
-            row[k] = v if (v < row[k]) | (v != v) else row[k]
+            acc[row, k] = v if (v < acc[row, k]) | (v != v) else acc[row, k]
     else:
         for k in range(count):
             v = np.float64(src[np.uint64(start + k * gap)])
-            row[k] += v * v
+            acc[row, k] += v * v
 
 
 @njit(**ERR, **JIT)
@@ -315,10 +316,12 @@ def reduce_side_by_side(acc, src, first, n, stride, count, gap, op, out, o, scal
     the lane order of each (acc[lane, k] holds lane `lane` of segment k; loops over k innermost).
     Lanes that no element reaches hold the identity, so joining them is skipped."""
     used = min(n, LANES)
+    start_value = identity(op)
     for lane in range(max(used, 1)):
-        acc[lane, :count] = identity(op)
+        for k in range(count):
+            acc[lane, k] = start_value
     for i in range(n):
-        fold_row(acc[i % LANES], src, first + i * stride, count, gap, op)
+        fold_row(acc, i % LANES, src, first + i * stride, count, gap, op)
     lane_op = op if (op == MAX or op == MIN) else SUM
     w = LANES // 2
     while w >= 1:
