@@ -260,6 +260,20 @@ def test_loaded_executable_matches_a_fresh_compile(tmp_path, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_model_calls_compile_or_load_through_the_cache(tmp_path, monkeypatch):
+    """The executor's own first call and compile() use the cache."""
+    _, first = tiny_training(tmp_path)
+    first(*tiny_batch())
+    assert len(entries(tmp_path)) == 1
+    forbid_compiling(monkeypatch)
+    for compile_first in (False, True):
+        _, second = tiny_training(tmp_path)
+        if compile_first:
+            second.compile(*tiny_batch())
+        _, loss = second(*tiny_batch())
+        assert torch.isfinite(loss).all()
+
+
 def test_inference_model_round_trip(tmp_path, monkeypatch):
     x, _ = tiny_batch(batch=MICRO * ITERATIONS)
     torch.manual_seed(3)
