@@ -558,3 +558,20 @@ def test_fast_outputs_are_written_straight_into_storage():
     assert R.output_storage(fast.mem, h) is None  # float16 is stored through a float32 result
     strict = ip.Engine(g, ip.Sequence(), mode="strict").load()
     assert R.output_storage(strict.mem, x) is None  # tile-major memory: a read is a copy
+
+
+def test_fast_kernels_give_the_same_bits_on_more_kernel_threads():
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (64, 48), "x")
+    prog = ip.Sequence()
+    outs = [R.reduce_sum(g, x, 0, prog), R.reduce_max(g, x, 1, prog),
+            R.segment_map(g, "exp_sub", x, 1, prog, "e", r=R.reduce_max(g, x, 1, prog, name="m"))]
+    xv = np.random.default_rng(15).standard_normal(x.shape).astype(np.float32)
+    got = []
+    for threads in (1, 2):
+        e = ip.Engine(g, prog, kernel_threads=threads).load()
+        e.writeTensor(x, xv)
+        e.run()
+        got.append([e.readTensor(o) for o in outs])
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)

@@ -192,23 +192,23 @@ def loss_grad_codelet(a, a_addr, a_start, b, b_addr, b_start, g, g_addr, g_start
             st(out, o_addr[o_start[v] + i], value)
 
 
-@njit(**JIT)
+@njit(parallel=True, **JIT)
 def loss_grad_whole(op, a, b, g, g_step, out, k):
     """Whole-tensor form: g holds one gradient per element (g_step 1) or one for all (g_step 0);
     one loop per op and gradient form, so that each vectorises."""
     if g_step == 0:
         gv = np.float64(g[0])
         if op == MSE:
-            for i in range(out.size):
+            for i in prange(out.size):
                 out[i] = loss_grad_value(MSE, np.float64(a[i]), np.float64(b[i]), gv, k)
         else:
-            for i in range(out.size):
+            for i in prange(out.size):
                 out[i] = loss_grad_value(L1, np.float64(a[i]), np.float64(b[i]), gv, k)
     elif op == MSE:
-        for i in range(out.size):
+        for i in prange(out.size):
             out[i] = loss_grad_value(MSE, np.float64(a[i]), np.float64(b[i]), np.float64(g[i]), k)
     else:
-        for i in range(out.size):
+        for i in prange(out.size):
             out[i] = loss_grad_value(L1, np.float64(a[i]), np.float64(b[i]), np.float64(g[i]), k)
 
 

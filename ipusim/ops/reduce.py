@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -337,11 +337,11 @@ def reduce_side_by_side(acc, src, first, n, stride, count, gap, op, out, o, scal
 GATHERED, ROWS, COLUMNS = range(3)
 
 
-@njit(**ERR, **JIT)
+@njit(parallel=True, **ERR, **JIT)
 def reduce_rows(src, gathered, blocks, op, scale, out):
     """The ROWS and GATHERED blocks of a stage (see `stage_blocks`): out[o + k] = the reduction
     of segment k of each block, in float64."""
-    for b in range(blocks.shape[0]):
+    for b in prange(blocks.shape[0]):
         first, n, count, gap, o = blocks[b, 0], blocks[b, 1], blocks[b, 3], blocks[b, 4], blocks[b, 5]
         if blocks[b, 6] == GATHERED:
             out[o] = finish(contiguous_reduce(gathered, first, n, op), scale)
@@ -350,16 +350,18 @@ def reduce_rows(src, gathered, blocks, op, scale, out):
                 out[o + k] = finish(contiguous_reduce(src, first + k * gap, n, op), scale)
 
 
-@njit(**ERR, **JIT)
-def reduce_columns(src, blocks, op, scale, out):
-    """The COLUMNS blocks of a stage, each block's segments side by side."""
+@njit(parallel=True, **ERR, **JIT)
+def reduce_columns(src, blocks, op, scale, out, threads):
+    """The COLUMNS blocks of a stage, each block's segments side by side; block b is done by the
+    kernel thread b % threads, with that thread's lane scratch."""
     width = 1
     for b in range(blocks.shape[0]):
         width = max(width, blocks[b, 3])
-    acc = np.empty((LANES, width))
-    for b in range(blocks.shape[0]):
-        reduce_side_by_side(acc, src, blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3], blocks[b, 4], op,
-                            out, blocks[b, 5], scale)
+    scratch = np.empty((threads, LANES, width))
+    for t in prange(threads):
+        for b in range(t, blocks.shape[0], threads):
+            reduce_side_by_side(scratch[t], src, blocks[b, 0], blocks[b, 1], blocks[b, 2], blocks[b, 3],
+                                blocks[b, 4], op, out, blocks[b, 5], scale)
 
 
 def vector_width(dtype) -> int:
@@ -504,7 +506,7 @@ def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounde
     if stage.rows.shape[0]:
         reduce_rows(src, src[stage.gather], stage.rows, op, scale, out)
     if stage.columns.shape[0]:
-        reduce_columns(src, stage.columns, op, scale, out)
+        reduce_columns(src, stage.columns, op, scale, out, min(get_num_threads(), stage.columns.shape[0]))
     return out
 
 
@@ -924,9 +926,9 @@ def _row_kernel(op: int):
     """The fast kernel of one segment op (compiled on first use, for that op only, so that
     `segment_value` folds to the op's formula and the inner loop vectorises): out[k * length + j]
     for run k and j < length (see RowLayout), b and c read from their own run starts."""
-    @njit(**ERR, **JIT)
+    @njit(parallel=True, **ERR, **JIT)
     def rows_kernel(a, b, b_rows, c, c_rows, r, q, s, stat_row, stat_step, col_row, col_step, p, length, out):
-        for k in range(stat_row.size):
+        for k in prange(stat_row.size):
             base, t, bk, ck, col = k * length, stat_row[k], b_rows[k], c_rows[k], col_row[k]
             if stat_step == 0:
                 rv, qv, sv = r[t], q[t], s[t]
