@@ -29,7 +29,8 @@ from mnist_data import announce, load_datasets  # noqa: E402
 import poptorch_lite as poptorch  # noqa: E402
 
 CONFIGS = {"pipelined": [], "sharded": ["--strategy", "sharded"],
-           "pipelined+offload": ["--offload-optimiser"], "sharded+offload": ["--strategy", "sharded", "--offload-optimiser"]}
+           "pipelined+offload": ["--offload-optimiser"],
+           "sharded+offload": ["--strategy", "sharded", "--offload-optimiser"]}
 TOLERANCE = 1.5  # percentage points
 
 
@@ -101,10 +102,25 @@ def emulator_run(opts, datasets) -> tuple[float, float]:
     return accuracy, sum(e.wall_s for e in epochs)
 
 
-def compare(configs, dataset: str, data_dir: str, epochs: int, extra: list[str]) -> list[Comparison]:
+def earlier_references(path: str, configs, epochs: int) -> dict:
+    """The PyTorch results of an earlier run of this script (its --json file) for the micro-batching
+    of `configs`: the reference training does not depend on the emulator options (offload)."""
+    with open(path, encoding="utf-8") as f:
+        earlier = {r["config"].split("+")[0]: r for r in json.load(f) if r["epochs"] == epochs}
+    references = {}
+    for name in configs:
+        base = name.split("+")[0]
+        if base in earlier:
+            opts = tutorial.parse_args(CONFIGS[base])
+            references[micro_batches(opts)] = (earlier[base]["torch_accuracy"], earlier[base]["torch_train_s"])
+    return references
+
+
+def compare(configs, dataset: str, data_dir: str, epochs: int, extra: list[str],
+            references: dict | None = None) -> list[Comparison]:
     datasets = load_datasets(dataset, data_dir)
     announce(datasets)
-    results, references = [], {}
+    results, references = [], dict(references or {})
     for name in configs:
         opts = tutorial.parse_args([*CONFIGS[name], "--epochs", str(epochs), "--num-workers", "0", *extra])
         key = micro_batches(opts)
@@ -135,12 +151,15 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, from {', '.join(CONFIGS)} (default: all)")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--reference", help="take the PyTorch results from this earlier --json file (same dataset, "
+                                             "epochs and hyperparameters) instead of training again")
     args, extra = parser.parse_known_args(argv)
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}: choose from {', '.join(CONFIGS)}")
-    results = compare(configs, args.dataset, args.data_dir, args.epochs, extra)
+    references = earlier_references(args.reference, configs, args.epochs) if args.reference else None
+    results = compare(configs, args.dataset, args.data_dir, args.epochs, extra, references)
     print(table(results))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

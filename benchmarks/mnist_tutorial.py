@@ -58,6 +58,7 @@ def train_torch(args) -> dict:
     from accuracy_vs_torch import micro_batches
     from mnist_data import load_datasets
 
+    torch.set_num_threads(args.torch_threads)
     opts = tutorial.parse_args(["--strategy", args.strategy, "--epochs", str(args.epochs), *args.extra])
     datasets = load_datasets(args.dataset, opts.data_dir)
     training_data, _ = tutorial.get_data(opts, datasets)
@@ -113,7 +114,7 @@ def steady(epochs: list[dict], key: str = "wall_s") -> float:
 
 def benchmark(args) -> dict:
     me = [sys.executable, os.path.abspath(__file__), "--dataset", args.dataset, "--strategy", args.strategy,
-          "--epochs", str(args.epochs)]
+          "--epochs", str(args.epochs), "--torch-threads", str(args.torch_threads)]
     emulator = measured([*me, "--part", "emulator", *args.extra])
     plain = measured([*me, "--part", "torch", *args.extra])
     cache = tempfile.mkdtemp(prefix="numba_cache_")
@@ -125,6 +126,7 @@ def benchmark(args) -> dict:
     calls = emulator["epochs"][-1]["calls"]
     return {
         "dataset": emulator["dataset"], "strategy": args.strategy, "epochs": args.epochs,
+        "torch_threads": args.torch_threads,
         "emulator_epoch_s": steady(emulator["epochs"]), "torch_epoch_s": steady(plain["epochs"]),
         "first_epoch_s": emulator["epochs"][0]["wall_s"], "compile_s": emulator["epochs"][0]["compile_s"],
         "emulator_process_cpu_s": emulator["cpu_s"], "torch_process_cpu_s": plain["cpu_s"],
@@ -144,7 +146,8 @@ def report(r: dict) -> str:
         f"MNIST pipelining tutorial, {r['strategy']}, on {r['dataset']} ({r['calls_per_epoch']} calls per epoch)",
         f"| measure | value |", "|---|---|",
         f"| wall time per epoch, poptorch_lite (steady state, median) | {r['emulator_epoch_s']:.1f} s |",
-        f"| wall time per epoch, plain PyTorch (same batches, median) | {r['torch_epoch_s']:.1f} s |",
+        f"| wall time per epoch, plain PyTorch (same batches, median, {r['torch_threads']} thread(s)) | "
+        f"{r['torch_epoch_s']:.1f} s |",
         f"| ratio poptorch_lite / PyTorch | {ratio:.1f}x |",
         f"| first epoch (compiles the model) | {r['first_epoch_s']:.1f} s, of which the compiling call "
         f"{r['compile_s']:.1f} s |",
@@ -166,6 +169,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dataset", default="auto", choices=["auto", "mnist", "fashion-mnist", "synthetic"])
     parser.add_argument("--strategy", default="pipelined", choices=["pipelined", "sharded"])
     parser.add_argument("--epochs", type=int, default=3, help="training epochs (the first one compiles)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="intra-op threads of the PyTorch reference (default 1: the emulator computes on one "
+                             "thread, and on a busy machine PyTorch's spinning threads cost more than they give)")
     parser.add_argument("--part", choices=["emulator", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this JSON file")
     args, args.extra = parser.parse_known_args(argv)
