@@ -9,7 +9,7 @@ from .executor import PoplarExecutor, inferenceModel, trainingModel
 from .frontend import UnsupportedOpError
 from .lowering import CompileError
 from .ops import identity_loss
-from .options import Options, TensorLocationSettings
+from .options import Options, TensorLocationSettings, setLogLevel
 from .strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
                          ShardedExecution, Stage, StrategyError)
 
@@ -20,4 +20,4 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "ReductionType", "SerialPhasedExecution", "ShardedExecution", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnsupportedOpError", "identity_loss", "inferenceModel", "op_placement", "optim",
-           "removeBlocks", "trainingModel"]
+           "removeBlocks", "setLogLevel", "trainingModel"]
