@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ir import IRGraph, Node, Value
+from .ir import IRGraph, Node, Value, prune
 
 NON_DIFFERENTIABLE_OPS = frozenset({"cast_int"})
 
@@ -194,10 +194,15 @@ def vjp(b: Grad, n: Node, gouts: list[Value | None]) -> list[Value | None]:
     raise NotImplementedError(f"no gradient rule for op {op} (at {n.source})")
 
 
-def differentiate(ir: IRGraph, loss: Value, seed: float = 1.0) -> dict[str, Value]:
+def differentiate(ir: IRGraph, loss: Value, seed: float = 1.0, wrt=None) -> dict[str, Value]:
     """Append the backward pass of `loss` (its gradient seeded with `seed`, the loss scaling);
-    return parameter name -> gradient value."""
-    needs: set[int] = {v.id for v in ir.params.values()}
+    return parameter name -> gradient value for the parameters named in `wrt` (default: all).
+
+    Only what those gradients need is kept: a rule builds every input's gradient, and the ones
+    nobody consumes (the data's, a frozen weight's) are dropped again, as PopART's autodiff
+    never creates them."""
+    params = {name: v for name, v in ir.params.items() if wrt is None or name in wrt}
+    needs: set[int] = {v.id for v in params.values()}
     for n in ir.nodes:  # values that depend on a parameter
         if any(v.id in needs for v in n.inputs):
             needs.update(v.id for v in n.outputs)
@@ -221,4 +226,6 @@ def differentiate(ir: IRGraph, loss: Value, seed: float = 1.0) -> dict[str, Valu
                 raise AssertionError(f"gradient of {inp} has shape {gin.shape} (op {n.op} at {n.source})")
             prev = grads.get(inp.id)
             grads[inp.id] = gin if prev is None else Grad(ir, n).binary("add", prev, gin)
-    return {name: grads[v.id] for name, v in ir.params.items() if v.id in grads}
+    result = {name: grads[v.id] for name, v in params.items() if v.id in grads}
+    prune(ir, list(result.values()), start=len(forward))
+    return result

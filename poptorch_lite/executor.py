@@ -245,8 +245,7 @@ class PoplarExecutor:
             bar.update(10)
             if self._training:
                 trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
-                grads = differentiate(ir, ir.loss, seed=loss_scaling(self._optimizer))
-                ir.grads = {n: g for n, g in grads.items() if n in trainable}
+                ir.grads = differentiate(ir, ir.loss, seed=loss_scaling(self._optimizer), wrt=trainable)
             bar.update(15)
             schedule = build_schedule(placement, opts, self._training)
             try:

@@ -125,12 +125,13 @@ def map_values(tree, fn):
     return tree
 
 
-def prune(graph: IRGraph, keep: list[Value]) -> None:
-    """Drop nodes whose outputs do not contribute to `keep` (dead code elimination)."""
+def prune(graph: IRGraph, keep: list[Value], start: int = 0) -> None:
+    """Drop the nodes from index `start` on whose outputs do not contribute to `keep` (dead code
+    elimination; the nodes before `start` stay, with their side effects)."""
     needed = {v.id for v in keep}
     alive = []
-    for n in reversed(graph.nodes):
+    for n in reversed(graph.nodes[start:]):
         if any(v.id in needed for v in n.outputs):
             alive.append(n)
             needed.update(v.id for v in n.inputs)
-    graph.nodes = alive[::-1]
+    graph.nodes = graph.nodes[:start] + alive[::-1]

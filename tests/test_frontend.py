@@ -112,6 +112,24 @@ def test_autodiff_gives_every_parameter_a_gradient_on_its_stage():
         "dropout_backward", "matmul"}
 
 
+def test_autodiff_builds_only_the_gradients_it_needs():
+    """The data's gradient (layer1's input) and a frozen weight's are never computed, and every
+    backward node contributes to a requested gradient."""
+    ir = tutorial_ir()
+    forward_nodes = len(ir.nodes)
+    frozen = {"model.layer4.weight", "model.layer4.bias"}
+    grads = differentiate(ir, ir.loss, wrt=set(ir.params) - frozen)
+    assert sorted(grads) == sorted(set(ir.params) - frozen)
+    backward = ir.nodes[forward_nodes:]
+    assert [n.stage for n in backward if n.op == "conv2d_backward_input"] == [1]
+    # layer4 (stage 3) only passes the gradient on to layer3: one matmul, no weight gradient
+    assert [n.outputs[0].shape for n in backward if n.op == "matmul" and n.stage == 3] == [(4, 256)]
+    needed = {g.id for g in grads.values()}
+    for n in reversed(backward):
+        assert any(v.id in needed for v in n.outputs), f"{n.op} feeds no gradient"
+        needed.update(v.id for v in n.inputs)
+
+
 class Unsupported(nn.Module):
     def __init__(self):
         super().__init__()
