@@ -419,15 +419,16 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
 def _im2col(x: np.ndarray, kh: int, kw: int, oh: int, ow: int, s, p, d, groups: int) -> np.ndarray:
-    """[G, N*OH*OW, C/G*kh*kw] patches of x [N, C, H, W] (zero padding)."""
+    """[N, G, C/G*kh*kw, OH*OW] patches of x [N, C, H, W] (zero padding). The output positions
+    stay innermost, so the copy reads rows of x and the products come out in NCHW order."""
     n, c, _, _ = x.shape
     cg = c // groups
-    xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])))
+    xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))) if p[0] or p[1] else x
     sn, sc, sh, sw = xp.strides
     patches = np.lib.stride_tricks.as_strided(
-        xp, (n, groups, cg, oh, ow, kh, kw), (sn, cg * sc, sc, s[0] * sh, s[1] * sw, d[0] * sh, d[1] * sw),
+        xp, (n, groups, cg, kh, kw, oh, ow), (sn, cg * sc, sc, d[0] * sh, d[1] * sw, s[0] * sh, s[1] * sw),
         writeable=False)
-    return patches.transpose(1, 0, 3, 4, 2, 5, 6).reshape(groups, n * oh * ow, cg * kh * kw)
+    return patches.reshape(n, groups, cg * kh * kw, oh * ow)
 
 
 def _as_float32(a: np.ndarray) -> np.ndarray:
@@ -440,28 +441,27 @@ def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
     x, w = _as_float32(np.asarray(x)), _as_float32(np.asarray(w))
     n, o, oh, ow = conv2d_output_shape(x.shape, w.shape, s, p, d, groups)
     _, cg, kh, kw = w.shape
-    og = o // groups
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
-    y = np.matmul(cols, w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1))
-    return y.reshape(groups, n, oh, ow, og).transpose(1, 0, 4, 2, 3).reshape(n, o, oh, ow)
+    return np.matmul(w.reshape(groups, o // groups, cg * kh * kw), cols).reshape(n, o, oh, ow)
 
 
 def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
-    """dx of conv2d for output gradient dy (float32 result)."""
+    """dx of conv2d for output gradient dy (float32 result): the patch gradients w^T dy, each
+    added back to the input window it came from (col2im), one kernel tap at a time."""
     s, p, d = conv_params(stride, padding, dilation, "conv2d_backward_input")
     dy, w = _as_float32(np.asarray(dy)), _as_float32(np.asarray(w))
     n, c, h, wd = input_shape
     _, o, oh, ow = dy.shape
     _, cg, kh, kw = w.shape
     og = o // groups
-    dym = dy.reshape(n, groups, og, oh * ow).transpose(1, 0, 3, 2).reshape(groups, n * oh * ow, og)
-    patches = np.matmul(dym, w.reshape(groups, og, cg * kh * kw)).reshape(groups, n, oh, ow, cg, kh, kw)
+    wt = w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1)
+    patches = np.matmul(wt, dy.reshape(n, groups, og, oh * ow)).reshape(n, groups, cg, kh, kw, oh, ow)
     dxp = np.zeros((n, groups, cg, h + 2 * p[0], wd + 2 * p[1]), dtype=np.float32)
     for i in range(kh):
         rows = slice(i * d[0], i * d[0] + s[0] * (oh - 1) + 1, s[0])
         for j in range(kw):
             cols = slice(j * d[1], j * d[1] + s[1] * (ow - 1) + 1, s[1])
-            dxp[:, :, :, rows, cols] += patches[:, :, :, :, :, i, j].transpose(1, 0, 4, 2, 3)
+            dxp[:, :, :, rows, cols] += patches[:, :, :, i, j]
     return dxp[:, :, :, p[0]:p[0] + h, p[1]:p[1] + wd].reshape(n, c, h, wd)
 
 
@@ -473,8 +473,8 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     n, _, oh, ow = dy.shape
     og = o // groups
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
-    dym = dy.reshape(n, groups, og, oh * ow).transpose(1, 2, 0, 3).reshape(groups, og, n * oh * ow)
-    return np.matmul(dym, cols).reshape(o, cg, kh, kw)
+    dym = dy.reshape(n, groups, og, oh * ow)
+    return np.matmul(dym, cols.transpose(0, 1, 3, 2)).sum(axis=0).reshape(o, cg, kh, kw)
 
 
 # ---- the ops ---------------------------------------------------------------------------------
