@@ -16,6 +16,7 @@ exit (see ipusim.profile). Off by default, and then nothing is recorded.
 """
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ class RunReport:
 
 
 class Engine:
+    # Attributes that belong to the host process (memory, connections, threads, records), not to
+    # the compiled program: a saved executable leaves them out and load() rebuilds them.
+    HOST_STATE = ("mem", "_plans", "_steps", "_streams", "_stream_pos", "_pool", "last_run", "total_cycles",
+                  "_profiler")
+
     def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
                  check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None,
                  profile_dir: str | None = None):
@@ -90,6 +96,7 @@ class Engine:
         for p in self.programs:
             for node in self._executed_nodes(p):
                 self._plan(node)
+        self._steps = [self._flatten(p) for p in self.programs]
         return self
 
     def _executed_nodes(self, p: Program):
@@ -123,6 +130,39 @@ class Engine:
             src_mem, dst_mem = mem[node.src.ipu], mem[node.dst.ipu]
             self._plans[id(node)] = (src_mem.arena(node.src.dtype), src_mem.addresses(node.src),
                                      dst_mem.arena(node.dst.dtype), dst_mem.addresses(node.dst))
+
+    def _flatten(self, p: Program) -> list | None:
+        """Program p as a flat list of host calls, one per leaf it runs, in order; None when p
+        branches on device data (If) or runs Parallel parts on host threads, which the node
+        walk handles. A flat program's cycles are static: a run charges cost(p) once."""
+        if isinstance(p, Sequence):
+            steps = []
+            for c in p.programs:
+                part = self._flatten(c)
+                if part is None:
+                    return None
+                steps += part
+            return steps
+        if isinstance(p, Repeat):
+            body = self._flatten(p.body)
+            if body is None:
+                return None
+            return [_repeat(body, p.count)] if p.count and body else []
+        if isinstance(p, Parallel):
+            return None if self._pool is not None else self._flatten(Sequence(*p.programs))
+        if isinstance(p, OpProgram):
+            return [functools.partial(p.fast, self.mem)] if self.mode == "fast" else self._flatten(p.body)
+        if isinstance(p, Execute):
+            return [functools.partial(kernel, *args) for kernel, args in self._plans[id(p)]]
+        if isinstance(p, (Copy, InterIpuCopy)):
+            return [_copy(*self._plans[id(p)])]
+        if isinstance(p, StreamCopy):
+            return [functools.partial(self._stream_copy, p)]
+        if isinstance(p, RemoteCopy):
+            return [functools.partial(self._remote_copy, p)]
+        if isinstance(p, Sync):
+            return []
+        return None
 
     def _require_loaded(self):
         if self.mem is None:
@@ -186,8 +226,15 @@ class Engine:
         self._require_loaded()
         if not 0 <= index < len(self.programs):
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
-        report = RunReport(nodes=None if self._profiler is None else [])
+        steps = self._steps[index] if self._profiler is None else None
         numba.set_num_threads(self.kernel_threads)
+        if steps is not None:
+            with blas_threads():
+                for step in steps:
+                    step()
+            cost = self.costs[index]
+            return RunReport(cost.total, dict(cost.per_ipu))
+        report = RunReport(nodes=None if self._profiler is None else [])
         with blas_threads():
             self._run(self.programs[index], report)
         if self._profiler is not None:
@@ -219,11 +266,7 @@ class Engine:
             self._stream_copy(p)
             report.charge(self.cost(p), p)
         elif isinstance(p, RemoteCopy):
-            remote = self.mem[p.buffer.ipu].remote[p.buffer.name]
-            if p.loads:
-                self.mem.write(p.tensor, remote[p.slot].reshape(p.tensor.shape))
-            else:
-                remote[p.slot] = self.mem.read(p.tensor).reshape(-1)
+            self._remote_copy(p)
             report.charge(self.cost(p), p)
         elif isinstance(p, Repeat):
             for _ in range(p.count):
@@ -250,6 +293,13 @@ class Engine:
         report.total += max((r.total for r in parts), default=0)
         if report.nodes is not None:
             report.nodes.append(tuple(r.nodes for r in parts))
+
+    def _remote_copy(self, p: RemoteCopy) -> None:
+        remote = self.mem[p.buffer.ipu].remote[p.buffer.name]
+        if p.loads:
+            self.mem.write(p.tensor, remote[p.slot].reshape(p.tensor.shape))
+        else:
+            remote[p.slot] = self.mem.read(p.tensor).reshape(-1)
 
     def _stream_copy(self, p: StreamCopy) -> None:
         s = p.stream
@@ -281,3 +331,25 @@ class Engine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+def _repeat(steps: list, count: int):
+    def run():
+        for _ in range(count):
+            for step in steps:
+                step()
+    return run
+
+
+def _copy(src: np.ndarray, src_addr: np.ndarray, dst: np.ndarray, dst_addr: np.ndarray):
+    """dst[dst_addr] = src[src_addr], with slices for runs of consecutive addresses."""
+    def as_index(addr):
+        n = addr.size
+        if n and int(addr[-1]) - int(addr[0]) == n - 1 and (n == 1 or bool((np.diff(addr) == 1).all())):
+            return slice(int(addr[0]), int(addr[0]) + n)
+        return addr
+    si, di = as_index(src_addr), as_index(dst_addr)
+
+    def run():
+        dst[di] = src[si]
+    return run

@@ -52,9 +52,10 @@ class IpuMemory:
                     off += v.numel
             else:
                 self._strict_addresses(dt, vars_, graph.target.num_tiles)
-            for v in vars_:
-                if v.constant is not None:
-                    self.write(Tensor(v), v.constant)
+        self._by_dtype = {a.dtype: a for a in self.arenas.values()}
+        for v in graph.variables:
+            if v.constant is not None:
+                self.write(Tensor(v), v.constant)
 
     def _strict_addresses(self, dt: str, vars_: list[Variable], num_tiles: int) -> None:
         tiles = np.concatenate([v.mapping for v in vars_]).astype(np.int64)
@@ -83,18 +84,18 @@ class IpuMemory:
         return a if t.is_whole else a[t.index.reshape(-1)]
 
     def arena(self, dtype) -> np.ndarray:
-        return self.arenas[np.dtype(dtype).name]
+        return self._by_dtype[np.dtype(dtype)]
 
     def read(self, t: Tensor) -> np.ndarray:
         """The view's values (a NumPy view when the layout allows it: do not modify)."""
-        arena = self.arenas[t.dtype.name]
+        arena = self._by_dtype[t.var.dtype]
         if self.layout == "fast" and t.span is not None:
             base = self.offset[t.var.id] + t.span
             return arena[base:base + t.numel].reshape(t.shape)
         return arena[self.addresses(t)].reshape(t.shape)
 
     def write(self, t: Tensor, values) -> None:
-        arena = self.arenas[t.dtype.name]
+        arena = self._by_dtype[t.var.dtype]
         values = np.asarray(values)
         if values.shape != t.shape:
             try:

@@ -422,12 +422,8 @@ def _reduce_vertex_type(vertex_type: ip.VertexType):
     return ip.VertexType, tuple(getattr(vertex_type, f.name) for f in dataclasses.fields(vertex_type))
 
 
-# Engine attributes that belong to the host process, not to the compiled program.
-_ENGINE_HOST_STATE = ("mem", "_plans", "_streams", "_stream_pos", "_pool", "last_run", "total_cycles", "_profiler")
-
-
 def _reduce_engine(engine: ip.Engine):
-    state = {k: v for k, v in vars(engine).items() if k not in _ENGINE_HOST_STATE}
+    state = {k: v for k, v in vars(engine).items() if k not in ip.Engine.HOST_STATE}
     state["_costs"] = list(engine._costs.values())  # keyed by id(node): re-keyed when loaded
     state["host_pool_threads"] = engine._pool._max_workers if engine._pool is not None else 1
     return _new, (type(engine),), state, None, None, _set_engine_state

@@ -35,7 +35,7 @@ elements, `pairs` (window, position) pairs landing in the vertex's gradient rows
   avg grad  10 + 2 rows + 4 ceil(inputs / V) + ceil(pairs / V)              (SumPoolingGrad)
 
 Numerics: sums and gradients accumulate in float64 and round once; the fast mode runs the same
-window loops over whole arrays with NumPy.
+window loops as the codelets, over whole arrays of planes (`pool_whole`, `pool_grad_whole`).
 """
 from __future__ import annotations
 
@@ -575,87 +575,105 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
-def _taps_of(dim: PoolDim) -> list[tuple]:
-    """Per window tap t: (the outputs with a real position at t, those positions), as strided
-    slices for regular windows and as index arrays for adaptive ones."""
-    pos = dim.positions(np.arange(dim.out_size))
-    taps = []
-    for t in range(pos.shape[1]):
-        outs = np.flatnonzero(pos[:, t] >= 0)
-        ins = pos[outs, t]
-        if not dim.adaptive and outs.size:
-            outs = slice(int(outs[0]), int(outs[-1]) + 1)
-            ins = slice(int(ins[0]), int(ins[-1]) + 1, dim.stride)
-        taps.append((outs, ins))
-    return taps
+@njit(**JIT)
+def pool_whole(x, ph, pw, divisors, op, out):
+    """out[P, OH, OW] = the pooling (op 0 max, 1 average) of the planes x[P, H, W]; ph [OH, KH]
+    and pw [OW, KW] are the windows' input positions (-1: padding), visited in the codelet's
+    order. Serial: on whole tensors of this size a parallel region costs more than it gives."""
+    for pl in range(x.shape[0]):
+        for oh in range(ph.shape[0]):
+            for ow in range(pw.shape[0]):
+                acc = -np.inf if op == 0 else 0.0
+                for th in range(ph.shape[1]):
+                    ih = ph[oh, th]
+                    if ih < 0:
+                        continue
+                    for tw in range(pw.shape[1]):
+                        iw = pw[ow, tw]
+                        if iw < 0:
+                            continue
+                        val = np.float64(x[pl, ih, iw])
+                        if op == 1:
+                            acc += val
+                        elif val > acc or val != val:
+                            acc = val
+                out[pl, oh, ow] = acc if op == 0 else acc / divisors[oh, ow]
 
 
-def _at(rows, cols) -> tuple:
-    """Index of [:, :, rows, cols] for slices or index arrays."""
-    if isinstance(rows, np.ndarray) and isinstance(cols, np.ndarray):
-        rows, cols = rows[:, None], cols[None, :]
-    return (slice(None), slice(None), rows, cols)
+@njit(**JIT)
+def pool_grad_whole(x, y, dy, ph, pw, divisors, op, dx):
+    """dx[P, H, W] (float64, zeroed) += each window's dy[P, OH, OW]: for max pooling (op 0) to
+    the window's first position equal to y, for average pooling (op 1) to every real position,
+    divided by the window's divisor; windows in the codelets' order."""
+    for pl in range(dy.shape[0]):
+        for oh in range(ph.shape[0]):
+            for ow in range(pw.shape[0]):
+                g = np.float64(dy[pl, oh, ow])
+                target = np.float64(y[pl, oh, ow]) if op == 0 else 0.0
+                if op == 1:
+                    g = g / divisors[oh, ow]
+                found = False
+                for th in range(ph.shape[1]):
+                    ih = ph[oh, th]
+                    if ih < 0:
+                        continue
+                    for tw in range(pw.shape[1]):
+                        iw = pw[ow, tw]
+                        if iw < 0:
+                            continue
+                        if op == 1:
+                            dx[pl, ih, iw] += g
+                            continue
+                        val = np.float64(x[pl, ih, iw])
+                        if val == target or (val != val and target != target):
+                            dx[pl, ih, iw] += g
+                            found = True
+                            break
+                    if found:
+                        break
 
 
-def _empty(index) -> bool:
-    return isinstance(index, np.ndarray) and index.size == 0
+def _planes(a: np.ndarray) -> np.ndarray:
+    """a [N, C, H, W] as contiguous [N*C, H, W] planes of a dtype the kernels take (float16
+    widens to float32 exactly)."""
+    a = np.ascontiguousarray(a)
+    if a.dtype not in (np.float32, np.float64):
+        a = a.astype(np.float32)
+    return a.reshape(-1, *a.shape[2:])
+
+
+@lru_cache(maxsize=1024)
+def _windows(geom: PoolGeometry) -> tuple:
+    """The whole-array kernels' window tables: positions per dimension, divisors and op."""
+    h, w = (d.positions(np.arange(d.out_size)) for d in (geom.h, geom.w))
+    if geom.kind == "max":
+        return h, w, np.ones((1, 1)), 0
+    return h, w, geom.divisors(), 1
 
 
 def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
-    """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max),
-    visiting window taps in the codelet's order."""
+    """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max)."""
     n, c = x.shape[:2]
-    shape = (n, c, geom.h.out_size, geom.w.out_size)
-    acc = np.full(shape, -np.inf, dtype=x.dtype) if geom.kind == "max" else np.zeros(shape)
-    for oh, ih in _taps_of(geom.h):
-        for ow, iw in _taps_of(geom.w):
-            if _empty(oh) or _empty(ow):
-                continue
-            val, out = x[_at(ih, iw)], _at(oh, ow)
-            if geom.kind == "max":
-                cur = acc[out]
-                acc[out] = np.where((val > cur) | np.isnan(val), val, cur)
-            else:
-                acc[out] += val
-    return acc if geom.kind == "max" else acc / geom.divisors()
-
-
-def _scatter(dx: np.ndarray, rows, cols, values: np.ndarray) -> None:
-    """dx[:, :, rows, cols] += values, where index arrays may repeat a position."""
-    repeated = any(isinstance(i, np.ndarray) and np.unique(i).size < i.size for i in (rows, cols))
-    if repeated:
-        np.add.at(dx, _at(rows, cols), values)
-    else:
-        dx[_at(rows, cols)] += values
+    out = np.empty((n * c, geom.h.out_size, geom.w.out_size))
+    pool_whole(_planes(x), *_windows(geom), out)
+    out = out.reshape(n, c, *out.shape[1:])
+    return out.astype(x.dtype) if geom.kind == "max" else out
 
 
 def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
     """Gradient of max pooling: dy to the first window position equal to y (float64 result)."""
-    taps = [(th * geom.w.max_count + tw, oh, ih, ow, iw) for th, (oh, ih) in enumerate(_taps_of(geom.h))
-            for tw, (ow, iw) in enumerate(_taps_of(geom.w)) if not (_empty(oh) or _empty(ow))]
-    choice = np.full(y.shape, -1, dtype=np.int64)
-    y_nan = np.isnan(y)
-    for tap, oh, ih, ow, iw in taps:
-        val, out = x[_at(ih, iw)], _at(oh, ow)
-        hit = (choice[out] < 0) & ((val == y[out]) | (np.isnan(val) & y_nan[out]))
-        choice[out] = np.where(hit, tap, choice[out])
-    dx = np.zeros(x.shape)
-    grads = dy.astype(np.float64)
-    for tap, oh, ih, ow, iw in taps:
-        out = _at(oh, ow)
-        _scatter(dx, ih, iw, np.where(choice[out] == tap, grads[out], 0.0))
-    return dx
+    dx = np.zeros((x.shape[0] * x.shape[1], *x.shape[2:]))
+    pool_grad_whole(_planes(x), _planes(y), _planes(dy), *_windows(geom), dx)
+    return dx.reshape(x.shape)
 
 
 def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.ndarray:
     """Gradient of average pooling: dy / divisor to every real window position (float64 result)."""
-    grads = dy.astype(np.float64) / geom.divisors()
-    dx = np.zeros(tuple(input_shape))
-    for oh, ih in _taps_of(geom.h):
-        for ow, iw in _taps_of(geom.w):
-            if not (_empty(oh) or _empty(ow)):
-                _scatter(dx, ih, iw, grads[_at(oh, ow)])
-    return dx
+    n, c, hh, ww = (int(v) for v in input_shape)
+    dx = np.zeros((n * c, hh, ww))
+    planes = _planes(dy)
+    pool_grad_whole(planes, planes, planes, *_windows(geom), dx)
+    return dx.reshape(n, c, hh, ww)
 
 
 # ---- the ops ---------------------------------------------------------------------------------
