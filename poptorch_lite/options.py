@@ -47,9 +47,15 @@ _LOG_LEVELS = {
 }
 
 
+# PopTorch's numeric levels (its C++ logging enum): 5 is spdlog's "critical".
+_LOG_NUMBERS = {0: TRACE, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING,
+                4: logging.ERROR, 5: logging.CRITICAL, 6: _LOG_LEVELS["OFF"]}
+
+
 def setLogLevel(level) -> None:
     """Set how much ``poptorch_lite`` logs: ``TRACE``, ``DEBUG``, ``INFO``,
-    ``WARN``, ``ERR``, ``OFF`` (or a ``logging`` level number)."""
+    ``WARN``, ``ERR``, ``OFF``, or PopTorch's numbers for them: 0 (trace),
+    1 (debug), 2 (info), 3 (warn), 4 (err), 6 (off)."""
     if isinstance(level, str):
         key = level.strip().upper()
         if key not in _LOG_LEVELS:
@@ -57,7 +63,11 @@ def setLogLevel(level) -> None:
                              f"{', '.join(_LOG_LEVELS)}.")
         number = _LOG_LEVELS[key]
     elif isinstance(level, numbers.Integral) and not isinstance(level, bool):
-        number = int(level)
+        if int(level) not in _LOG_NUMBERS:
+            raise ValueError(f"Unknown log level {level!r}: use 0 (TRACE), "
+                             "1 (DEBUG), 2 (INFO), 3 (WARN), 4 (ERR) or "
+                             "6 (OFF), or the level's name.")
+        number = _LOG_NUMBERS[int(level)]
     else:
         raise TypeError(f"setLogLevel expects a level name or number, got "
                         f"{level!r}.")

@@ -485,6 +485,17 @@ def test_set_log_level():
         assert not logger.isEnabledFor(logging.CRITICAL)
         with pytest.raises(ValueError, match="TRACE, DEBUG, INFO, WARN"):
             setLogLevel("LOUD")
+        # PopTorch's numbers: 0 trace, 1 debug, 2 info, 3 warn, 4 err, 6 off
+        setLogLevel(2)
+        assert logger.isEnabledFor(logging.INFO) and not logger.isEnabledFor(logging.DEBUG)
+        setLogLevel(3)
+        assert logger.isEnabledFor(logging.WARNING) and not logger.isEnabledFor(logging.INFO)
+        setLogLevel(0)
+        assert logger.isEnabledFor(5)
+        setLogLevel(6)
+        assert not logger.isEnabledFor(logging.CRITICAL)
+        with pytest.raises(ValueError, match=r"use 0 \(TRACE\)"):
+            setLogLevel(20)
     finally:
         logger.setLevel(level)
         logger.handlers[:] = handlers
