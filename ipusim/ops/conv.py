@@ -418,17 +418,39 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
+@njit(**JIT)
+def _col2im_kernel(patches, sh, sw, dh, dw, dxp):
+    """dxp[N, G, C/G, Hp, Wp] += each patch gradient patches[G, C/G, kh, kw, N, OH, OW] at the
+    input position it was read from (taps in order, so sums round the same way every time)."""
+    groups, cg, kh, kw, n, oh, ow = patches.shape
+    for b in range(n):
+        for g in range(groups):
+            for ci in range(cg):
+                for i in range(kh):
+                    for j in range(kw):
+                        for y in range(oh):
+                            for x in range(ow):
+                                dxp[b, g, ci, y * sh + i * dh, x * sw + j * dw] += patches[g, ci, i, j, b, y, x]
+
+
 def _im2col(x: np.ndarray, kh: int, kw: int, oh: int, ow: int, s, p, d, groups: int) -> np.ndarray:
-    """[N, G, C/G*kh*kw, OH*OW] patches of x [N, C, H, W] (zero padding). The output positions
-    stay innermost, so the copy reads rows of x and the products come out in NCHW order."""
+    """[G, C/G*kh*kw, N*OH*OW] patches of x [N, C, H, W] (zero padding): one matrix per group, so
+    each product is a single large GEMM; output positions stay innermost, so the copy reads rows."""
     n, c, _, _ = x.shape
     cg = c // groups
     xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))) if p[0] or p[1] else x
     sn, sc, sh, sw = xp.strides
     patches = np.lib.stride_tricks.as_strided(
-        xp, (n, groups, cg, kh, kw, oh, ow), (sn, cg * sc, sc, d[0] * sh, d[1] * sw, s[0] * sh, s[1] * sw),
+        xp, (groups, cg, kh, kw, n, oh, ow), (cg * sc, sc, d[0] * sh, d[1] * sw, sn, s[0] * sh, s[1] * sw),
         writeable=False)
-    return patches.reshape(n, groups, cg * kh * kw, oh * ow)
+    return patches.reshape(groups, cg * kh * kw, n * oh * ow)
+
+
+def _by_group(a: np.ndarray, groups: int) -> np.ndarray:
+    """a [N, G*k, H, W] as [G, k, N*H*W] (a copy)."""
+    n, c, h, w = a.shape
+    return np.ascontiguousarray(a.reshape(n, groups, c // groups, h * w).transpose(1, 2, 0, 3)).reshape(
+        groups, c // groups, n * h * w)
 
 
 def _as_float32(a: np.ndarray) -> np.ndarray:
@@ -442,12 +464,13 @@ def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
     n, o, oh, ow = conv2d_output_shape(x.shape, w.shape, s, p, d, groups)
     _, cg, kh, kw = w.shape
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
-    return np.matmul(w.reshape(groups, o // groups, cg * kh * kw), cols).reshape(n, o, oh, ow)
+    y = np.matmul(w.reshape(groups, o // groups, cg * kh * kw), cols)  # [G, O/G, N*OH*OW]
+    return np.ascontiguousarray(y.reshape(o, n, oh, ow).transpose(1, 0, 2, 3))
 
 
 def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
     """dx of conv2d for output gradient dy (float32 result): the patch gradients w^T dy, each
-    added back to the input window it came from (col2im), one kernel tap at a time."""
+    added back to the input position it was read from (col2im)."""
     s, p, d = conv_params(stride, padding, dilation, "conv2d_backward_input")
     dy, w = _as_float32(np.asarray(dy)), _as_float32(np.asarray(w))
     n, c, h, wd = input_shape
@@ -455,13 +478,9 @@ def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilatio
     _, cg, kh, kw = w.shape
     og = o // groups
     wt = w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1)
-    patches = np.matmul(wt, dy.reshape(n, groups, og, oh * ow)).reshape(n, groups, cg, kh, kw, oh, ow)
+    patches = np.matmul(wt, _by_group(dy, groups)).reshape(groups, cg, kh, kw, n, oh, ow)
     dxp = np.zeros((n, groups, cg, h + 2 * p[0], wd + 2 * p[1]), dtype=np.float32)
-    for i in range(kh):
-        rows = slice(i * d[0], i * d[0] + s[0] * (oh - 1) + 1, s[0])
-        for j in range(kw):
-            cols = slice(j * d[1], j * d[1] + s[1] * (ow - 1) + 1, s[1])
-            dxp[:, :, :, rows, cols] += patches[:, :, :, i, j]
+    _col2im_kernel(patches, s[0], s[1], d[0], d[1], dxp)
     return dxp[:, :, :, p[0]:p[0] + h, p[1]:p[1] + wd].reshape(n, c, h, wd)
 
 
@@ -470,11 +489,9 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     s, p, d = conv_params(stride, padding, dilation, "conv2d_backward_weights")
     dy, x = _as_float32(np.asarray(dy)), _as_float32(np.asarray(x))
     o, cg, kh, kw = weight_shape
-    n, _, oh, ow = dy.shape
-    og = o // groups
+    _, _, oh, ow = dy.shape
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
-    dym = dy.reshape(n, groups, og, oh * ow)
-    return np.matmul(dym, cols.transpose(0, 1, 3, 2)).sum(axis=0).reshape(o, cg, kh, kw)
+    return np.matmul(_by_group(dy, groups), cols.transpose(0, 2, 1)).reshape(o, cg, kh, kw)
 
 
 # ---- the ops ---------------------------------------------------------------------------------
