@@ -98,6 +98,21 @@ def test_idx_files_load_normalised(tmp_path, gz):
     assert torch.allclose(x[0], (torch.from_numpy(raw[3]).float() / 255 - train.mean) / train.std)
 
 
+def test_batched_fetch_gives_the_samples_one_by_one_fetch_gives(tmp_path):
+    write_idx_set(tmp_path, gz=False)
+    train, _ = mnist_data.load_idx_set(str(tmp_path))
+    indices = [7, 0, 19, 7, 3]
+    batch = train.__getitems__(indices)
+    assert len(batch) == len(indices)
+    for i, (image, label) in zip(indices, batch):
+        one_image, one_label = train[i]
+        assert torch.equal(image, one_image) and label == one_label and isinstance(label, int)
+    loader = torch.utils.data.DataLoader(train, batch_size=5, shuffle=False)
+    images, labels = next(iter(loader))
+    assert torch.equal(images, torch.stack([train[i][0] for i in range(5)]))
+    assert labels.tolist() == [train[i][1] for i in range(5)]
+
+
 def test_idx_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "bad").write_bytes(b"\x01\x02\x08\x01\x00\x00\x00\x05abcde")
     with pytest.raises(ValueError, match="not an IDX file"):
