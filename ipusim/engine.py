@@ -121,15 +121,15 @@ class Engine:
                     starts = np.zeros(len(verts) + 1, dtype=np.int64)
                     np.cumsum([a.size for a in addrs], out=starts[1:])
                     dtype = verts[0].fields[f].dtype
-                    args += [kernel_view(ipu_mem.arena(dtype)), np.concatenate(addrs) if addrs else
-                             np.zeros(0, np.int64), starts]
+                    addr = np.concatenate(addrs).astype(np.int64, copy=False) if addrs else np.zeros(0, np.int64)
+                    args += [kernel_view(ipu_mem.arena(dtype)), addr, starts]
                 params = np.asarray([v.params for v in verts], dtype=np.float64).reshape(len(verts), vt.num_params)
                 plan.append((vt.kernel, args + [params]))
             self._plans[id(node)] = plan
         elif isinstance(node, (Copy, InterIpuCopy)):
             src_mem, dst_mem = mem[node.src.ipu], mem[node.dst.ipu]
-            self._plans[id(node)] = (src_mem.arena(node.src.dtype), src_mem.addresses(node.src),
-                                     dst_mem.arena(node.dst.dtype), dst_mem.addresses(node.dst))
+            self._plans[id(node)] = (src_mem.arena(node.src.dtype), _as_index(src_mem.addresses(node.src)),
+                                     dst_mem.arena(node.dst.dtype), _as_index(dst_mem.addresses(node.dst)))
 
     def _flatten(self, p: Program) -> list | None:
         """Program p as a flat list of host calls, one per leaf it runs, in order; None when p
@@ -259,8 +259,7 @@ class Engine:
                 kernel(*args)
             report.charge(self.cost(p), p)
         elif isinstance(p, (Copy, InterIpuCopy)):
-            src, sa, dst, da = self._plans[id(p)]
-            dst[da] = src[sa]
+            _copy(*self._plans[id(p)])()
             report.charge(self.cost(p), p)
         elif isinstance(p, StreamCopy):
             self._stream_copy(p)
@@ -341,15 +340,16 @@ def _repeat(steps: list, count: int):
     return run
 
 
-def _copy(src: np.ndarray, src_addr: np.ndarray, dst: np.ndarray, dst_addr: np.ndarray):
-    """dst[dst_addr] = src[src_addr], with slices for runs of consecutive addresses."""
-    def as_index(addr):
-        n = addr.size
-        if n and int(addr[-1]) - int(addr[0]) == n - 1 and (n == 1 or bool((np.diff(addr) == 1).all())):
-            return slice(int(addr[0]), int(addr[0]) + n)
-        return addr
-    si, di = as_index(src_addr), as_index(dst_addr)
+def _as_index(addr: np.ndarray):
+    """Addresses as a slice when they are one run of consecutive addresses (faster to copy, and
+    nothing to keep), else the array."""
+    n = addr.size
+    if n and int(addr[-1]) - int(addr[0]) == n - 1 and (n == 1 or bool((np.diff(addr) == 1).all())):
+        return slice(int(addr[0]), int(addr[0]) + n)
+    return addr
 
+
+def _copy(src: np.ndarray, src_index, dst: np.ndarray, dst_index):
     def run():
-        dst[di] = src[si]
+        dst[dst_index] = src[src_index]
     return run

@@ -22,6 +22,12 @@ CATEGORIES = ("weights", "activations", "stashed_activations", "optimiser_state"
 _ids = itertools.count()
 
 
+def index_dtype(numel: int) -> type:
+    """Element indices are int32 when they fit (half the memory of int64 for the index arrays of
+    every view of a large graph), else int64."""
+    return np.int32 if numel < 2**31 else np.int64
+
+
 def as_dtype(dtype) -> np.dtype:
     dt = np.dtype(dtype)
     if dt.name not in DTYPES:
@@ -72,7 +78,7 @@ class Tensor:
     @property
     def index(self) -> np.ndarray:
         if self._index is None:
-            self._index = np.arange(self.var.numel, dtype=np.int64).reshape(self.var.shape)
+            self._index = np.arange(self.var.numel, dtype=index_dtype(self.var.numel)).reshape(self.var.shape)
         return self._index
 
     @property

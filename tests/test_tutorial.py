@@ -153,6 +153,25 @@ def test_auto_prefers_installed_fashion_mnist_then_mnist(offline):
     assert "NOT MNIST" not in chosen.banner()
 
 
+def test_download_mirrors_are_torchvisions():
+    import torchvision
+    assert mnist_data.torchvision_mirrors("MNIST") == list(torchvision.datasets.MNIST.mirrors)
+    assert mnist_data.torchvision_mirrors("FashionMNIST") == list(torchvision.datasets.FashionMNIST.mirrors)
+
+
+def test_offline_fashion_mnist_does_not_import_torchvision(tmp_path):
+    """Choosing local IDX files (after finding MNIST unreachable) never imports torchvision,
+    which would cost about 160 MB of memory for the whole run."""
+    write_idx_set(tmp_path / "debian")
+    script = (f"import sys; sys.path.insert(0, {TUTORIAL!r}); import mnist_data\n"
+              f"mnist_data.DEBIAN_FASHION_MNIST = {str(tmp_path / 'debian')!r}\n"
+              "mnist_data.reachable_mirror = lambda mirrors, timeout=0: (None, 'offline')\n"
+              f"chosen = mnist_data.load_datasets('auto', {str(tmp_path / 'data')!r})\n"
+              "print(chosen.name, 'torchvision' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["Fashion-MNIST", "False"]
+
+
 def test_explicit_mnist_offline_is_a_clear_error(offline):
     with pytest.raises(mnist_data.DatasetUnavailable, match=r"MNIST is not in .*MNIST/raw and cannot be downloaded "
                                                             r"\(offline \(test\)\)\. Copy the four MNIST IDX files"):

@@ -13,7 +13,9 @@ never pass for an MNIST result.
 """
 from __future__ import annotations
 
+import ast
 import gzip
+import importlib.util
 import math
 import os
 import socket
@@ -172,6 +174,27 @@ def reachable_mirror(mirrors, timeout: float = MIRROR_TIMEOUT_S) -> tuple[str | 
     return None, "; ".join(errors)
 
 
+def torchvision_mirrors(dataset: str) -> list[str]:
+    """Where torchvision downloads `dataset` ("MNIST", "FashionMNIST") from: the class's
+    `mirrors`, read from torchvision's source, since importing torchvision to learn them costs
+    about 160 MB of memory, which an offline run that never downloads would keep for nothing."""
+    try:
+        spec = importlib.util.find_spec("torchvision")
+        path = os.path.join(os.path.dirname(spec.origin), "datasets", "mnist.py")
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == dataset:
+                for item in node.body:
+                    if (isinstance(item, ast.Assign) and len(item.targets) == 1
+                            and getattr(item.targets[0], "id", None) == "mirrors"):
+                        return list(ast.literal_eval(item.value))
+    except (OSError, SyntaxError, ValueError, AttributeError, TypeError):
+        pass
+    import torchvision  # the source moved or changed shape: ask the class itself
+    return list(getattr(torchvision.datasets, dataset).mirrors)
+
+
 def torchvision_transform(statistics: tuple[float, float]):
     import torchvision
     mean, std = statistics
@@ -181,17 +204,17 @@ def torchvision_transform(statistics: tuple[float, float]):
 
 def load_mnist(data_dir: str) -> Datasets:
     """torchvision's MNIST from `data_dir`, downloading it when absent and a mirror answers."""
-    import torchvision
     raw = os.path.join(data_dir, "MNIST", "raw")
     present = has_idx_set(raw)
     if not present:
-        mirror, why = reachable_mirror(torchvision.datasets.MNIST.mirrors)
+        mirror, why = reachable_mirror(torchvision_mirrors("MNIST"))
         if mirror is None:
             raise DatasetUnavailable(
                 f"MNIST is not in {raw} and cannot be downloaded ({why}). Copy the four MNIST IDX files "
                 f"(train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, "
                 f"t10k-labels-idx1-ubyte, gzipped or not) there, or choose --dataset fashion-mnist or synthetic.")
         print(f"Downloading MNIST to {raw} ...", flush=True)
+    import torchvision
     transform = torchvision_transform(MNIST_STATISTICS)
     try:
         train = torchvision.datasets.MNIST(data_dir, train=True, download=True, transform=transform)
@@ -203,19 +226,19 @@ def load_mnist(data_dir: str) -> Datasets:
 
 def load_fashion_mnist(data_dir: str) -> Datasets:
     """Fashion-MNIST: torchvision's folder in `data_dir`, else Debian's package, else a download."""
-    import torchvision
     raw = os.path.join(data_dir, "FashionMNIST", "raw")
     for directory, label in ((raw, raw), (DEBIAN_FASHION_MNIST, f"{DEBIAN_FASHION_MNIST} (Debian package "
                                                                   f"dataset-fashion-mnist)")):
         if has_idx_set(directory):
             train, test = load_idx_set(directory)
             return Datasets("Fashion-MNIST", label, train, test)
-    mirror, why = reachable_mirror(torchvision.datasets.FashionMNIST.mirrors)
+    mirror, why = reachable_mirror(torchvision_mirrors("FashionMNIST"))
     if mirror is None:
         raise DatasetUnavailable(
             f"Fashion-MNIST is neither in {raw} nor in {DEBIAN_FASHION_MNIST} and cannot be downloaded ({why}). "
             f"On Debian or Ubuntu: apt-get install dataset-fashion-mnist")
     print(f"Downloading Fashion-MNIST to {raw} ...", flush=True)
+    import torchvision
     torchvision.datasets.FashionMNIST(data_dir, train=True, download=True)
     torchvision.datasets.FashionMNIST(data_dir, train=False, download=True)
     train, test = load_idx_set(raw)
