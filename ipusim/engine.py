@@ -30,7 +30,7 @@ from .graph import Device, Graph
 from .kernels import kernel_view
 from .memory import check_fits, memory_reports
 from .program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteBuffer,
-                      RemoteCopy, Repeat, Sequence, StreamCopy, Sync)
+                      RemoteCopy, Repeat, Sequence, StreamCopy, Sync, walk)
 from .tensor import Tensor
 
 MODES = ("strict", "fast")
@@ -91,13 +91,31 @@ class Engine:
     # ---- loading --------------------------------------------------------------------------
     def load(self) -> "Engine":
         from .storage import DeviceMemory
-        self.mem = DeviceMemory(self.device, self.mode)
+        self.mem = DeviceMemory(self.device, self.mode, self._op_internal())
         self._plans: dict[int, object] = {}
         for p in self.programs:
             for node in self._executed_nodes(p):
                 self._plan(node)
         self._steps = [self._flatten(p) for p in self.programs]
         return self
+
+    def _op_internal(self) -> dict[int, str]:
+        """Fast mode: the variables only ever used inside ops' bodies (their exchange buffers,
+        partials), which no executed node touches, so they need no host storage: variable id ->
+        the op. Their device memory is still accounted (memory reports come from the graph)."""
+        if self.mode != "fast":
+            return {}
+        touched, internal = set(), {}
+        for p in self.programs:
+            for node in self._executed_nodes(p):
+                if isinstance(node, OpProgram):
+                    for inner in walk(node):
+                        if isinstance(inner, OpProgram):  # an op's kernel may run its parts' kernels
+                            touched.update(t.var.id for t in (*inner.reads, *inner.writes))
+                        internal.update((t.var.id, node.name) for t in _tensors(inner))
+                else:
+                    touched.update(t.var.id for t in _tensors(node))
+        return {v: op for v, op in internal.items() if v not in touched}
 
     def _executed_nodes(self, p: Program):
         """Nodes this mode executes: the fast mode runs an OpProgram's kernel, not its body."""
@@ -353,3 +371,17 @@ def _copy(src: np.ndarray, src_index, dst: np.ndarray, dst_index):
     def run():
         dst[dst_index] = src[src_index]
     return run
+
+
+def _tensors(node: Program):
+    """The tensors a leaf program node reads or writes."""
+    if isinstance(node, Execute):
+        for v in node.compute_set.vertices:
+            yield from v.fields.values()
+    elif isinstance(node, (Copy, InterIpuCopy)):
+        yield node.src
+        yield node.dst
+    elif isinstance(node, (StreamCopy, RemoteCopy)):
+        yield node.tensor
+    elif isinstance(node, If):
+        yield node.predicate

@@ -23,7 +23,7 @@ class MappingError(ValueError):
 
 
 class IpuMemory:
-    def __init__(self, graph: Graph, layout: str):
+    def __init__(self, graph: Graph, layout: str, internal: dict[int, str] | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown memory layout {layout!r}; use one of {LAYOUTS}")
         self.ipu = graph.ipu
@@ -32,6 +32,8 @@ class IpuMemory:
         self.offset: dict[int, int] = {}          # fast layout: variable id -> first address
         self.addr: dict[int, np.ndarray] = {}     # strict layout: variable id -> address per element
         self.tile_segments: dict[str, np.ndarray] = {}  # strict: dtype -> start address of each tile (+ end)
+        # fast layout: variables internal to an op (variable id -> op name) have no storage
+        self.internal = (internal or {}) if layout == "fast" else {}
         # Streaming Memory: one host array per remote buffer, outside the tile arenas
         self.remote = {b.name: np.zeros((b.repeats, int(np.prod(b.shape, dtype=np.int64))), dtype=b.dtype)
                        for b in graph.remote_buffers.values()}
@@ -43,9 +45,10 @@ class IpuMemory:
                                    "tile mapping: call setTileMapping (or a mapping helper) for all of it")
             by_dtype.setdefault(v.dtype.name, []).append(v)
         for dt, vars_ in by_dtype.items():
-            total = sum(v.numel for v in vars_)
-            self.arenas[dt] = np.zeros(total, dtype=vars_[0].dtype)
+            stored = [v for v in vars_ if v.id not in self.internal]
+            self.arenas[dt] = np.zeros(sum(v.numel for v in stored), dtype=vars_[0].dtype)
             if layout == "fast":
+                vars_ = stored
                 off = 0
                 for v in vars_:
                     self.offset[v.id] = off
@@ -54,7 +57,7 @@ class IpuMemory:
                 self._strict_addresses(dt, vars_, graph.target.num_tiles)
         self._by_dtype = {a.dtype: a for a in self.arenas.values()}
         for v in graph.variables:
-            if v.constant is not None:
+            if v.constant is not None and v.id not in self.internal:
                 self.write(Tensor(v), v.constant)
 
     def _strict_addresses(self, dt: str, vars_: list[Variable], num_tiles: int) -> None:
@@ -76,12 +79,22 @@ class IpuMemory:
         """Arena address of every element of the view, flattened."""
         v = t.var
         if self.layout == "fast":
-            base = self.offset[v.id]
+            base = self._offset(v)
             if t.is_whole:
                 return np.arange(base, base + v.numel, dtype=np.int64)
             return base + t.index.reshape(-1)
         a = self.addr[v.id]
         return a if t.is_whole else a[t.index.reshape(-1)]
+
+    def _offset(self, v: Variable) -> int:
+        try:
+            return self.offset[v.id]
+        except KeyError:
+            if v.id in self.internal:
+                raise ValueError(f"tensor {v.name!r} is internal to op {self.internal[v.id]!r}: the fast mode runs "
+                                 "the op as one whole-tensor kernel and keeps no values for it; use an Engine in "
+                                 "mode='strict' to read it") from None
+            raise
 
     def arena(self, dtype) -> np.ndarray:
         return self._by_dtype[np.dtype(dtype)]
@@ -90,7 +103,7 @@ class IpuMemory:
         """The view's values (a NumPy view when the layout allows it: do not modify)."""
         arena = self._by_dtype[t.var.dtype]
         if self.layout == "fast" and t.span is not None:
-            base = self.offset[t.var.id] + t.span
+            base = self._offset(t.var) + t.span
             return arena[base:base + t.numel].reshape(t.shape)
         return arena[self.addresses(t)].reshape(t.shape)
 
@@ -104,7 +117,7 @@ class IpuMemory:
                 raise ValueError(f"cannot write values of shape {values.shape} to tensor {t.name!r} "
                                  f"of shape {t.shape}") from None
         if self.layout == "fast" and t.span is not None:
-            base = self.offset[t.var.id] + t.span
+            base = self._offset(t.var) + t.span
             arena[base:base + t.numel] = values.reshape(-1)
         else:
             arena[self.addresses(t)] = values.reshape(-1)
@@ -113,9 +126,9 @@ class IpuMemory:
 class DeviceMemory:
     """The memories of all IPUs of a device; reads and writes go to the tensor's IPU."""
 
-    def __init__(self, device: Device, layout: str):
+    def __init__(self, device: Device, layout: str, internal: dict[int, str] | None = None):
         self.layout = layout
-        self.ipus = [IpuMemory(g, layout) for g in device.graphs]
+        self.ipus = [IpuMemory(g, layout, internal) for g in device.graphs]
 
     def __getitem__(self, ipu: int) -> IpuMemory:
         return self.ipus[ipu]

@@ -370,6 +370,37 @@ def test_same_program_same_bits_across_runs_and_modes():
         np.testing.assert_array_equal(r, results[0])
 
 
+def test_fast_mode_stores_only_what_its_kernels_touch():
+    """An op's internal exchange buffers get no host storage in the fast mode (its kernel never
+    reads them); reading one is a clear error there, and works in the strict mode."""
+    from ipusim.ops import matmul as mm
+    results, internal = {}, {}
+    for mode in MODES:
+        g = ip.Graph(ip.Target.test(16))
+        a, b = g.addVariable("float32", (24, 32), "a"), g.addVariable("float32", (32, 16), "b")
+        g.map_linearly(a)
+        g.map_linearly(b)
+        prog = ip.Sequence()
+        c = mm.matmul(g, a, b, prog)
+        e = ip.Engine(g, prog, mode=mode).load()
+        e.writeTensor(a, np.arange(24 * 32).reshape(24, 32) % 7)
+        e.writeTensor(b, np.arange(32 * 16).reshape(32, 16) % 5)
+        e.run()
+        results[mode] = e.readTensor(c)
+        stored = sum(arena.size for arena in e.mem[0].arenas.values())
+        internal[mode] = [v for v in g.variables if v not in (a.var, b.var, c.var)]
+        assert internal[mode], "the matmul exchanges its operands into tile-local buffers"
+        total = sum(v.numel for v in g.variables)
+        if mode == "fast":
+            assert stored == total - sum(v.numel for v in internal[mode])
+            with pytest.raises(ValueError, match=r"internal to op 'matmul'.*mode='strict'"):
+                e.readTensor(ip.Tensor(internal[mode][0]))
+        else:
+            assert stored == total
+            e.readTensor(ip.Tensor(internal[mode][0]))
+    np.testing.assert_array_equal(results["fast"], results["strict"])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_remote_buffers_keep_tensors_off_chip_between_uses(mode):
     t = ip.Target.test(4, 4096)
