@@ -2,7 +2,10 @@
 
 Compiling means: check memory (out-of-memory is an error, the reports stay available), estimate
 every program node's cycles once, and precompute the addresses every vertex and copy touches.
-Running walks the program; each leaf adds its precomputed cycles to the run's account.
+Loading flattens each program into the list of host calls its leaves make (kernels, copies,
+streams); a run makes those calls and charges the program's precomputed cycles once. Programs
+that branch on device data (If), Parallel parts on host threads and profiled runs walk the
+program node by node instead, each leaf adding its own cycles.
 
 Modes (same program, same cycles and memory, different host work):
 - "strict": tile-major memory; every copy moves bytes; every compute set runs its codelets

@@ -82,7 +82,7 @@ class IpuMemory:
             base = self._offset(v)
             if t.is_whole:
                 return np.arange(base, base + v.numel, dtype=np.int64)
-            return base + t.index.reshape(-1)
+            return np.add(t.index.reshape(-1), base, dtype=np.int64)  # indices may be int32
         a = self.addr[v.id]
         return a if t.is_whole else a[t.index.reshape(-1)]
 
