@@ -61,16 +61,14 @@ def micro_batches(opts) -> tuple[int, int]:
     return opts.batch_size * opts.gradient_accumulation, 1
 
 
-def torch_reference(opts, datasets) -> tuple[float, float]:
-    """Plain PyTorch training and testing on the tutorial's batches: (test accuracy, train seconds)."""
-    training_data, test_data = tutorial.get_data(opts, datasets, mode=poptorch.DataLoaderMode.Sync)
-    torch.manual_seed(tutorial.SEED)
-    model = tutorial.TrainingModelWithLoss(tutorial.Network())  # Blocks do nothing outside the emulator
-    optimizer = torch.optim.AdamW(model.model.parameters(), lr=opts.learning_rate)
+def torch_epochs(model, optimizer, training_data, opts) -> list[float]:
+    """Train `model` (the tutorial's model with its loss) for opts.epochs epochs in plain PyTorch
+    on the loader's items, split into the configuration's micro-batches and optimiser steps, the
+    loss of each micro-batch divided by the accumulation; returns each epoch's wall seconds."""
     size, accumulation = micro_batches(opts)
-    start = time.perf_counter()
-    model.train()
+    seconds = []
     for _ in range(opts.epochs):
+        start = time.perf_counter()
         for data, labels in training_data:
             for step_data, step_labels in zip(data.split(size * accumulation), labels.split(size * accumulation)):
                 optimizer.zero_grad()
@@ -78,7 +76,18 @@ def torch_reference(opts, datasets) -> tuple[float, float]:
                     _, loss = model(x, y)
                     (loss / accumulation).backward()
                 optimizer.step()
-    train_s = time.perf_counter() - start
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def torch_reference(opts, datasets) -> tuple[float, float]:
+    """Plain PyTorch training and testing on the tutorial's batches: (test accuracy, train seconds)."""
+    training_data, test_data = tutorial.get_data(opts, datasets, mode=poptorch.DataLoaderMode.Sync)
+    torch.manual_seed(tutorial.SEED)
+    model = tutorial.TrainingModelWithLoss(tutorial.Network())  # Blocks do nothing outside the emulator
+    optimizer = torch.optim.AdamW(model.model.parameters(), lr=opts.learning_rate)
+    model.train()
+    train_s = sum(torch_epochs(model, optimizer, training_data, opts))
     model.eval()
     with torch.no_grad():
         accuracies = [tutorial.accuracy(model(data), labels) for data, labels in test_data]

@@ -55,7 +55,7 @@ def train_torch(args) -> dict:
     sys.path.insert(0, HERE)
     import torch
     import mnist_pipeline as tutorial
-    from accuracy_vs_torch import micro_batches
+    from accuracy_vs_torch import torch_epochs
     from mnist_data import load_datasets
 
     torch.set_num_threads(args.torch_threads)
@@ -65,18 +65,7 @@ def train_torch(args) -> dict:
     torch.manual_seed(tutorial.SEED)
     model = tutorial.TrainingModelWithLoss(tutorial.Network())
     optimizer = torch.optim.AdamW(model.model.parameters(), lr=opts.learning_rate)
-    size, accumulation = micro_batches(opts)
-    epochs = []
-    for _ in range(opts.epochs):
-        start = time.perf_counter()
-        for data, labels in training_data:
-            for step_data, step_labels in zip(data.split(size * accumulation), labels.split(size * accumulation)):
-                optimizer.zero_grad()
-                for x, y in zip(step_data.split(size), step_labels.split(size)):
-                    _, loss = model(x, y)
-                    (loss / accumulation).backward()
-                optimizer.step()
-        epochs.append({"wall_s": time.perf_counter() - start})
+    epochs = [{"wall_s": seconds} for seconds in torch_epochs(model, optimizer, training_data, opts)]
     training_data.terminate()
     return {"dataset": datasets.name, "epochs": epochs, **peak_rss_mb()}
 
