@@ -75,27 +75,34 @@ class Engine:
             check_fits(self.memory)
         self._costs: dict = {}
         self.costs = [estimate(p, self.target, self.device.num_ipus, self._costs) for p in self.programs]
-        self._streams: dict[tuple[int, str], object] = {}
-        self._stream_pos: dict[tuple[int, str], int] = {}
-        self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.host_state(threads)
         # Threads inside one kernel call. Kernels are small (one compute set, one op); on a
         # loaded or small machine the synchronisation of a parallel region costs more than the
         # work, so the default is 1 (IPUSIM_KERNEL_THREADS or kernel_threads= to change it).
         self.kernel_threads = min(int(kernel_threads or os.environ.get("IPUSIM_KERNEL_THREADS", 1)),
                                   numba.config.NUMBA_NUM_THREADS)
-        self.mem = None
-        self.last_run: RunReport | None = None
-        self.total_cycles = 0
-        self._profiler = None
         if profile_dir is not None:
             from .profile import EngineProfiler
             self._profiler = EngineProfiler(self, profile_dir)
+
+    def host_state(self, threads: int = 1) -> None:
+        """Fresh HOST_STATE: no memory (load() makes it), no connected streams, no record, and a
+        pool of `threads` host threads for Parallel programs."""
+        self.mem = None
+        self._plans: dict[int, object] = {}
+        self._steps: list[list | None] = []
+        self._streams: dict[tuple[int, str], object] = {}
+        self._stream_pos: dict[tuple[int, str], int] = {}
+        self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self.last_run: RunReport | None = None
+        self.total_cycles = 0
+        self._profiler = None
 
     # ---- loading --------------------------------------------------------------------------
     def load(self) -> "Engine":
         from .storage import DeviceMemory
         self.mem = DeviceMemory(self.device, self.mode, self._op_internal())
-        self._plans: dict[int, object] = {}
+        self._plans = {}
         for p in self.programs:
             for node in self._executed_nodes(p):
                 self._plan(node)

@@ -55,7 +55,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numba
@@ -435,14 +434,9 @@ def _set_engine_state(engine: ip.Engine, state: dict) -> None:
     costs = state.pop("_costs")
     vars(engine).update(state)
     engine._costs = {id(node): (node, cost) for node, cost in costs}
-    engine._streams, engine._stream_pos = {}, {}
-    engine._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    engine.host_state(threads)
     # The saving machine may have had more cores than this one.
     engine.kernel_threads = min(engine.kernel_threads, numba.config.NUMBA_NUM_THREADS)
-    engine.mem = None
-    engine.last_run = None
-    engine.total_cycles = 0
-    engine._profiler = None
 
 
 def _reduce_optimiser(optimiser: device_optim.Optimiser):
