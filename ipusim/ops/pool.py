@@ -654,10 +654,12 @@ def _windows(geom: PoolGeometry) -> tuple:
 def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
     """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max)."""
     n, c = x.shape[:2]
-    out = np.empty((n * c, geom.h.out_size, geom.w.out_size))
-    pool_whole(_planes(x), *_windows(geom), out)
+    planes = _planes(x)
+    # a maximum is one of the inputs: it is stored in their dtype, without a float64 detour
+    out = np.empty((n * c, geom.h.out_size, geom.w.out_size), planes.dtype if geom.kind == "max" else np.float64)
+    pool_whole(planes, *_windows(geom), out)
     out = out.reshape(n, c, *out.shape[1:])
-    return out.astype(x.dtype) if geom.kind == "max" else out
+    return out.astype(x.dtype, copy=False) if geom.kind == "max" else out
 
 
 def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
