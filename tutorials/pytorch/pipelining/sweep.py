@@ -84,11 +84,16 @@ def measure(split: str, gradient_accumulation: int, device_iterations: int, offl
     return point
 
 
+def per_ipu(values, unit: str = "") -> str:
+    """One figure per IPU, as "a / b / c" with two decimals."""
+    return " / ".join(f"{v:.2f}{unit}" for v in values)
+
+
 def offload_table(points: list[Point]) -> str:
     rows = ["| optimiser state | on-chip memory per IPU (MiB) | off-chip per IPU (MiB) | weight-update cycles | "
             "emulated images/s |", "|---|---|---|---|---|"]
-    rows += [f"| {'off chip' if p.offload else 'on chip'} | {' / '.join(f'{m:.2f}' for m in p.memory_mb)} | "
-             f"{' / '.join(f'{m:.2f}' for m in p.off_chip_mb)} | {p.update_cycles:,} | {p.images_per_s:,.0f} |"
+    rows += [f"| {'off chip' if p.offload else 'on chip'} | {per_ipu(p.memory_mb)} | "
+             f"{per_ipu(p.off_chip_mb)} | {p.update_cycles:,} | {p.images_per_s:,.0f} |"
              for p in points]
     return "\n".join(rows)
 
@@ -97,7 +102,7 @@ def batching_table(points: list[Point]) -> str:
     rows = ["| gradient accumulation | device iterations | images per call | emulated images/s | idle steps | "
             "idle cycles | memory per IPU (MiB) | host s per 1k images |", "|---|---|---|---|---|---|---|---|"]
     rows += [f"| {p.gradient_accumulation} | {p.device_iterations} | {p.images} | {p.images_per_s:,.0f} | "
-             f"{p.step_idle:.0%} | {p.cycle_idle:.0%} | {' / '.join(f'{m:.2f}' for m in p.memory_mb)} | "
+             f"{p.step_idle:.0%} | {p.cycle_idle:.0%} | {per_ipu(p.memory_mb)} | "
              f"{1000 * p.host_s / p.images:.2f} |" for p in points]
     return "\n".join(rows)
 
@@ -106,8 +111,8 @@ def balance_table(points: list[Point]) -> str:
     rows = ["| stages (IPU 0 \\| IPU 1 ...) | IPUs | emulated images/s | idle steps | idle cycles | "
             "busy cycles per IPU | memory per IPU (MiB) |", "|---|---|---|---|---|---|---|"]
     rows += [f"| {p.split.replace('|', chr(92) + '|')} | {len(p.busy_cycles)} | {p.images_per_s:,.0f} | "
-             f"{p.step_idle:.0%} | {p.cycle_idle:.0%} | {' / '.join(f'{b / 1e6:.2f}M' for b in p.busy_cycles)} | "
-             f"{' / '.join(f'{m:.2f}' for m in p.memory_mb)} |" for p in points]
+             f"{p.step_idle:.0%} | {p.cycle_idle:.0%} | {per_ipu((b / 1e6 for b in p.busy_cycles), 'M')} | "
+             f"{per_ipu(p.memory_mb)} |" for p in points]
     return "\n".join(rows)
 
 
