@@ -228,8 +228,6 @@ def init(timeout_seconds: float = 300.0) -> None:
     config = _config()
     if config.num_instances == 1:
         return
-    import datetime
-
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -245,11 +243,10 @@ def init(timeout_seconds: float = 300.0) -> None:
         raise RuntimeError(
             f"popdist.init() needs {' and '.join(missing)} to reach the other instances; "
             "poprun sets them, so launch the program through poprun")
-    address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{address}:{port}", rank=config.instance_index,
-        world_size=config.num_instances,
-        timeout=datetime.timedelta(seconds=timeout_seconds))
+    from poptorch_lite.distributed import open_process_group
+
+    open_process_group(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],
+                       config.instance_index, config.num_instances, timeout_seconds)
 
 
 def execute_on_instances(instances: Iterable[int], fn: Callable[..., Any],

@@ -34,6 +34,7 @@ programs only.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -211,9 +212,30 @@ def join_process_group(num_processes: int, process_id: int) -> None:
             "poprun, set MASTER_ADDR and MASTER_PORT (the address and a free port of process 0) "
             "in every process, or call torch.distributed.init_process_group('gloo', ...) "
             "before the model compiles")
-    address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=process_id,
-                            world_size=num_processes, timeout=_timeout())
+    open_process_group(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], process_id,
+                       num_processes, TIMEOUT_SECONDS)
+
+
+def open_process_group(address: str, port: str, rank: int, world_size: int,
+                       timeout_seconds: float) -> None:
+    """Create the gloo process group of the run, and destroy it (with every group made from
+    it) when the interpreter exits.
+
+    Without that, the group outlives the interpreter: gloo's worker threads are torn down during
+    finalisation and the process can abort (SIGABRT, "terminate called without an active
+    exception") after the program has finished. A program that destroys the group itself
+    leaves nothing for the exit handler to do.
+    """
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_seconds))
+    atexit.register(close_process_group)
+
+
+def close_process_group() -> None:
+    """Destroy the default process group and every group made from it, if it still exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def gradient_buckets(lowerings: list, updates) -> dict[int, list[Bucket]]:

@@ -389,6 +389,27 @@ def test_joining_needs_a_rendezvous(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+def test_the_process_group_is_destroyed_before_the_interpreter_exits(tmp_path):
+    """A group left alive into interpreter finalisation can abort the process (gloo's threads
+    still hold Python objects), so the group the run opens is destroyed by an exit handler.
+    The checking handler is registered first, so it runs after the project's."""
+    script = tmp_path / "leave_group_open.py"
+    script.write_text(
+        "import atexit, torch, torch.distributed as dist\n"
+        "from poptorch_lite import distributed\n"
+        "atexit.register(lambda: print('still initialised:', dist.is_initialized()))\n"
+        f"distributed.open_process_group('127.0.0.1', '{free_port()}', 0, 1, 60)\n"
+        "group = dist.new_group(backend='gloo')\n"
+        "t = torch.ones(4)\n"
+        "dist.all_reduce(t, group=group)\n"
+        "print('reduced:', t.tolist())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["reduced: [1.0, 1.0, 1.0, 1.0]",
+                                        "still initialised: False"]
+
+
 # --------------------------------------------------------------------------- across processes
 
 
