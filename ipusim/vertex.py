@@ -44,7 +44,7 @@ class VertexType:
         return f"VertexType({self.name})"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Vertex:
     type: VertexType
     tile: int

@@ -318,7 +318,7 @@ def test_serialisation_keeps_the_compiled_program(compiled):
         for cs, ds in zip(g.compute_sets, h.compute_sets):
             assert (cs.name, cs.ipu, len(cs.vertices)) == (ds.name, ds.ipu, len(ds.vertices))
             for u, v in zip(cs.vertices, ds.vertices):
-                assert vars(u).keys() == vars(v).keys()
+                assert type(u) is type(v)  # a slotted dataclass: the four fields below are all it holds
                 assert u.type is v.type and u.tile == v.tile and u.params == v.params
                 assert list(u.fields) == list(v.fields)
                 for f in u.fields:
