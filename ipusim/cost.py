@@ -80,7 +80,11 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     size = src.dtype.itemsize
     moved = s != d
     n = target.num_tiles
-    sent_elements = np.unique(src.index.reshape(-1)[moved]) if not src.is_whole else np.flatnonzero(moved)
+    elements = src.elements()
+    if isinstance(elements, slice):  # a run: distinct elements in order
+        sent_elements = np.flatnonzero(moved) + elements.start
+    else:  # a source element sent to several tiles is sent once
+        sent_elements = np.unique(elements[moved])
     sent = np.bincount(src.var.mapping[sent_elements], minlength=n)
     recv = np.bincount(d[moved], minlength=n)
     local = np.bincount(d[~moved], minlength=n)

@@ -69,16 +69,19 @@ class Graph:
     def setTileMapping(self, t: Tensor, tile: int) -> None:
         """Map every element of the view to one tile."""
         self._own(t)
-        t.var.mapping[t.index.reshape(-1)] = self._check_tile(tile)
+        t.var.mapping[t.elements()] = self._check_tile(tile)
 
     def setTileMappingIntervals(self, t: Tensor, intervals) -> None:
         """Map flat element intervals of the view: `[(tile, begin, end), ...]`, end exclusive."""
         self._own(t)
-        flat = t.index.reshape(-1)
+        elements, n = t.elements(), t.numel
         for tile, begin, end in intervals:
-            if not 0 <= begin <= end <= flat.size:
-                raise ValueError(f"interval [{begin}, {end}) is outside tensor {t.name!r} of {flat.size} elements")
-            t.var.mapping[flat[begin:end]] = self._check_tile(tile)
+            if not 0 <= begin <= end <= n:
+                raise ValueError(f"interval [{begin}, {end}) is outside tensor {t.name!r} of {n} elements")
+            if isinstance(elements, slice):
+                t.var.mapping[elements.start + begin:elements.start + end] = self._check_tile(tile)
+            else:
+                t.var.mapping[elements[begin:end]] = self._check_tile(tile)
 
     def getTileMapping(self, t: Tensor) -> list[list[tuple[int, int]]]:
         """Per tile, the list of [begin, end) intervals of the view's flat elements on it."""

@@ -80,11 +80,10 @@ class IpuMemory:
         v = t.var
         if self.layout == "fast":
             base = self._offset(v)
-            if t.is_whole:
-                return np.arange(base, base + v.numel, dtype=np.int64)
+            if t.span is not None:
+                return np.arange(base + t.span, base + t.span + t.numel, dtype=np.int64)
             return np.add(t.index.reshape(-1), base, dtype=np.int64)  # indices may be int32
-        a = self.addr[v.id]
-        return a if t.is_whole else a[t.index.reshape(-1)]
+        return self.addr[v.id][t.elements()]
 
     def _offset(self, v: Variable) -> int:
         try:

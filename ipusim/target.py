@@ -12,6 +12,10 @@ from dataclasses import dataclass, replace
 KiB = 1024
 
 
+#: Most tiles a target may have: tile mappings are int16 (see ipusim.tensor.TILE_DTYPE).
+MAX_TILES = 2 ** 15 - 1
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -53,6 +57,11 @@ class Target:
     vertex_overhead_cycles: int = 40
     # Bytes a tile copies locally per cycle (on-tile copies, no exchange). Not published: 8 (64-bit loads/stores).
     local_copy_bytes_per_cycle: int = 8
+
+    def __post_init__(self):
+        if not 0 < self.num_tiles <= MAX_TILES:
+            raise ValueError(f"target {self.name!r}: num_tiles={self.num_tiles}; a target has 1 to "
+                             f"{MAX_TILES:,} tiles per IPU (tile mappings store tile numbers as int16)")
 
     # ---- derived quantities -------------------------------------------------------------
     @property

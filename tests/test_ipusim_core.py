@@ -3,6 +3,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 import ipusim as ip
 from ipusim.cost import exchange_cycles
@@ -54,6 +56,89 @@ def test_views_keep_the_mapping():
     assert (t[2].broadcast((3, 6)).tiles() == 2).all()
     assert t.slice(1, 3, dim=1).shape == (4, 2)
     assert g.getTileMapping(t)[3] == [(18, 24)]
+
+
+@hs.composite
+def _view_chains(draw):
+    """A shape and a chain of view operations on it (basic and advanced indexing, reshape,
+    transpose, broadcast, expand_dims), each valid for the shape it applies to."""
+    shape = tuple(draw(hs.lists(hs.integers(1, 5), min_size=1, max_size=4)))
+    return shape, draw(hs.lists(hs.integers(0, 2 ** 31), min_size=1, max_size=4))
+
+
+def _apply(step: int, view, ref: np.ndarray, rng: np.random.Generator):
+    """One view operation chosen by `step`, applied to the ipusim view and to a NumPy array of
+    the same element indices."""
+    kind = step % 6
+    if kind == 0 and ref.ndim:  # basic indexing: an integer or a slice (any step) per axis
+        key = []
+        for size in ref.shape[:rng.integers(1, ref.ndim + 1)]:
+            if size and rng.random() < 0.3:
+                key.append(int(rng.integers(-size, size)))
+            else:
+                b, e = sorted(rng.integers(-size - 1, size + 2, 2).tolist())
+                key.append(slice(b, e, int(rng.choice([1, 1, 2, -1, 3]))))
+        return view[tuple(key)], ref[tuple(key)]
+    if kind == 1 and ref.size:  # positions: flat, or along one axis (with Ellipsis and None)
+        if ref.ndim > 1 and rng.random() < 0.4:
+            d = int(rng.integers(0, ref.ndim))
+            key = (slice(None),) * d + (rng.integers(-ref.shape[d], ref.shape[d], 3),)
+            key = key + (Ellipsis,) if rng.random() < 0.5 else (None,) + key
+            return view[key], ref[key]
+        positions = rng.integers(0, ref.size, int(rng.integers(1, ref.size + 1)))
+        if rng.random() < 0.5:
+            b = int(rng.integers(0, ref.size))
+            positions = np.arange(b, int(rng.integers(b + 1, ref.size + 1)))
+        return view.flatten()[positions], ref.reshape(-1)[positions]
+    if kind == 2:
+        shape = (-1,) + ((ref.shape[-1],) if ref.ndim and ref.shape[-1] else ())
+        return view.reshape(shape), ref.reshape(shape)
+    if kind == 3:
+        axes = tuple(rng.permutation(ref.ndim).tolist())
+        return view.transpose(axes), ref.transpose(axes)
+    if kind == 4:
+        return view.broadcast((2,) + ref.shape), np.broadcast_to(ref, (2,) + ref.shape)
+    axis = int(rng.integers(-ref.ndim - 1, ref.ndim + 1))
+    return view.expand_dims(axis), np.expand_dims(ref, axis)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_view_chains())
+def test_property_views_index_like_numpy(case):
+    """Every chain of views names the elements NumPy's indexing of the same array names; views
+    that are contiguous runs hold no index array."""
+    shape, steps = case
+    g = ip.Graph(ip.Target.test(4))
+    view = g.addVariable("float32", shape, "t")
+    ref = np.arange(view.numel).reshape(shape)
+    rng = np.random.default_rng(steps[0])
+    for step in steps:
+        view, ref = _apply(step, view, ref, rng)
+        assert view.shape == ref.shape
+        assert np.array_equal(view.index, ref)
+        flat = ref.reshape(-1)
+        is_run = flat.size > 0 and np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size))
+        assert (view.span is not None) == (is_run or flat.size == 0)
+        if is_run:
+            assert view.span == flat[0] and view._index is None
+        assert view.is_whole == (is_run and flat[0] == 0 and flat.size == view.var.numel)
+
+
+def test_runs_keep_no_index_and_map_by_slices():
+    g = ip.Graph(ip.Target.test(8))
+    t = g.addVariable("float32", (64, 1000), "t")
+    g.map_linearly(t)
+    rows = t[10:20]
+    assert rows.span == 10_000 and rows._index is None
+    assert rows.reshape(-1)[500:1500].span == 10_500
+    assert t[:, 3]._index is not None and t[:, 3].span is None
+    assert (rows.tiles() == t.tiles()[10:20]).all()
+    g.setTileMapping(rows, 7)
+    assert (t.tiles()[10:20] == 7).all() and (t.tiles()[20] != 7).any()
+    with pytest.raises(ValueError, match=r"cannot reshape a view of shape \(10, 1000\)"):
+        rows.reshape(3, -1)
+    with pytest.raises(IndexError, match="out of bounds"):
+        t[64]
 
 
 def test_mapping_helpers():

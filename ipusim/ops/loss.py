@@ -275,7 +275,7 @@ def _pointwise_backward(graph, grad, input, target, prog, reduction, name, op) -
     out.var.mapping[:] = input.tiles().reshape(-1)
     gb = grad if reduction == "none" else grad.reshape(()).broadcast(shape)
     body = Sequence(name=name)
-    tiles = out.var.mapping
+    tiles = out.tiles().reshape(-1)
     tl = placed(graph, body, target, tiles, f"{name}/target")
     gl = placed(graph, body, gb, tiles, f"{name}/grad")
     cs = graph.addComputeSet(name)

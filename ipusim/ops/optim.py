@@ -246,7 +246,9 @@ class Layout:
 
 
 def _key(t: Tensor):
-    return (t.var.id, None if t.is_whole else t.index.tobytes())
+    if t.span is not None:
+        return (t.var.id, t.span, t.numel)
+    return (t.var.id, t.index.tobytes())
 
 
 @dataclass(eq=False)

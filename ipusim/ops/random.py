@@ -353,7 +353,7 @@ def dropout(graph: Graph, x: Tensor, p: float, seed, prog: Sequence, name: str =
     y.var.mapping[:] = x.tiles().reshape(-1)
     mask.var.mapping[:] = y.var.mapping
     body = Sequence(name=name)
-    work = contiguous_work(y.var.mapping, graph.target.workers_per_tile)
+    work = contiguous_work(y.tiles().reshape(-1), graph.target.workers_per_tile)
     if work:
         tiles = sorted({t for t, _, _ in work})
         row = {t: j for j, t in enumerate(tiles)}
@@ -390,10 +390,11 @@ def dropout_backward(graph: Graph, dy: Tensor, mask: Tensor, p: float, prog: Seq
     dx = graph.addVariable(dy.dtype, dy.shape, name, category="activations", always_live=False)
     dx.var.mapping[:] = dy.tiles().reshape(-1)
     body = Sequence(name=name)
-    ml = placed(graph, body, mask, dx.var.mapping, f"{name}/mask")
+    dx_tiles = dx.tiles().reshape(-1)
+    ml = placed(graph, body, mask, dx_tiles, f"{name}/mask")
     cs = graph.addComputeSet(name)
     operands = {"dy": dy.flatten(), "mask": ml.flatten(), "out": dx.flatten()}
-    for tile, pos in tile_regions(dx.var.mapping).items():
+    for tile, pos in tile_regions(dx_tiles).items():
         for chunk in np.array_split(pos, min(graph.target.workers_per_tile, max(1, pos.size // GRAIN))):
             graph.addVertex(cs, DROPOUT_GRAD_VERTEX, tile, {f: t[chunk] for f, t in operands.items()}, (scale,))
     body.add(Execute(cs))

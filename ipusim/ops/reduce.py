@@ -1130,7 +1130,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
     out.var.mapping[:] = a.tiles().reshape(-1)
     body = Sequence(name=name)
     if out.numel:
-        tiles = out.var.mapping
+        tiles = out.tiles().reshape(-1)
         plan = plan_segments(tiles, out_index, workers=graph.target.workers_per_tile, stride=stride)
         # statistics are copied once per (tile, output); the chunks of one such group share the copy
         groups = plan_segments(tiles, out_index)
