@@ -1,9 +1,10 @@
 """Variables (storage with a tile mapping) and tensors (views of one variable).
 
 A `Variable` owns `numel` elements of one dtype on one IPU; every element lives on exactly one
-tile (`mapping[i]`, -1 until mapped). A `Tensor` is a view: an array of flat element indices
-into its variable, shaped like the view. Slicing, reshaping, transposing and broadcasting only
-rearrange that index array, so a view always knows which tile holds each of its elements.
+tile (`mapping[i]`, -1 until mapped). A `Tensor` is a view: the flat element indices of its
+variable it covers, shaped like the view, kept as a run (first element and shape) when they are
+consecutive and as an index array otherwise. Slicing, reshaping, transposing and broadcasting
+only derive new indices, so a view always knows which tile holds each of its elements.
 """
 from __future__ import annotations
 
