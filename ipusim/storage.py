@@ -28,7 +28,7 @@ class IpuMemory:
             raise ValueError(f"unknown memory layout {layout!r}; use one of {LAYOUTS}")
         self.ipu = graph.ipu
         self.layout = layout
-        self.arenas: dict[str, np.ndarray] = {}
+        self.arenas: dict[np.dtype, np.ndarray] = {}
         self.offset: dict[int, int] = {}          # fast layout: variable id -> first address
         self.addr: dict[int, np.ndarray] = {}     # strict layout: variable id -> address per element
         self.tile_segments: dict[str, np.ndarray] = {}  # strict: dtype -> start address of each tile (+ end)
@@ -37,16 +37,16 @@ class IpuMemory:
         # Streaming Memory: one host array per remote buffer, outside the tile arenas
         self.remote = {b.name: np.zeros((b.repeats, int(np.prod(b.shape, dtype=np.int64))), dtype=b.dtype)
                        for b in graph.remote_buffers.values()}
-        by_dtype: dict[str, list[Variable]] = {}
+        by_dtype: dict[np.dtype, list[Variable]] = {}
         for v in graph.variables:
             if v.numel and (v.mapping < 0).any():
                 n = int((v.mapping < 0).sum())
                 raise MappingError(f"tensor {v.name!r} on IPU {v.ipu} has {n} of {v.numel} elements without a "
                                    "tile mapping: call setTileMapping (or a mapping helper) for all of it")
-            by_dtype.setdefault(v.dtype.name, []).append(v)
+            by_dtype.setdefault(v.dtype, []).append(v)
         for dt, vars_ in by_dtype.items():
             stored = [v for v in vars_ if v.id not in self.internal]
-            self.arenas[dt] = np.zeros(sum(v.numel for v in stored), dtype=vars_[0].dtype)
+            self.arenas[dt] = np.zeros(sum(v.numel for v in stored), dtype=dt)
             if layout == "fast":
                 vars_ = stored
                 off = 0
@@ -55,12 +55,11 @@ class IpuMemory:
                     off += v.numel
             else:
                 self._strict_addresses(dt, vars_, graph.target.num_tiles)
-        self._by_dtype = {a.dtype: a for a in self.arenas.values()}
         for v in graph.variables:
             if v.constant is not None and v.id not in self.internal:
                 self.write(Tensor(v), v.constant)
 
-    def _strict_addresses(self, dt: str, vars_: list[Variable], num_tiles: int) -> None:
+    def _strict_addresses(self, dt: np.dtype, vars_: list[Variable], num_tiles: int) -> None:
         tiles = np.concatenate([v.mapping for v in vars_]).astype(np.int64)
         owner = np.concatenate([np.full(v.numel, k, dtype=np.int64) for k, v in enumerate(vars_)])
         flat = np.concatenate([np.arange(v.numel, dtype=np.int64) for v in vars_])
@@ -72,7 +71,7 @@ class IpuMemory:
             self.addr[v.id] = addr[start:start + v.numel]
             start += v.numel
         counts = np.bincount(tiles, minlength=num_tiles)
-        self.tile_segments[dt] = np.concatenate([[0], np.cumsum(counts)])
+        self.tile_segments[dt.name] = np.concatenate([[0], np.cumsum(counts)])
 
     # ---- addresses and access --------------------------------------------------------------
     def addresses(self, t: Tensor) -> np.ndarray:
@@ -96,18 +95,18 @@ class IpuMemory:
             raise
 
     def arena(self, dtype) -> np.ndarray:
-        return self._by_dtype[np.dtype(dtype)]
+        return self.arenas[np.dtype(dtype)]
 
     def read(self, t: Tensor) -> np.ndarray:
         """The view's values (a NumPy view when the layout allows it: do not modify)."""
-        arena = self._by_dtype[t.var.dtype]
+        arena = self.arenas[t.var.dtype]
         if self.layout == "fast" and t.span is not None:
             base = self._offset(t.var) + t.span
             return arena[base:base + t.numel].reshape(t.shape)
         return arena[self.addresses(t)].reshape(t.shape)
 
     def write(self, t: Tensor, values) -> None:
-        arena = self._by_dtype[t.var.dtype]
+        arena = self.arenas[t.var.dtype]
         values = np.asarray(values)
         if values.shape != t.shape:
             try:
