@@ -34,7 +34,7 @@ from .kernels import kernel_view
 from .memory import check_fits, memory_reports
 from .program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteBuffer,
                       RemoteCopy, Repeat, Sequence, StreamCopy, Sync, walk)
-from .tensor import Tensor
+from .tensor import Tensor, run_start
 
 MODES = ("strict", "fast")
 
@@ -371,10 +371,8 @@ def _repeat(steps: list, count: int):
 def _as_index(addr: np.ndarray):
     """Addresses as a slice when they are one run of consecutive addresses (faster to copy, and
     nothing to keep), else the array."""
-    n = addr.size
-    if n and int(addr[-1]) - int(addr[0]) == n - 1 and (n == 1 or bool((np.diff(addr) == 1).all())):
-        return slice(int(addr[0]), int(addr[0]) + n)
-    return addr
+    start = run_start(addr)
+    return addr if start is None else slice(start, start + addr.size)
 
 
 def _copy(src: np.ndarray, src_index, dst: np.ndarray, dst_index):

@@ -85,7 +85,7 @@ class Tensor:
                  start: int = 0):
         self.var = var
         if index is not None:
-            run = _run_start(index)
+            run = run_start(index)
             if run is not None:
                 start, shape, index = run, index.shape, None
         self._index = index
@@ -156,11 +156,13 @@ class Tensor:
         return Tensor(self.var, np.asarray(index, order="C"))
 
     def __getitem__(self, key) -> "Tensor":
-        if self._index is None:
-            run = _slice_run(self._start, self.shape, key)
+        parsed = _parse_key(self._start, self.shape, key) if self._index is None else None
+        if parsed is not None:  # a run indexed without making its indices
+            first, axes = parsed
+            run = _run_of(first, axes)
             if run is not None:
                 return Tensor(self.var, None, run[1], run[0])
-            return self._view(_index_run(self._start, self.shape, key).astype(index_dtype(self.var.numel)))
+            return self._view(_gather(first, axes).astype(index_dtype(self.var.numel)))
         sub = self.index[key]
         if not isinstance(sub, np.ndarray):
             sub = np.asarray(sub).reshape(())
@@ -192,12 +194,7 @@ class Tensor:
     def broadcast(self, shape) -> "Tensor":
         """Broadcast to `shape`: repeated elements refer to the same storage (and tile). The
         index is NumPy's read-only broadcast view, as small as the source's."""
-        index = np.broadcast_to(self.index, tuple(shape))
-        if index.size == 0 or not any(n > 1 and s == 0 for n, s in zip(index.shape, index.strides)):
-            return self._view(index)
-        view = Tensor(self.var, None, index.shape)  # a repeat is never a run
-        view._index, view._start = index, None
-        return view
+        return Tensor(self.var, np.broadcast_to(self.index, tuple(shape)))
 
     def expand_dims(self, axis: int) -> "Tensor":
         rank = self.rank + 1
@@ -207,18 +204,18 @@ class Tensor:
         return self.reshape(self.shape[:axis] + (1,) + self.shape[axis:])
 
 
-def _run_start(index: np.ndarray) -> int | None:
+def run_start(index: np.ndarray) -> int | None:
     """The first element when `index` (in C order) counts up by one (0 when it is empty), else
-    None."""
-    flat = index.reshape(-1)
-    n = flat.size
+    None. Reads only the two ends unless they match, so a broadcast is not copied."""
+    n = index.size
     if n == 0:
         return 0
-    if int(flat[-1]) - int(flat[0]) != n - 1:
+    first = int(index.flat[0])
+    if int(index.flat[-1]) - first != n - 1:
         return None
-    if n > 2 and not (np.diff(flat) == 1).all():
+    if n > 2 and not (np.diff(index.reshape(-1)) == 1).all():
         return None
-    return int(flat[0])
+    return first
 
 
 def _resolve_shape(shape: tuple, numel: int, current: tuple) -> tuple:
@@ -233,73 +230,62 @@ def _resolve_shape(shape: tuple, numel: int, current: tuple) -> tuple:
     return shape
 
 
-def _slice_run(start: int, shape: tuple, key) -> tuple[int, tuple] | None:
-    """(first element, shape) when basic indexing (integers and slices) of a run of `shape`
-    from `start` gives a run again; None otherwise (strided results, arrays, None, Ellipsis)."""
-    key = key if isinstance(key, tuple) else (key,)
-    if len(key) > len(shape) or not all(isinstance(k, (slice, int, np.integer))
-                                        and not isinstance(k, (bool, np.bool_)) for k in key):
-        return None
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    first, dims, axes = start, [], []
-    for d, size in enumerate(shape):
-        k = key[d] if d < len(key) else slice(None)
-        if isinstance(k, slice):
-            b, e, step = k.indices(size)
-            length = len(range(b, e, step))
-            first += b * strides[d] if length else 0
-            dims.append(length)
-            axes.append(step * strides[d])
-        else:
-            i = int(k) + (size if k < 0 else 0)
-            if not 0 <= i < size:
-                raise IndexError(f"index {int(k)} is out of bounds for axis {d} with size {size}")
-            first += i * strides[d]
-    if math.prod(dims) == 0:
-        return start, tuple(dims)
-    expected = 1
-    for length, stride in zip(reversed(dims), reversed(axes)):
-        if length > 1 and stride != expected:
-            return None
-        expected *= length
-    return first, tuple(dims)
-
-
-def _index_run(start: int, shape: tuple, key) -> np.ndarray:
-    """`arange(start, start + prod(shape)).reshape(shape)[key]` in time and memory proportional
-    to the result when `key` is slices and integers, or slices and one integer array (a run's
-    flat index is start + sum over axes of i_d * stride_d, so each axis contributes its own
-    coordinates); other keys index the run's materialised indices."""
+def _parse_key(start: int, shape: tuple, key) -> tuple[int, list] | None:
+    """A key of integers and slices, or of slices and one integer array, applied to a run of
+    `shape` from `start`: (first element, per result axis group (stride, positions kept: a range,
+    or the array)), integers folded into the first element. None for other keys (None, Ellipsis,
+    boolean masks, several arrays, integers next to an array), which index the run's
+    materialised indices instead."""
     key = key if isinstance(key, tuple) else (key,)
     arrays = [k for k in key if isinstance(k, np.ndarray)]
-    basic = all(isinstance(k, (slice, int, np.integer)) and not isinstance(k, (bool, np.bool_))
-                for k in key if not isinstance(k, np.ndarray))
-    simple = basic and len(key) <= len(shape) and (
-        not arrays or (len(arrays) == 1 and arrays[0].dtype.kind in "iu"
-                       and not any(isinstance(k, (int, np.integer)) for k in key)))
-    if not simple:
-        return np.arange(start, start + math.prod(shape), dtype=np.int64).reshape(shape)[key]
-    terms = []  # per result axis group: (coordinates x stride, number of result axes)
-    first = start
+    plain = [k for k in key if not isinstance(k, np.ndarray)]
+    if (len(key) > len(shape) or len(arrays) > 1 or any(a.dtype.kind not in "iu" for a in arrays)
+            or not all(isinstance(k, (slice, int, np.integer)) and not isinstance(k, (bool, np.bool_))
+                       for k in plain)
+            or (arrays and not all(isinstance(k, slice) for k in plain))):
+        return None
+    first, axes = start, []
     for d, size in enumerate(shape):
         k = key[d] if d < len(key) else slice(None)
         stride = math.prod(shape[d + 1:])
         if isinstance(k, slice):
-            terms.append((np.arange(*k.indices(size), dtype=np.int64) * stride, 1))
-        elif isinstance(k, np.ndarray):
-            bad = (k < -size) | (k >= size)
-            if bad.any():
-                raise IndexError(f"index {int(k[bad].flat[0])} is out of bounds for axis {d} with size {size}")
-            terms.append((np.where(k < 0, k + size, k).astype(np.int64) * stride, k.ndim))
+            axes.append((stride, range(*k.indices(size))))
+            continue
+        bad = (k < -size) | (k >= size)
+        if np.any(bad):
+            raise IndexError(f"index {int(np.asarray(k)[bad].flat[0])} is out of bounds for axis {d} "
+                             f"with size {size}")
+        if isinstance(k, np.ndarray):
+            axes.append((stride, np.where(k < 0, k + size, k).astype(np.int64)))
         else:
-            i = int(k) + (size if k < 0 else 0)
-            if not 0 <= i < size:
-                raise IndexError(f"index {int(k)} is out of bounds for axis {d} with size {size}")
-            first += i * stride
-    rank = sum(n for _, n in terms)
+            first += (int(k) + (size if k < 0 else 0)) * stride
+    return first, axes
+
+
+def _run_of(first: int, axes: list) -> tuple[int, tuple] | None:
+    """(first element, shape) when the kept ranges of every axis make one run, else None."""
+    if not all(isinstance(kept, range) for _, kept in axes):
+        return None
+    shape = tuple(len(kept) for _, kept in axes)
+    if math.prod(shape) == 0:
+        return first, shape
+    expected = 1
+    for stride, kept in reversed(axes):
+        if len(kept) > 1 and kept.step * stride != expected:
+            return None
+        expected *= len(kept)
+    return first + sum(kept.start * stride for stride, kept in axes), shape
+
+
+def _gather(first: int, axes: list) -> np.ndarray:
+    """The flat indices `_parse_key` describes: first + the outer sum over axes of the kept
+    positions x stride, in time and memory proportional to the result."""
+    terms = [(np.arange(kept.start, kept.stop, kept.step, dtype=np.int64) if isinstance(kept, range) else kept)
+             * stride for stride, kept in axes]
+    rank = sum(t.ndim for t in terms)
     total = np.full((1,) * rank, first, np.int64)
     at = 0
-    for values, n in terms:
-        total = total + values.reshape((1,) * at + values.shape + (1,) * (rank - at - n))
-        at += n
+    for t in terms:
+        total = total + t.reshape((1,) * at + t.shape + (1,) * (rank - at - t.ndim))
+        at += t.ndim
     return total
