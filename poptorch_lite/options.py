@@ -43,34 +43,32 @@ _LOG_LEVELS = {
     "INFO": logging.INFO,
     "WARN": logging.WARNING,
     "ERR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
     "OFF": logging.CRITICAL + 10,
 }
-
-
-# PopTorch's numeric levels (its C++ logging enum): 5 is spdlog's "critical".
-_LOG_NUMBERS = {0: TRACE, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING,
-                4: logging.ERROR, 5: logging.CRITICAL, 6: _LOG_LEVELS["OFF"]}
+# PopTorch's numbers for the same levels (its C++ logging enum), in this order: 0 TRACE .. 6 OFF.
+_LOG_NUMBERS = dict(enumerate(_LOG_LEVELS))
 
 
 def setLogLevel(level) -> None:
     """Set how much ``poptorch_lite`` logs: ``TRACE``, ``DEBUG``, ``INFO``,
-    ``WARN``, ``ERR``, ``OFF``, or PopTorch's numbers for them: 0 (trace),
-    1 (debug), 2 (info), 3 (warn), 4 (err), 6 (off)."""
+    ``WARN``, ``ERR``, ``CRITICAL``, ``OFF``, or PopTorch's numbers for them,
+    0 to 6 in that order."""
     if isinstance(level, str):
         key = level.strip().upper()
         if key not in _LOG_LEVELS:
             raise ValueError(f"Unknown log level {level!r}: use one of "
                              f"{', '.join(_LOG_LEVELS)}.")
-        number = _LOG_LEVELS[key]
     elif isinstance(level, numbers.Integral) and not isinstance(level, bool):
-        if int(level) not in _LOG_NUMBERS:
-            raise ValueError(f"Unknown log level {level!r}: use 0 (TRACE), "
-                             "1 (DEBUG), 2 (INFO), 3 (WARN), 4 (ERR) or "
-                             "6 (OFF), or the level's name.")
-        number = _LOG_NUMBERS[int(level)]
+        key = _LOG_NUMBERS.get(int(level))
+        if key is None:
+            numbered = ", ".join(f"{i} ({name})" for i, name in _LOG_NUMBERS.items())
+            raise ValueError(f"Unknown log level {level!r}: use {numbered}, "
+                             "or the level's name.")
     else:
         raise TypeError(f"setLogLevel expects a level name or number, got "
                         f"{level!r}.")
+    number = _LOG_LEVELS[key]
     logging.addLevelName(TRACE, "TRACE")
     logger.setLevel(number)
     if not logger.handlers:
