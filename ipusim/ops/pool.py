@@ -576,79 +576,71 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
 @njit(**JIT)
-def pool_whole(x, ph, pw, divisors, op, out):
-    """out[P, OH, OW] = the pooling (op 0 max, 1 average) of the planes x[P, H, W]; ph [OH, KH]
-    and pw [OW, KW] are the windows' input positions (-1: padding), visited in the codelet's
-    order. Serial: on whole tensors of this size a parallel region costs more than it gives."""
+def pool_whole(x, win, divisors, op, out):
+    """out[P, O] = the pooling (op 0 max, 1 average) of the flattened planes x[P, H*W] over the
+    windows win[O, K] (flat input positions, -1 for padding, in the codelet's order). Serial: on
+    whole tensors of this size a parallel region costs more than it gives."""
     for pl in range(x.shape[0]):
-        for oh in range(ph.shape[0]):
-            for ow in range(pw.shape[0]):
-                acc = -np.inf if op == 0 else 0.0
-                for th in range(ph.shape[1]):
-                    ih = ph[oh, th]
-                    if ih < 0:
-                        continue
-                    for tw in range(pw.shape[1]):
-                        iw = pw[ow, tw]
-                        if iw < 0:
-                            continue
-                        val = np.float64(x[pl, ih, iw])
-                        if op == 1:
-                            acc += val
-                        elif val > acc or val != val:
-                            acc = val
-                out[pl, oh, ow] = acc if op == 0 else acc / divisors[oh, ow]
+        for o in range(win.shape[0]):
+            acc = -np.inf if op == 0 else 0.0
+            for k in range(win.shape[1]):
+                i = win[o, k]
+                if i < 0:
+                    continue
+                val = np.float64(x[pl, i])
+                if op == 1:
+                    acc += val
+                elif val > acc or val != val:
+                    acc = val
+            out[pl, o] = acc if op == 0 else acc / divisors[o]
 
 
 @njit(**JIT)
-def pool_grad_whole(x, y, dy, ph, pw, divisors, op, dx):
-    """dx[P, H, W] (float64, zeroed) += each window's dy[P, OH, OW]: for max pooling (op 0) to
-    the window's first position equal to y, for average pooling (op 1) to every real position,
-    divided by the window's divisor; windows in the codelets' order."""
+def pool_grad_whole(x, y, dy, win, divisors, op, dx):
+    """dx[P, H*W] (float64, zeroed) += each window's dy[P, O]: for max pooling (op 0) to the
+    window's first position equal to y, for average pooling (op 1) to every real position,
+    divided by the window's divisor; windows as in `pool_whole`."""
     for pl in range(dy.shape[0]):
-        for oh in range(ph.shape[0]):
-            for ow in range(pw.shape[0]):
-                g = np.float64(dy[pl, oh, ow])
-                target = np.float64(y[pl, oh, ow]) if op == 0 else 0.0
-                if op == 1:
-                    g = g / divisors[oh, ow]
-                found = False
-                for th in range(ph.shape[1]):
-                    ih = ph[oh, th]
-                    if ih < 0:
-                        continue
-                    for tw in range(pw.shape[1]):
-                        iw = pw[ow, tw]
-                        if iw < 0:
-                            continue
-                        if op == 1:
-                            dx[pl, ih, iw] += g
-                            continue
-                        val = np.float64(x[pl, ih, iw])
-                        if val == target or (val != val and target != target):
-                            dx[pl, ih, iw] += g
-                            found = True
-                            break
-                    if found:
-                        break
+        for o in range(win.shape[0]):
+            g = np.float64(dy[pl, o])
+            if op == 1:
+                g = g / divisors[o]
+                for k in range(win.shape[1]):
+                    if win[o, k] >= 0:
+                        dx[pl, win[o, k]] += g
+                continue
+            target = np.float64(y[pl, o])
+            for k in range(win.shape[1]):
+                i = win[o, k]
+                if i < 0:
+                    continue
+                val = np.float64(x[pl, i])
+                if val == target or (val != val and target != target):
+                    dx[pl, i] += g
+                    break
 
 
 def _planes(a: np.ndarray) -> np.ndarray:
-    """a [N, C, H, W] as contiguous [N*C, H, W] planes of a dtype the kernels take (float16
-    widens to float32 exactly)."""
+    """a [N, C, H, W] as contiguous [N*C, H*W] flattened planes of a dtype the kernels take
+    (float16 widens to float32 exactly)."""
     a = np.ascontiguousarray(a)
     if a.dtype not in (np.float32, np.float64):
         a = a.astype(np.float32)
-    return a.reshape(-1, *a.shape[2:])
+    return a.reshape(a.shape[0] * a.shape[1], -1)
 
 
 @lru_cache(maxsize=1024)
 def _windows(geom: PoolGeometry) -> tuple:
-    """The whole-array kernels' window tables: positions per dimension, divisors and op."""
-    h, w = (d.positions(np.arange(d.out_size)) for d in (geom.h, geom.w))
+    """The whole-array kernels' window table, divisors and op: per output (row-major), the flat
+    input positions of its window, rows of taps outer and columns inner as the codelets visit
+    them, -1 where the window reads padding."""
+    h, w = (d.positions(np.arange(d.out_size)) for d in (geom.h, geom.w))   # [OH, KH], [OW, KW]
+    rows, cols = h[:, None, :, None], w[None, :, None, :]
+    win = np.where((rows < 0) | (cols < 0), -1, rows * geom.w.in_size + cols)
+    win = win.reshape(geom.h.out_size * geom.w.out_size, -1)
     if geom.kind == "max":
-        return h, w, np.ones((1, 1)), 0
-    return h, w, geom.divisors(), 1
+        return win, np.ones(1), 0
+    return win, geom.divisors().reshape(-1), 1
 
 
 def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
@@ -656,23 +648,24 @@ def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
     n, c = x.shape[:2]
     planes = _planes(x)
     # a maximum is one of the inputs: it is stored in their dtype, without a float64 detour
-    out = np.empty((n * c, geom.h.out_size, geom.w.out_size), planes.dtype if geom.kind == "max" else np.float64)
+    out = np.empty((n * c, geom.h.out_size * geom.w.out_size), planes.dtype if geom.kind == "max" else np.float64)
     pool_whole(planes, *_windows(geom), out)
-    out = out.reshape(n, c, *out.shape[1:])
+    out = out.reshape(n, c, geom.h.out_size, geom.w.out_size)
     return out.astype(x.dtype, copy=False) if geom.kind == "max" else out
 
 
 def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
     """Gradient of max pooling: dy to the first window position equal to y (float64 result)."""
-    dx = np.zeros((x.shape[0] * x.shape[1], *x.shape[2:]))
-    pool_grad_whole(_planes(x), _planes(y), _planes(dy), *_windows(geom), dx)
+    planes = _planes(x)
+    dx = np.zeros(planes.shape)
+    pool_grad_whole(planes, _planes(y), _planes(dy), *_windows(geom), dx)
     return dx.reshape(x.shape)
 
 
 def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.ndarray:
     """Gradient of average pooling: dy / divisor to every real window position (float64 result)."""
     n, c, hh, ww = (int(v) for v in input_shape)
-    dx = np.zeros((n * c, hh, ww))
+    dx = np.zeros((n * c, hh * ww))
     planes = _planes(dy)
     pool_grad_whole(planes, planes, planes, *_windows(geom), dx)
     return dx.reshape(n, c, hh, ww)
