@@ -82,15 +82,16 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
+    def _normalised(self, images: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(images).to(torch.float32).div_(255.0).sub_(self.mean).div_(self.std)
+
     def __getitem__(self, index: int):
-        image = torch.from_numpy(self.images[index]).to(torch.float32).div_(255.0)
-        return image.sub_(self.mean).div_(self.std).unsqueeze_(0), int(self.labels[index])
+        return self._normalised(self.images[index]).unsqueeze_(0), int(self.labels[index])
 
     def __getitems__(self, indices: list[int]) -> list:
         """The samples at `indices`, normalised in one pass (torch's DataLoader fetches a whole
         batch through this when a dataset has it): the same values as __getitem__'s."""
-        images = torch.from_numpy(self.images[indices]).to(torch.float32).div_(255.0)
-        images = images.sub_(self.mean).div_(self.std).unsqueeze_(1)
+        images = self._normalised(self.images[indices]).unsqueeze_(1)
         return list(zip(images.unbind(0), self.labels[indices].tolist()))
 
     def subset(self, size: int | None) -> "ImageDataset":
