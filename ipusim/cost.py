@@ -75,8 +75,8 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     A tile sends each element once even when several tiles receive it (exchange broadcast), so a
     source element counts once per sender however many copies of it the destination holds.
     """
-    s = src.tiles().reshape(-1).astype(np.int64)
-    d = dst.tiles().reshape(-1).astype(np.int64)
+    s = src.tiles().reshape(-1)
+    d = dst.tiles().reshape(-1)
     size = src.dtype.itemsize
     moved = s != d
     n = target.num_tiles
