@@ -30,7 +30,7 @@ import json, os, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 import poptorch_lite as poptorch
-from poptorch_lite import cache
+from poptorch_lite.runtime import cache
 from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
 
 cache_dir = sys.argv[1]

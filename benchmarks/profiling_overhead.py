@@ -24,7 +24,7 @@ import time
 import torch
 
 import poptorch_lite as poptorch
-from poptorch_lite import profiling
+from poptorch_lite.runtime import profiling
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss  # noqa: E402

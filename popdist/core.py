@@ -243,7 +243,7 @@ def init(timeout_seconds: float = 300.0) -> None:
         raise RuntimeError(
             f"popdist.init() needs {' and '.join(missing)} to reach the other instances; "
             "poprun sets them, so launch the program through poprun")
-    from poptorch_lite.distributed import open_process_group
+    from poptorch_lite.runtime.distributed import open_process_group
 
     open_process_group(os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],
                        config.instance_index, config.num_instances, timeout_seconds)

@@ -12,8 +12,8 @@ also runs on its own.
 
 from __future__ import annotations
 
-from poptorch_lite.options import Options as _PoptorchOptions
-from poptorch_lite.options import _DistributedOptions
+from poptorch_lite.api.options import Options as _PoptorchOptions
+from poptorch_lite.api.options import _DistributedOptions
 
 import popdist
 

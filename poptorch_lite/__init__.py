@@ -1,17 +1,22 @@
-"""poptorch_lite: PopTorch's API on emulated IPUs (the PopTorch + PopART role)."""
-from . import optim
-from .blocks import BeginBlock, Block, BlockError, BlockFunction, removeBlocks
-from .capture import op_placement
-from .data import AsynchronousDataAccessor, DataLoader
-from .enums import (AutoStage, ConnectionType, DataLoaderMode, Liveness, MeanReductionStrategy, OutputMode,
-                    ReductionType, SyncPattern)
-from .executor import PoplarExecutor, inferenceModel, trainingModel
-from .frontend import UnsupportedOpError
-from .lowering import CompileError
-from .ops import identity_loss
-from .options import Options, TensorLocationSettings, setLogLevel
-from .strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
-                         ShardedExecution, Stage, StrategyError)
+"""poptorch_lite: PopTorch's API on emulated IPUs (the PopTorch + PopART role).
+
+Three layers, each importing only the ones before it: `api` (what PopTorch users call: Options,
+blocks and strategies, DataLoader, optimisers), `compiler` (a torch.nn.Module to an Executable of
+ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profiling, distributed).
+"""
+from .api import enums, optim, options
+from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, removeBlocks
+from .api.data import AsynchronousDataAccessor, DataLoader
+from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, Liveness, MeanReductionStrategy, OutputMode,
+                        ReductionType, SyncPattern)
+from .api.ops import identity_loss
+from .api.options import Options, TensorLocationSettings, setLogLevel
+from .api.strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
+                             ShardedExecution, Stage, StrategyError)
+from .compiler.capture import op_placement
+from .compiler.frontend import UnsupportedOpError
+from .compiler.lowering import CompileError
+from .runtime.executor import PoplarExecutor, inferenceModel, trainingModel
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@
     python -m poptorch_lite run script.py [args ...]
 
 For the run (and the processes it spawns, such as asynchronous data loaders) `import poptorch`
-and `import poptorch.<sub>` give `poptorch_lite` and its modules, and `import popdist` gives
+and `import poptorch.<sub>` give `poptorch_lite` and its API modules (`poptorch_lite.api.<sub>`), and `import popdist` gives
 this project's `popdist` (with `popdist.poptorch`), even when a Poplar SDK is installed. Nothing
 changes outside the run. A PopTorch name `poptorch_lite` does not provide fails at the point of
 use with an error naming it (`UnsupportedAttributeError` / `UnsupportedModuleError`, both
@@ -109,13 +109,25 @@ class PopTorchFinder(importlib.abc.MetaPathFinder):
             return importlib.machinery.PathFinder.find_spec("popdist", [PROJECT_ROOT])
         if head != ALIAS:
             return None
-        real = TARGET + dot + rest
+        real = _real_module(rest) if rest else TARGET
         if importlib.util.find_spec(real) is None:
             parent = importlib.import_module(real.rpartition(".")[0])
             if hasattr(parent, real.rpartition(".")[2]):  # a class or function, not a module
                 raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
             raise UnsupportedModuleError(_unsupported(fullname, parent), name=None)
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real), is_package=True)
+
+
+def _real_module(sub: str) -> str:
+    """The poptorch_lite module behind `poptorch.<sub>`: PopTorch's public submodules
+    (`poptorch.optim`, `poptorch.enums`, ...) are the API layer's modules."""
+    api = f"{TARGET}.api.{sub}"
+    try:
+        if importlib.util.find_spec(api) is not None:
+            return api
+    except ModuleNotFoundError:  # a parent of a nested name is missing
+        pass
+    return f"{TARGET}.{sub}"
 
 
 def install() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import ipusim as ip
 import poptorch_lite as poptorch
-from ipusim import advisor as adv
+from ipusim.report import advisor as adv
 from ipusim.schedules import pipelined_schedule
 
 TARGET = ip.Target.test(num_tiles=8, bytes_per_tile=64 * 1024)
@@ -154,7 +154,7 @@ def test_linear_spread_matches_map_linearly():
 
 
 def test_in_flight_matches_the_lowering():
-    from poptorch_lite.lowering import channel_slots
+    from poptorch_lite.compiler.lowering import channel_slots
     for n, g in ((2, 3), (3, 5), (4, 8)):
         s = pipelined_schedule(n, training=True, gradient_accumulation=g)
         keys = [(("fwd", a), ("fwd", a + 1)) for a in range(n - 1)] + \
@@ -189,8 +189,8 @@ class FineGrained(torch.nn.Module):
 
 @pytest.mark.slow
 def test_heavy_stage_is_longest_and_the_advised_split_runs_faster(tmp_path):
-    from ipusim import profile as prof
-    from poptorch_lite.profiling import advise, what_if
+    from ipusim.report import profile as prof
+    from poptorch_lite.runtime.profiling import advise, what_if
     torch.manual_seed(0)
     strategy = poptorch.PipelinedExecution(poptorch.Stage("L0", "L1", "L2", "L3").ipu(0), poptorch.Stage("L4").ipu(1),
                                            poptorch.Stage("L5").ipu(2))

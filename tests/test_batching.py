@@ -5,13 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poptorch_lite import strategies
-from poptorch_lite.batching import (BatchSizeError, check_inference_options,
+from poptorch_lite.api import strategies
+from poptorch_lite.api.batching import (BatchSizeError, check_inference_options,
                                     combined_batch_size, device_layout,
                                     output_multiplier, output_plan,
                                     resolve_output_mode, split_call_batch)
-from poptorch_lite.enums import OutputMode
-from poptorch_lite.options import Options
+from poptorch_lite.api.enums import OutputMode
+from poptorch_lite.api.options import Options
 
 
 def make_options(device_iterations=1, replicas=1, accumulation=1, mode=None,

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from poptorch_lite.blocks import (
+from poptorch_lite.api.blocks import (
     DEFAULT_REGION,
     BeginBlock,
     BeginBlockHook,

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from poptorch_lite.blocks import (
+from poptorch_lite.api.blocks import (
     DEFAULT_REGION,
     BeginBlock,
     Block,
@@ -16,8 +16,8 @@ from poptorch_lite.blocks import (
     BlockRef,
     removeBlocks,
 )
-from poptorch_lite.capture import capture, op_placement, place_graph, traced_blocks
-from poptorch_lite.strategies import (
+from poptorch_lite.compiler.capture import capture, op_placement, place_graph, traced_blocks
+from poptorch_lite.api.strategies import (
     AutoStage,
     ParallelPhasedExecution,
     PipelinedExecution,

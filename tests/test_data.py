@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from poptorch_lite.data import (AsynchronousDataAccessor, DataLoader,
+from poptorch_lite.api.data import (AsynchronousDataAccessor, DataLoader,
                                 process_shard)
-from poptorch_lite.enums import DataLoaderMode, SharingStrategy
-from poptorch_lite.options import Options
+from poptorch_lite.api.enums import DataLoaderMode, SharingStrategy
+from poptorch_lite.api.options import Options
 
 FORK = {"sharing_strategy": SharingStrategy.Fork}
 Pair = collections.namedtuple("Pair", "data label")
@@ -625,9 +625,9 @@ HOST_SCRIPT = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {tests!r})
     from test_data import Slow
-    from poptorch_lite.data import DataLoader
-    from poptorch_lite.enums import DataLoaderMode, SharingStrategy
-    from poptorch_lite.options import Options
+    from poptorch_lite.api.data import DataLoader
+    from poptorch_lite.api.enums import DataLoaderMode, SharingStrategy
+    from poptorch_lite.api.options import Options
 
     if __name__ == "__main__":
         loader = DataLoader(Options(), Slow(1000, 0.01),

@@ -22,10 +22,11 @@ from torch import nn
 
 import ipusim as ip
 import poptorch_lite as poptorch
-from ipusim.program import walk
-from poptorch_lite import cache
-from poptorch_lite.executor import input_signature, target_of
-from poptorch_lite.lowering import Lowering
+from ipusim.device.program import walk
+from poptorch_lite.runtime import cache
+from poptorch_lite.compiler.executable import target_of
+from poptorch_lite.runtime.executor import input_signature
+from poptorch_lite.compiler.lowering import Lowering
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,7 +91,7 @@ def forbid_compiling(monkeypatch):
         raise AssertionError("the model was compiled although its executable is in the cache")
     monkeypatch.setattr(Lowering, "build", fail)
     monkeypatch.setattr(ip.Engine, "__init__", fail)
-    monkeypatch.setattr("poptorch_lite.executor.differentiate", fail)
+    monkeypatch.setattr("poptorch_lite.compiler.executable.differentiate", fail)
 
 
 @pytest.fixture(scope="module")
@@ -528,8 +529,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     import ipusim as ip
     import poptorch_lite as poptorch
-    from poptorch_lite import cache
-    from poptorch_lite.executor import input_signature
+    from poptorch_lite.runtime import cache
+    from poptorch_lite.runtime.executor import input_signature
     from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
     from test_executable_cache import TinyNet, first_call, forbid_compiling
 

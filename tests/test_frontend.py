@@ -4,12 +4,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-import poptorch_lite.blocks as blocks
-from poptorch_lite.autodiff import differentiate
-from poptorch_lite.capture import capture, place_graph
-from poptorch_lite.frontend import UnsupportedOpError, to_ir
-from poptorch_lite.ops import identity_loss
-from poptorch_lite.strategies import PipelinedExecution, Stage
+import poptorch_lite.api.blocks as blocks
+from poptorch_lite.compiler.autodiff import differentiate
+from poptorch_lite.compiler.capture import capture, place_graph
+from poptorch_lite.compiler.frontend import UnsupportedOpError, to_ir
+from poptorch_lite.api.ops import identity_loss
+from poptorch_lite.api.strategies import PipelinedExecution, Stage
 
 
 class ConvLayer(nn.Module):

@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 import ipusim as ip
-from ipusim.cost import exchange_cycles
-from ipusim.kernels import JIT, ld, st
+from ipusim.device.cost import exchange_cycles
+from ipusim.device.kernels import JIT, ld, st
 from ipusim.ops import elementwise as ew
-from ipusim.vertex import worker_makespan
+from ipusim.device.vertex import worker_makespan
 
 MODES = ["strict", "fast"]
 
@@ -203,7 +203,7 @@ def test_strict_mode_computes_from_tile_memory_only():
 
 
 def test_strict_layout_gives_each_tile_its_own_segment():
-    from ipusim.storage import IpuMemory
+    from ipusim.device.storage import IpuMemory
     g = ip.Graph(ip.Target.test(4))
     a = g.addVariable("float32", (8,), "a")
     b = g.addVariable("float32", (8,), "b")

@@ -8,7 +8,7 @@ from hypothesis import strategies as hs
 
 import ipusim as ip
 from ipusim.ops import collectives as cl
-from ipusim.program import InterIpuCopy, walk
+from ipusim.device.program import InterIpuCopy, walk
 
 MODES = ["strict", "fast"]
 TARGET = ip.Target.test(16, 64 * 1024)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import ipusim as ip
 from ipusim.ops import gather as G
-from ipusim.program import Copy, Execute, walk
+from ipusim.device.program import Copy, Execute, walk
 
 MODES = ["strict", "fast"]
 TARGET = ip.Target.test(16, 64 * 1024)

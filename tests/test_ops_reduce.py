@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import ipusim as ip
 from ipusim.ops import reduce as R
-from ipusim.program import Copy, walk
+from ipusim.device.program import Copy, walk
 
 TARGET = ip.Target.test(16, 64 * 1024)
 REFS = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min,

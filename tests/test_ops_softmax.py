@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 import ipusim as ip
 from ipusim.ops import softmax as S
-from ipusim.program import Copy, walk
+from ipusim.device.program import Copy, walk
 
 TARGET = ip.Target.test(16, 64 * 1024)
 

@@ -7,12 +7,12 @@ import pickle
 import pytest
 import torch
 
-from poptorch_lite import strategies
-from poptorch_lite.enums import (AutoStage, ConnectionType,
+from poptorch_lite.api import strategies
+from poptorch_lite.api.enums import (AutoStage, ConnectionType,
                                  HalfFloatCastingBehavior,
                                  MeanReductionStrategy, OutputMode,
                                  ReductionType, SyncPattern)
-from poptorch_lite.options import (ConfigFileError, FrozenOptionsError,
+from poptorch_lite.api.options import (ConfigFileError, FrozenOptionsError,
                                    Options, TensorLocationSettings,
                                    setLogLevel)
 

@@ -23,7 +23,7 @@ import popdist
 import popdist.poptorch
 import poptorch_lite as poptorch
 from popdist import core
-from poptorch_lite import distributed
+from poptorch_lite.runtime import distributed
 
 HERE = Path(__file__).resolve()
 MICRO_BATCH, ACCUMULATION, SAMPLES, FEATURES, CLASSES = 2, 4, 64, 8, 4
@@ -396,7 +396,7 @@ def test_the_process_group_is_destroyed_before_the_interpreter_exits(tmp_path):
     script = tmp_path / "leave_group_open.py"
     script.write_text(
         "import atexit, torch, torch.distributed as dist\n"
-        "from poptorch_lite import distributed\n"
+        "from poptorch_lite.runtime import distributed\n"
         "atexit.register(lambda: print('still initialised:', dist.is_initialized()))\n"
         f"distributed.open_process_group('127.0.0.1', '{free_port()}', 0, 1, 60)\n"
         "group = dist.new_group(backend='gloo')\n"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import ipusim as ip
 import poptorch_lite as poptorch
-from ipusim import profile as prof
+from ipusim.report import profile as prof
 from ipusim.ops.matmul import matmul
 from ipusim.schedules import pipelined_schedule
 from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
@@ -354,7 +354,7 @@ def test_no_profiler_without_profiling(tmp_path, monkeypatch):
 def test_what_if_estimates(profiled, tmp_path):
     """Re-lowering on the same target reproduces the measured call exactly; on Bow (a faster
     GC200) compute cycles stay and the call takes less time; Mk1 is estimated without running."""
-    from poptorch_lite.profiling import what_if
+    from poptorch_lite.runtime.profiling import what_if
     model = tutorial_training(None)
     model(*BATCH)
     measured = model.last_run

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import ipusim as ip
-from ipusim import advisor as adv
-from ipusim import charts
-from ipusim import profile as prof
-from ipusim import report
+from ipusim.report import advisor as adv
+from ipusim.report import charts
+from ipusim.report import profile as prof
+from ipusim.report import cli as report
 from ipusim.schedules import pipelined_schedule, sharded_schedule
 
 TARGET = ip.Target.test(num_tiles=16)

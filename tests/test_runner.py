@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 import poptorch_lite
-import poptorch_lite.optim
+import poptorch_lite.api.optim
 from poptorch_lite import runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def test_poptorch_resolves_to_poptorch_lite(aliases):
 
     assert aliases.Options is poptorch_lite.Options and Options is poptorch_lite.Options
     assert trainingModel is poptorch_lite.trainingModel
-    assert poptorch.optim.AdamW is poptorch_lite.optim.AdamW
+    assert poptorch.optim.AdamW is poptorch_lite.api.optim.AdamW
     assert aliases.optim is sys.modules["poptorch.optim"]  # the attribute is the aliased submodule
     assert isinstance(Options(), aliases.Options)
     assert "PipelinedExecution" in dir(aliases)
@@ -86,7 +86,7 @@ def test_script_runs_as_main_with_its_arguments(tmp_path):
     assert lines["name"] == "__main__"
     assert lines["argv"] == repr([str(tmp_path / "prog.py"), "--epochs", "2", "x"])
     assert lines["path0"] == "True"
-    assert lines["alias"] == "poptorch poptorch_lite.options"
+    assert lines["alias"] == "poptorch poptorch_lite.api.options"
     assert lines["popdist"] == f"popdist.poptorch {os.path.join(REPO, 'popdist')}"
 
 

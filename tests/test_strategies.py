@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from poptorch_lite.blocks import DEFAULT_REGION, BlockRef
-from poptorch_lite.strategies import (
+from poptorch_lite.api.blocks import DEFAULT_REGION, BlockRef
+from poptorch_lite.api.strategies import (
     AutoStage,
     ExecutionStrategy,
     Liveness,

@@ -38,11 +38,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..graph import Device, Graph
-from ..kernels import JIT, kernel_view, ld, st
-from ..program import Copy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
-from ..tensor import Tensor
-from ..vertex import VertexType
+from ..device.graph import Device, Graph
+from ..device.kernels import JIT, kernel_view, ld, st
+from ..device.program import Copy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
+from ..device.tensor import Tensor
+from ..device.vertex import VertexType
 from .common import flat, split_work, tile_regions
 
 REDUCE_OPS = ("sum", "mean")

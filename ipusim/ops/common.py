@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph
-from ..program import Copy, Sequence
-from ..tensor import Tensor
+from ..device.graph import Graph
+from ..device.program import Copy, Sequence
+from ..device.tensor import Tensor
 
 # Elements a tile processes in one vector step; outputs are mapped in multiples of it so that
 # vertices see whole vectors (64-bit loads: 2 x float32, 4 x float16).

@@ -58,12 +58,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from ..graph import Graph
-from ..kernels import JIT, kernel_view, ld, st
-from ..program import Execute, OpProgram, Sequence
-from ..target import Target
-from ..tensor import Tensor
-from ..vertex import VertexType
+from ..device.graph import Graph
+from ..device.kernels import JIT, kernel_view, ld, st
+from ..device.program import Execute, OpProgram, Sequence
+from ..device.target import Target
+from ..device.tensor import Tensor
+from ..device.vertex import VertexType
 from .common import placed, split_work
 
 # Share of a tile's memory the planner lets the op's working set use (PopLibs' default

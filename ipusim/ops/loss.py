@@ -29,11 +29,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..graph import Graph
-from ..kernels import JIT, ld, st
-from ..program import Execute, OpProgram, Sequence
-from ..tensor import Tensor
-from ..vertex import VertexType
+from ..device.graph import Graph
+from ..device.kernels import JIT, ld, st
+from ..device.program import Execute, OpProgram, Sequence
+from ..device.tensor import Tensor
+from ..device.vertex import VertexType
 from . import elementwise as ew
 from .common import placed, split_work, tile_regions
 from .reduce import composite, kernel_values, output_storage, reduce, segment_map, vector_width

@@ -51,12 +51,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from ..graph import Graph
-from ..kernels import JIT, ld, st
-from ..program import Execute, OpProgram, Sequence
-from ..target import Target
-from ..tensor import Tensor
-from ..vertex import VertexType
+from ..device.graph import Graph
+from ..device.kernels import JIT, ld, st
+from ..device.program import Execute, OpProgram, Sequence
+from ..device.target import Target
+from ..device.tensor import Tensor
+from ..device.vertex import VertexType
 from .common import GRAIN, flat, new_output, placed, split_work, tile_regions
 
 PARTIALS = np.dtype(np.float32)

@@ -46,12 +46,12 @@ from functools import lru_cache
 import numpy as np
 from numba import njit, prange
 
-from ..graph import Graph
-from ..kernels import JIT, ld, st
-from ..program import Execute, OpProgram, Sequence
-from ..target import Target
-from ..tensor import Tensor
-from ..vertex import VertexType
+from ..device.graph import Graph
+from ..device.kernels import JIT, ld, st
+from ..device.program import Execute, OpProgram, Sequence
+from ..device.target import Target
+from ..device.tensor import Tensor
+from ..device.vertex import VertexType
 from .common import split_work
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, block_tiles, ceil_div, choose_split, float_dtype, gather,
                      ranges, split_grid)

@@ -38,11 +38,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..graph import Graph
-from ..kernels import JIT, kernel_view, ld, st
-from ..program import Execute, OpProgram, Sequence
-from ..tensor import Tensor, as_dtype
-from ..vertex import VertexType
+from ..device.graph import Graph
+from ..device.kernels import JIT, kernel_view, ld, st
+from ..device.program import Execute, OpProgram, Sequence
+from ..device.tensor import Tensor, as_dtype
+from ..device.vertex import VertexType
 from .common import GRAIN, new_output, placed, tile_regions
 from .reduce import vector_width
 

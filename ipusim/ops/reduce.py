@@ -68,12 +68,12 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ..graph import Graph
-from ..kernels import JIT, ld, st
-from ..program import Copy, Execute, OpProgram, Sequence
-from ..target import Target
-from ..tensor import Tensor, as_dtype
-from ..vertex import VertexType, worker_makespan
+from ..device.graph import Graph
+from ..device.kernels import JIT, ld, st
+from ..device.program import Copy, Execute, OpProgram, Sequence
+from ..device.target import Target
+from ..device.tensor import Tensor, as_dtype
+from ..device.vertex import VertexType, worker_makespan
 from .common import GRAIN, flat, placed
 
 # ---- reduction operations ------------------------------------------------------------------

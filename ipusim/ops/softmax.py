@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import Graph
-from ..program import Sequence
-from ..tensor import Tensor
+from ..device.graph import Graph
+from ..device.program import Sequence
+from ..device.tensor import Tensor
 from .reduce import composite, normalize_axes, reduce, segment_map
 
 F32 = np.float32

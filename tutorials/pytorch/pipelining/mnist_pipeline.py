@@ -20,8 +20,7 @@ import torch.nn as nn
 from tqdm import tqdm
 
 import poptorch_lite as poptorch
-from poptorch_lite.executor import target_of
-from poptorch_lite.options import setLogLevel
+from poptorch_lite.api.options import setLogLevel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mnist_data import CHOICES, Datasets, announce, load_datasets  # noqa: E402
@@ -169,7 +168,7 @@ class EpochResult:
 
 def simulated_seconds(model) -> float:
     """Emulated IPU time of the model's last call."""
-    return target_of(model.options).seconds(model.last_run.cycles)
+    return model.last_run.seconds
 
 
 def train(training_model, training_data, opts) -> list[EpochResult]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 import poptorch_lite as poptorch
-from poptorch_lite.executor import target_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mnist_pipeline import Network, TrainingModelWithLoss  # noqa: E402
@@ -76,7 +75,7 @@ def measure(split: str, gradient_accumulation: int, device_iterations: int, offl
     ipus = len(SPLITS[split])
     busy = [sum(step.busy[i].total for step in record.steps if i in step.busy) for i in range(ipus)]
     point = Point(split, gradient_accumulation, device_iterations, images,
-                  target_of(opts).seconds(record.cycles), exe.schedule.bubble_fraction(),
+                  record.seconds, exe.schedule.bubble_fraction(),
                   1 - sum(busy) / (ipus * record.cycles), busy,
                   [m.total / 2**20 for m in exe.engine.memory], [m.off_chip_bytes / 2**20 for m in exe.engine.memory],
                   sum(step.cycles for step in record.steps if any(op.kind == "W" for op in step.ops)), host_s, offload)

@@ -1,7 +1,7 @@
 """Capture: trace a model with torch.fx and record the block of every node.
 
 :func:`capture` runs ``torch.fx`` symbolic tracing with :class:`BlockTracer`, which
-keeps block annotations active (see ``poptorch_lite.blocks``) and stores on every
+keeps block annotations active (see ``poptorch_lite.api.blocks``) and stores on every
 node ``node.meta["block"]``: the :class:`BlockRef` active when the node was created
 (``DEFAULT_REGION`` before the first block; None for nodes, such as the output,
 created after a block closed). Op nodes also get ``node.meta["source"]``, the
@@ -35,8 +35,8 @@ import torch.fx
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 from torch.utils._pytree import tree_leaves
 
-from .blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
-from .strategies import ExecutionStrategy, PipelinedExecution, Placement, StrategyError
+from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
+from ..api.strategies import ExecutionStrategy, PipelinedExecution, Placement, StrategyError
 
 OP_KINDS = ("call_module", "call_function", "call_method")
 

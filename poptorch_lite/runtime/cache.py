@@ -56,6 +56,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -67,9 +68,12 @@ from torch.fx.passes.shape_prop import TensorMetadata
 import ipusim as ip
 from ipusim.ops import optim as device_optim
 
-from .capture import capture
-from .executor import Executable, PoplarExecutor, target_of
-from .optim import device_config
+from ..compiler.capture import capture
+from ..compiler.executable import Executable, target_of
+from ..compiler.updates import device_config
+
+if TYPE_CHECKING:
+    from .executor import PoplarExecutor
 
 try:
     import fcntl
@@ -191,7 +195,7 @@ def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
 
 
 def software_versions() -> dict:
-    from . import __version__  # pylint: disable=import-outside-toplevel
+    from .. import __version__  # pylint: disable=import-outside-toplevel
     return {"poptorch_lite": __version__, "sources": source_digest(),
             "python": f"{platform.python_implementation()} {platform.python_version()}",
             "numpy": np.__version__, "numba": numba.__version__, "torch": torch.__version__}
@@ -202,7 +206,7 @@ def source_digest() -> str:
     """SHA-256 of the compiler's and the emulator's sources: an edited source tree never loads
     entries of another."""
     digest = hashlib.sha256()
-    for package in (ip, sys.modules[__package__]):
+    for package in (ip, sys.modules[__package__.partition(".")[0]]):
         root = Path(package.__file__).parent
         for file in sorted(root.rglob("*.py")):
             digest.update(str(file.relative_to(root.parent)).encode())
@@ -381,7 +385,7 @@ class _ExecutablePickler(cloudpickle.Pickler):
             return _reduce_dispatcher(obj)
         if isinstance(obj, device_optim.Optimiser):
             return _reduce_optimiser(obj)
-        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, PoplarExecutor)):
+        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             raise TypeError(f"the executable refers to a {type(obj).__name__}: an entry holds no model, "
                             "optimiser or weights")
         return super().reducer_override(obj)

@@ -11,7 +11,7 @@ cycles per IPU). Both front ends produce the same records:
 - a plain `Engine(..., profile_dir=DIR)` records each `run()` as one step whose single event also
   lists the program nodes it executed, in order; the IPUs advance in lockstep through a program.
 
-Cycles are exact for the model: they come from the static estimates of ipusim.cost, so a profile
+Cycles are exact for the model: they come from the static estimates of ipusim.device.cost, so a profile
 costs bookkeeping only. Times are cycles at the target clock.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Callable
 
 import numpy as np
 
-from .cost import Cost, Cycles
-from .memory import MemoryReport, supersteps
-from .program import If, OpProgram, Parallel, Program, Repeat, Sequence
-from .target import Target
+from ..device.cost import Cost, Cycles
+from ..device.memory import MemoryReport, supersteps
+from ..device.program import If, OpProgram, Parallel, Program, Repeat, Sequence
+from ..device.target import Target
 
 SCHEMA_NAME = "ipusim.profile"
 SCHEMA_VERSION = 1
@@ -136,7 +136,7 @@ def kind_segments(name: str, c: Cycles) -> list[Segment]:
 
 
 def _heavier_branch(p: If, cost_of) -> Program:
-    """The branch the static estimate charges (ipusim.cost takes the worse one)."""
+    """The branch the static estimate charges (ipusim.device.cost takes the worse one)."""
     return p.then if cost_of(p.then).total >= cost_of(p.else_).total else p.else_
 
 

@@ -15,10 +15,10 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ops
+from ..api import ops
 from .capture import OP_KINDS, describe_op
 from .ir import LOSS_OPS, IRGraph, Node, Value, flatten_values
-from .strategies import Placement
+from ..api.strategies import Placement
 
 
 class UnsupportedOpError(NotImplementedError):

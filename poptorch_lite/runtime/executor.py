@@ -1,8 +1,7 @@
 """PoplarExecutor: the object `trainingModel` / `inferenceModel` return.
 
-Compile (once per input shape): capture with torch.fx, place blocks on stages and IPUs, convert
-to IR, differentiate, build the schedule, lower to ipusim, load an Engine and copy the weights
-to the device. A call then splits its batch into micro-batches, runs the schedule step by step
+Compile (once per input shape, `poptorch_lite.compiler.executable.compile_model`, or load from the
+executable cache) and copy the weights to the device. A call then splits its batch into micro-batches, runs the schedule step by step
 (the stage programs of one step on their IPUs, then the channel copies), and returns the
 outputs shaped by the OutputMode. Every step lasts as long as its slowest IPU: the executor
 records the simulated cycles of each step for the profiler.
@@ -22,16 +21,13 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from . import batching
-from .autodiff import differentiate
-from .capture import capture, place_graph
-from .enums import ConnectionType
-from .frontend import to_ir
-from .ir import flatten_values, map_values
-from .enums import Liveness
-from .lowering import Locations, Lowering
-from .optim import UpdatePlan, build_updates, read_state, write_hyperparameters
-from .options import Options
+from ..api import batching
+from ..api.enums import ConnectionType
+from ..api.options import Options
+from ..compiler.executable import Executable, compile_model, target_of
+from ..compiler.ir import flatten_values, map_values
+from ..compiler.updates import read_state, write_hyperparameters
+from .cache import compile_or_load
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
@@ -58,43 +54,18 @@ class StepRecord:
 
 @dataclass
 class RunRecord:
-    """The simulated execution of one call."""
+    """The simulated execution of one call on IPUs clocked at `clock_hz`."""
+    clock_hz: float
     steps: list[StepRecord] = field(default_factory=list)
 
     @property
     def cycles(self) -> int:
         return sum(s.cycles for s in self.steps)
 
-
-class Executable:
-    """Everything compiled for one input signature: one `Lowering` per replica on one device."""
-
-    def __init__(self, lowerings: list[Lowering], engine: ip.Engine, schedule, ir, placement, updates: UpdatePlan):
-        self.lowerings = lowerings
-        self.engine = engine
-        self.schedule = schedule
-        self.ir = ir
-        self.placement = placement
-        self.updates = updates
-        self.in_channels = collections.defaultdict(list)    # (replica, key) -> channels into it
-        self.out_channels = collections.defaultdict(list)   # (replica, key) -> channels out of it
-        for r, low in enumerate(lowerings):
-            for ch in low.channels:
-                self.out_channels[(r, ch.src)].append(ch)
-                self.in_channels[(r, ch.dst)].append(ch)
-
     @property
-    def lowering(self) -> Lowering:
-        """Replica 0's lowering (what every replica has, on other IPUs)."""
-        return self.lowerings[0]
-
-    @property
-    def replicas(self) -> int:
-        return len(self.lowerings)
-
-    @property
-    def stage_programs(self) -> dict:
-        return self.lowerings[0].stage_programs
+    def seconds(self) -> float:
+        """The call's emulated time on the IPUs."""
+        return self.cycles / self.clock_hz
 
 
 class PoplarExecutor:
@@ -110,8 +81,8 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         self._host_weights_version = 0
         self.last_run: RunRecord | None = None
-        self._collective = None     # cross-process gradient reduction (poptorch_lite.distributed)
-        self._profiler = None       # poptorch_lite.profiling, only when profiling is on
+        self._collective = None     # cross-process gradient reduction (poptorch_lite.runtime.distributed)
+        self._profiler = None       # poptorch_lite.runtime.profiling, only when profiling is on
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -224,38 +195,11 @@ class PoplarExecutor:
         return [narrow(a) for a in args], {k: narrow(v) for k, v in kwargs.items()}
 
     def _compile(self, args, kwargs) -> None:
-        opts = self._options
-        model = self._user_model
         with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
             margs, mkwargs = self._micro_batch_args(args, kwargs)
-            was_training = torch.nn.Module.__getattribute__(model, "training")
-            buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
-            model.train(self._training)
-            try:
-                with torch.no_grad():
-                    gm = capture(model, *margs, **mkwargs)
-            finally:
-                model.train(was_training)
-                with torch.no_grad():  # capture ran the model once: undo its buffer updates
-                    for b, saved in buffers:
-                        b.copy_(saved)
-            bar.update(15)
-            placement = place_graph(gm, opts.execution_strategy)
-            ir = to_ir(gm, placement, self._training)
-            bar.update(10)
-            if self._training:
-                trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
-                ir.grads = differentiate(ir, ir.loss, seed=loss_scaling(self._optimizer), wrt=trainable)
-            bar.update(15)
-            schedule = build_schedule(placement, opts, self._training)
-            try:
-                executable = build_executable(ir, placement, schedule, placement.stage_ipus, opts, target_of(opts),
-                                              self._optimizer if self._training else None, self._named_weights())
-            except ip.OutOfMemoryError as error:
-                raise model_out_of_memory(error, placement, placement.num_ipus) from None
-            bar.update(35)
-            executable.engine.load()
-            bar.update(25)
+            executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
+                                       self._optimizer if self._training else None, self._named_weights(),
+                                       progress=bar.update)
         self._install(executable)
 
     def _install(self, executable: Executable) -> None:
@@ -461,7 +405,7 @@ class PoplarExecutor:
     def _run_schedule(self, exe: Executable) -> RunRecord:
         """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
         then the channel copies; the step lasts as long as its busiest IPU."""
-        record = RunRecord()
+        record = RunRecord(exe.engine.target.clock_hz)
         pool = self._host_pool()
         for t, step in enumerate(exe.schedule.steps):
             if pool is not None and len(step.ops) > 1:
@@ -536,103 +480,13 @@ class PoplarExecutor:
         return f"PoplarExecutor({'training' if self._training else 'inference'}, {type(self._user_model).__name__})"
 
 
-def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica: int) -> ip.OutOfMemoryError:
-    """Poplar's out-of-memory report, said in the model's terms: which IPU, stages and blocks."""
-    lines = []
-    for r in sorted(error.reports, key=lambda r: -r.max_tile):
-        if r.fits:
-            continue
-        ipu = r.ipu % ipus_per_replica
-        replica = f" of replica {r.ipu // ipus_per_replica}" if len(error.reports) > ipus_per_replica else ""
-        stages = sorted({p.stage for p in placement.blocks if p.ipu == ipu})
-        blocks = [str(p.block.user_id) for p in placement.blocks if p.ipu == ipu]
-        lines.append(f"IPU {r.ipu}{replica} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}; "
-                     f"blocks {', '.join(blocks)}) needs {r.max_tile} bytes on its busiest tile, "
-                     f"{r.target.bytes_per_tile} fit; {r.summary()}")
-    busiest = max(error.reports, key=lambda r: r.max_tile)
-    free = [r.ipu for r in error.reports if r.max_tile < busiest.max_tile // 2]
-    hint = ("Split the blocks of that IPU over more IPUs (more pipeline stages with Stage(...).ipu(n)"
-            + (f", e.g. onto IPU {free[0]} which has room" if free else "") +
-            "), reduce the micro-batch size, or move optimiser state off chip "
-            "(Options.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))).")
-    message = "Out of memory compiling the model:\n  " + "\n  ".join(lines) + f"\n{hint}\n\n{error}"
-    return ip.OutOfMemoryError(message, error.reports)
-
-
-def compile_or_load(executor: PoplarExecutor, args, kwargs) -> None:
-    """Compile, or load from the executable cache when Options.enableExecutableCaching is set."""
-    if executor.options.cache_path is None:
-        executor._compile(args, kwargs)
-        return
-    from .cache import compile_or_load as cached
-    cached(executor, args, kwargs)
-
-
-def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
-                     *, check_memory: bool = True) -> Executable:
-    """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
-    weight-update programs when training (`optimizer` given) and build the Engine (not loaded)."""
-    replicas = options.replication_factor
-    per_replica = 1 + max(stage_ipus)
-    device = ip.Device(target, per_replica * replicas)
-    programs: list = []
-    locations = tensor_locations(options, placement)
-    lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
-                          schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations)
-                 for r in range(replicas)]
-    for low in lowerings:
-        low.build()
-    updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
-    engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
-    return Executable(lowerings, engine, schedule, ir, placement, updates)
-
-
 def input_signature(args) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def tensor_locations(options, placement) -> Locations:
-    """Which tensor classes live off chip: TensorLocations settings, and the phased strategies'
-    Liveness for the activations a later phase needs."""
-    settings = options.tensor_locations
-    off = {cls: s is not None and s.on_chip is False for cls, s in settings.items()}
-    liveness = getattr(placement, "liveness", Liveness.AlwaysLive)
-    stash_off_chip = off["activation"] or liveness != Liveness.AlwaysLive
-    minimum = {mine: (settings[theirs].min_elements_for_off_chip or 0) if settings[theirs] is not None else 0
-               for mine, theirs in (("weights", "weight"), ("accumulators", "accumulator"),
-                                    ("activations", "activation"), ("optimiser", "optimizer"))}
-    return Locations(weights=off["weight"], accumulators=off["accumulator"], optimiser=off["optimizer"],
-                     activations=stash_off_chip, min_elements=minimum)
-
-
-def loss_scaling(optimizer) -> float:
-    """The loss scaling of a PopTorch optimizer (1 for plain torch optimizers)."""
-    values = {float(g.get("loss_scaling", 1.0)) for g in optimizer.param_groups}
-    if len(values) > 1:
-        raise ValueError(f"all parameter groups must use the same loss_scaling, got {sorted(values)}")
-    return values.pop()
-
-
-def target_of(options) -> ip.Target:
-    """The emulated IPU: Options.Emulator.setTarget, else the offline target's version (GC200 default)."""
-    target = options.Emulator.target
-    if isinstance(target, ip.Target):
-        return target
-    if target:
-        return ip.get_target(target)
-    return ip.GC2 if options.ipu_version == 1 else ip.GC200
 
 
 def torch_dtype(dtype) -> torch.dtype:
     return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
             np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
-
-
-def build_schedule(placement, options, training: bool):
-    """The schedule of this placement (ipusim.schedules): the runtime executes it step by step."""
-    return placement.schedule(training=training,
-                              gradient_accumulation=options.gradient_accumulation if training else 1,
-                              device_iterations=options.device_iterations)
 
 
 def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:

@@ -1,7 +1,7 @@
 """Blocks: the user's annotations that split a model into parts placed on IPUs.
 
 A *block* is a named region of the model's forward pass. Execution strategies
-(``poptorch_lite.strategies``) later group blocks into stages and place them on
+(``poptorch_lite.api.strategies``) later group blocks into stages and place them on
 IPUs. Blocks are declared four ways, as in PopTorch:
 
 - ``with Block("B1", ipu_id=0): ...`` -- the ops inside the ``with`` belong to "B1";
@@ -10,7 +10,7 @@ IPUs. Blocks are declared four ways, as in PopTorch:
   and lasts until the next block starts;
 - ``@BlockFunction("B1", ipu_id=0)`` -- each call of the function runs inside "B1".
 
-Blocks only act while a model is being captured (``poptorch_lite.capture``), through
+Blocks only act while a model is being captured (``poptorch_lite.compiler.capture``), through
 the thread-local state opened by :func:`tracing_blocks`. Outside it they do nothing,
 so an annotated model runs in eager PyTorch exactly as before.
 

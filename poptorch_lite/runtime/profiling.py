@@ -9,7 +9,7 @@ record of every call. Files go to DIR/<model name> (Options.modelName, else "tra
 - when the model is destroyed or garbage collected, or the process exits (once): profile.json
   again with the totals of every call, trace.json, the PNG charts, and the summary printed.
 
-The profile itself is ipusim's (ipusim.profile); this module adds what only the compiler knows:
+The profile itself is ipusim's (ipusim.report.profile); this module adds what only the compiler knows:
 stages and their blocks, the block table behind the balance advice, and re-lowering the model
 for estimates on another target or another split without running it.
 """
@@ -19,11 +19,11 @@ import copy
 import os
 
 import ipusim as ip
-from ipusim import advisor
-from ipusim import profile as ipprofile
+from ipusim.report import advisor
+from ipusim.report import profile as ipprofile
 
-from . import batching
-from .executor import build_executable
+from ..api import batching
+from ..compiler.executable import build_executable
 
 
 class Profiler:

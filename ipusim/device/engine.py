@@ -15,7 +15,7 @@ Modes (same program, same cycles and memory, different host work):
 
 Profiling (`profile_dir=DIR`): every run is recorded with the program nodes it executed, and
 DIR receives profile.json, trace.json and charts when the engine is closed or collected, or at
-exit (see ipusim.profile). Off by default, and then nothing is recorded.
+exit (see ipusim.report.profile). Off by default, and then nothing is recorded.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class Engine:
         self.kernel_threads = min(int(kernel_threads or os.environ.get("IPUSIM_KERNEL_THREADS", 1)),
                                   numba.config.NUMBA_NUM_THREADS)
         if profile_dir is not None:
-            from .profile import EngineProfiler
+            from ..report.profile import EngineProfiler
             self._profiler = EngineProfiler(self, profile_dir)
 
     def host_state(self, threads: int = 1) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 KiB = 1024
 
 
-#: Most tiles a target may have: tile mappings are int16 (see ipusim.tensor.TILE_DTYPE).
+#: Most tiles a target may have: tile mappings are int16 (see ipusim.device.tensor.TILE_DTYPE).
 MAX_TILES = 2 ** 15 - 1
 
 

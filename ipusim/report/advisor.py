@@ -28,8 +28,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import schedules
-from .target import Target
+from .. import schedules
+from ..device.target import Target
 
 EXHAUSTIVE_LIMIT = 2000
 

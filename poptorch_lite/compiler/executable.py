@@ -1,0 +1,168 @@
+"""From a torch.nn.Module to an Executable: the compiler's pipeline end to end.
+
+capture (torch.fx, blocks on nodes) -> placement (blocks to stages and IPUs) -> IR -> autodiff
+(training) -> schedule -> lowering to ipusim, one `Lowering` per replica on one device, weight
+updates -> an Engine. The runtime (`poptorch_lite.runtime`) loads and runs the result.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+import ipusim as ip
+
+from ..api.enums import Liveness
+from .autodiff import differentiate
+from .capture import capture, place_graph
+from .frontend import to_ir
+from .lowering import Locations, Lowering
+from .updates import UpdatePlan, build_updates
+
+
+class Executable:
+    """Everything compiled for one input signature: one `Lowering` per replica on one device."""
+
+    def __init__(self, lowerings: list[Lowering], engine: ip.Engine, schedule, ir, placement, updates: UpdatePlan):
+        self.lowerings = lowerings
+        self.engine = engine
+        self.schedule = schedule
+        self.ir = ir
+        self.placement = placement
+        self.updates = updates
+        self.in_channels = collections.defaultdict(list)    # (replica, key) -> channels into it
+        self.out_channels = collections.defaultdict(list)   # (replica, key) -> channels out of it
+        for r, low in enumerate(lowerings):
+            for ch in low.channels:
+                self.out_channels[(r, ch.src)].append(ch)
+                self.in_channels[(r, ch.dst)].append(ch)
+
+    @property
+    def lowering(self) -> Lowering:
+        """Replica 0's lowering (what every replica has, on other IPUs)."""
+        return self.lowerings[0]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.lowerings)
+
+    @property
+    def stage_programs(self) -> dict:
+        return self.lowerings[0].stage_programs
+
+
+def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool, optimizer,
+                  named_weights: dict, progress=lambda percent: None) -> Executable:
+    """Compile `model` for one micro-batch of inputs (`args`, `kwargs`): capture, place blocks on
+    stages and IPUs, convert to IR, differentiate (training), build the schedule, lower to ipusim
+    and load the Engine. `progress(percent)` is told how far it got."""
+    was_training = torch.nn.Module.__getattribute__(model, "training")
+    buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
+    model.train(training)
+    try:
+        with torch.no_grad():
+            gm = capture(model, *args, **kwargs)
+    finally:
+        model.train(was_training)
+        with torch.no_grad():  # capture ran the model once: undo its buffer updates
+            for b, saved in buffers:
+                b.copy_(saved)
+    progress(15)
+    placement = place_graph(gm, options.execution_strategy)
+    ir = to_ir(gm, placement, training)
+    progress(10)
+    if training:
+        trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
+        ir.grads = differentiate(ir, ir.loss, seed=loss_scaling(optimizer), wrt=trainable)
+    progress(15)
+    schedule = build_schedule(placement, options, training)
+    try:
+        executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
+                                      optimizer, named_weights)
+    except ip.OutOfMemoryError as error:
+        raise model_out_of_memory(error, placement, placement.num_ipus) from None
+    progress(35)
+    executable.engine.load()
+    progress(25)
+    return executable
+
+
+def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
+                     *, check_memory: bool = True) -> Executable:
+    """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
+    weight-update programs when training (`optimizer` given) and build the Engine (not loaded)."""
+    replicas = options.replication_factor
+    per_replica = 1 + max(stage_ipus)
+    device = ip.Device(target, per_replica * replicas)
+    programs: list = []
+    locations = tensor_locations(options, placement)
+    lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
+                          schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations)
+                 for r in range(replicas)]
+    for low in lowerings:
+        low.build()
+    updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
+    engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
+    return Executable(lowerings, engine, schedule, ir, placement, updates)
+
+
+def tensor_locations(options, placement) -> Locations:
+    """Which tensor classes live off chip: TensorLocations settings, and the phased strategies'
+    Liveness for the activations a later phase needs."""
+    settings = options.tensor_locations
+    off = {cls: s is not None and s.on_chip is False for cls, s in settings.items()}
+    liveness = getattr(placement, "liveness", Liveness.AlwaysLive)
+    stash_off_chip = off["activation"] or liveness != Liveness.AlwaysLive
+    minimum = {mine: (settings[theirs].min_elements_for_off_chip or 0) if settings[theirs] is not None else 0
+               for mine, theirs in (("weights", "weight"), ("accumulators", "accumulator"),
+                                    ("activations", "activation"), ("optimiser", "optimizer"))}
+    return Locations(weights=off["weight"], accumulators=off["accumulator"], optimiser=off["optimizer"],
+                     activations=stash_off_chip, min_elements=minimum)
+
+
+def loss_scaling(optimizer) -> float:
+    """The loss scaling of a PopTorch optimizer (1 for plain torch optimizers)."""
+    values = {float(g.get("loss_scaling", 1.0)) for g in optimizer.param_groups}
+    if len(values) > 1:
+        raise ValueError(f"all parameter groups must use the same loss_scaling, got {sorted(values)}")
+    return values.pop()
+
+
+def target_of(options) -> ip.Target:
+    """The emulated IPU: Options.Emulator.setTarget, else the offline target's version (GC200 default)."""
+    target = options.Emulator.target
+    if isinstance(target, ip.Target):
+        return target
+    if target:
+        return ip.get_target(target)
+    return ip.GC2 if options.ipu_version == 1 else ip.GC200
+
+
+def build_schedule(placement, options, training: bool):
+    """The schedule of this placement (ipusim.schedules): the runtime executes it step by step."""
+    return placement.schedule(training=training,
+                              gradient_accumulation=options.gradient_accumulation if training else 1,
+                              device_iterations=options.device_iterations)
+
+
+def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica: int) -> ip.OutOfMemoryError:
+    """Poplar's out-of-memory report, said in the model's terms: which IPU, stages and blocks."""
+    lines = []
+    for r in sorted(error.reports, key=lambda r: -r.max_tile):
+        if r.fits:
+            continue
+        ipu = r.ipu % ipus_per_replica
+        replica = f" of replica {r.ipu // ipus_per_replica}" if len(error.reports) > ipus_per_replica else ""
+        stages = sorted({p.stage for p in placement.blocks if p.ipu == ipu})
+        blocks = [str(p.block.user_id) for p in placement.blocks if p.ipu == ipu]
+        lines.append(f"IPU {r.ipu}{replica} (stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))}; "
+                     f"blocks {', '.join(blocks)}) needs {r.max_tile} bytes on its busiest tile, "
+                     f"{r.target.bytes_per_tile} fit; {r.summary()}")
+    busiest = max(error.reports, key=lambda r: r.max_tile)
+    free = [r.ipu for r in error.reports if r.max_tile < busiest.max_tile // 2]
+    hint = ("Split the blocks of that IPU over more IPUs (more pipeline stages with Stage(...).ipu(n)"
+            + (f", e.g. onto IPU {free[0]} which has room" if free else "") +
+            "), reduce the micro-batch size, or move optimiser state off chip "
+            "(Options.TensorLocations.setOptimizerLocation(TensorLocationSettings().useOnChipStorage(False))).")
+    message = "Out of memory compiling the model:\n  " + "\n  ".join(lines) + f"\n{hint}\n\n{error}"
+    return ip.OutOfMemoryError(message, error.reports)
