@@ -5,7 +5,7 @@ the tutorial's batching is compiled in fresh processes, as a user's runs would b
 - "compile": caching off (the compiler alone);
 - "cold": caching on, empty cache directory (compile, then save the entry);
 - "cached": caching on, the entry of the cold run present (load instead of compiling).
-Each figure is the median over the repeats of the model's compile step (`compile_or_load`) and
+Each figure is the median over the repeats of the model's compile step (`_compile_or_load`) and
 of the whole process (interpreter start, imports, compile step). A first, unmeasured run fills
 Numba's and the OS's caches so that no variant pays for them.
 
@@ -47,7 +47,7 @@ training = poptorch.trainingModel(model, opts, poptorch.optim.AdamW(model.parame
 n = micro * accumulation * iterations
 args = (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,)))
 start = time.perf_counter()
-loaded = cache.compile_or_load(training, args, {{}})
+loaded = training._compile_or_load(args, {{}})
 seconds = time.perf_counter() - start
 entries = [f for f in os.listdir(cache_dir) if f.endswith(cache.SUFFIX)] if cache_dir != "-" else []
 size = sum(os.path.getsize(os.path.join(cache_dir, f)) for f in entries)

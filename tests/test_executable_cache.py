@@ -76,7 +76,7 @@ def tiny_batch(seed=1, batch=BATCH):
 
 def first_call(executor, *args):
     """What the executor's first call does with caching on: compile or load, then run."""
-    loaded = cache.compile_or_load(executor, args, {})
+    loaded = executor._compile_or_load(args, {})
     executor._compiled_shapes = input_signature(args)  # as the executor records after compiling
     return loaded, executor(*args)
 
@@ -261,7 +261,7 @@ def test_loaded_executable_matches_a_fresh_compile(tmp_path, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_model_calls_compile_or_load_through_the_cache(tmp_path, monkeypatch):
+def test_model_calls_use_the_cache(tmp_path, monkeypatch):
     """The executor's own first call and compile() use the cache."""
     _, first = tiny_training(tmp_path)
     first(*tiny_batch())
@@ -355,7 +355,7 @@ def test_torch_random_generator_ends_as_after_compiling(tmp_path):
                                           poptorch.optim.SGD(model.parameters(), lr=0.1))
         torch.manual_seed(5)
         before = torch.get_rng_state()
-        cache.compile_or_load(training, tiny_batch(), {})
+        training._compile_or_load(tiny_batch(), {})
         states.append(torch.get_rng_state())
     assert not torch.equal(states[0], before)  # compiling draws from the generator
     assert torch.equal(states[0], states[1]) and torch.equal(states[0], states[2])
@@ -491,14 +491,14 @@ def test_entries_get_the_permissions_of_the_umask(compiled, tmp_path):
 
 
 def test_waiting_process_loads_the_entry_the_compiling_one_stores(compiled, tmp_path, monkeypatch):
-    """While another compiler holds the key's lock, compile_or_load waits, then loads its entry."""
+    """While another compiler holds the key's lock, the model's compile step waits, then loads its entry."""
     _, second = tiny_training(tmp_path)
     key = cache.cache_key(second.model, tiny_batch(batch=MICRO), second.options, target_of(second.options), True,
                           second._optimizer)
     holding = threading.Event()
 
     def other_process():
-        with cache._compile_lock(tmp_path, key, 10.0):
+        with cache.compile_lock(tmp_path, key, 10.0):
             holding.set()
             time.sleep(0.5)
             cache.store(tmp_path, key, compiled.executable)
@@ -514,9 +514,9 @@ def test_waiting_process_loads_the_entry_the_compiling_one_stores(compiled, tmp_
 
 
 def test_lock_wait_has_a_timeout(tmp_path, caplog):
-    with cache._compile_lock(tmp_path, "k", 10.0):
+    with cache.compile_lock(tmp_path, "k", 10.0):
         start = time.perf_counter()
-        with caplog.at_level(logging.INFO, logger="poptorch_lite"), cache._compile_lock(tmp_path, "k", 0.3):
+        with caplog.at_level(logging.INFO, logger="poptorch_lite"), cache.compile_lock(tmp_path, "k", 0.3):
             waited = time.perf_counter() - start
     assert waited >= 0.3
     assert "compiling here too" in caplog.text
@@ -555,7 +555,7 @@ SCRIPT = textwrap.dedent("""
         import pytest
         forbid_compiling(pytest.MonkeyPatch())
     start = time.perf_counter()
-    loaded = cache.compile_or_load(training, args, {{}})
+    loaded = training._compile_or_load(args, {{}})
     seconds = time.perf_counter() - start
     training._compiled_shapes = input_signature(args)
     out, loss = training(*args)

@@ -56,7 +56,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -69,11 +68,8 @@ import ipusim as ip
 from ipusim.ops import optim as device_optim
 
 from ..compiler.capture import capture
-from ..compiler.executable import Executable, target_of
+from ..compiler.executable import Executable
 from ..compiler.updates import device_config
-
-if TYPE_CHECKING:
-    from .executor import PoplarExecutor
 
 try:
     import fcntl
@@ -608,54 +604,8 @@ _REDUCERS = {
 }
 
 
-# ---- compile or load ------------------------------------------------------------------------------
-def compile_or_load(executor: PoplarExecutor, args, kwargs, *, lock_timeout: float = LOCK_TIMEOUT) -> bool:
-    """Compile `executor` for this call's inputs, or load its executable from the cache when
-    ``options.cache_path`` is set and holds an entry for it; returns True when loaded.
-
-    On a miss a single-process run holds the key's lock while it compiles and stores the entry,
-    so that other processes compiling the same model wait and load it instead. The processes of a
-    distributed run (``numProcesses > 1``) compile without the lock: compiling ends with
-    collectives between them (weight broadcast), which a process waiting for the lock would
-    never join."""
-    options = executor.options
-    path = options.cache_path
-    if path is None:
-        executor._compile(args, kwargs)
-        return False
-    start = time.perf_counter()
-    margs, mkwargs = executor._micro_batch_args(args, kwargs)
-    key = cache_key(executor.model, margs, options, target_of(options), executor._training,
-                    executor._optimizer, mkwargs)
-    seen = _entry_version(path, key)
-    executable = load(path, key)
-    if executable is None:
-        lock = _compile_lock(path, key, lock_timeout) if options.num_processes == 1 else contextlib.nullcontext()
-        with lock:
-            if _entry_version(path, key) != seen:  # another process stored it meanwhile
-                executable = load(path, key)
-            if executable is None:
-                # the key's capture already drew what the compiler's capture draws from torch's
-                # random generator: the generator ends as after compiling without the cache
-                with torch.random.fork_rng(devices=[]):
-                    executor._compile(args, kwargs)
-                store(path, key, executor._executable)
-                return False
-    _install(executor, executable)
-    logger.info("Loaded the compiled model from the executable cache %s in %.2f s", entry_path(path, key),
-                time.perf_counter() - start)
-    return True
-
-
-def _install(executor: PoplarExecutor, executable: Executable) -> None:
-    """What the executor does after building an executable, then the optimiser's current
-    hyperparameters (the entry has those of the process that saved it)."""
-    executor._install(executable)
-    if executor._training:
-        executor.setOptimizer(executor._optimizer)
-
-
-def _entry_version(path, key: str) -> tuple | None:
+# ---- entries and locks --------------------------------------------------------------------------
+def entry_version(path, key: str) -> tuple | None:
     try:
         st = os.stat(entry_path(path, key))
     except OSError:
@@ -664,7 +614,7 @@ def _entry_version(path, key: str) -> tuple | None:
 
 
 @contextlib.contextmanager
-def _compile_lock(path, key: str, timeout: float):
+def compile_lock(path, key: str, timeout: float):
     """Hold the exclusive lock of `key` in `path`; wait at most `timeout` seconds for it."""
     fd = None
     if fcntl is not None:

@@ -9,7 +9,9 @@ records the simulated cycles of each step for the profiler.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
+import time
 from concurrent.futures import ThreadPoolExecutor
 import weakref
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from ..api.options import Options
 from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.updates import read_state, write_hyperparameters
-from .cache import compile_or_load
+from . import cache
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
@@ -170,7 +172,7 @@ class PoplarExecutor:
     def compile(self, *args, **kwargs) -> None:
         """Compile for these inputs without running (the only way with an offline target)."""
         if self._executable is None:
-            compile_or_load(self, args, kwargs)
+            self._compile_or_load(args, kwargs)
             self._compiled_shapes = input_signature(args)
 
     def _tensor_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
@@ -201,6 +203,45 @@ class PoplarExecutor:
                                        self._optimizer if self._training else None, self._named_weights(),
                                        progress=bar.update)
         self._install(executable)
+
+    def _compile_or_load(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
+        """Compile for this call's inputs, or load the executable from the cache when
+        ``options.cache_path`` is set and holds an entry for it; returns True when loaded.
+
+        On a miss a single-process run holds the key's lock while it compiles and stores the
+        entry, so that other processes compiling the same model wait and load it instead. The
+        processes of a distributed run (``numProcesses > 1``) compile without the lock: compiling
+        ends with collectives between them (weight broadcast), which a process waiting for the
+        lock would never join."""
+        options = self._options
+        path = options.cache_path
+        if path is None:
+            self._compile(args, kwargs)
+            return False
+        start = time.perf_counter()
+        margs, mkwargs = self._micro_batch_args(args, kwargs)
+        key = cache.cache_key(self._user_model, margs, options, target_of(options), self._training,
+                              self._optimizer, mkwargs)
+        seen = cache.entry_version(path, key)
+        executable = cache.load(path, key)
+        if executable is None:
+            lock = cache.compile_lock(path, key, lock_timeout) if options.num_processes == 1 else contextlib.nullcontext()
+            with lock:
+                if cache.entry_version(path, key) != seen:  # another process stored it meanwhile
+                    executable = cache.load(path, key)
+                if executable is None:
+                    # the key's capture already drew what the compiler's capture draws from torch's
+                    # random generator: the generator ends as after compiling without the cache
+                    with torch.random.fork_rng(devices=[]):
+                        self._compile(args, kwargs)
+                    cache.store(path, key, self._executable)
+                    return False
+        self._install(executable)
+        if self._training:  # the entry has the hyperparameters of the process that saved it
+            self.setOptimizer(self._optimizer)
+        cache.logger.info("Loaded the compiled model from the executable cache %s in %.2f s",
+                          cache.entry_path(path, key), time.perf_counter() - start)
+        return True
 
     def _install(self, executable: Executable) -> None:
         """Make a compiled (or cached) executable this model's: hooks, streams, weights."""
@@ -320,7 +361,7 @@ class PoplarExecutor:
                                "model.compile(inputs) instead of model(inputs)")
         shapes = input_signature(args)
         if self._executable is None:
-            compile_or_load(self, args, kwargs)
+            self._compile_or_load(args, kwargs)
             self._compiled_shapes = shapes
         elif shapes != self._compiled_shapes:
             raise RuntimeError(f"the model was compiled for inputs {self._compiled_shapes} and is now called with "
