@@ -19,10 +19,11 @@ import multiprocessing
 import numbers
 import os
 import pickle
-import queue
 import shutil
 import signal
 import tempfile
+import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -321,7 +322,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self):
         if self._accessor is not None:
-            return iter(self._accessor)
+            return _AsyncEpoch(self, iter(self._accessor))
         if self._global_order is not None:
             self.dataset.order.copy_(self._global_order.next_epoch())
         return super().__iter__()
@@ -349,9 +350,30 @@ class DataLoader(torch.utils.data.DataLoader):
         return state
 
 
+class _AsyncEpoch:
+    """One epoch of an asynchronous DataLoader. It holds the loader, so that a
+    loader iterated without being bound to a name (``for x in
+    DataLoader(...)``) lives, and keeps its worker, until the epoch ends."""
+
+    def __init__(self, loader: DataLoader, accessor: "AsynchronousDataAccessor"):
+        self._loader = loader
+        self._accessor = accessor
+
+    def __iter__(self) -> "_AsyncEpoch":
+        return self
+
+    def __next__(self):
+        return next(self._accessor)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
 # --- asynchronous loading -------------------------------------------------
 
 _LIVE_ACCESSORS = weakref.WeakSet()
+# Seconds between the worker process's checks that the host still runs.
+_HOST_CHECK_INTERVAL = 0.1
 
 
 @atexit.register
@@ -439,9 +461,9 @@ class _Worker:
     ``load_indefinitely``) is ignored.
     """
 
-    def __init__(self, source, data_queue, commands, settings):
+    def __init__(self, source, data, commands, settings):
         self.source = source
-        self.data = data_queue
+        self.data = data  # the write end of the pipe to the host
         self.commands = commands
         self.settings = settings
         self.credits = settings.buffer_size
@@ -477,11 +499,17 @@ class _Worker:
             self.stopping = True
 
     def host_alive(self) -> bool:
-        if os.getppid() != self.start_parent:
-            return False  # our parent died: we were re-parented
-        # A forkserver worker's parent is the server, not the host.
-        return (self.start_parent == self.settings.parent_pid
-                or _running(self.settings.parent_pid))
+        return _host_alive(self.settings, self.start_parent)
+
+    def close(self) -> None:
+        """Shut down the iterators of the source: a torch DataLoader joins its
+        worker processes (persistent ones too) and releases their queues."""
+        iterators = (self.iterator, getattr(self.source, "_iterator", None))
+        self.iterator = None
+        for iterator in iterators:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     def handle(self, command) -> None:
         if command[0] == "stop":
@@ -505,7 +533,7 @@ class _Worker:
             self.fail(error)
 
     def fail(self, error: BaseException) -> None:
-        self.data.put(("error", self.epoch, *_describe_exception(error)))
+        self.data.send(("error", self.epoch, *_describe_exception(error)))
         self.epoch, self.iterator = None, None
 
     def step(self) -> None:
@@ -518,10 +546,10 @@ class _Worker:
         if self.ready:
             self.credits -= 1
             self.sent += 1
-            self.data.put(("data", self.epoch, self.ready.popleft()))
+            self.data.send(("data", self.epoch, self.ready.popleft()))
         elif self.exhausted:
             finished = self.epoch
-            self.data.put(("end", finished))
+            self.data.send(("end", finished))
             # An empty epoch is not repeated by itself: it would spin.
             if self.settings.load_indefinitely and self.sent:
                 self.begin(finished + 1)
@@ -563,22 +591,79 @@ def _running(pid: int) -> bool:
         return True
 
 
-def _worker_main(payload, data_queue, commands, settings) -> None:
+def _fork_loader_workers(source) -> None:
+    """Start the torch DataLoader workers of ``source`` as they would start in
+    the user's own process: by fork where the platform has it.
+
+    A spawned Python process makes ``spawn`` its own default start method, so
+    without this every worker of the loader this process iterates would be a
+    fresh interpreter importing torch (seconds each; 16 workers are 16 more
+    interpreters, and every spawned queue's semaphores are left to the
+    resource tracker). This process is fresh and runs no Numba threads or
+    BLAS pools, so forking it is safe. A ``multiprocessing_context`` the user
+    gave the DataLoader is always honoured."""
+    if (isinstance(source, torch.utils.data.DataLoader) and source.num_workers > 0
+            and source.multiprocessing_context is None
+            and "fork" in multiprocessing.get_all_start_methods()):
+        source.multiprocessing_context = "fork"
+
+
+class _Stop(BaseException):
+    """Raised in the worker process's main thread to shut it down cleanly."""
+
+
+def _stop_on_sigterm(signum, frame):
+    raise _Stop()
+
+
+def _watch_host(settings: "_WorkerSettings", start_parent: int) -> None:
+    """Thread of the worker process: when the host process dies (however it
+    dies, SIGKILL included) stop this process, so that neither it nor the
+    DataLoader workers it started outlive the host."""
+    while _host_alive(settings, start_parent):
+        time.sleep(_HOST_CHECK_INTERVAL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _host_alive(settings: "_WorkerSettings", start_parent: int) -> bool:
+    if os.getppid() != start_parent:
+        return False  # our parent died: we were re-parented
+    # A forkserver worker's parent is the server, not the host.
+    return start_parent == settings.parent_pid or _running(settings.parent_pid)
+
+
+def _worker_main(payload, data, commands, settings) -> None:
     """Entry point of the worker process."""
     # The host owns shutdown: Ctrl-C reaches it, and it stops this worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (from the host's terminate() or from the watcher below) unwinds
+    # the main thread, so that the DataLoader workers are shut down and the
+    # queues closed before this process exits.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    threading.Thread(target=_watch_host, args=(settings, os.getppid()), daemon=True,
+                     name="host watcher").start()
+    worker = None
     try:
-        if isinstance(payload, str):
-            with open(payload, "rb") as dump:
-                payload = pickle.load(dump)
-        if isinstance(payload, DataLoader):
-            payload._accessor = None  # this copy loads synchronously
-    except Exception as error:  # pylint: disable=broad-except
-        data_queue.put(("error", None, *_describe_exception(error)))
-        return
-    data_queue.put(("ready", ))
-    _Worker(payload, data_queue, commands, settings).run()
-    data_queue.cancel_join_thread()  # undelivered items are not needed
+        try:
+            if isinstance(payload, str):
+                with open(payload, "rb") as dump:
+                    payload = pickle.load(dump)
+            if isinstance(payload, DataLoader):
+                payload._accessor = None  # this copy loads synchronously
+            _fork_loader_workers(payload)
+        except Exception as error:  # pylint: disable=broad-except
+            data.send(("error", None, *_describe_exception(error)))
+            return
+        data.send(("ready", ))
+        worker = _Worker(payload, data, commands, settings)
+        worker.run()
+    except (_Stop, BrokenPipeError, ConnectionResetError):
+        pass  # stopped, or the host closed its end: nobody wants more items
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown below is not interrupted
+        if worker is not None:
+            worker.close()
+        data.close()
 
 
 class _VerbatimMessage(str):
@@ -620,7 +705,16 @@ class AsynchronousDataAccessor:
 
     An error in the worker is raised by ``next()`` with the worker's
     traceback in its message. ``terminate()``, a ``with`` block, ``del``
-    and interpreter exit stop the worker.
+    and interpreter exit stop the worker; terminating it during an epoch
+    makes the next ``next()`` an error, never a silently short epoch.
+
+    The worker process and the host talk through pipes (no semaphores, so
+    nothing for the resource tracker to clean up however either ends). The
+    worker stops when the host asks, when the host dies (it checks every
+    0.1 s, so it and the DataLoader workers it started are gone within a
+    second), and on SIGTERM, each time shutting its DataLoader workers down
+    first. The DataLoader workers it starts are forked (see
+    ``_fork_loader_workers``).
     """
 
     def __init__(self,
@@ -688,10 +782,12 @@ class AsynchronousDataAccessor:
                 self._remove_payload()
                 raise TypeError(self._pickle_advice(sharing_strategy,
                                                     error)) from error
-        self._data = context.Queue()
+        # Pipes, not queues: they need no semaphores, so nothing is left for
+        # the resource tracker however either process ends.
+        self._data, data_writer = context.Pipe(duplex=False)
         commands_reader, self._commands = context.Pipe(duplex=False)
         process = context.Process(target=_worker_main,
-                                  args=(payload, self._data, commands_reader,
+                                  args=(payload, data_writer, commands_reader,
                                         self._settings),
                                   name="AsynchronousDataAccessor",
                                   daemon=False)
@@ -703,6 +799,7 @@ class AsynchronousDataAccessor:
                                                 error)) from error
         finally:
             commands_reader.close()
+            data_writer.close()
         self._process = process
         _LIVE_ACCESSORS.add(self)
 
@@ -753,8 +850,15 @@ class AsynchronousDataAccessor:
         return self
 
     def __next__(self):
-        if self._current is None or self._done or self._process is None:
+        if self._current is None or self._done:
             raise StopIteration
+        if self._process is None:
+            self._done = True
+            raise RuntimeError(
+                f"The AsynchronousDataAccessor was terminated during an epoch, "
+                f"after {self._received} item(s): the epoch cannot be "
+                f"completed. Terminate it (or the DataLoader) only after the "
+                f"iteration, or create a new one to load data again.")
         self._release()
         while True:
             message = self._receive()
@@ -802,14 +906,10 @@ class AsynchronousDataAccessor:
     def _receive(self):
         while True:
             try:
-                return self._data.get(timeout=0.1)
-            except queue.Empty:
-                if self._process.is_alive():
-                    continue
-                try:  # it may have sent something just before exiting
-                    return self._data.get(timeout=0.1)
-                except queue.Empty:
-                    raise self._death_error() from None
+                if self._data.poll(0.1):
+                    return self._data.recv()
+            except EOFError:  # the worker closed its end: it has exited
+                raise self._death_error() from None
             except Exception as error:  # pylint: disable=broad-except
                 # Shared tensors are fetched from the worker: this fails
                 # when the worker is exiting.
@@ -819,6 +919,8 @@ class AsynchronousDataAccessor:
                         "AsynchronousDataAccessor could not receive an item "
                         f"from its worker process: {error!r}") from error
                 raise self._death_error() from error
+            if not self._process.is_alive() and not self._data.poll(0):
+                raise self._death_error()
 
     def _death_error(self) -> RuntimeError:
         process = self._process
@@ -875,7 +977,6 @@ class AsynchronousDataAccessor:
         process.join()
         process.close()
         self._commands.close()
-        self._data.cancel_join_thread()
         self._data.close()
         self._remove_payload()
 
