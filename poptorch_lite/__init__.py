@@ -7,8 +7,8 @@ ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profil
 from .api import enums, optim, options
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, removeBlocks
 from .api.data import AsynchronousDataAccessor, DataLoader
-from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, Liveness, MeanReductionStrategy, OutputMode,
-                        ReductionType, SyncPattern)
+from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
+                        MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import identity_loss
 from .api.options import Options, TensorLocationSettings, setLogLevel
 from .api.strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
@@ -21,8 +21,8 @@ from .runtime.executor import PoplarExecutor, inferenceModel, trainingModel
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Liveness", "MeanReductionStrategy",
+           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
-           "ReductionType", "SerialPhasedExecution", "ShardedExecution", "Stage", "StrategyError", "SyncPattern",
+           "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnsupportedOpError", "identity_loss", "inferenceModel", "op_placement", "optim",
            "removeBlocks", "setLogLevel", "trainingModel"]

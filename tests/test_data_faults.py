@@ -241,3 +241,38 @@ class SlowSquares(Squares):
 
 def test_poptorch_name_is_the_same_loader():
     assert poptorch.DataLoader is DataLoader
+
+
+FORKED_AFTER_PARALLEL_WORK = textwrap.dedent("""
+    import torch
+    import poptorch_lite as poptorch
+
+    class Numbers(torch.utils.data.Dataset):
+        def __len__(self):
+            return 200000
+
+        def __getitem__(self, index):
+            return torch.tensor([index])
+
+    if __name__ == "__main__":
+        torch.randn(2000, 2000) @ torch.randn(2000, 2000)  # the host's intra-op threads have run
+        loader = poptorch.DataLoader(poptorch.Options(), Numbers(), batch_size=1000, shuffle=True,
+                                     mode=poptorch.DataLoaderMode.Async,
+                                     async_options={"sharing_strategy": poptorch.SharingStrategy.Fork})
+        print("batches", sum(1 for _ in loader))
+""")
+
+
+def test_a_forked_accessor_does_not_hang_in_torch_after_the_host_ran_parallel_ops(tmp_path):
+    """A forked process inherits a broken intra-op thread pool: the accessor runs torch with one
+    thread, as torch's own DataLoader workers do (the shuffle's randperm hung before)."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_AFTER_PARALLEL_WORK)
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert "batches 200" in out, err

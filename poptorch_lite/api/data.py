@@ -642,6 +642,11 @@ def _worker_main(payload, data, commands, settings) -> None:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     threading.Thread(target=_watch_host, args=(settings, os.getppid()), daemon=True,
                      name="host watcher").start()
+    # One intra-op thread, as in torch's own DataLoader workers: this process
+    # only loads, and a forked copy of a host that has run parallel torch ops
+    # would hang in its first parallel region (the thread pool does not
+    # survive the fork).
+    torch.set_num_threads(1)
     worker = None
     try:
         try:
