@@ -483,8 +483,16 @@ class PoplarExecutor:
     def _shape_outputs(self, exe: Executable):
         plan = self._output_plan
         results = {}
+        inputs = {v.id: i for i, v in enumerate(exe.ir.inputs)}
         for i, v in enumerate(flatten_values(exe.ir.outputs)):
-            got = self._outputs.get(i, {})
+            if v.id in inputs:
+                # An output that is a model input (or an op that reduces to one, such as dropout
+                # in inference) is the input's micro-batch as the device received it.
+                data = self._inputs[inputs[v.id]]
+                got = {(k, r): data[k * exe.replicas + r]
+                       for k in range(len(data) // exe.replicas) for r in range(exe.replicas)}
+            else:
+                got = self._outputs.get(i, {})
             per_step = {(*self._step_of(k), r): torch.from_numpy(np.array(a)).to(torch_dtype(v.dtype))
                         for (k, r), a in got.items()}
             missing = [st for st in plan.returned_steps if (*st, 0) not in per_step]
