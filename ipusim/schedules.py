@@ -5,8 +5,9 @@ its steps in order (the ops of one step run concurrently, at most one per IPU) a
 reads the same tables. See docs/schedules.md for the rules and the closed forms.
 
 Vocabulary: a *stage* is a forward pipeline stage (0-based, in forward order); an op is the
-forward "F", backward "B" or recompute "R" of one stage for one micro-batch, or the weight
-update "W" of every stage on one IPU. In training a *group* is one gradient-accumulation group
+forward "F", backward "B" (the whole backward, or only its input gradient when the weight
+gradient "W" is a separate op) or recompute "R" of one stage for one micro-batch, or the weight
+update "U" of every stage on one IPU. In training a *group* is one gradient-accumulation group
 (one device iteration, closed by a weight update that flushes the pipeline); in inference the
 whole call is one group of `device_iterations` micro-batches.
 """
@@ -15,14 +16,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
-KINDS = ("F", "B", "W", "R")
+KINDS = ("F", "B", "W", "U", "R")
 PIPELINE_KINDS = ("grouped", "interleaved", "sequential")
 
 
 @dataclass(frozen=True)
 class Op:
     """One unit of work on one IPU. `stage`, `micro_batch` and `global_micro_batch` are None
-    for a weight update "W", which updates the weights of every stage placed on `ipu`.
+    for a weight update "U", which updates the weights of every stage placed on `ipu`.
     `micro_batch` counts within the group, `global_micro_batch` within the call.
     `phase` is the execution-phase id in phased execution, else None."""
 
@@ -40,8 +41,8 @@ class Op:
 
     @property
     def label(self) -> str:
-        """Figure label: "F3" = forward of micro-batch 3 (numbered from 1 in the call), "W"."""
-        return "W" if self.kind == "W" else f"{self.kind}{self.global_micro_batch + 1}"
+        """Figure label: "F3" = forward of micro-batch 3 (numbered from 1 in the call), "U"."""
+        return "U" if self.kind == "U" else f"{self.kind}{self.global_micro_batch + 1}"
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Step:
 
     @property
     def is_weight_update(self) -> bool:
-        return any(op.kind == "W" for op in self.ops)
+        return any(op.kind == "U" for op in self.ops)
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class Schedule:
         def cell(op: Op | None) -> str:
             if op is None:
                 return "."
-            return f"{op.label}s{op.stage}" if shared and op.kind != "W" else op.label
+            return f"{op.label}s{op.stage}" if shared and op.kind != "U" else op.label
 
         indices = range(len(self.steps))[start:stop]
         columns = [[str(t + 1)] + [cell(op) for op in col]
@@ -254,7 +255,7 @@ def _assemble(strategy: str, placement: tuple[int, ...], training: bool, groups:
                 Op(kind, stage, m, placement[stage], g, g * per_group + m, phase)
                 for kind, stage, m, phase in step), g))
         if training:
-            steps.append(Step(tuple(Op("W", None, None, ipu, g, None)
+            steps.append(Step(tuple(Op("U", None, None, ipu, g, None)
                                     for ipu in sorted(set(placement))), g))
     return Schedule(strategy, max(placement) + 1, placement, training, per_group, tuple(steps))
 
@@ -345,7 +346,7 @@ def pipelined_schedule(num_stages: int, *, training: bool, gradient_accumulation
 
     num_stages: forward pipeline stages; stage s runs on IPU `stage_ipus[s]` (default s), and
         so does its backward. Several stages may share an IPU: their ops queue on it.
-    training: forward and backward ops, and a weight update "W" closing every group.
+    training: forward and backward ops, and a weight update "U" closing every group.
     gradient_accumulation: micro-batches per weight update (training only; 1 in inference).
     device_iterations: in training, groups per call (each flushed by its weight update); in
         inference, the micro-batches that flow through one filled pipeline.

@@ -57,15 +57,15 @@ def pipeline_profile(n: int, g: int, stage_costs=None, update_cost: int = 1000):
     stage_costs = stage_costs or [1000] * n
     schedule = pipelined_schedule(n, training=True, gradient_accumulation=g)
     programs, index = [], {}
-    for kind, s in [(k, s) for k in "FBW" for s in range(n)]:
-        cost = update_cost if kind == "W" else stage_costs[s]
+    for kind, s in [(k, s) for k in "FBU" for s in range(n)]:
+        cost = update_cost if kind == "U" else stage_costs[s]
         index[(kind, s)] = len(programs)
         programs.append(prof.ProgramInfo(len(programs), f"{kind}{s}", ip.Cost(cost, {s: ip.Cycles(compute=cost)}),
                                          {s: [prof.Segment(f"{kind}{s}", "compute", cost)]}, {}, 0, 0))
 
     def events(op):
-        p = programs[index[(op.kind, op.ipu if op.kind == "W" else op.stage)]]
-        return [prof.ProgramEvent(op, "update" if op.kind == "W" else "compute", p.index, dict(p.cost.per_ipu))]
+        p = programs[index[(op.kind, op.ipu if op.kind == "U" else op.stage)]]
+        return [prof.ProgramEvent(op, "update" if op.kind == "U" else "compute", p.index, dict(p.cost.per_ipu))]
 
     static = prof.StaticProfile("pipeline", "ipusim", ip.GC200, n, [], programs, schedule=schedule,
                                 stages=[prof.StageInfo(s, s, [f"B{s}"]) for s in range(n)])
@@ -193,7 +193,7 @@ def test_validation_names_what_is_wrong():
     with pytest.raises(prof.ProfileError, match=r"steps\[0\]: missing required field 'cycles'") as error:
         prof.validate(broken)
     assert "supersteps[0].count: -1 is below the minimum 0" in str(error.value)
-    with pytest.raises(prof.ProfileError, match="reads version 1; the file has version 99"):
+    with pytest.raises(prof.ProfileError, match="reads version 2; the file has version 99"):
         prof.validate({**doc, "version": 99})
 
 

@@ -79,7 +79,7 @@ def test_replicated_outputs_and_all_reduce_cost():
     assert out.shape == (16, 5) and loss.shape == (8,)
     exe = training._executable
     assert exe.engine.device.num_ipus == 4
-    w_step = [s for s in training.last_run.steps if any(op.kind == "W" for op in s.ops)][0]
+    w_step = [s for s in training.last_run.steps if any(op.kind == "U" for op in s.ops)][0]
     assert sum(c.inter_ipu for c in w_step.busy.values()) > 0      # the ring all-reduce uses the links
 
 

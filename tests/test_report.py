@@ -26,14 +26,14 @@ def write_pipeline(directory, name, schedule, stage_costs, blocks=None):
         dev.graph(i).map_linearly(t)
     memory = ip.Engine(dev, [ip.Sequence()]).memory
     programs, index = [], {}
-    for kind, s in [(k, s) for k in "FBW" for s in range(n)]:
-        cost = 500 if kind == "W" else stage_costs[s]
+    for kind, s in [(k, s) for k in "FBU" for s in range(n)]:
+        cost = 500 if kind == "U" else stage_costs[s]
         index[(kind, s)] = len(programs)
         programs.append(prof.ProgramInfo(len(programs), f"{kind}{s}", ip.Cost(cost, {s: ip.Cycles(compute=cost)}),
                                          {s: [prof.Segment(f"{kind}{s}", "compute", cost)]}, {}, len(programs), 0))
 
     def events(op):
-        p = programs[index[(op.kind, op.ipu if op.kind == "W" else op.stage)]]
+        p = programs[index[(op.kind, op.ipu if op.kind == "U" else op.stage)]]
         return [prof.ProgramEvent(op, "compute", p.index, dict(p.cost.per_ipu))]
 
     static = prof.StaticProfile(name, "poptorch_lite", TARGET, n, memory, programs, schedule=schedule,
@@ -126,9 +126,9 @@ def test_errors(tmp_path, capsys):
                    [1, 1])
     code, _, err = run([a.parent, "--compare", b.parent], capsys)
     assert code == 1 and "nothing to compare" in err
-    (a / "profile.json").write_text(json.dumps({"schema": "ipusim.profile", "version": 2}))
+    (a / "profile.json").write_text(json.dumps({"schema": "ipusim.profile", "version": 3}))
     code, _, err = run([a], capsys)
-    assert code == 1 and "the file has version 2" in err
+    assert code == 1 and "the file has version 3" in err
 
 
 def test_schema_option(capsys):

@@ -25,7 +25,7 @@ def tutorial():
 def step_of(schedule):
     """(kind, stage, global micro-batch) -> step index, for F and B ops."""
     return {(op.kind, op.stage, op.global_micro_batch): t
-            for t, step in enumerate(schedule.steps) for op in step.ops if op.kind != "W"}
+            for t, step in enumerate(schedule.steps) for op in step.ops if op.kind != "U"}
 
 
 def popart_cycles(pipeline_stages, micro_batches):
@@ -52,8 +52,8 @@ def test_tutorial_figure_rendering_is_exact():
 def test_full_tutorial_schedule_flushes_then_updates_weights():
     s = tutorial()
     assert s.num_steps == 23 and s.num_groups == 1
-    assert [op.kind for op in s.steps[-1].ops] == ["W"] * 4
-    assert s.render().splitlines()[1].split()[-5:] == ["B5", "B6", "B7", "B8", "W"]
+    assert [op.kind for op in s.steps[-1].ops] == ["U"] * 4
+    assert s.render().splitlines()[1].split()[-5:] == ["B5", "B6", "B7", "B8", "U"]
 
 
 def test_inference_runs_stage_s_on_micro_batch_k_at_step_k_plus_s():
@@ -201,12 +201,12 @@ def test_weight_update_flushes_each_group(make, g, d):
     for group, t in enumerate(updates):
         assert s.steps[t].group == group
         assert sorted(op.ipu for op in s.steps[t].ops) == sorted(set(s.stage_ipus))
-        before = [op for step in s.steps[:t] for op in step.ops if op.kind != "W"]
+        before = [op for step in s.steps[:t] for op in step.ops if op.kind != "U"]
         assert all(op.group <= group for op in before)
         assert sum(op.group == group for op in before) == 2 * s.num_stages * g
     assert updates[-1] == s.num_steps - 1
     for op in s.ops:
-        if op.kind != "W":
+        if op.kind != "U":
             assert op.global_micro_batch == op.group * g + op.micro_batch
     assert s.ramp_up() == d * s.ramp_up(0) and s.main() == d * s.main(0)
 
@@ -223,7 +223,7 @@ def test_phase_ids_shared_and_separate_backward_phase():
                 assert op.phase == stage_phase[op.stage]
             elif op.kind == "B":
                 assert op.phase == backward[stage_phase[op.stage]]
-        ids = [op.phase for op in s.ops if op.kind != "W"]
+        ids = [op.phase for op in s.ops if op.kind != "U"]
         assert ids == sorted(ids)  # phases run in order
         assert s.stage_ipus == (0, 2, 1, 3, 0, 2) and s.num_ipus == 4
 
@@ -326,9 +326,9 @@ def test_schedule_invariants(s: Schedule):
     # every op exactly once, on its stage's IPU, and nothing else
     assert sorted(at) == sorted((k, stage, m) for k in kinds for stage in range(n)
                                 for m in range(total))
-    assert len([op for op in s.ops if op.kind != "W"]) == len(at)
+    assert len([op for op in s.ops if op.kind != "U"]) == len(at)
     for op in s.ops:
-        assert op.kind == "W" or op.ipu == s.stage_ipus[op.stage]
+        assert op.kind == "U" or op.ipu == s.stage_ipus[op.stage]
     # no IPU runs two ops in one step
     for step in s.steps:
         assert len({op.ipu for op in step.ops}) == len(step.ops)

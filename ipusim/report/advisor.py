@@ -240,7 +240,7 @@ class _Model:
             idx = np.full((len(s.steps), width), 3 * n, dtype=np.int64)
             for t, st in enumerate(s.steps):
                 for j, op in enumerate(st.ops):
-                    idx[t, j] = {"F": 0, "B": n, "W": 2 * n}[op.kind] + (op.stage if op.kind != "W" else op.ipu)
+                    idx[t, j] = {"F": 0, "B": n, "U": 2 * n}[op.kind] + (op.stage if op.kind != "U" else op.ipu)
             self._schedules[n] = (s, idx)
         return self._schedules[n]
 

@@ -8,7 +8,7 @@ import numpy as np
 
 KIND_COLOURS = {"compute": "#4c72b0", "exchange": "#dd8452", "sync": "#8c8c8c", "inter_ipu": "#c44e52",
                 "host": "#55a868", "idle": "#f0f0f0"}
-OP_COLOURS = {"F": "#7fb3d5", "B": "#f5b041", "W": "#a9a9a9", "R": "#bb8fce", None: "#b0c4de"}
+OP_COLOURS = {"F": "#7fb3d5", "B": "#f5b041", "W": "#82e0aa", "U": "#a9a9a9", "R": "#bb8fce", None: "#b0c4de"}
 MEMORY_PARTS = (("always_live", "always-live", "#4c72b0"), ("not_always_live_peak", "not-always-live peak", "#dd8452"),
                 ("vertex_state", "vertex state", "#55a868"), ("code", "code", "#8172b3"))
 
@@ -89,7 +89,7 @@ def pipeline_chart(doc: dict, path: str) -> str:
             hatch = None if op or not s["ops"] else "//"
             ax.broken_barh([(t0, width)], (ipu - 0.4, 0.8), facecolors=colour, edgecolors="#333333",
                            linewidth=0.4, hatch=hatch)
-            text = (op["label"].split(" ")[0] if op["kind"] != "W" else "W") if op else ("" if s["ops"] else s["label"])
+            text = (op["label"].split(" ")[0] if op["kind"] != "U" else "U") if op else ("" if s["ops"] else s["label"])
             if text and width > end / 90 * max(1, len(text) / 2.5):
                 ax.text(t0 + width / 2, ipu, text, ha="center", va="center", fontsize=7)
     ax.axvline(end, color="#999999", lw=0.5, ls=":")
@@ -107,7 +107,7 @@ def pipeline_chart(doc: dict, path: str) -> str:
     if sched:
         title += f" ({sched['strategy']}, {sched['micro_batches_per_group']} micro-batches per group)"
     ax.set_title(title, fontsize=9)
-    handles = [Rectangle((0, 0), 1, 1, fc=OP_COLOURS[k]) for k in ("F", "B", "W")]
+    handles = [Rectangle((0, 0), 1, 1, fc=OP_COLOURS[k]) for k in ("F", "B", "U")]
     if sched:
         ax.legend(handles, ["forward", "backward", "weight update"], loc="upper right", fontsize=7,
                   bbox_to_anchor=(1.0, 1.25), ncol=3, frameon=False)

@@ -32,7 +32,7 @@ from ..device.program import If, OpProgram, Parallel, Program, Repeat, Sequence
 from ..device.target import Target
 
 SCHEMA_NAME = "ipusim.profile"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Kinds of busy cycles, in the order a superstep spends them (its sync comes last).
 SEGMENT_KINDS = ("compute", "exchange", "inter_ipu", "host", "sync")
 LANES = ("ops", "programs", "compute", "exchange", "sync", "inter_ipu", "host")
@@ -273,7 +273,7 @@ def op_label(op) -> str:
     label = getattr(op, "label", None) or str(op)
     if getattr(op, "stage", None) is not None:
         return f"{label} s{op.stage}"
-    if getattr(op, "kind", None) == "W":
+    if getattr(op, "kind", None) == "U":
         return f"W ipu{op.ipu}"
     return label
 
@@ -340,7 +340,7 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
             op = e.op
             if op is None or getattr(op, "kind", None) is None or op.ipu not in e.per_ipu:
                 continue
-            key = (op.kind, op.stage) if op.kind != "W" else ("W", op.ipu)
+            key = (op.kind, op.stage) if op.kind != "U" else ("U", op.ipu)
             slot = per_op.setdefault(key, {})
             c = e.per_ipu[op.ipu].total
             mb = (call, getattr(op, "global_micro_batch", None), getattr(op, "group", None))
@@ -361,7 +361,7 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
                "forward": summary(("F", st.stage)), "backward": summary(("B", st.stage))}
               for st in static.stages]
     updates = [{"ipu": ipu, "cycles": v["cycles_per_micro_batch"]}
-               for ipu in range(static.num_ipus) if (v := summary(("W", ipu))) is not None]
+               for ipu in range(static.num_ipus) if (v := summary(("U", ipu))) is not None]
     return stages, updates
 
 
@@ -848,7 +848,7 @@ PROFILE_SCHEMA = {
                         "start_cycle": _INT, "cycles": _INT, "critical_ipu": {"type": ["integer", "null"]},
                         "ops": {"type": "array", "items": {
                             "type": "object", "required": ["label", "kind", "stage", "micro_batch", "ipu"],
-                            "properties": {"label": {"type": "string"}, "kind": {"enum": ["F", "B", "W", "R"]},
+                            "properties": {"label": {"type": "string"}, "kind": {"enum": ["F", "B", "W", "U", "R"]},
                                            "stage": {"type": ["integer", "null"]},
                                            "micro_batch": {"type": ["integer", "null"]},
                                            "group": {"type": ["integer", "null"]}, "ipu": _INT}}},

@@ -3,7 +3,7 @@ processes run together (PopRun instances, or any launcher plus
 `Options.Distributed.configureProcessId`).
 
 Each process runs its own replicas on its own emulated IPUs and reads its own share of the data.
-Just before the weight-update programs of an IPU (each "W" step of the schedule), the gradient
+Just before the weight-update programs of an IPU (each "U" step of the schedule), the gradient
 accumulators of the weights homed on that IPU are summed over all processes, so every process
 applies the same update and the weights stay identical.
 
@@ -122,7 +122,7 @@ class GradientAllReduce:
     """Sums the gradient accumulators of a training model over the processes of a run.
 
     Created by the executor after compiling when `options.num_processes > 1`; `reduce(executable,
-    ipu)` is called just before the weight-update programs of `ipu` in every "W" step.
+    ipu)` is called just before the weight-update programs of `ipu` in every "U" step.
     """
 
     def __init__(self, executor):

@@ -417,7 +417,7 @@ class PoplarExecutor:
         update, the gradient all-reduce, the updates and the shard all-gather)."""
         engine = exe.engine
         runs: list[tuple[str, int]] = []
-        if op.kind == "W":
+        if op.kind == "U":
             if self._collective is not None:
                 self._collective.reduce(exe, op.ipu)
             runs = [("update", i) for i in exe.updates.programs.get(op.ipu, [])]

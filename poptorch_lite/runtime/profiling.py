@@ -211,7 +211,7 @@ def _simulated_call(executor, exe) -> list[ipprofile.ExecutedStep]:
         return ipprofile.ProgramEvent(op, part, index, dict(costs[index].per_ipu))
 
     def runs(op):
-        if op.kind == "W":
+        if op.kind == "U":
             return [event(op, "update", i) for i in exe.updates.programs.get(op.ipu, [])]
         key = ("fwd" if op.kind == "F" else "bwd", op.stage)
         k = op.global_micro_batch

@@ -78,7 +78,7 @@ def measure(split: str, gradient_accumulation: int, device_iterations: int, offl
                   record.seconds, exe.schedule.bubble_fraction(),
                   1 - sum(busy) / (ipus * record.cycles), busy,
                   [m.total / 2**20 for m in exe.engine.memory], [m.off_chip_bytes / 2**20 for m in exe.engine.memory],
-                  sum(step.cycles for step in record.steps if any(op.kind == "W" for op in step.ops)), host_s, offload)
+                  sum(step.cycles for step in record.steps if any(op.kind == "U" for op in step.ops)), host_s, offload)
     training.destroy()
     return point
 
