@@ -46,10 +46,10 @@ MISSES = {
                                "efficiency 0.85) and two copies between the same IPUs cannot run in a Parallel, so "
                                "the two directions are serialised, where the links carry both at once (the tool "
                                "reports the sum of the two directions running simultaneously)"),
-    "host_to_tiles": ("StreamCopy costs a fixed latency (host_copy_latency_cycles, not published) plus bytes at the "
-                      "PCIe Gen4 x16 rate; an IPU-M2000 reaches its host over the IPU-Gateway and RoCE, not PCIe, "
-                      "and the rate into 32 tiles is bounded by those tiles' ingress, which the model does not bound; "
-                      "the row also depends on how the published bytes split into transfers (not stated)"),
+    "host_to_tiles": ("StreamCopy costs a fixed latency (host_copy_latency_cycles, a default, not published) plus "
+                      "bytes at the PCIe Gen4 x16 rate; on an IPU-M2000 host transfers are remotely buffered (the "
+                      "tool's manual says so), a path the model does not describe; "
+                      "the row also depends on how the published bytes split into transfers, which is not stated"),
 }
 
 FITTED = ("; per tile it costs {e_slope:.2f} cycles per output row + {e_fixed:.0f} fixed where the measurement "
