@@ -32,7 +32,7 @@ GC_HOSTTRAFFICTEST = ("Graphcore Command Line Tools (latest), section 9 gc-hostt
                       "not say how those bytes split into transfers; read as transfers of 4 x 64 bytes to each of the "
                       "32 tiles they make 1,600,000 transfers")
 GC200_EXCHANGE_SPEC = ("Graphcore Colossus Mk2 GC200 product specification 'IPU-Exchange: 8 TB/s using any communication "
-                       "pattern', as recorded in C. Blake's IPU notes (thecharlieblake.co.uk/ipus); the same 8 TB/s in "
+                       "pattern', as recorded in the IPU notes at thecharlieblake.co.uk/ipus; the same 8 TB/s in "
                        "hardwareluxx.de, 'Colossus-Mk2-GC200-IPU: Auslieferung beginnt' (Dec. 2020)")
 JIA_CONGESTION = ("Jia, Tillman, Maggioni, Scarpazza, 'Dissecting the Graphcore IPU Architecture via Microbenchmarking', "
                   "Citadel technical report, arXiv:1912.03413 (2019), section 4 point-to-point benchmarks, Table 4.2; "
