@@ -84,99 +84,123 @@ def family(key: str) -> str:
 
 
 # ---- workloads -----------------------------------------------------------------------------------
-def amp_matmul(n: int, k: int, m: int, target: ip.Target, published_tiles: int) -> Emulated:
+@dataclass
+class Workload:
+    """A measured program rebuilt in ipusim: what to compile, and its named tensors (for a run)."""
+    device: ip.Graph | ip.Device
+    program: ip.Program
+    tensors: dict
+
+    def compile(self) -> ip.Engine:
+        return ip.Engine(self.device, self.program)
+
+
+def _rows_on_tiles(graph: ip.Graph, t: ip.Tensor, tiles) -> None:
+    """Map row i of a 2-D or 3-D tensor (its first dimension) to tiles[i]."""
+    per = t.numel // t.shape[0]
+    graph.setTileMappingIntervals(t, [(int(tile), i * per, (i + 1) * per) for i, tile in enumerate(tiles)])
+
+
+def amp_matmul_workload(n: int, k: int, m: int, target: ip.Target) -> Workload:
     """Every tile multiplies its own fp16 [n, k] by a [k, m] with the op library's matmul; both
-    operands already live on the tile (no exchange). TFLOP/s of `published_tiles` tiles, each as
-    fast as the slowest emulated tile."""
+    operands already live on the tile, so nothing is exchanged."""
     tiles = target.num_tiles
     graph = ip.Graph(target)
     lhs = graph.addVariable("float16", (tiles, n, k), "lhs")
     rhs = graph.addVariable("float16", (tiles, k, m), "rhs")
-    graph.setTileMappingIntervals(lhs, [(t, t * n * k, (t + 1) * n * k) for t in range(tiles)])
-    graph.setTileMappingIntervals(rhs, [(t, t * k * m, (t + 1) * k * m) for t in range(tiles)])
+    _rows_on_tiles(graph, lhs, range(tiles))
+    _rows_on_tiles(graph, rhs, range(tiles))
     plan = plan_matmul(target, lhs.shape, rhs.shape, "float16")
     if plan.splits != (tiles, 1, 1, 1):
         raise RuntimeError(f"matmul planner split [{tiles},{n},{k}] @ [{tiles},{k},{m}] as {plan.splits}, not one "
                            "matrix per tile: that is no longer the published per-tile workload")
     prog = ip.Sequence()
-    matmul(graph, lhs, rhs, prog, "amp_matmul")
-    cycles = ip.Engine(graph, prog).costs[0].per_ipu[0]
+    out = matmul(graph, lhs, rhs, prog, "amp_matmul")
+    return Workload(graph, prog, {"lhs": lhs, "rhs": rhs, "out": out})
+
+
+def amp_matmul(n: int, k: int, m: int, target: ip.Target, published_tiles: int) -> Emulated:
+    """TFLOP/s of `published_tiles` tiles, each as fast as the slowest emulated tile; the compute
+    phase only, as the measurement reads the cycle counter around the vertex."""
+    cycles = amp_matmul_workload(n, k, m, target).compile().costs[0].per_ipu[0]
     if cycles.exchange:
         raise RuntimeError(f"per-tile matmul exchanged data ({cycles.exchange} cycles): operands were not local")
-    flops = 2 * n * k * m
-    tflops = flops * published_tiles / (cycles.compute / target.clock_hz) / 1e12
+    tflops = 2 * n * k * m * published_tiles / target.seconds(cycles.compute) / 1e12
     return Emulated(tflops, cycles.compute, f"{cycles.compute} cycles per tile (compute phase only, as measured)")
 
 
-def exchange_all_tiles(target: ip.Target, bytes_per_tile: int) -> Emulated:
-    """Every tile sends `bytes_per_tile` to the tile half the chip away, in one exchange."""
-    tiles = target.num_tiles
-    words = bytes_per_tile // 4
-    graph = ip.Graph(target)
-    src = graph.addVariable("float32", (tiles, words), "sent")
-    dst = graph.addVariable("float32", (tiles, words), "received")
-    graph.setTileMappingIntervals(src, [(t, t * words, (t + 1) * words) for t in range(tiles)])
-    graph.setTileMappingIntervals(dst, [((t + tiles // 2) % tiles, t * words, (t + 1) * words) for t in range(tiles)])
-    cost = ip.Engine(graph, ip.Copy(src, dst)).costs[0]
-    seconds = target.seconds(cost.total)
-    return Emulated(tiles * words * 4 / seconds / 1e12, cost.total,
-                    f"{cost.total} cycles for {words * 4} bytes from each of {tiles} tiles (exchange + sync)")
-
-
-def _message_cycles(target: ip.Target, senders: int, words: int) -> int:
-    """Cycles of one exchange in which `senders` tiles each send `words` float32 to the next tile."""
+def exchange_workload(target: ip.Target, senders: int, words: int, shift: int) -> Workload:
+    """One exchange in which tiles 0..senders-1 each send `words` float32 to the tile `shift` on."""
     tiles = target.num_tiles
     graph = ip.Graph(target)
     src = graph.addVariable("float32", (senders, words), "sent")
     dst = graph.addVariable("float32", (senders, words), "received")
-    graph.setTileMappingIntervals(src, [(t, t * words, (t + 1) * words) for t in range(senders)])
-    graph.setTileMappingIntervals(dst, [((t + 1) % tiles, t * words, (t + 1) * words) for t in range(senders)])
-    return ip.Engine(graph, ip.Copy(src, dst)).costs[0].total
+    _rows_on_tiles(graph, src, range(senders))
+    _rows_on_tiles(graph, dst, [(t + shift) % tiles for t in range(senders)])
+    return Workload(graph, ip.Copy(src, dst), {"sent": src, "received": dst})
+
+
+def exchange_all_tiles(target: ip.Target, bytes_per_tile: int) -> Emulated:
+    """Every tile sends `bytes_per_tile` to the tile half the chip away; TB/s of them all,
+    exchange and its sync."""
+    tiles, words = target.num_tiles, bytes_per_tile // 4
+    cost = exchange_workload(target, tiles, words, tiles // 2).compile().costs[0]
+    return Emulated(tiles * words * 4 / target.seconds(cost.total) / 1e12, cost.total,
+                    f"{cost.total} cycles for {words * 4} bytes from each of {tiles} tiles (exchange + sync)")
 
 
 def exchange_latency_full_over_no_load(target: ip.Target, bytes_per_message: int) -> Emulated:
     """Latency of one message from a tile to its neighbour with every tile sending one (full load)
     over the same message alone on the chip (no load)."""
     words = max(1, bytes_per_message // 4)
-    alone = _message_cycles(target, 1, words)
-    loaded = _message_cycles(target, target.num_tiles, words)
+    alone = exchange_workload(target, 1, words, 1).compile().costs[0].total
+    loaded = exchange_workload(target, target.num_tiles, words, 1).compile().costs[0].total
     return Emulated(loaded / alone, loaded, f"{loaded} cycles under full load, {alone} alone")
+
+
+def ipu_link_workload(target: ip.Target, tiles_per_direction: int, bytes_per_tile: int, iterations: int) -> Workload:
+    """Two IPUs send each other `bytes_per_tile` from each of `tiles_per_direction` tiles,
+    `iterations` times (IPU 0 to 1, then 1 to 0: ipusim has no way to say both at once)."""
+    device = ip.Device(target, 2)
+    words = bytes_per_tile // 4
+    ends = {}
+    for ipu in (0, 1):
+        for name in ("out", "in"):
+            t = device[ipu].addVariable("float32", (tiles_per_direction, words), f"{name}{ipu}")
+            _rows_on_tiles(device[ipu], t, range(tiles_per_direction))
+            ends[f"{name}{ipu}"] = t
+    step = ip.Sequence(ip.InterIpuCopy(ends["out0"], ends["in1"]), ip.InterIpuCopy(ends["out1"], ends["in0"]))
+    return Workload(device, ip.Repeat(iterations, step), ends)
 
 
 def ipu_link_bidirectional(target: ip.Target, tiles_per_direction: int, bytes_per_tile: int,
                            iterations: int) -> Emulated:
-    """Two IPUs send each other `bytes_per_tile` from each of `tiles_per_direction` tiles,
-    `iterations` times; Gbit/s of both directions together."""
-    device = ip.Device(target, 2)
-    words = bytes_per_tile // 4
-    pieces = [(t, t * words, (t + 1) * words) for t in range(tiles_per_direction)]
-    ends = {}
-    for ipu in (0, 1):
-        g = device[ipu]
-        for name in ("out", "in"):
-            t = g.addVariable("float32", (tiles_per_direction, words), f"{name}{ipu}")
-            g.setTileMappingIntervals(t, pieces)
-            ends[name, ipu] = t
-    step = ip.Sequence(ip.InterIpuCopy(ends["out", 0], ends["in", 1]), ip.InterIpuCopy(ends["out", 1], ends["in", 0]))
-    cost = ip.Engine(device, ip.Repeat(iterations, step)).costs[0]
-    moved = 2 * iterations * tiles_per_direction * words * 4
+    """Gbit/s of both directions together."""
+    cost = ipu_link_workload(target, tiles_per_direction, bytes_per_tile, iterations).compile().costs[0]
+    moved = 2 * iterations * tiles_per_direction * bytes_per_tile // 4 * 4
     return Emulated(moved * 8 / target.seconds(cost.total) / 1e9, cost.total,
                     f"{cost.total} cycles for {moved:,} bytes in {iterations} iterations")
+
+
+def host_workload(target: ip.Target, tiles: int, bytes_per_transfer_per_tile: int, transfers: int) -> Workload:
+    """`transfers` stream copies from the host, each bringing `bytes_per_transfer_per_tile` to
+    each of `tiles` tiles."""
+    words = bytes_per_transfer_per_tile // 4
+    graph = ip.Graph(target)
+    landing = graph.addVariable("float32", (tiles, words), "landing")
+    _rows_on_tiles(graph, landing, range(tiles))
+    stream = graph.addHostToDeviceFIFO("host_data", "float32", (tiles, words))
+    return Workload(graph, ip.Repeat(transfers, ip.StreamCopy(stream, landing)), {"landing": landing})
 
 
 def host_to_tiles(target: ip.Target, tiles: int, bytes_per_transfer_per_tile: int, tile_bytes: int) -> Emulated:
     """The host streams `tile_bytes` into `tiles` tiles, `bytes_per_transfer_per_tile` to each tile
     per stream copy; Gbit/s arriving at the tiles."""
-    words = bytes_per_transfer_per_tile // 4
-    per_copy = tiles * words * 4
+    per_copy = tiles * (bytes_per_transfer_per_tile // 4) * 4
     transfers = tile_bytes // per_copy
     if transfers * per_copy != tile_bytes:
         raise ValueError(f"{tile_bytes} bytes are not a whole number of {per_copy}-byte transfers")
-    graph = ip.Graph(target)
-    buf = graph.addVariable("float32", (tiles, words), "landing")
-    graph.setTileMappingIntervals(buf, [(t, t * words, (t + 1) * words) for t in range(tiles)])
-    stream = graph.addHostToDeviceFIFO("host_data", "float32", (tiles, words))
-    cost = ip.Engine(graph, ip.Repeat(transfers, ip.StreamCopy(stream, buf))).costs[0]
+    cost = host_workload(target, tiles, bytes_per_transfer_per_tile, transfers).compile().costs[0]
     return Emulated(tile_bytes * 8 / target.seconds(cost.total) / 1e9, cost.total,
                     f"{cost.total} cycles for {transfers:,} stream copies of {per_copy} bytes")
 
