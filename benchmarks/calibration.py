@@ -101,16 +101,16 @@ def _rows_on_tiles(graph: ip.Graph, t: ip.Tensor, tiles) -> None:
     graph.setTileMappingIntervals(t, [(int(tile), i * per, (i + 1) * per) for i, tile in enumerate(tiles)])
 
 
-def amp_matmul_workload(n: int, k: int, m: int, target: ip.Target) -> Workload:
-    """Every tile multiplies its own fp16 [n, k] by a [k, m] with the op library's matmul; both
-    operands already live on the tile, so nothing is exchanged."""
+def amp_matmul_workload(n: int, k: int, m: int, target: ip.Target, dtype: str = "float16") -> Workload:
+    """Every tile multiplies its own [n, k] by a [k, m] with the op library's matmul; both operands
+    already live on the tile, so nothing is exchanged."""
     tiles = target.num_tiles
     graph = ip.Graph(target)
-    lhs = graph.addVariable("float16", (tiles, n, k), "lhs")
-    rhs = graph.addVariable("float16", (tiles, k, m), "rhs")
+    lhs = graph.addVariable(dtype, (tiles, n, k), "lhs")
+    rhs = graph.addVariable(dtype, (tiles, k, m), "rhs")
     _rows_on_tiles(graph, lhs, range(tiles))
     _rows_on_tiles(graph, rhs, range(tiles))
-    plan = plan_matmul(target, lhs.shape, rhs.shape, "float16")
+    plan = plan_matmul(target, lhs.shape, rhs.shape, dtype)
     if plan.splits != (tiles, 1, 1, 1):
         raise RuntimeError(f"matmul planner split [{tiles},{n},{k}] @ [{tiles},{k},{m}] as {plan.splits}, not one "
                            "matrix per tile: that is no longer the published per-tile workload")
@@ -119,10 +119,11 @@ def amp_matmul_workload(n: int, k: int, m: int, target: ip.Target) -> Workload:
     return Workload(graph, prog, {"lhs": lhs, "rhs": rhs, "out": out})
 
 
-def amp_matmul(n: int, k: int, m: int, target: ip.Target, published_tiles: int) -> Emulated:
+def amp_matmul(n: int, k: int, m: int, target: ip.Target, published_tiles: int,
+               dtype: str = "float16") -> Emulated:
     """TFLOP/s of `published_tiles` tiles, each as fast as the slowest emulated tile; the compute
     phase only, as the measurement reads the cycle counter around the vertex."""
-    cycles = amp_matmul_workload(n, k, m, target).compile().costs[0].per_ipu[0]
+    cycles = amp_matmul_workload(n, k, m, target, dtype).compile().costs[0].per_ipu[0]
     if cycles.exchange:
         raise RuntimeError(f"per-tile matmul exchanged data ({cycles.exchange} cycles): operands were not local")
     tflops = 2 * n * k * m * published_tiles / target.seconds(cycles.compute) / 1e12
@@ -218,7 +219,7 @@ def emulate(m: Measurement, *, tiles: int | None = None, scale: float = 1.0) -> 
     shrink = lambda v, least=1: max(least, int(v * scale))  # noqa: E731
     if family(m.key) == "amp_matmul":
         t = target if tiles is None else replace(target, num_tiles=tiles)
-        return amp_matmul(w["n"], w["k"], w["m"], t, w["tiles"])
+        return amp_matmul(w["n"], w["k"], w["m"], t, w["tiles"], w["dtype"])
     if m.key == "exchange_all_tiles":
         return exchange_all_tiles(target, shrink(w["bytes_per_tile"], 4) // 4 * 4)
     if m.key == "exchange_latency_full_over_no_load":
@@ -275,7 +276,8 @@ def calibrate(measurements=MEASUREMENTS, *, tiles: int | None = None, scale: flo
 def format_table(rows: list[Row], markdown: bool = False) -> str:
     head = ("measurement", "system", "published", "emulated", "unit", "error", "kind")
     body = [(r.measurement.what, r.measurement.system, f"{r.measurement.value:.4g}", f"{r.emulated.value:.4g}",
-             r.measurement.unit, f"{r.error:+.1%}", r.measurement.kind) for r in rows]
+             r.measurement.unit, f"{r.error:+.1%}",
+             r.measurement.kind + (", read off a figure" if r.measurement.read_off_figure else "")) for r in rows]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(b) + " |" for b in body]

@@ -15,30 +15,33 @@ from dataclasses import dataclass, field
 
 KINDS = ("measured", "example output", "vendor nominal", "secondary")
 
-TESSELLATE_PEAK_FLOPS = ("tessellate-ipu, notebooks/IPU Peak Flops.ipynb (graphcore-research/tessellate-ipu, "
-                         "commit 3ab241f33359de7e2788c9837b37b78cf6d19dcd), output of the cell `sizes, tflops`: "
-                         "fp16[N,16] @ fp16[16,16] -> fp16 on every tile with the ConvPartial1x1 vertex, tile cycle "
-                         "counter around the vertex minus its overhead, Bow IPU (1,472 tiles, 1.85 GHz)")
-GC_IPUTRAFFICTEST = ("Graphcore Command Line Tools 1.2.3, section 12 gc-iputraffictest, JSON example output "
-                     "(docs.graphcore.ai/projects/command-line-tools/en/1.2.3/gc-iputraffictest_main.html): IPU-M2000, "
-                     "devices 2 and 3, 4,096,000 KB in 0.079266418 s; the tool moves 64 KB per tile per iteration, "
-                     "1,000 iterations by default, and reports in Gbit/s (4,096,000 KiB x 8 / 0.079266418 s = 423.3e9) the sum "
-                     "of both directions running at once. The page does not give the tile count: 32 tiles per "
-                     "direction is what makes 4,096,000 KiB out of 1,000 transfers of 64 KiB")
-GC_HOSTTRAFFICTEST = ("Graphcore Command Line Tools (latest), section 9 gc-hosttraffictest, JSON example output "
-                      "(docs.graphcore.ai/projects/command-line-tools/en/latest/gc-hosttraffictest_main.html): IPU-M2000, "
-                      "1 IPU, 32 tiles, transfers of 4 64-byte blocks, 100,000 iterations; 'host -> buffer -> tile' "
-                      "moved 13,107,200,000 tile bytes in 3.970404303 s, reported as 26.41 Gbit/s. The page does "
-                      "not say how those bytes split into transfers; read as transfers of 4 x 64 bytes to each of the "
-                      "32 tiles they make 1,600,000 transfers")
-GC200_EXCHANGE_SPEC = ("Graphcore Colossus Mk2 GC200 product specification 'IPU-Exchange: 8 TB/s using any communication "
-                       "pattern', as recorded in the IPU notes at thecharlieblake.co.uk/ipus; the same 8 TB/s in "
-                       "hardwareluxx.de, 'Colossus-Mk2-GC200-IPU: Auslieferung beginnt' (Dec. 2020)")
-JIA_CONGESTION = ("Jia, Tillman, Maggioni, Scarpazza, 'Dissecting the Graphcore IPU Architecture via Microbenchmarking', "
-                  "Citadel technical report, arXiv:1912.03413 (2019), section 4 point-to-point benchmarks, Table 4.2; "
-                  "quoted by aPaperADay, '4 Point to point BMs' (2019-12-21): 'Congestion increases on-chip latency "
-                  "only marginally (+24%)' (GC2 IPU, C2 card)")
-
+TESSELLATE_PEAK_FLOPS = (
+    "tessellate-ipu, notebooks/IPU Peak Flops.ipynb (graphcore-research/tessellate-ipu, commit "
+    "3ab241f33359de7e2788c9837b37b78cf6d19dcd), output of the cell `sizes, tflops`: fp16[N,16] @ fp16[16,16] -> "
+    "fp16 on every tile with the ConvPartial1x1 vertex, tile cycle counter around the vertex minus its overhead, "
+    "Bow IPU (1,472 tiles, 1.85 GHz)")
+GC_IPUTRAFFICTEST = (
+    "Graphcore Command Line Tools 1.2.3, section 12 gc-iputraffictest, JSON example output "
+    "(docs.graphcore.ai/projects/command-line-tools/en/1.2.3/gc-iputraffictest_main.html): IPU-M2000, devices 2 "
+    "and 3, 4,096,000 KB in 0.079266418 s; the tool moves 64 KB per tile per iteration, 1,000 iterations by "
+    "default, and reports in Gbit/s (4,096,000 KiB x 8 / 0.079266418 s = 423.3e9) the sum of both directions "
+    "running at once. The page does not give the tile count: 32 tiles per direction is what makes 4,096,000 KiB "
+    "out of 1,000 transfers of 64 KiB")
+GC_HOSTTRAFFICTEST = (
+    "Graphcore Command Line Tools (latest), section 9 gc-hosttraffictest, JSON example output "
+    "(docs.graphcore.ai/projects/command-line-tools/en/latest/gc-hosttraffictest_main.html): IPU-M2000, 1 IPU, "
+    "32 tiles, transfers of 4 64-byte blocks, 100,000 iterations; 'host -> buffer -> tile' moved 13,107,200,000 "
+    "tile bytes in 3.970404303 s, reported as 26.41 Gbit/s. The page does not say how those bytes split into "
+    "transfers; read as transfers of 4 x 64 bytes to each of the 32 tiles they make 1,600,000 transfers")
+GC200_EXCHANGE_SPEC = (
+    "Graphcore Colossus Mk2 GC200 product specification 'IPU-Exchange: 8 TB/s using any communication pattern', "
+    "as recorded in the IPU notes at thecharlieblake.co.uk/ipus; the same 8 TB/s in hardwareluxx.de, "
+    "'Colossus-Mk2-GC200-IPU: Auslieferung beginnt' (Dec. 2020)")
+JIA_CONGESTION = (
+    "Jia, Tillman, Maggioni, Scarpazza, 'Dissecting the Graphcore IPU Architecture via Microbenchmarking', Citadel "
+    "technical report, arXiv:1912.03413 (2019), section 4 point-to-point benchmarks, Table 4.2; quoted by "
+    "aPaperADay, '4 Point to point BMs' (2019-12-21): 'Congestion increases on-chip latency only marginally "
+    "(+24%)' (GC2 IPU, C2 card)")
 
 @dataclass(frozen=True)
 class Measurement:
@@ -74,8 +77,11 @@ TESSELLATE_TFLOPS = {
 
 MEASUREMENTS: tuple[Measurement, ...] = (
     *(_amp(n, v) for n, v in TESSELLATE_TFLOPS.items()),
+    # A nominal figure has no message size: 64 KiB per tile keeps the sync a small part of the superstep.
     Measurement("exchange_all_tiles", "on-chip exchange, every tile sends to another tile, aggregate", 8.0, "TB/s",
                 "GC200", GC200_EXCHANGE_SPEC, "vendor nominal", {"bytes_per_tile": 64 * 1024}),
+    # The summary gives neither the message size nor the load pattern: 4 bytes, every tile sending to
+    # its neighbour, are assumptions until Table 4.2 is read in the paper itself.
     Measurement("exchange_latency_full_over_no_load", "on-chip point-to-point latency, full load / no load", 1.24,
                 "ratio", "GC2", JIA_CONGESTION, "secondary", {"bytes_per_message": 4}),
     Measurement("ipu_link_bidirectional", "IPU to IPU over IPU-Links, both directions at once", 423.31207649625344,
