@@ -22,7 +22,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # appended, so the benchmark scripts never shadow another module
+    sys.path.append(_HERE)
 
 import ipusim as ip  # noqa: E402
 from ipusim.ops.matmul import matmul, plan_matmul  # noqa: E402

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import ipusim as ip  # noqa: E402
 import calibration as cal  # noqa: E402
