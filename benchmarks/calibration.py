@@ -6,7 +6,7 @@ with an `Engine` (which computes the program's static cycles, never running it) 
 cycles into the published unit with the target's clock. A row that misses by more than 10% says
 what the model leaves out; those are findings for the estimator rework, not things to tune here.
 
-    python benchmarks/calibration.py [--tiles 16] [--markdown] [--chart calibration.png]
+    python benchmarks/calibration.py [--tiles 16] [--markdown] [--chart calibration.png] [--json rows.json]
 
 `--tiles K` builds the per-tile matmul on K tiles instead of the whole chip: every tile runs the
 same matmul, so the chip's throughput is the published tile count times one tile's, and the rows
@@ -15,6 +15,7 @@ do not change; it only makes the run quicker.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -299,6 +300,14 @@ def format_misses(rows: list[Row]) -> str:
     return "\n".join(out) or "- none: every row within 10%"
 
 
+def to_records(rows: list[Row]) -> list[dict]:
+    """The rows as plain data (for comparing runs before and after an estimator change)."""
+    return [{"key": r.measurement.key, "what": r.measurement.what, "system": r.measurement.system,
+             "unit": r.measurement.unit, "published": r.measurement.value, "emulated": r.emulated.value,
+             "error": r.error, "cycles": r.emulated.cycles, "detail": r.emulated.detail, "why": r.why,
+             "kind": r.measurement.kind, "source": r.measurement.source} for r in rows]
+
+
 def chart(rows: list[Row], path: str) -> bool:
     """Per-tile matmul throughput over N, published against emulated; False without matplotlib."""
     try:
@@ -330,6 +339,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", type=int, default=None, help="build the per-tile matmul on this many tiles")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ap.add_argument("--chart", default=None, help="write a PNG chart of the matmul rows (needs matplotlib)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     ap.add_argument("--quiet", action="store_true", help="no per-row build times")
     args = ap.parse_args(argv)
     rows = calibrate(tiles=args.tiles, progress=None if args.quiet else print)
@@ -345,6 +355,10 @@ def main(argv=None) -> int:
     print("\nSources:")
     for src in dict.fromkeys(r.measurement.source for r in rows):
         print(f"- {src}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_records(rows), f, indent=1)
+        print(f"\nrows: {args.json}")
     if args.chart:
         print(f"\nchart: {args.chart}" if chart(rows, args.chart) else "\nchart skipped: matplotlib is not installed")
     return 0

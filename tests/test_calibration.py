@@ -1,5 +1,6 @@
 """The calibration benchmark: its published figures are complete and sourced, and every one of
 them gets a row built and costed by ipusim. Today's errors are not pinned: the estimators will change."""
+import json
 import math
 import os
 import sys
@@ -148,3 +149,11 @@ def test_the_host_workload_lands_every_transfer_on_its_tiles():
     data = np.arange(3 * 4 * 4, dtype=np.float32).reshape(3, 4, 4)
     engine = _run(w, lambda e: e.connectStream("host_data", data))
     np.testing.assert_array_equal(engine.readTensor(w.tensors["landing"]), data[-1])
+
+
+def test_the_rows_are_written_as_plain_data(tmp_path):
+    path = tmp_path / "rows.json"
+    assert cal.main(["--tiles", "2", "--quiet", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert [r["key"] for r in records] == [m.key for m in MEASUREMENTS]
+    assert all(r["source"] and math.isfinite(r["error"]) for r in records)
