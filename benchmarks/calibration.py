@@ -213,10 +213,10 @@ def host_to_tiles(target: ip.Target, tiles: int, bytes_per_transfer_per_tile: in
 def emulate(m: Measurement, *, tiles: int | None = None, scale: float = 1.0) -> Emulated:
     """Build and cost the workload of one published measurement.
 
-    `tiles` builds the per-tile matmul on that many tiles (see the module doc; the exchange rows
-    always use the whole chip, their aggregate depends on it); `scale` < 1
-    shrinks the other workloads' sizes (iterations, bytes) for quick checks, which changes their
-    rows slightly (fixed costs weigh more)."""
+    `tiles` builds the per-tile matmul on that many tiles (see the module doc); the exchange rows
+    always use the whole chip, as their aggregate depends on it. `scale` < 1 shrinks the other
+    workloads (bytes, iterations) for quick checks, which moves their rows a little (fixed costs
+    weigh more)."""
     target = TARGETS[m.system]
     w = m.workload
     shrink = lambda v, least=1: max(least, int(v * scale))  # noqa: E731
