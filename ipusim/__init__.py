@@ -8,9 +8,9 @@ from .device.program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProg
 from .device.storage import MappingError
 from .device.target import BOW, GC2, GC200, Target, get_target
 from .device.tensor import Tensor, Variable
-from .device.vertex import ComputeSet, LocalityError, Vertex, VertexType
+from .device.vertex import ComputeSet, Field, LocalityError, VertexTable, VertexType
 
 __all__ = ["BOW", "GC2", "GC200", "ComputeSet", "Copy", "Cost", "Cycles", "DataStream", "Device", "Engine",
-           "Execute", "Graph", "If", "InterIpuCopy", "LocalityError", "MappingError", "MemoryReport", "OpProgram",
+           "Execute", "Field", "Graph", "If", "InterIpuCopy", "LocalityError", "MappingError", "MemoryReport", "OpProgram",
            "OutOfMemoryError", "Parallel", "Program", "RemoteBuffer", "RemoteCopy", "Repeat", "RunReport", "Sequence", "StreamCopy", "Sync",
-           "Target", "Tensor", "Variable", "Vertex", "VertexType", "get_target"]
+           "Target", "Tensor", "Variable", "VertexTable", "VertexType", "get_target"]

@@ -39,9 +39,7 @@ def figures(device, programs) -> dict:
             if isinstance(node, Execute) and id(node) not in seen:
                 seen.add(id(node))
                 cs = node.compute_set
-                per_tile = np.zeros(target.num_tiles, np.int64)
-                for tile, c in cs.tile_cycles(target).items():
-                    per_tile[tile] = c
+                per_tile = cs.tile_cycles(target)
                 sets.append([cs.name, cs.ipu, engine.cost(node).per_ipu[cs.ipu].compute, int((per_tile > 0).sum()),
                              int(per_tile.sum()), digest(per_tile)])
     memory = [{"peak": r.peak.tolist(), "vertex_state": r.vertex_state.tolist(), "code": r.code.tolist()}

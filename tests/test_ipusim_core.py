@@ -10,7 +10,7 @@ import ipusim as ip
 from ipusim.device.cost import exchange_cycles
 from ipusim.device.kernels import JIT, ld, st
 from ipusim.ops import elementwise as ew
-from ipusim.device.vertex import worker_makespan
+from ipusim.device.vertex import tile_makespans
 
 MODES = ["strict", "fast"]
 
@@ -365,9 +365,12 @@ def test_exchange_broadcast_sends_each_element_once():
 
 
 def test_compute_set_takes_its_slowest_tile_over_six_workers():
-    assert worker_makespan([10] * 6, 6) == 10
-    assert worker_makespan([10] * 7, 6) == 20
-    assert worker_makespan([9, 5, 4, 3, 3, 3, 2], 6) == 9
+    def makespan(cycles):
+        return int(tile_makespans(np.zeros(len(cycles)), cycles, 6, 1)[0])
+    assert makespan([10] * 6) == 10
+    assert makespan([10] * 7) == 20
+    assert makespan([9, 5, 4, 3, 3, 3, 2]) == 9
+    assert makespan([]) == 0
     t = ip.Target.test(4)
     g = ip.Graph(t)
     x = g.addVariable("float32", (64,), "x")
@@ -379,6 +382,90 @@ def test_compute_set_takes_its_slowest_tile_over_six_workers():
     e = ip.Engine(g, prog).load()
     assert e.run() == per_vertex + t.sync_cycles
     assert e.last_run.per_ipu[0].exchange == 0
+
+
+def lpt_reference(cycles, workers):
+    """Longest processing time first with a heap, vertex by vertex."""
+    import heapq
+    if len(cycles) <= workers:
+        return max(cycles, default=0)
+    loads = [0] * workers
+    for c in sorted(cycles, reverse=True):
+        heapq.heapreplace(loads, loads[0] + c)
+    return max(loads)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 5), hs.integers(0, 500)), max_size=60), hs.integers(1, 7))
+def test_tile_makespans_are_the_longest_processing_time_schedule_of_each_tile(vertices, workers):
+    tiles = np.array([t for t, _ in vertices], dtype=np.int64)
+    cycles = np.array([c for _, c in vertices], dtype=np.int64)
+    got = tile_makespans(tiles, cycles, workers, 6)
+    assert got.tolist() == [lpt_reference([c for t, c in vertices if t == tile], workers) for tile in range(6)]
+
+
+# ---- vertex tables -------------------------------------------------------------------------
+def test_fields_hold_the_elements_of_the_views_they_connect():
+    g = ip.Graph(ip.Target.test(4))
+    x = g.addVariable("float32", (6, 5), "x")
+    views = [x[1:3], x.T[2], x[::2, 1:4], x[0:0], x.flatten()[np.array([7, 3, 4, 5, 29])]]
+    f = ip.Field.concat([ip.Field.of(v) for v in views])
+    assert f.sizes().tolist() == [v.numel for v in views]
+    assert f.elements().tolist() == [int(i) for v in views for i in v.index.reshape(-1)]
+    assert f.starts.size == 1 + 6 + 3 + 0 + 3  # runs: one; six single elements; three rows; none; [7], [3..5], [29]
+    strided = ip.Field.strided(x, [2, 11], [2, 3], [3, 2], [5, 10])
+    assert strided.elements().tolist() == [2, 3, 4, 7, 8, 9, 11, 12, 21, 22, 31, 32]
+    assert strided.sizes().tolist() == [6, 6]
+
+
+def test_a_table_of_vertices_is_checked_and_accounted_as_its_rows():
+    t = ip.Target.test(4)
+    g = ip.Graph(t)
+    x = g.addVariable("float32", (16,), "x")
+    y = g.addVariable("float32", (16,), "y")
+    g.map_linearly(x)  # 4 elements per tile
+    g.map_linearly(y)
+    cs = g.addComputeSet("relu")
+    starts = np.array([0, 2, 4, 8, 12, 14])
+    lengths = np.array([2, 2, 4, 4, 2, 2])
+    fields = {"x": ip.Field.strided(x, starts, 1, lengths), "out": ip.Field.strided(y, starts, 1, lengths)}
+    table = g.addVertices(cs, ew.UNARY_VERTEX, [0, 0, 1, 2, 3, 3], fields, [ew.UNARY["relu"][0], 1.0, 0.0])
+    assert table.num_vertices == cs.num_vertices == 6 and table.params.shape == (6, 3)
+    cycles = table.cycles(t)
+    assert cycles.tolist() == [t.thread_cycles(math.ceil(n / 2) + 6) + t.vertex_overhead_cycles
+                               for n in lengths]
+    assert cs.tile_cycles(t).tolist() == [cycles[0], cycles[2], cycles[3], cycles[4]]  # two vertices: two workers
+    (report,) = ip.Engine(g, ip.Sequence(ip.Execute(cs))).memory
+    assert report.vertex_state.tolist() == [2 * 28, 28, 28, 2 * 28]  # per vertex: 2 fields x 8 B + 3 params x 4 B
+    assert report.code.tolist() == [256] * 4  # one codelet per tile
+    bad = {"x": ip.Field.strided(x, [3], 1, [2]), "out": ip.Field.strided(y, [0], 1, [2])}
+    with pytest.raises(ip.LocalityError, match=r"popops::UnaryOp.x: element 1 of tensor 'x' lives on tile 1, but "
+                                               r"the vertex runs on tile 0 \(1 of 2 elements are not local\)"):
+        g.addVertices(cs, ew.UNARY_VERTEX, [0], bad, [0, 1.0, 0.0])
+    with pytest.raises(ValueError, match="takes 3 parameters, got 2"):
+        g.addVertices(cs, ew.UNARY_VERTEX, [0, 0, 1, 2, 3, 3], fields, np.zeros((6, 2)))
+    with pytest.raises(ValueError, match=r"parameter matrix of shape \(2, 3\) for 6 vertices"):
+        g.addVertices(cs, ew.UNARY_VERTEX, [0, 0, 1, 2, 3, 3], fields, np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="tile 9 does not exist"):
+        g.addVertices(cs, ew.UNARY_VERTEX, [0, 0, 1, 2, 3, 9], fields, [0, 1.0, 0.0])
+
+
+def test_one_vertex_and_a_table_of_one_row_are_the_same():
+    t = ip.Target.test(2)
+    g = ip.Graph(t)
+    x = g.addVariable("float32", (8,), "x")
+    g.setTileMapping(x, 1)
+    y = g.addVariable("float32", (8,), "y")
+    g.setTileMapping(y, 1)
+    one, bulk = g.addComputeSet("one"), g.addComputeSet("bulk")
+    g.addVertex(one, ew.UNARY_VERTEX, 1, {"x": x[::2], "out": y[:4]}, (2, 1.0, 0.0))
+    g.addVertices(bulk, ew.UNARY_VERTEX, [1], {"x": ip.Field.strided(x, [0], 4, 1, 2),
+                                                "out": ip.Field.strided(y, [0], 1, 4)}, [2, 1.0, 0.0])
+    (a,), (b,) = one.tables, bulk.tables
+    for f in ("x", "out"):
+        assert a.fields[f].elements().tolist() == b.fields[f].elements().tolist()
+    assert a.cycles(t).tolist() == b.cycles(t).tolist()
+    assert one.tile_cycles(t).tolist() == bulk.tile_cycles(t).tolist()
 
 
 # ---- memory --------------------------------------------------------------------------------

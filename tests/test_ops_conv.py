@@ -282,7 +282,7 @@ def test_input_on_one_tile_is_exchanged_and_strict_mode_needs_the_exchange():
     assert not np.allclose(e.readTensor(y), want, atol=1e-3)
     e.run(0)
     np.testing.assert_allclose(e.readTensor(y), want, rtol=1e-5, atol=1e-5)
-    assert len({v.tile for cs in g.compute_sets for v in cs.vertices}) > 1
+    assert len({tile for cs in g.compute_sets for t in cs.tables for tile in t.tiles.tolist()}) > 1
     exchange = e.costs[0].per_ipu[0].exchange
     assert exchange >= math.ceil(X.nbytes * 15 / 16 / SMALL.exchange_bytes_per_cycle)  # tile 5 sends x out
 
@@ -297,7 +297,8 @@ def test_windows_include_the_halo():
     conv2d(g, x, w, ip.Sequence(), 1, 1)
     plan = plan_conv(g.target, forward_geometry(x.shape, w.shape, 1, 1, 1, 1))
     assert plan.as_dict()["out_rows"] == 4  # 4 blocks of 4 rows
-    windows = sorted(v.fields["x"].numel for cs in g.compute_sets for v in cs.vertices)
+    windows = sorted(n for cs in g.compute_sets for t in cs.tables if t.type is CONV_VERTEX
+                     for n in t.sizes()["x"].tolist())
     assert windows[0] == 5 * 4 and windows[-1] == 6 * 4  # edge blocks: 4 + 1 rows, inner: 4 + 2
 
 
@@ -314,9 +315,11 @@ def test_conv_vertex_estimator_counts_real_multiply_accumulates(dtype, amp):
     geom = forward_geometry(x.shape, w.shape, 2, 1)
     (cs,) = g.compute_sets
     lines_seen = 0
-    for v in cs.vertices:
-        params = dict(zip(("groups", "batch", "in_ch", "out_ch"), v.params[:4]))
-        line0, lines = v.params[10], v.params[11]
+    (table,) = cs.tables
+    got = CONV_VERTEX.cycles(table.sizes(), table.params, np.dtype(dtype), t)
+    for v, row in enumerate(table.params.astype(int).tolist()):
+        params = dict(zip(("groups", "batch", "in_ch", "out_ch"), row[:4]))
+        line0, lines = row[10], row[11]
         macs = 0  # brute force: real (output, tap) pairs of the vertex's lines
         for line in range(line0, line0 + lines):
             oh = line % geom.h.out_size
@@ -326,7 +329,7 @@ def test_conv_vertex_estimator_counts_real_multiply_accumulates(dtype, amp):
                         macs += geom.h.inputs(oh, a) >= 0 and geom.w.inputs(ow, b) >= 0
         macs *= params["in_ch"]
         want = t.flop_cycles(2 * macs, dtype) + t.thread_cycles(20 + 3 * 3 * math.ceil(3 / amp) * (6 + lines))
-        assert CONV_VERTEX.cycles(v.sizes, v.params, np.dtype(dtype), t) == want
+        assert got[v] == want
         lines_seen += lines
     assert lines_seen == 2 * geom.h.out_size  # every output line of the 2 channels, once
 

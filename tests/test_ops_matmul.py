@@ -210,7 +210,7 @@ def test_operands_on_one_tile_are_exchanged_to_the_vertices(mode):
     A, B = operands(rng, (16, 24), (24, 16))
     got, cycles, e = run(g, prog, mode, {a: A, b: B}, c)
     assert_float32_close(got, A, B)
-    used = {v.tile for cs in g.compute_sets for v in cs.vertices}
+    used = {tile for cs in g.compute_sets for t in cs.tables for tile in t.tiles.tolist()}
     assert len(used) > 1  # the vertices are spread; a lives on tile 0 only
     cost = e.costs[0]
     assert cost.per_ipu[0].exchange > 0 and cost.exchange_bytes >= A.nbytes
@@ -240,14 +240,15 @@ def test_partial_product_estimator_formula(dtype, amp):
     for m, n, k in [(1, 1, 1), (4, 8, 16), (7, 33, 65), (16, 16, 256)]:
         passes = math.ceil(n / amp) * math.ceil(k / amp)
         want = t.flop_cycles(2 * m * n * k, dtype) + t.thread_cycles(20 + passes * (6 + m))
-        assert MATMUL_VERTEX.cycles({}, (m, n, k), np.dtype(dtype), t) == want
+        assert MATMUL_VERTEX.cycles({}, np.array([[m, n, k]], float), np.dtype(dtype), t).tolist() == [want]
 
 
 def test_reduce_estimator_formula():
     t = ip.GC200
     for n, r in [(1, 2), (30, 4), (31, 16)]:
         want = t.thread_cycles(17 + math.ceil(n / 2) * (r + 3))
-        assert REDUCE_VERTEX.cycles({"out": n}, (r,), np.dtype("float32"), t) == want
+        assert REDUCE_VERTEX.cycles({"out": np.array([n])}, np.array([[r]], float), np.dtype("float32"), t).tolist() \
+            == [want]
 
 
 def test_compute_set_cycles_follow_the_estimator():
@@ -256,7 +257,8 @@ def test_compute_set_cycles_follow_the_estimator():
     t = ip.Target.test(1, 64 * 1024)
     g, a, b, c, prog = build(t, (1, 40), (40, 24))
     (cs,) = g.compute_sets
-    assert [v.params for v in cs.vertices] == [(1, 4, 40)] * 6
+    (table,) = cs.tables
+    assert table.params.tolist() == [[1, 4, 40]] * 6
     e = ip.Engine(g, prog)
     execute = next(p for p in prog.programs[0].body.programs if isinstance(p, ip.Execute))
     expected = t.flop_cycles(2 * 4 * 40, "float32") + t.thread_cycles(20 + 1 * 5 * (6 + 1)) + t.vertex_overhead_cycles
@@ -265,8 +267,9 @@ def test_compute_set_cycles_follow_the_estimator():
 
 def test_float16_runs_at_the_float16_amp_rate():
     m, n, k = 16, 16, 512
-    assert (MATMUL_VERTEX.cycles({}, (m, n, k), np.dtype("float32"), ip.GC200)
-            > 3 * MATMUL_VERTEX.cycles({}, (m, n, k), np.dtype("float16"), ip.GC200))
+    params = np.array([[m, n, k]], float)
+    assert (MATMUL_VERTEX.cycles({}, params, np.dtype("float32"), ip.GC200)
+            > 3 * MATMUL_VERTEX.cycles({}, params, np.dtype("float16"), ip.GC200)).all()
 
 
 # ---- errors ----------------------------------------------------------------------------------

@@ -152,7 +152,8 @@ def test_errors_name_the_problem():
 def test_running_stats_estimator():
     t = ip.GC200
     vertex = N.RUNNING_STATS_VERTEX
-    assert vertex.cycles({"stat": 10, "running": 10}, (0.1, 1.0), np.dtype("float32"), t) == t.thread_cycles(6 + 5 * 3)
+    sizes = {"stat": np.array([10]), "running": np.array([10])}
+    assert vertex.cycles(sizes, np.array([[0.1, 1.0]]), np.dtype("float32"), t).tolist() == [t.thread_cycles(6 + 5 * 3)]
 
 
 @settings(max_examples=12, deadline=None)

@@ -412,19 +412,20 @@ def expected_vertex_cycles(kind, extra_per_vector, n, width, target):
 def test_vertex_cycles_follow_the_documented_formula(case, kinds, extra, wdt):
     g, w, *_ = build(CASES[case](), shape=(40, 7), wdt=wdt)
     width = 2  # float32 state (and float32 u for LAMB) sets the vector width
-    sets = [cs for cs in g.compute_sets if any(v.type is optim.UPDATE_VERTEX for v in cs.vertices)]
-    assert len(sets) == len(kinds)
-    for cs, kind in zip(sets, kinds):
-        for v in cs.vertices:
-            assert v.cycles(TARGET) == expected_vertex_cycles(kind, extra, v.fields["w"].numel, width, TARGET)
-        assert {v.tile for v in cs.vertices} == set(w.tiles().reshape(-1).tolist())
+    tables = [t for cs in g.compute_sets for t in cs.tables if t.type is optim.UPDATE_VERTEX]
+    assert len(tables) == len(kinds)
+    for table, kind in zip(tables, kinds):
+        assert table.cycles(TARGET).tolist() == [expected_vertex_cycles(kind, extra, n, width, TARGET)
+                                                 for n in table.sizes()["w"]]
+        assert set(table.tiles.tolist()) == set(w.tiles().reshape(-1).tolist())
 
 
 def test_all_float16_update_uses_the_wider_vector():
     opt = optim.SGD(lr=0.1, momentum=0.9, state_dtype="float16")
     g, *_ = build(opt, shape=(40, 7), wdt="float16")
-    for v in g.compute_sets[-1].vertices:
-        assert v.cycles(TARGET) == expected_vertex_cycles("sgd", 3, v.fields["w"].numel, 4, TARGET)
+    for table in g.compute_sets[-1].tables:
+        assert table.cycles(TARGET).tolist() == [expected_vertex_cycles("sgd", 3, n, 4, TARGET)
+                                                 for n in table.sizes()["w"]]
 
 
 def test_optimiser_state_is_always_live_and_mapped_like_the_weight():
@@ -434,9 +435,9 @@ def test_optimiser_state_is_always_live_and_mapped_like_the_weight():
     n, tiles = w.numel, TARGET.num_tiles
     per_tile_weight = np.bincount(w.tiles().reshape(-1), minlength=tiles) * 4
     expected = 2 * per_tile_weight + len(optim.AdamW.HYPER) * 4 + np.bincount(
-        [t for t, _ in state.vertices], minlength=tiles) * 4
+        state.vertices.tiles, minlength=tiles) * 4
     np.testing.assert_array_equal(mem.by_category["optimiser_state"], expected)
-    assert int(mem.by_category["optimiser_state"].sum()) == 2 * n * 4 + tiles * 6 * 4 + len(state.vertices) * 4
+    assert int(mem.by_category["optimiser_state"].sum()) == 2 * n * 4 + tiles * 6 * 4 + state.vertices.num_vertices * 4
     for t in state.tensors.values():
         assert t.var.always_live and t.var.category == "optimiser_state"
         np.testing.assert_array_equal(t.tiles(), w.tiles())

@@ -266,7 +266,7 @@ def test_input_on_one_tile_is_exchanged(mode):
     e.writeTensor(x, X)
     e.run()
     np.testing.assert_array_equal(e.readTensor(y), reference(X, None, "max", 3, 2, 1)[0])
-    assert len({v.tile for cs in g.compute_sets for v in cs.vertices}) > 1
+    assert len({tile for cs in g.compute_sets for t in cs.tables for tile in t.tiles.tolist()}) > 1
     assert e.costs[0].per_ipu[0].exchange >= math.ceil(X.nbytes * 15 / 16 / SMALL.exchange_bytes_per_cycle)
 
 
@@ -311,16 +311,17 @@ def test_vertex_estimates_count_the_real_window_positions():
     rows_h = [[r for r in range(o * 2 - 1, o * 2 + 2) if 0 <= r < 7] for o in range(geom.h.out_size)]
     per_col = sum(len([c for c in range(o * 2 - 1, o * 2 + 2) if 0 <= c < 6]) for o in range(geom.w.out_size))
     fwd_cs, bwd_cs = g.compute_sets
-    for v in fwd_cs.vertices:
-        planes, row0, rows = v.params[2], v.params[3], v.params[4]
+    (fwd,), (bwd,) = fwd_cs.tables, bwd_cs.tables
+    got = P.POOL_VERTEX.cycles(fwd.sizes(), fwd.params, np.dtype("float32"), g.target)
+    for v, (params, out) in enumerate(zip(fwd.params.astype(int).tolist(), fwd.sizes()["out"])):
+        planes, row0, rows = params[2], params[3], params[4]
         taps = planes * sum(len(rows_h[o]) for o in range(row0, row0 + rows)) * per_col
-        assert P.POOL_VERTEX.cycles(v.sizes, v.params, np.dtype("float32"), g.target) == \
-            P.pool_cycles("max", planes * rows, v.sizes["out"], taps, "float32", g.target)
-    for v in bwd_cs.vertices:
-        planes, row0, rows, out0, outs = (v.params[i] for i in (1, 2, 3, 7, 8))
+        assert got[v] == P.pool_cycles("max", planes * rows, out, taps, "float32", g.target)
+    got = P.MAX_GRAD_VERTEX.cycles(bwd.sizes(), bwd.params, np.dtype("float32"), g.target)
+    for v, (params, dx) in enumerate(zip(bwd.params.astype(int).tolist(), bwd.sizes()["dx"])):
+        planes, row0, rows, out0, outs = (params[i] for i in (1, 2, 3, 7, 8))
         pairs = planes * sum(len([r for r in rows_h[o] if row0 <= r < row0 + rows]) for o in range(out0, out0 + outs))
-        assert P.MAX_GRAD_VERTEX.cycles(v.sizes, v.params, np.dtype("float32"), g.target) == \
-            P.pool_cycles("max_grad", planes * rows, v.sizes["dx"], pairs * per_col, "float32", g.target)
+        assert got[v] == P.pool_cycles("max_grad", planes * rows, dx, pairs * per_col, "float32", g.target)
 
 
 # ---- geometry and errors ---------------------------------------------------------------------

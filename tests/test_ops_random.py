@@ -220,14 +220,16 @@ def test_estimators_follow_the_poprand_shape():
     t = ip.GC200
     assert RR.rng_instructions(10, 2, RR.UNIFORM) == 19 + 5 * 3
     assert RR.rng_instructions(10, 4, RR.NORMAL) == 19 + 3 * 2
-    assert RR.RANDOM_VERTEX.cycles({"seed": 2, "out": 10}, (RR.BERNOULLI, 0, 0, 0, 0), np.dtype("float32"), t) == \
-        t.thread_cycles(19 + 5)
-    assert RR.DROPOUT_VERTEX.cycles({"x": 8, "seed": 2, "out": 8, "mask": 8}, (0, 0, 1, 0), np.dtype("float16"), t) \
-        == t.thread_cycles(19 + 2 * 3)
+    sizes = {"seed": np.array([2]), "out": np.array([10])}
+    assert RR.RANDOM_VERTEX.cycles(sizes, np.array([[RR.BERNOULLI, 0, 0, 0, 0]]), np.dtype("float32"), t).tolist() \
+        == [t.thread_cycles(19 + 5)]
+    sizes = {"x": np.array([8]), "seed": np.array([2]), "out": np.array([8]), "mask": np.array([8])}
+    assert RR.DROPOUT_VERTEX.cycles(sizes, np.array([[0, 0, 1, 0]]), np.dtype("float16"), t).tolist() \
+        == [t.thread_cycles(19 + 2 * 3)]
 
 
 def test_work_runs_are_contiguous_and_balanced():
     tiles = np.array([0] * 24 + [1] * 3 + [0] * 2)
-    work = RR.contiguous_work(tiles, 6)
+    work = list(zip(*(a.tolist() for a in RR.contiguous_work(tiles, 6))))
     assert [w for w in work if w[0] == 0] == [(0, 0, 8), (0, 8, 16), (0, 16, 24), (0, 27, 29)]
     assert [w for w in work if w[0] == 1] == [(1, 24, 27)]

@@ -113,8 +113,7 @@ def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
     sync = target.sync_cycles
     gsync = target.global_sync_cycles(num_ipus)
     if isinstance(p, Execute):
-        tiles = p.compute_set.tile_cycles(target)
-        compute = max(tiles.values(), default=0)
+        compute = int(p.compute_set.tile_cycles(target).max(initial=0))
         return Cost(compute + sync, {p.compute_set.ipu: Cycles(compute=compute, sync=sync)})
     if isinstance(p, Copy):
         cyc, nbytes = exchange_cycles(p.src, p.dst, target)

@@ -122,9 +122,9 @@ class Engine:
                     for inner in walk(node):
                         if isinstance(inner, OpProgram):  # an op's kernel may run its parts' kernels
                             touched.update(t.var.id for t in (*inner.reads, *inner.writes))
-                        internal.update((t.var.id, node.name) for t in _tensors(inner))
+                        internal.update((v.id, node.name) for v in _variables(inner))
                 else:
-                    touched.update(t.var.id for t in _tensors(node))
+                    touched.update(v.id for v in _variables(node))
         return {v: op for v, op in internal.items() if v not in touched}
 
     def _executed_nodes(self, p: Program):
@@ -138,21 +138,14 @@ class Engine:
         mem = self.mem
         if isinstance(node, Execute):
             ipu_mem = mem[node.compute_set.ipu]
-            groups = {}
-            for v in node.compute_set.vertices:
-                groups.setdefault(id(v.type), (v.type, []))[1].append(v)
             plan = []
-            for vt, verts in groups.values():
+            for table in node.compute_set.tables:
                 args = []
-                for f in vt.fields:
-                    addrs = [ipu_mem.addresses(v.fields[f]) for v in verts]
-                    starts = np.zeros(len(verts) + 1, dtype=np.int64)
-                    np.cumsum([a.size for a in addrs], out=starts[1:])
-                    dtype = verts[0].fields[f].dtype
-                    addr = np.concatenate(addrs).astype(np.int64, copy=False) if addrs else np.zeros(0, np.int64)
-                    args += [kernel_view(ipu_mem.arena(dtype)), addr, starts]
-                params = np.asarray([v.params for v in verts], dtype=np.float64).reshape(len(verts), vt.num_params)
-                plan.append((vt.kernel, args + [params]))
+                for f in table.type.fields:
+                    column = table.fields[f]
+                    starts = np.concatenate(([0], np.cumsum(column.sizes()))).astype(np.int64)
+                    args += [kernel_view(ipu_mem.arena(column.dtype)), ipu_mem.field_addresses(column), starts]
+                plan.append((table.type.kernel, args + [table.params]))
             self._plans[id(node)] = plan
         elif isinstance(node, (Copy, InterIpuCopy)):
             src_mem, dst_mem = mem[node.src.ipu], mem[node.dst.ipu]
@@ -381,15 +374,15 @@ def _copy(src: np.ndarray, src_index, dst: np.ndarray, dst_index):
     return run
 
 
-def _tensors(node: Program):
-    """The tensors a leaf program node reads or writes."""
+def _variables(node: Program):
+    """The variables a leaf program node reads or writes."""
     if isinstance(node, Execute):
-        for v in node.compute_set.vertices:
-            yield from v.fields.values()
+        for table in node.compute_set.tables:
+            yield from table.variables()
     elif isinstance(node, (Copy, InterIpuCopy)):
-        yield node.src
-        yield node.dst
+        yield node.src.var
+        yield node.dst.var
     elif isinstance(node, (StreamCopy, RemoteCopy)):
-        yield node.tensor
+        yield node.tensor.var
     elif isinstance(node, If):
-        yield node.predicate
+        yield node.predicate.var

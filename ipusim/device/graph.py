@@ -10,7 +10,7 @@ import numpy as np
 from .program import DataStream, RemoteBuffer
 from .target import GC200, Target
 from .tensor import Tensor, Variable, as_dtype
-from .vertex import ComputeSet, Vertex, VertexType
+from .vertex import ComputeSet, Field, VertexTable, VertexType
 
 
 class Graph:
@@ -124,10 +124,27 @@ class Graph:
         return cs
 
     def addVertex(self, cs: ComputeSet, vertex_type: VertexType, tile: int, fields: dict,
-                  params: tuple = ()) -> Vertex:
+                  params: tuple = ()) -> VertexTable:
+        """One vertex on `tile`, its fields connected to the views in `fields`."""
+        params = np.asarray(params, dtype=np.float64).reshape(1, -1)
+        return self.addVertices(cs, vertex_type, [tile], {f: Field.of(t) for f, t in fields.items()}, params)
+
+    def addVertices(self, cs: ComputeSet, vertex_type: VertexType, tiles, fields: dict[str, Field],
+                    params=None) -> VertexTable:
+        """Vertices of one type: vertex v on `tiles[v]`, row v of `params` (num_vertices x
+        num_params) and row v of every field (see `Field`)."""
         if cs.ipu != self.ipu:
             raise ValueError(f"compute set {cs.name!r} belongs to IPU {cs.ipu}, not IPU {self.ipu}")
-        return cs.add(Vertex(vertex_type, self._check_tile(tile), dict(fields), tuple(params)))
+        tiles = np.asarray(tiles, dtype=np.int32).reshape(-1)
+        bad = (tiles < 0) | (tiles >= self.target.num_tiles)
+        if bad.any():
+            self._check_tile(int(tiles[bad][0]))
+        n = tiles.size
+        params = (np.zeros((n, 0)) if params is None and vertex_type.num_params == 0
+                  else np.asarray(params, dtype=np.float64))
+        if params.ndim == 1 and params.size == vertex_type.num_params:
+            params = np.broadcast_to(params, (n, params.size))
+        return cs.add(VertexTable(vertex_type, tiles, np.ascontiguousarray(params), dict(fields)))
 
     def _stream(self, name, dtype, shape, direction) -> DataStream:
         if name in self.streams:

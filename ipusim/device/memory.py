@@ -95,7 +95,7 @@ def supersteps(program: Program) -> list[Program]:
 
 def touched(step: Program) -> list[Variable]:
     if isinstance(step, Execute):
-        return [t.var for v in step.compute_set.vertices for t in v.fields.values()]
+        return [v for table in step.compute_set.tables for v in table.variables()]
     if isinstance(step, (StreamCopy, RemoteCopy)):
         return [step.tensor.var]
     return [step.src.var, step.dst.var]
@@ -145,13 +145,15 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
             for b in ends.get(i, ()):
                 live -= b
         state, code = zero(), zero()
-        kinds: set[tuple[int, int]] = set()
+        on_tiles: dict[int, np.ndarray] = {}  # vertex type -> tiles running at least one
         for cs in g.compute_sets:
-            for vx in cs.vertices:
-                state[vx.tile] += FIELD_BYTES * len(vx.fields) + PARAM_BYTES * len(vx.params)
-                kinds.add((vx.tile, id(vx.type)))
-        for tile, _ in kinds:
-            code[tile] += CODELET_BYTES
+            for table in cs.tables:
+                vt = table.type
+                count = np.bincount(table.tiles, minlength=n)
+                state += count * (FIELD_BYTES * len(vt.fields) + PARAM_BYTES * vt.num_params)
+                on_tiles[id(vt)] = on_tiles.get(id(vt), np.zeros(n, bool)) | (count > 0)
+        for used in on_tiles.values():
+            code += CODELET_BYTES * used
         by_cat["vertex_state"], by_cat["code"] = state, code
         off_chip = sum(b.nbytes * b.repeats for b in g.remote_buffers.values())
         reports.append(MemoryReport(g.ipu, g.target, always, peak, state, code, by_cat, per_tensor,

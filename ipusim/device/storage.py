@@ -14,6 +14,7 @@ import numpy as np
 
 from .graph import Device, Graph
 from .tensor import Tensor, Variable
+from .vertex import Field
 
 LAYOUTS = ("strict", "fast")
 
@@ -83,6 +84,23 @@ class IpuMemory:
                 return np.arange(base + t.span, base + t.span + t.numel, dtype=np.int64)
             return np.add(t.index.reshape(-1), base, dtype=np.int64)  # indices may be int32
         return self.addr[v.id][t.elements()]
+
+    def field_addresses(self, f: Field) -> np.ndarray:
+        """Arena address of every element a vertex field connects, in vertex order."""
+        elements = f.elements()
+        if len(f.variables) == 1:
+            return self._element_addresses(f.variables[0], elements)
+        which = f.element_vars()
+        out = np.empty(elements.size, np.int64)
+        for k, v in enumerate(f.variables):
+            at = np.flatnonzero(which == k)
+            out[at] = self._element_addresses(v, elements[at])
+        return out
+
+    def _element_addresses(self, v: Variable, elements: np.ndarray) -> np.ndarray:
+        if self.layout == "fast":
+            return elements + self._offset(v)
+        return self.addr[v.id][elements]
 
     def _offset(self, v: Variable) -> int:
         try:

@@ -7,6 +7,8 @@ the default we chose and why, so users can set them (`dataclasses.replace(GC200,
 from __future__ import annotations
 
 import math
+
+import numpy as np
 from dataclasses import dataclass, replace
 
 KiB = 1024
@@ -96,9 +98,12 @@ class Target:
             return 0
         return math.ceil(num_bytes / self.streaming_memory_bytes_per_s * self.clock_hz)
 
-    def thread_cycles(self, instructions: float) -> int:
+    def thread_cycles(self, instructions):
         """Tile cycles a worker needs for `instructions`: the workers are barrel-scheduled, each
-        issuing one instruction every `workers_per_tile` cycles (Jia et al. 2019)."""
+        issuing one instruction every `workers_per_tile` cycles (Jia et al. 2019). A number, or
+        an array (one per vertex) giving an int64 array."""
+        if np.ndim(instructions):
+            return np.ceil(instructions).astype(np.int64) * self.workers_per_tile
         return math.ceil(instructions) * self.workers_per_tile
 
     def flop_cycles(self, flops: float, dtype) -> int:

@@ -1,9 +1,16 @@
-"""Vertices and compute sets.
+"""Vertices and compute sets, held as tables.
 
 A `VertexType` bundles a codelet (a Numba kernel), its cycle estimator and its field roles. A
-`Vertex` is one instance on one tile with its fields connected to tensor views; every element it
-reads or writes must live on that tile, checked when the vertex is added. A `ComputeSet` is a set
-of vertices that run in parallel in one compute phase of a BSP superstep.
+compute set holds, per vertex type, one `VertexTable`: a tile column, a parameter matrix (one
+row per vertex) and, per field, a `Field`: the pieces of variables each vertex connects, as runs
+of consecutive elements (first element, length) in compressed-row form. Ops build these columns
+with NumPy from their plan; `Graph.addVertex` adds a table of one row. Every element a vertex
+reads or writes must live on that vertex's tile: checked when a table is added, one vectorised
+test per field.
+
+Estimators work on whole tables: `cycles(sizes, params, dtype, target)` gets, per field, the
+number of elements each vertex connects (an int64 array), the parameter matrix and the dtype of
+the type's first field, and returns the cycles of each vertex on one worker (an int64 array).
 
 Codelet calling convention: the kernel is called once per compute set and vertex type, with,
 for every field in `VertexType.fields` order, the triple (arena, addresses, starts) followed by
@@ -13,13 +20,13 @@ dtype of the field). Kernels iterate `for v in prange(params.shape[0])`.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from numba import njit
 
-from .tensor import Tensor
+from .tensor import Tensor, Variable
 
 
 class LocalityError(ValueError):
@@ -32,7 +39,8 @@ class VertexType:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     kernel: Callable
-    # cycles(sizes: {field: numel}, params: tuple, dtype: np.dtype, target) -> cycles on one worker
+    # cycles(sizes: {field: int64 array}, params: (n, num_params) float64, dtype, target) -> int64 array (n,),
+    # the cycles of each vertex on one worker
     cycles: Callable
     num_params: int = 0
 
@@ -44,76 +52,281 @@ class VertexType:
         return f"VertexType({self.name})"
 
 
-@dataclass(eq=False, slots=True)
-class Vertex:
-    type: VertexType
-    tile: int
-    fields: dict[str, Tensor]
-    params: tuple = ()
+_EMPTY = np.zeros(0, np.int64)
+
+
+@dataclass(eq=False)
+class Field:
+    """What one field of every vertex of a table connects: vertex v views variable
+    `variables[var[v]]`, elements `starts[k] .. starts[k] + lengths[k] - 1` for the pieces
+    k in `offsets[v] .. offsets[v+1] - 1`, in that order."""
+    variables: tuple[Variable, ...]
+    var: np.ndarray      # (n,) int32
+    offsets: np.ndarray  # (n + 1,) int64
+    starts: np.ndarray   # (pieces,) int64
+    lengths: np.ndarray  # (pieces,) int64
 
     @property
-    def sizes(self) -> dict[str, int]:
-        return {k: t.numel for k, t in self.fields.items()}
+    def num_vertices(self) -> int:
+        return self.var.size
 
     @property
     def dtype(self) -> np.dtype:
-        return next(iter(self.fields.values())).dtype
+        return self.variables[0].dtype
 
-    def cycles(self, target) -> int:
-        return int(self.type.cycles(self.sizes, self.params, self.dtype, target)) + target.vertex_overhead_cycles
+    def sizes(self) -> np.ndarray:
+        """Elements each vertex connects."""
+        ends = np.concatenate(([0], np.cumsum(self.lengths)))
+        return ends[self.offsets[1:]] - ends[self.offsets[:-1]]
+
+    def elements(self) -> np.ndarray:
+        """Every connected element in vertex order, as flat indices into its variable."""
+        total = int(self.lengths.sum())
+        begin = np.cumsum(self.lengths) - self.lengths
+        return np.repeat(self.starts - begin, self.lengths) + np.arange(total, dtype=np.int64)
+
+    def element_vars(self) -> np.ndarray:
+        """For every connected element, the index of its variable in `variables`."""
+        return np.repeat(self.var, self.sizes())
+
+    # ---- building ---------------------------------------------------------------------------
+    @staticmethod
+    def of(t: Tensor) -> "Field":
+        """One vertex connecting the view `t`."""
+        if t.span is not None:
+            return Field.strided(t, [0], min(1, t.numel), [t.numel])
+        return Field.at(t, np.arange(t.numel), [0, t.numel])
+
+    @staticmethod
+    def at(t: Tensor, positions: np.ndarray, offsets: np.ndarray) -> "Field":
+        """Vertex v connects the flat elements `positions[offsets[v]:offsets[v+1]]` of the view."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        span = t.span
+        elements = positions + span if span is not None else t.index.reshape(-1)[positions].astype(np.int64)
+        return Field.from_elements([t.var], np.zeros(len(offsets) - 1, np.int32), elements, offsets)
+
+    @staticmethod
+    def strided(t: Tensor, starts, counts, lengths, strides=0) -> "Field":
+        """Vertex v connects `counts[v]` runs of `lengths[v]` flat positions of the view, the
+        j-th from position `starts[v] + j * strides[v]` (a row block of a matrix, a box of a grid)."""
+        starts, counts, lengths, strides = np.broadcast_arrays(*(np.asarray(a, np.int64).reshape(-1)
+                                                                 for a in (starts, counts, lengths, strides)))
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        j = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
+        first = np.repeat(starts, counts) + j * np.repeat(strides, counts)
+        length = np.repeat(lengths, counts)
+        if t.span is not None:
+            return Field.from_runs([t.var], np.zeros(counts.size, np.int32), first + t.span, length, offsets)
+        begin = np.cumsum(length) - length
+        positions = np.repeat(first - begin, length) + np.arange(int(length.sum()), dtype=np.int64)
+        return Field.at(t, positions, np.concatenate(([0], np.cumsum(length)))[offsets])
+
+    @staticmethod
+    def from_elements(variables, var: np.ndarray, elements: np.ndarray, offsets: np.ndarray) -> "Field":
+        """Vertex v connects `elements[offsets[v]:offsets[v+1]]` of its variable, compressed
+        into runs of consecutive elements."""
+        elements = np.asarray(elements, np.int64)
+        offsets = np.asarray(offsets, np.int64)
+        n = elements.size
+        cut = np.ones(n, bool)
+        cut[1:] = np.diff(elements) != 1
+        bounds = offsets[:-1][offsets[:-1] < n]
+        cut[bounds] = True
+        first = np.flatnonzero(cut)
+        lengths = np.diff(np.append(first, n))
+        return Field.from_runs(variables, var, elements[first], lengths, np.searchsorted(first, offsets))
+
+    @staticmethod
+    def from_runs(variables, var, starts, lengths, offsets=None) -> "Field":
+        """Vertex v connects the runs `offsets[v] .. offsets[v+1] - 1` (one run per vertex by default)."""
+        starts = np.asarray(starts, np.int64).reshape(-1)
+        lengths = np.broadcast_to(np.asarray(lengths, np.int64), starts.shape).copy()
+        n = starts.size if offsets is None else len(offsets) - 1
+        offsets = np.arange(n + 1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
+        var = np.broadcast_to(np.asarray(var, np.int32), (n,)).copy()
+        return Field(tuple(variables), var, offsets, starts, lengths)
+
+    @staticmethod
+    def concat(parts: list["Field"]) -> "Field":
+        if len(parts) == 1:
+            return parts[0]
+        variables, index, var = [], {}, []
+        for f in parts:
+            remap = np.empty(len(f.variables), np.int32)
+            for k, v in enumerate(f.variables):
+                j = index.get(id(v))
+                if j is None:
+                    j = index[id(v)] = len(variables)
+                    variables.append(v)
+                remap[k] = j
+            var.append(remap[f.var])
+        shift = np.cumsum([0] + [f.starts.size for f in parts[:-1]])
+        offsets = np.concatenate([[0]] + [f.offsets[1:] + s for f, s in zip(parts, shift)])
+        return Field(tuple(variables), np.concatenate(var), offsets,
+                     np.concatenate([f.starts for f in parts]), np.concatenate([f.lengths for f in parts]))
+
+
+@dataclass(eq=False)
+class VertexTable:
+    """The vertices of one type in one compute set: tile, parameters and fields, one row each."""
+    type: VertexType
+    tiles: np.ndarray   # (n,) int32
+    params: np.ndarray  # (n, num_params) float64
+    fields: dict[str, Field]
+
+    @property
+    def num_vertices(self) -> int:
+        return self.tiles.size
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.fields[self.type.fields[0]].dtype
+
+    def sizes(self) -> dict[str, np.ndarray]:
+        return {f: c.sizes() for f, c in self.fields.items()}
+
+    def variables(self) -> list[Variable]:
+        return [v for c in self.fields.values() for v in c.variables]
+
+    def cycles(self, target) -> np.ndarray:
+        """Cycles of each vertex on one worker, with the target's fixed vertex overhead."""
+        n = self.num_vertices
+        c = np.asarray(self.type.cycles(self.sizes(), self.params, self.dtype, target))
+        if c.shape != (n,):
+            raise TypeError(f"the cycle estimator of {self.type.name} returned shape {c.shape} for {n} vertices; "
+                            "an estimator returns one number per vertex")
+        return c.astype(np.int64) + target.vertex_overhead_cycles
+
+    @staticmethod
+    def concat(parts: list["VertexTable"]) -> "VertexTable":
+        if len(parts) == 1:
+            return parts[0]
+        return VertexTable(parts[0].type, np.concatenate([p.tiles for p in parts]),
+                           np.concatenate([p.params for p in parts]),
+                           {f: Field.concat([p.fields[f] for p in parts]) for f in parts[0].type.fields})
 
 
 @dataclass(eq=False)
 class ComputeSet:
     name: str
     ipu: int
-    vertices: list[Vertex] = field(default_factory=list)
+    _parts: dict = field(default_factory=dict, repr=False)  # vertex type -> [VertexTable, ...]
 
-    def add(self, vertex: Vertex) -> Vertex:
-        vt = vertex.type
-        missing = set(vt.fields) - set(vertex.fields)
-        extra = set(vertex.fields) - set(vt.fields)
+    def add(self, table: VertexTable) -> VertexTable:
+        """Add vertices, after checking their fields, parameters and locality."""
+        vt = table.type
+        missing = set(vt.fields) - set(table.fields)
+        extra = set(table.fields) - set(vt.fields)
         if missing or extra:
             raise ValueError(f"vertex {vt.name} in compute set {self.name!r}: fields {sorted(missing)} "
                              f"not connected, unknown fields {sorted(extra)}; expected {list(vt.fields)}")
-        if len(vertex.params) != vt.num_params:
-            raise ValueError(f"vertex {vt.name} takes {vt.num_params} parameters, got {len(vertex.params)}")
-        for name, t in vertex.fields.items():
-            check_local(t, vertex.tile, self.ipu, f"{vt.name}.{name}")
-        self.vertices.append(vertex)
-        return vertex
+        n = table.num_vertices
+        if table.params.ndim != 2 or table.params.shape[0] != n:
+            raise ValueError(f"vertex {vt.name} in compute set {self.name!r}: a parameter matrix of shape "
+                             f"{table.params.shape} for {n} vertices; give one row of {vt.num_params} per vertex")
+        if table.params.shape[1] != vt.num_params:
+            raise ValueError(f"vertex {vt.name} takes {vt.num_params} parameters, got {table.params.shape[1]}")
+        for name in vt.fields:
+            check_field(table, name, self)
+        parts = self._parts.setdefault(vt, [])
+        if parts:
+            for name in vt.fields:
+                if table.fields[name].dtype != parts[0].fields[name].dtype:
+                    raise TypeError(f"vertex {vt.name} in compute set {self.name!r}: field {name!r} connects "
+                                    f"{table.fields[name].dtype.name} here and {parts[0].fields[name].dtype.name} "
+                                    "in earlier vertices; vertices of one type in one compute set share field "
+                                    "dtypes: use a separate compute set")
+        parts.append(table)
+        return table
 
-    def tile_cycles(self, target) -> dict[int, int]:
-        """Cycles per tile: a tile's vertices spread over its workers (longest first); the
-        tile finishes when its busiest worker does."""
-        per_tile: dict[int, list[int]] = {}
-        for v in self.vertices:
-            per_tile.setdefault(v.tile, []).append(v.cycles(target))
-        return {tile: worker_makespan(c, target.workers_per_tile) for tile, c in per_tile.items()}
+    @property
+    def tables(self) -> list[VertexTable]:
+        """One table per vertex type, in the order the types were first added."""
+        for key, parts in self._parts.items():
+            if len(parts) > 1:
+                self._parts[key] = [VertexTable.concat(parts)]
+        return [parts[0] for parts in self._parts.values()]
+
+    @property
+    def num_vertices(self) -> int:
+        return sum(t.num_vertices for parts in self._parts.values() for t in parts)
+
+    def tile_cycles(self, target) -> np.ndarray:
+        """Cycles per tile (0 where no vertex runs): a tile's vertices spread over its workers
+        (longest first); the tile finishes when its busiest worker does."""
+        tables = self.tables
+        if not tables:
+            return np.zeros(target.num_tiles, np.int64)
+        tiles = np.concatenate([t.tiles for t in tables])
+        cycles = np.concatenate([t.cycles(target) for t in tables])
+        return tile_makespans(tiles, cycles, target.workers_per_tile, target.num_tiles)
 
     def __repr__(self):
-        return f"ComputeSet({self.name!r}, ipu={self.ipu}, vertices={len(self.vertices)})"
+        return f"ComputeSet({self.name!r}, ipu={self.ipu}, vertices={self.num_vertices})"
 
 
-def worker_makespan(cycles: list[int], workers: int) -> int:
-    """Longest-processing-time assignment of vertex cycles onto `workers` threads."""
-    if len(cycles) <= workers:
-        return max(cycles, default=0)
-    loads = [0] * workers
-    for c in sorted(cycles, reverse=True):
-        heapq.heapreplace(loads, loads[0] + c)
-    return max(loads)
+def tile_makespans(tiles: np.ndarray, cycles: np.ndarray, workers: int, num_tiles: int) -> np.ndarray:
+    """Per tile, the longest-processing-time assignment of its vertices' cycles onto `workers`
+    threads: the busiest thread's total (0 for a tile without vertices)."""
+    tiles = np.asarray(tiles, np.int64)
+    cycles = np.asarray(cycles, np.int64)
+    order = np.lexsort((-cycles, tiles))
+    bounds = np.searchsorted(tiles[order], np.arange(num_tiles + 1))
+    out = np.zeros(num_tiles, np.int64)
+    _makespans(cycles[order], bounds, workers, out)
+    return out
 
 
-def check_local(t: Tensor, tile: int, ipu: int, what: str) -> None:
-    if t.ipu != ipu:
-        raise LocalityError(f"{what}: tensor {t.name!r} lives on IPU {t.ipu}, the vertex on IPU {ipu}; "
-                            "move it with an InterIpuCopy first")
-    tiles = t.tiles().reshape(-1)
-    bad = np.flatnonzero(tiles != tile)
-    if bad.size:
-        i = int(bad[0])
-        where = "has no tile mapping" if tiles[i] < 0 else f"lives on tile {int(tiles[i])}"
-        raise LocalityError(f"{what}: element {i} of tensor {t.name!r} {where}, but the vertex runs on "
-                            f"tile {tile} ({bad.size} of {tiles.size} elements are not local); a vertex only "
-                            "reads its own tile's memory: copy the data to the tile first")
+@njit(cache=True, nogil=True)
+def _makespans(cycles, bounds, workers, out):
+    loads = np.zeros(workers, np.int64)
+    for t in range(bounds.size - 1):
+        a, b = bounds[t], bounds[t + 1]
+        if b - a <= workers:
+            out[t] = cycles[a] if b > a else 0
+            continue
+        loads[:] = 0
+        for i in range(a, b):
+            k = 0
+            for w in range(1, workers):
+                if loads[w] < loads[k]:
+                    k = w
+            loads[k] += cycles[i]
+        out[t] = loads.max()
+
+
+def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
+    """Every element a field connects lives on its vertex's tile, of the compute set's IPU."""
+    f = table.fields[name]
+    what = f"{table.type.name}.{name}"
+    if f.num_vertices != table.num_vertices:
+        raise ValueError(f"{what}: the field connects {f.num_vertices} vertices, the table has {table.num_vertices}")
+    dtypes = {v.dtype for v in f.variables}
+    if len(dtypes) > 1:
+        raise TypeError(f"{what} connects tensors of dtypes {sorted(d.name for d in dtypes)} in one table; "
+                        "vertices of one type in one compute set share field dtypes")
+    for v in f.variables:
+        if v.ipu != cs.ipu:
+            raise LocalityError(f"{what}: tensor {v.name!r} lives on IPU {v.ipu}, the vertex on IPU {cs.ipu}; "
+                                "move it with an InterIpuCopy first")
+    elements = f.elements()
+    if len(f.variables) == 1:
+        tiles = f.variables[0].mapping[elements]
+    else:
+        base = np.cumsum([0] + [v.numel for v in f.variables[:-1]])
+        tiles = np.concatenate([v.mapping for v in f.variables])[base[f.element_vars()] + elements]
+    sizes = f.sizes()
+    expected = np.repeat(table.tiles, sizes)
+    bad = np.flatnonzero(tiles != expected)
+    if not bad.size:
+        return
+    first = int(bad[0])
+    ends = np.cumsum(sizes)
+    vertex = int(np.searchsorted(ends, first, side="right"))
+    begin = int(ends[vertex] - sizes[vertex])
+    in_vertex = int(np.count_nonzero(bad < ends[vertex]))
+    var = f.variables[f.var[vertex]]
+    where = "has no tile mapping" if tiles[first] < 0 else f"lives on tile {int(tiles[first])}"
+    raise LocalityError(f"{what}: element {first - begin} of tensor {var.name!r} {where}, but the vertex runs on "
+                        f"tile {int(table.tiles[vertex])} ({in_vertex} of {int(sizes[vertex])} elements are not "
+                        "local); a vertex only reads its own tile's memory: copy the data to the tile first")

@@ -33,8 +33,6 @@ so strict and fast results are bit-identical; cycles and memory are the same sta
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
@@ -43,7 +41,7 @@ from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Copy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
-from .common import flat, split_work, tile_regions
+from .common import region_work
 
 REDUCE_OPS = ("sum", "mean")
 FLOAT_DTYPES = ("float32", "float16")
@@ -73,10 +71,10 @@ def ring_sum_whole(x, bounds, scale, out):
                 st(out, i, (ld(out, i) + ld(x[(c + k) % replicas], i)) * s)
 
 
-def reduce_add_cycles(sizes, params, dtype, target) -> int:
+def reduce_add_cycles(sizes, params, dtype, target) -> np.ndarray:
     width = 4 if dtype == np.float16 else 2
-    per_vector = 1 if params[0] == 1.0 else 2
-    return target.thread_cycles(math.ceil(sizes["acc"] / width) * per_vector + 6)
+    per_vector = np.where(params[:, 0] == 1.0, 1, 2)
+    return target.thread_cycles(np.ceil(sizes["acc"] / width) * per_vector + 6)
 
 
 REDUCE_ADD_VERTEX = VertexType("gcl::ReduceAdd", ("acc", "recv"), ("acc",), reduce_add_codelet, reduce_add_cycles,
@@ -135,10 +133,9 @@ def _like(graph: Graph, t: Tensor, shape, name: str, category: str, always_live:
 
 
 def _add_vertices(graph: Graph, cs, acc: Tensor, recv: Tensor, scale: float) -> None:
-    for tile, pos in tile_regions(acc.tiles()).items():
-        for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
-            graph.addVertex(cs, REDUCE_ADD_VERTEX, tile, {"acc": flat(acc, pos[b:e]), "recv": flat(recv, pos[b:e])},
-                            (scale,))
+    work = region_work(acc.tiles(), graph.target.workers_per_tile, grain=4)
+    graph.addVertices(cs, REDUCE_ADD_VERTEX, work.tiles, {"acc": work.field(acc), "recv": work.field(recv)},
+                      np.array([scale], np.float64))
 
 
 def _all_gather_steps(body: Sequence, flats: list[Tensor], chunks, skip_to: int | None = None) -> None:

@@ -1,11 +1,15 @@
-"""Helpers every op uses: output allocation, operand placement by exchange, work splitting."""
+"""Helpers every op uses: output allocation, operand placement by exchange, and the vectorised
+work splits and boxes ops build their vertex tables from (no Python loop over vertices or tiles)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..device.graph import Graph
 from ..device.program import Copy, Sequence
 from ..device.tensor import Tensor
+from ..device.vertex import Field
 
 # Elements a tile processes in one vector step; outputs are mapped in multiples of it so that
 # vertices see whole vectors (64-bit loads: 2 x float32, 4 x float16).
@@ -39,21 +43,106 @@ def placed(graph: Graph, prog: Sequence, src: Tensor, tiles: np.ndarray, name: s
     return tmp
 
 
-def tile_regions(tiles: np.ndarray) -> dict[int, np.ndarray]:
-    """Flat positions of the elements on each tile (positions in increasing order)."""
+def gather_boxes(graph: Graph, body: Sequence, src: Tensor, first: np.ndarray, extent: np.ndarray, tiles, name: str
+           ) -> tuple[Tensor, np.ndarray]:
+    """Bring box i of the view `src` (`first[i]`, `extent[i]` per dimension) to `tiles[i]`, with
+    one exchange for all boxes; returns a flat view holding the boxes one after the other, each
+    on its tile (a view of the source itself where every element already lives there), and the
+    boxes' offsets in it."""
+    sizes = np.asarray(extent, np.int64).prod(axis=1)
+    index = elements_at(src, box_positions(first, extent, src.shape))
+    local = placed(graph, body, Tensor(src.var, index), np.repeat(np.asarray(tiles), sizes), name)
+    return local, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Work:
+    """Vertices over the flat elements of same-shaped tensors: vertex v runs on `tiles[v]` and
+    takes the flat positions `positions[offsets[v]:offsets[v+1]]`."""
+    tiles: np.ndarray
+    positions: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_vertices(self) -> int:
+        return self.tiles.size
+
+    def field(self, t: Tensor) -> Field:
+        """Each vertex connects its positions of `t`."""
+        return Field.at(t, self.positions, self.offsets)
+
+    def rows(self, t: Tensor) -> Field:
+        """Each vertex connects its positions in every row of `t` ([rows, n], n the positions'
+        range), row after row."""
+        rows, n = t.shape[0], t.numel // max(1, t.shape[0])
+        sizes = np.diff(self.offsets)
+        offsets = np.concatenate(([0], np.cumsum(sizes * rows)))
+        local = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], sizes * rows)
+        size = np.repeat(sizes, sizes * rows)
+        row, at = np.divmod(local, np.maximum(size, 1))
+        positions = self.positions[np.repeat(self.offsets[:-1], sizes * rows) + at] + row * n
+        return Field.at(t, positions, offsets)
+
+
+def region_work(tiles: np.ndarray, workers: int, grain: int = 1) -> Work:
+    """About one vertex per worker on every tile, over the elements that tile holds: a tile's
+    elements (in increasing position) split as `split_ranges(count, workers, grain)` splits them,
+    tiles in increasing order."""
     tiles = np.asarray(tiles).reshape(-1)
     order = np.argsort(tiles, kind="stable")
-    cuts = np.flatnonzero(np.diff(tiles[order])) + 1
-    return {int(tiles[g[0]]): g for g in np.split(order, cuts) if g.size}
+    values, first, counts = np.unique(tiles[order], return_index=True, return_counts=True)
+    tile, begin, _ = split_ranges(counts, workers, grain)
+    return Work(values[tile].astype(np.int32), order.astype(np.int64),
+                np.append(first[tile] + begin, tiles.size).astype(np.int64))
 
 
-def split_work(n: int, parts: int, grain: int = 1) -> list[tuple[int, int]]:
-    """Split range(n) into at most `parts` contiguous [begin, end) pieces in multiples of grain."""
-    if n <= 0:
-        return []
-    grains = -(-n // grain)
-    per = -(-grains // max(1, min(parts, grains))) * grain
-    return [(b, min(b + per, n)) for b in range(0, n, per)]
+def split_ranges(sizes, parts, grain: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split each range(sizes[i]) into at most `parts[i]` contiguous pieces in multiples of
+    `grain` (the last may be shorter): per piece, (i, begin, end), pieces of one range in order,
+    ranges in order."""
+    sizes, parts = np.broadcast_arrays(np.asarray(sizes, np.int64).reshape(-1), np.asarray(parts, np.int64).reshape(-1))
+    grains = -(-sizes // grain)
+    per = np.maximum(1, -(-grains // np.maximum(1, np.minimum(parts, grains))) * grain)
+    count = -(-sizes // per)
+    index = np.repeat(np.arange(sizes.size), count)
+    begin = (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)) * per[index]
+    return index, begin, np.minimum(begin + per[index], sizes[index])
+
+
+def box_positions(first: np.ndarray, extent: np.ndarray, shape) -> np.ndarray:
+    """Flat positions (C order, in an array of `shape`) of the elements of every box, box after
+    box: box i spans [first[i, d], first[i, d] + extent[i, d]) along each dimension d."""
+    first, extent = np.asarray(first, np.int64), np.asarray(extent, np.int64)
+    sizes = extent.prod(axis=1)
+    box = np.repeat(np.arange(len(first)), sizes)
+    local = np.arange(sizes.sum(), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    flat, stride = np.zeros_like(local), 1
+    for d in reversed(range(len(shape))):
+        local, r = np.divmod(local, extent[box, d])
+        flat += (first[box, d] + r) * stride
+        stride *= int(shape[d])
+    return flat
+
+
+def elements_at(t: Tensor, positions: np.ndarray) -> np.ndarray:
+    """The variable elements of the view at flat `positions`."""
+    span = t.span
+    return positions + span if span is not None else t.index.reshape(-1)[positions].astype(np.int64)
+
+
+def lookup(table: dict, keys: np.ndarray) -> np.ndarray:
+    """`table[k]` for every k of an array of small non-negative integer codes."""
+    dense = np.zeros(max(table) + 1, dtype=np.result_type(*table.values()))
+    dense[list(table)] = list(table.values())
+    return dense[np.asarray(keys, np.int64)]
+
+
+def by_distinct_rows(params: np.ndarray, fn) -> np.ndarray:
+    """`fn(row)` (row as a tuple) for every row of a parameter matrix, computed once per distinct row."""
+    if not len(params):
+        return np.zeros(0, np.int64)
+    rows, inverse = np.unique(params, axis=0, return_inverse=True)
+    return np.asarray([fn(tuple(r)) for r in rows], np.int64)[inverse.reshape(-1)]
 
 
 def flat(t: Tensor, positions: np.ndarray) -> Tensor:

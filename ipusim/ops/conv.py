@@ -41,7 +41,6 @@ for the gradient to the input; float16 operands are computed in float32 and roun
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -53,11 +52,11 @@ from ..device.kernels import JIT, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
-from ..device.vertex import VertexType
-from .common import new_output, split_work
-from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_tiles, ceil_div,
-                     check_proportion, choose_split, float_dtype, gather, linear_tile_elements, output_dtype,
-                     partials_variable, ranges, reduce_cycles, reduce_partials, split_grid)
+from ..device.vertex import Field, VertexType
+from .common import box_positions, by_distinct_rows, elements_at, gather_boxes, new_output, split_ranges
+from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_tiles,
+                     ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
+                     output_dtype, partials_variable, ranges, reduce_cycles, reduce_partials, split_grid)
 
 DIMS = ("groups", "batch", "out_channels", "out_rows", "out_cols", "in_channels", "kernel_rows")
 
@@ -233,9 +232,10 @@ def _conv_vertex_macs(params: tuple) -> int:
 
 
 def _conv_vertex_cycles(sizes, params, dtype, target):
-    macs = _conv_vertex_macs(tuple(params))
-    return int(conv_partial_cycles(macs, int(params[P["lines"]]), int(params[P["in_ch"]]),
-                                   int(params[P["k_rows"]]), int(params[P["k_cols"]]), dtype, target))
+    macs = by_distinct_rows(params, _conv_vertex_macs)
+    column = lambda name: params[:, P[name]].astype(np.int64)  # noqa: E731
+    return conv_partial_cycles(macs, column("lines"), column("in_ch"), column("k_rows"), column("k_cols"),
+                               dtype, target)
 
 
 # ---- codelet ---------------------------------------------------------------------------------
@@ -376,45 +376,50 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
     geom = plan.geometry
     h, w = geom.h, geom.w
     kw = w.kernel
-    rng = [ranges(size, parts) for size, parts in zip(geom.dims, plan.splits)]
-    blocks = list(itertools.product(*rng))
-    tiles = block_tiles(len(blocks), graph.target.num_tiles)
-    spans = [(h.span(*oh, *kh), w.span(*ow, 0, kw)) for _, _, _, oh, ow, _, kh in blocks]
-    windows = [xv[slice(*g), slice(*b), slice(*ci), slice(*sh), slice(*sw)]
-               for (g, b, _, _, _, ci, _), (sh, sw) in zip(blocks, spans)]
-    kernels = [wv[slice(*g), slice(*co), slice(*ci), slice(*kh)] for g, _, co, _, _, ci, kh in blocks]
-    boxes = [outv[slice(*g), slice(*b), slice(*co), slice(*oh), slice(*ow)] for g, b, co, oh, ow, _, _ in blocks]
+    first, extent = block_grid(geom.dims, plan.splits)  # per block: (g, b, co, oh, ow, ci, kh)
+    g0, b0, c0, oh0, ow0, i0, k0 = first.T
+    gb, bb, cob, ohb, owb, cib, khb = extent.T
+    tiles = block_tiles(len(first), graph.target.num_tiles)
+    # input rows and columns each block reads: one span per (output rows, taps) split, not per block
+    step = [ceil_div(size, parts) for size, parts in zip(geom.dims, plan.splits)]
+    rows, taps, cols = (ranges(geom.dims[d], plan.splits[d]) for d in (3, 6, 4))
+    h_spans = np.asarray([[h.span(o0, o1, t0, t1) for t0, t1 in taps] for o0, o1 in rows],
+                         np.int64).reshape(len(rows), len(taps), 2)
+    w_spans = np.asarray([w.span(o0, o1, 0, kw) for o0, o1 in cols], np.int64).reshape(len(cols), 2)
+    hlo, hhi = h_spans[oh0 // step[3], k0 // step[6]].T
+    wlo, whi = w_spans[ow0 // step[4]].T
+    boxes = elements_at(outv, box_positions(first[:, :5], extent[:, :5], outv.shape))
+    sizes = gb * bb * cob * ohb * owb
     reduction = plan.reduction_split
     if reduction == 1:
-        for box, tile in zip(boxes, tiles):
-            graph.setTileMapping(box, int(tile))
-    xs = gather(graph, body, xv, windows, tiles, f"{name}/in")
-    ws = gather(graph, body, wv, kernels, tiles, f"{name}/weights")
+        out.var.mapping[boxes] = np.repeat(tiles, sizes)
+    xs, xs_at = gather_boxes(graph, body, xv, np.stack([g0, b0, i0, hlo, wlo], 1),
+                       np.stack([gb, bb, cib, hhi - hlo, whi - wlo], 1), tiles, f"{name}/in")
+    ws, ws_at = gather_boxes(graph, body, wv, np.stack([g0, c0, i0, k0, np.zeros_like(k0)], 1),
+                       np.stack([gb, cob, cib, khb, np.full_like(k0, kw)], 1), tiles, f"{name}/weights")
     if reduction > 1:
-        part, offsets = partials_variable(graph, [b.numel for b in boxes], tiles, f"{name}/partials")
+        dst, dst_at = partials_variable(graph, sizes, tiles, f"{name}/partials")
         positions = np.empty((reduction, out.numel), dtype=np.int64)
+        positions[np.repeat(np.arange(len(first)) % reduction, sizes), boxes] = np.arange(dst.numel)
+    else:
+        dst, dst_at = Tensor(out.var, boxes), np.concatenate(([0], np.cumsum(sizes)))
+    # vertices: each block's output lines split over the workers
+    blk, l0, l1 = split_ranges(gb * bb * cob * ohb, graph.target.workers_per_tile)
+    n = l1 - l0
+    ow_b = owb[blk]
+    params = np.stack(np.broadcast_arrays(
+        gb[blk], bb[blk], cib[blk], cob[blk], (hhi - hlo)[blk], (whi - wlo)[blk], khb[blk], kw, ohb[blk], ow_b, l0, n,
+        h.stride, h.dilation, h.in_dilation, (oh0 * h.stride - h.padding - h.in_dilation * hlo)[blk],
+        w.stride, w.dilation, w.in_dilation, (ow0 * w.stride - w.padding - w.in_dilation * wlo)[blk],
+        k0[blk], h.kernel, int(h.flip)), axis=1).astype(np.float64)
     cs = graph.addComputeSet(f"{name}/conv")
-    workers = graph.target.workers_per_tile
-    for i, (blk, tile) in enumerate(zip(blocks, tiles)):
-        (g0, g1), (b0, b1), (c0, c1), (oh0, oh1), (ow0, ow1), (i0, i1), (k0, k1) = blk
-        (hlo, hhi), (wlo, whi) = spans[i]
-        gb, bb, cob, ohb, owb = g1 - g0, b1 - b0, c1 - c0, oh1 - oh0, ow1 - ow0
-        if reduction == 1:
-            dst = boxes[i].reshape(-1)
-        else:
-            dst = part[offsets[i]:offsets[i + 1]]
-            positions[i % reduction, boxes[i].index.reshape(-1)] = np.arange(offsets[i], offsets[i + 1])
-        base_h = oh0 * h.stride - h.padding - h.in_dilation * hlo
-        base_w = ow0 * w.stride - w.padding - w.in_dilation * wlo
-        for l0, l1 in split_work(gb * bb * cob * ohb, workers):
-            params = (gb, bb, i1 - i0, cob, hhi - hlo, whi - wlo, k1 - k0, kw, ohb, owb, l0, l1 - l0,
-                      h.stride, h.dilation, h.in_dilation, base_h, w.stride, w.dilation, w.in_dilation, base_w,
-                      k0, h.kernel, int(h.flip))
-            graph.addVertex(cs, CONV_VERTEX, int(tile), {"x": xs[i], "w": ws[i], "out": dst[l0 * owb:l1 * owb]},
-                            params)
+    fields = {"x": Field.strided(xs, xs_at[blk], 1, np.diff(xs_at)[blk]),
+              "w": Field.strided(ws, ws_at[blk], 1, np.diff(ws_at)[blk]),
+              "out": Field.strided(dst, dst_at[blk] + l0 * ow_b, 1, n * ow_b)}
+    graph.addVertices(cs, CONV_VERTEX, tiles[blk], fields, params)
     body.add(Execute(cs))
     if reduction > 1:
-        reduce_partials(graph, body, part, positions, out, name)
+        reduce_partials(graph, body, dst, positions, out, name)
 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------

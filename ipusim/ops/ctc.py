@@ -45,7 +45,7 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
-from ..device.vertex import VertexType
+from ..device.vertex import Field, VertexType
 from .common import placed
 
 REDUCTIONS = {"mean": 0, "sum": 1}
@@ -318,12 +318,12 @@ def reduce_instructions(samples: int) -> int:
 
 
 def _loss_cycles(sizes, params, dtype, target):
-    C = int(params[1])
+    C = params[:, 1].astype(np.int64)
     return target.thread_cycles(loss_instructions(sizes["log_probs"] // C, sizes["target"]))
 
 
 def _grad_cycles(sizes, params, dtype, target):
-    C = int(params[1])
+    C = params[:, 1].astype(np.int64)
     return target.thread_cycles(gradient_instructions(sizes["log_probs"] // C, sizes["target"], C))
 
 
@@ -373,6 +373,12 @@ def _per_sample(graph, body, t: Tensor, tiles, name) -> Tensor:
     return placed(graph, body, t, np.repeat(tiles, t.numel // t.shape[0]), name)
 
 
+def _rows(t: Tensor, rows: np.ndarray) -> Field:
+    """Vertex v connects row `rows[v]` of t [N, ...] (all of that sample's elements)."""
+    per = t.numel // t.shape[0]
+    return Field.strided(t, np.asarray(rows) * per, 1, per)
+
+
 def _workspace(graph, name, N, T, S, tiles) -> Tensor:
     table = graph.addVariable(np.float32, (N, T, 2 * S + 1), name, category="temporaries", always_live=False)
     table.var.mapping[:] = np.repeat(tiles, T * (2 * S + 1))
@@ -399,11 +405,10 @@ def ctc_loss(graph: Graph, log_probs: Tensor, targets: Tensor, input_lengths: Te
     nll = graph.addVariable(np.float32, (N,), f"{name}/nll", category="temporaries", always_live=False)
     nll.var.mapping[:] = tiles
     cs = graph.addComputeSet(f"{name}/loss")
-    for n in range(N):
-        graph.addVertex(cs, CTC_LOSS, int(tiles[n]),
-                        {"log_probs": lp[n], "target": tg[n], "input_length": il[n:n + 1],
-                         "target_length": tl[n:n + 1], "alpha": alpha[n], "nll": nll[n:n + 1]},
-                        (blank, C, int(zero_infinity)))
+    n = np.arange(N)
+    fields = {"log_probs": _rows(lp, n), "target": _rows(tg, n), "input_length": _rows(il, n),
+              "target_length": _rows(tl, n), "alpha": _rows(alpha, n), "nll": _rows(nll, n)}
+    graph.addVertices(cs, CTC_LOSS, tiles, fields, np.array([blank, C, int(zero_infinity)], np.float64))
     body.add(Execute(cs))
     nll0 = placed(graph, body, nll, np.zeros(N, np.int32), f"{name}/nll_gathered")
     tl0 = placed(graph, body, target_lengths, np.zeros(N, np.int32), f"{name}/lengths_gathered")
@@ -445,15 +450,12 @@ def ctc_loss_backward(graph: Graph, log_probs: Tensor, targets: Tensor, input_le
     gl = placed(graph, body, grad_loss.reshape(1).broadcast((hosts.size,)), hosts, f"{name}/grad_loss")
     alpha = _workspace(graph, f"{name}/alpha", N, T, S, tiles)
     beta = _workspace(graph, f"{name}/beta", N, T, S, tiles)
-    gradn = grad.transpose(1, 0, 2)
     cs = graph.addComputeSet(f"{name}/gradient")
-    for n in range(N):
-        k = int(slot[n])
-        graph.addVertex(cs, CTC_GRAD, int(tiles[n]),
-                        {"log_probs": lp[n], "target": tg[n], "input_length": il[n:n + 1],
-                         "target_length": tl[n:n + 1], "grad_loss": gl[k:k + 1],
-                         "alpha": alpha[n], "beta": beta[n], "grad": gradn[n]},
-                        (blank, C, int(zero_infinity), mode, N))
+    n = np.arange(N)
+    fields = {"log_probs": _rows(lp, n), "target": _rows(tg, n), "input_length": _rows(il, n),
+              "target_length": _rows(tl, n), "grad_loss": _rows(gl, slot), "alpha": _rows(alpha, n),
+              "beta": _rows(beta, n), "grad": Field.strided(grad, n * C, T, C, N * C)}  # grad[:, n, :]
+    graph.addVertices(cs, CTC_GRAD, tiles, fields, np.array([blank, C, int(zero_infinity), mode, N], np.float64))
     body.add(Execute(cs))
 
     def fast(io):

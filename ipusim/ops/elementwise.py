@@ -25,7 +25,7 @@ from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
-from .common import flat, new_output, placed, split_work, tile_regions
+from .common import lookup, new_output, placed, region_work
 
 # op name -> (code, thread instructions per vector, vectorised)
 UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu": (3, 40, False),
@@ -166,13 +166,14 @@ def binary_whole(a, b, out, op):
 
 
 def _cycles(table):
-    codes = {code: (cost, vec) for code, cost, vec in table.values()}
+    costs = {code: cost for code, cost, _ in table.values()}
+    vectorised = {code: vec for code, _, vec in table.values()}
 
     def estimate(sizes, params, dtype, target):
-        cost, vectorised = codes[int(params[0])]
-        n = sizes["out"]
-        width = (4 if dtype == np.float16 else 2 if dtype == np.float32 else 1) if vectorised else 1
-        return target.thread_cycles(math.ceil(n / width) * cost + 6)
+        codes = params[:, 0].astype(np.int64)
+        full = 4 if dtype == np.float16 else 2 if dtype == np.float32 else 1
+        width = np.where(lookup(vectorised, codes), full, 1)
+        return target.thread_cycles(np.ceil(sizes["out"] / width) * lookup(costs, codes) + 6)
     return estimate
 
 
@@ -182,12 +183,9 @@ BINARY_VERTEX = VertexType("popops::BinaryOp", ("a", "b"), ("out",), binary_code
 
 def _vertices(graph: Graph, cs, vertex_type, out: Tensor, operands: dict[str, Tensor], params: tuple) -> None:
     """One vertex per worker on every tile holding output elements."""
-    for tile, pos in tile_regions(out.tiles()).items():
-        for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
-            chunk = pos[b:e]
-            fields = {k: flat(t, chunk) for k, t in operands.items()}
-            fields["out"] = flat(out, chunk)
-            graph.addVertex(cs, vertex_type, tile, fields, params)
+    work = region_work(out.tiles(), graph.target.workers_per_tile, grain=4)
+    fields = {k: work.field(t) for k, t in {**operands, "out": out}.items()}
+    graph.addVertices(cs, vertex_type, work.tiles, fields, np.asarray(params, np.float64))
 
 
 def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = None, *,

@@ -63,8 +63,8 @@ from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
-from ..device.vertex import VertexType
-from .common import placed, split_work
+from ..device.vertex import Field, VertexType
+from .common import box_positions, gather_boxes, split_ranges
 
 # Share of a tile's memory the planner lets the op's working set use (PopLibs' default
 # availableMemoryProportion for planned ops).
@@ -186,43 +186,44 @@ def plan_embedding(target: Target, num_embeddings: int, dim: int, num_lookups: i
 
 
 # ---- cycle estimators -------------------------------------------------------------------
-def multislice_instructions(num_offsets: int, cols: int, rows: int, num_embeddings: int) -> int:
-    in_range = min(num_offsets, math.ceil(num_offsets * rows / num_embeddings))
-    return 13 + in_range * (19 + 2 * math.ceil(cols / 2)) + (num_offsets - in_range) * 8
+def multislice_instructions(num_offsets, cols, rows, num_embeddings):
+    """Ints, or arrays (one per vertex)."""
+    in_range = np.minimum(num_offsets, ceil_div(num_offsets * rows, num_embeddings))
+    return 13 + in_range * (19 + 2 * ceil_div(cols, 2)) + (num_offsets - in_range) * 8
 
 
-def multiupdateadd_instructions(num_offsets: int, cols: int, rows: int, num_embeddings: int,
-                                float_data: bool) -> int:
-    fill = math.ceil(rows * cols / (2 if float_data else 4))
-    if num_offsets == 0:
-        return 3 + fill
+def multiupdateadd_instructions(num_offsets, cols, rows, num_embeddings, float_data: bool):
+    """Ints, or arrays (one per vertex)."""
+    fill = ceil_div(rows * cols, 2 if float_data else 4)
     atom = 1 if float_data else 2
-    in_range = min(num_offsets, math.ceil(num_offsets * rows / num_embeddings))
-    per_in_range = (11 if float_data else 12) + 3 * (math.ceil(cols / atom) - 1)
-    return 3 + (24 if float_data else 25) + in_range * per_in_range + (num_offsets - in_range) * 5 + fill
+    in_range = np.minimum(num_offsets, ceil_div(num_offsets * rows, num_embeddings))
+    per_in_range = (11 if float_data else 12) + 3 * (ceil_div(cols, atom) - 1)
+    updates = (24 if float_data else 25) + in_range * per_in_range + (num_offsets - in_range) * 5
+    return 3 + np.where(num_offsets == 0, 0, updates) + fill
 
 
-def reduce_instructions(num_outputs: int, num_partials: int) -> int:
-    return 8 + math.ceil(num_outputs / 2) * (num_partials + 1)
+def reduce_instructions(num_outputs, num_partials):
+    """Ints, or arrays (one per vertex)."""
+    return 8 + ceil_div(num_outputs, 2) * (num_partials + 1)
 
 
 def _multislice_cycles(sizes, params, dtype, target):
-    rows, cols, V = int(params[1]), int(params[2]), int(params[3])
+    rows, cols, V = (params[:, i].astype(np.int64) for i in (1, 2, 3))
     return target.thread_cycles(multislice_instructions(sizes["indices"], cols, rows, V))
 
 
 def _select_cycles(sizes, params, dtype, target):
-    return target.thread_cycles(multislice_instructions(sizes["indices"], int(params[2]), 1, 1))
+    return target.thread_cycles(multislice_instructions(sizes["indices"], params[:, 2].astype(np.int64), 1, 1))
 
 
 def _update_cycles(sizes, params, dtype, target):
-    rows, cols, V = int(params[1]), int(params[2]), int(params[3])
+    rows, cols, V = (params[:, i].astype(np.int64) for i in (1, 2, 3))
     return target.thread_cycles(multiupdateadd_instructions(sizes["indices"], cols, rows, V,
                                                             np.dtype(dtype) == np.float32))
 
 
 def _reduce_cycles(sizes, params, dtype, target):
-    return target.thread_cycles(reduce_instructions(sizes["out"], int(params[0])))
+    return target.thread_cycles(reduce_instructions(sizes["out"], params[:, 0].astype(np.int64)))
 
 
 # ---- codelets ---------------------------------------------------------------------------
@@ -330,17 +331,41 @@ REDUCE_PARTIALS = VertexType("popops::ReducePartials", ("partials",), ("out",), 
 
 
 # ---- graph construction -----------------------------------------------------------------
-def _bring(graph: Graph, prog: Sequence, t: Tensor, pieces: list[tuple[int, Tensor]], name: str) -> list[Tensor]:
-    """Views of `t` (pieces of one variable) brought to their tiles with one exchange; returns
-    one flat local tensor per piece."""
-    if not pieces:
-        return []
-    flat_views = [p.flatten() for _, p in pieces]
-    combined = Tensor(t.var, np.concatenate([p.index.reshape(-1) for p in flat_views]))
-    tiles = np.concatenate([np.full(p.numel, tile, dtype=np.int32) for (tile, _), p in zip(pieces, flat_views)])
-    local = placed(graph, prog, combined, tiles, name)
-    bounds = np.concatenate([[0], np.cumsum([p.numel for p in flat_views])])
-    return [local[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+@dataclass(frozen=True)
+class Units:
+    """The (lookup group l, column group d, row group v) units of a plan, v fastest: the tile of
+    each and the lookups, columns and table rows it covers, [begin, end)."""
+    tile: np.ndarray
+    l: np.ndarray
+    v: np.ndarray
+    la: np.ndarray
+    lb: np.ndarray
+    ca: np.ndarray
+    cb: np.ndarray
+    ra: np.ndarray
+    rb: np.ndarray
+
+    @staticmethod
+    def of(plan: EmbeddingPlan, lookup_split: int) -> "Units":
+        l, d, v = (a.reshape(-1) for a in np.meshgrid(np.arange(lookup_split), np.arange(plan.col_split),
+                                                       np.arange(plan.row_split), indexing="ij"))
+        n, D, V = plan.num_lookups, plan.dim, plan.num_embeddings
+        return Units((l * plan.col_split + d) * plan.row_split + v, l, v,
+                     np.minimum(l * plan.lookups_per_group, n), np.minimum((l + 1) * plan.lookups_per_group, n),
+                     d * plan.cols_per_group, np.minimum((d + 1) * plan.cols_per_group, D),
+                     v * plan.rows_per_group, np.minimum((v + 1) * plan.rows_per_group, V))
+
+
+def _rows_of(t: Tensor, first_row: np.ndarray, rows: np.ndarray, col: np.ndarray, cols: np.ndarray,
+             width: int) -> Field:
+    """Vertex v connects rows [first_row, first_row + rows) x columns [col, col + cols) of the
+    view t seen as [.., width] (flat positions)."""
+    return Field.strided(t, first_row * width + col, rows, cols, width)
+
+
+def _pieces(local: Tensor, at: np.ndarray, which: np.ndarray) -> Field:
+    """Vertex v connects the whole piece `which[v]` of a `gather_boxes` result."""
+    return Field.strided(local, at[which], 1, np.diff(at)[which])
 
 
 def _check_table(what: str, dtype) -> None:
@@ -402,28 +427,27 @@ def embedding(graph: Graph, indices: Tensor, weight: Tensor, prog: Sequence, nam
         partial = graph.addVariable(weight.dtype, (pV, n, D), f"{name}/partials", category="temporaries",
                                     always_live=False)
     # stage 1: every tile looks up its lookup group in its table block
-    units = []
-    for l in range(plan.lookup_split):
-        la, lb = plan.lookups(l)
-        for d in range(plan.col_split):
-            ca, cb = plan.cols(d)
-            for v in range(pV):
-                units.append((plan.tile(v, d, l), v, (la, lb), (ca, cb), plan.rows(v)))
+    u = Units.of(plan, plan.lookup_split)
     if n:
-        idx_local = _bring(graph, body, indices, [(t, idx_flat[la:lb]) for t, _, (la, lb), _, _ in units],
-                           f"{name}/indices")
-        tables = _bring(graph, body, weight, [(t, weight[ra:rb, ca:cb]) for t, _, _, (ca, cb), (ra, rb) in units],
-                        f"{name}/table")
+        idx_local, idx_at = gather_boxes(graph, body, idx_flat, u.la[:, None], (u.lb - u.la)[:, None], u.tile,
+                                         f"{name}/indices")
+        tables, tables_at = gather_boxes(graph, body, weight, np.stack([u.ra, u.ca], 1),
+                                         np.stack([u.rb - u.ra, u.cb - u.ca], 1), u.tile, f"{name}/table")
+        dest = out if partial is None else partial
+        row0 = u.la if partial is None else u.v * n + u.la  # first row of each unit's output in dest [.., D]
+        dest.var.mapping[box_positions(np.stack([row0, u.ca], 1), np.stack([u.lb - u.la, u.cb - u.ca], 1),
+                                       (dest.numel // D, D))] = np.repeat(u.tile, (u.lb - u.la) * (u.cb - u.ca))
+        k, a, b = split_ranges(u.lb - u.la, graph.target.workers_per_tile)
         cs = graph.addComputeSet(f"{name}/slice")
-        for (tile, v, (la, lb), (ca, cb), (ra, rb)), il, tl in zip(units, idx_local, tables):
-            dest = out2d[la:lb, ca:cb] if partial is None else partial[v, la:lb, ca:cb]
-            graph.setTileMapping(dest, tile)
-            for a, b in split_work(lb - la, graph.target.workers_per_tile):
-                graph.addVertex(cs, MULTI_SLICE, tile, {"table": tl, "indices": il[a:b], "out": dest[a:b]},
-                                (ra, rb - ra, cb - ca, V, 1 if partial is None else 0))
+        fields = {"table": _pieces(tables, tables_at, k),
+                  "indices": Field.strided(idx_local, idx_at[k] + a, 1, b - a),
+                  "out": _rows_of(dest, row0[k] + a, b - a, u.ca[k], (u.cb - u.ca)[k], D)}
+        params = np.stack(np.broadcast_arrays(u.ra[k], (u.rb - u.ra)[k], (u.cb - u.ca)[k], V,
+                                              1 if partial is None else 0), 1).astype(np.float64)
+        graph.addVertices(cs, MULTI_SLICE, u.tile[k], fields, params)
         body.add(Execute(cs))
         if partial is not None:
-            _select_stage(graph, body, plan, units, idx_local, partial, out2d, name)
+            _select_stage(graph, body, plan, u, idx_local, idx_at, partial, out, name)
 
     def fast(io):
         x = io.read(indices).reshape(-1).astype(np.int64)
@@ -437,27 +461,26 @@ def embedding(graph: Graph, indices: Tensor, weight: Tensor, prog: Sequence, nam
     return out
 
 
-def _select_stage(graph, body, plan, units, idx_local, partial, out2d, name):
-    """Each tile of a (d, l) group takes a share of the group's output rows and picks, per row,
-    the partial of the row group owning the index."""
-    V, pV = plan.num_embeddings, plan.row_split
-    shares = []
-    for (tile, v, (la, lb), (ca, cb), _), il in zip(units, idx_local):
-        pieces = split_work(lb - la, pV)
-        if v < len(pieces):
-            a, b = pieces[v]
-            dest = out2d[la + a:la + b, ca:cb]
-            graph.setTileMapping(dest, tile)
-            shares.append((tile, il[a:b], partial[:, la + a:la + b, ca:cb], dest))
-    gathered = _bring(graph, body, partial, [(tile, p) for tile, _, p, _ in shares], f"{name}/gathered")
+def _select_stage(graph, body, plan, u: Units, idx_local, idx_at, partial, out, name):
+    """Each tile of a (d, l) group takes a share of the group's output rows (share v of
+    `split_ranges(rows, row groups)` for the unit of row group v) and picks, per row, the partial of
+    the row group owning the index."""
+    V, pV, D = plan.num_embeddings, plan.row_split, plan.dim
+    unit, a, b = split_ranges(u.lb - u.la, pV)
+    pick = np.arange(unit.size) - np.searchsorted(unit, unit) == u.v[unit]  # piece v of the unit of row group v
+    share, a, b = unit[pick], a[pick], b[pick]
+    m, cols, row0 = b - a, (u.cb - u.ca)[share], u.la[share] + a
+    out.var.mapping[box_positions(np.stack([row0, u.ca[share]], 1), np.stack([m, cols], 1), (out.numel // D, D))] = \
+        np.repeat(u.tile[share], m * cols)
+    gathered, at = gather_boxes(graph, body, partial, np.stack([np.zeros_like(row0), row0, u.ca[share]], 1),
+                                np.stack([np.full_like(m, pV), m, cols], 1), u.tile[share], f"{name}/gathered")
+    s, a2, b2 = split_ranges(m, graph.target.workers_per_tile)
+    fields = {"partials": Field.strided(gathered, at[s] + a2 * cols[s], pV, (b2 - a2) * cols[s], m[s] * cols[s]),
+              "indices": Field.strided(idx_local, idx_at[share[s]] + a[s] + a2, 1, b2 - a2),
+              "out": _rows_of(out, row0[s] + a2, b2 - a2, u.ca[share][s], cols[s], D)}
+    params = np.stack(np.broadcast_arrays(plan.rows_per_group, V, cols[s], pV), 1).astype(np.float64)
     cs = graph.addComputeSet(f"{name}/select")
-    for (tile, il, p, dest), pl in zip(shares, gathered):
-        m, cols = dest.shape
-        pl = pl.reshape(pV, m, cols)
-        for a, b in split_work(m, graph.target.workers_per_tile):
-            graph.addVertex(cs, MULTI_SLICE_SELECT, tile,
-                            {"partials": pl[:, a:b], "indices": il[a:b], "out": dest[a:b]},
-                            (plan.rows_per_group, V, cols, pV))
+    graph.addVertices(cs, MULTI_SLICE_SELECT, u.tile[share][s], fields, params)
     body.add(Execute(cs))
 
 
@@ -488,39 +511,37 @@ def embedding_backward(graph: Graph, indices: Tensor, grad_out: Tensor, num_embe
         partial = graph.addVariable(np.float32, (pL, V, D), f"{name}/partials", category="temporaries",
                                     always_live=False)
     body = Sequence(name=name)
-    units = []
-    for l in range(pL):
-        la, lb = plan.lookups(l)
-        for d in range(plan.col_split):
-            ca, cb = plan.cols(d)
-            for v in range(plan.row_split):
-                units.append((plan.tile(v, d, l), l, (la, lb), (ca, cb), plan.rows(v)))
-    idx_local = _bring(graph, body, indices, [(t, idx_flat[la:lb]) for t, _, (la, lb), _, _ in units],
-                       f"{name}/indices")
-    grads_local = _bring(graph, body, grad_out, [(t, g2d[la:lb, ca:cb]) for t, _, (la, lb), (ca, cb), _ in units],
-                         f"{name}/grads")
+    u = Units.of(plan, pL)
+    idx_local, idx_at = gather_boxes(graph, body, idx_flat, u.la[:, None], (u.lb - u.la)[:, None], u.tile,
+                                     f"{name}/indices")
+    grads_local, grads_at = gather_boxes(graph, body, g2d, np.stack([u.la, u.ca], 1),
+                                         np.stack([u.lb - u.la, u.cb - u.ca], 1), u.tile, f"{name}/grads")
+    dest = grad if partial is None else partial
+    row0 = u.ra if partial is None else u.l * V + u.ra  # first row of each unit's block in dest [.., D]
+    if partial is not None:
+        partial.var.mapping[box_positions(np.stack([row0, u.ca], 1), np.stack([u.rb - u.ra, u.cb - u.ca], 1),
+                                          (pL * V, D))] = np.repeat(u.tile, (u.rb - u.ra) * (u.cb - u.ca))
+    k, a, b = split_ranges(u.rb - u.ra, graph.target.workers_per_tile)
+    fields = {"grads": _pieces(grads_local, grads_at, k), "indices": _pieces(idx_local, idx_at, k),
+              "out": _rows_of(dest, row0[k] + a, b - a, u.ca[k], (u.cb - u.ca)[k], D)}
+    params = np.stack(np.broadcast_arrays(u.ra[k] + a, b - a, (u.cb - u.ca)[k], V, padding_idx), 1)
     cs = graph.addComputeSet(f"{name}/update")
-    for (tile, l, _, (ca, cb), (ra, rb)), il, gl in zip(units, idx_local, grads_local):
-        dest = grad if partial is None else partial[l]
-        if partial is not None:
-            graph.setTileMapping(dest[ra:rb, ca:cb], tile)
-        for a, b in split_work(rb - ra, graph.target.workers_per_tile):
-            graph.addVertex(cs, MULTI_UPDATE_ADD, tile,
-                            {"grads": gl, "indices": il, "out": dest[ra + a:ra + b, ca:cb]},
-                            (ra + a, b - a, cb - ca, V, padding_idx))
+    graph.addVertices(cs, MULTI_UPDATE_ADD, u.tile[k], fields, params.astype(np.float64))
     body.add(Execute(cs))
     if partial is not None:
-        blocks = [(plan.tile(v, d, 0), plan.rows(v), plan.cols(d))
-                  for d in range(plan.col_split) for v in range(plan.row_split)]
-        gathered = _bring(graph, body, partial, [(t, partial[:, ra:rb, ca:cb]) for t, (ra, rb), (ca, cb) in blocks],
-                          f"{name}/gathered")
+        blocks = Units.of(plan, 1)  # the table's blocks, on the tiles of lookup group 0
+        rows, cols = blocks.rb - blocks.ra, blocks.cb - blocks.ca
+        gathered, at = gather_boxes(graph, body, partial, np.stack([np.zeros_like(rows), blocks.ra, blocks.ca], 1),
+                                    np.stack([np.full_like(rows, pL), rows, cols], 1), blocks.tile,
+                                    f"{name}/gathered")
+        m = rows * cols
+        s, a, b = split_ranges(m, graph.target.workers_per_tile, grain=2)
+        boxes = box_positions(np.stack([blocks.ra, blocks.ca], 1), np.stack([rows, cols], 1), (V, D))
+        box_at = np.concatenate(([0], np.cumsum(m)))
+        fields = {"partials": Field.strided(gathered, at[s] + a, pL, b - a, m[s]),
+                  "out": Field.at(grad, boxes, np.append(box_at[s] + a, box_at[-1]))}
         cs2 = graph.addComputeSet(f"{name}/reduce")
-        for (tile, (ra, rb), (ca, cb)), pl in zip(blocks, gathered):
-            m = (rb - ra) * (cb - ca)
-            pl = pl.reshape(pL, m)
-            dest = grad[ra:rb, ca:cb].flatten()
-            for a, b in split_work(m, graph.target.workers_per_tile, grain=2):
-                graph.addVertex(cs2, REDUCE_PARTIALS, tile, {"partials": pl[:, a:b], "out": dest[a:b]}, (pL,))
+        graph.addVertices(cs2, REDUCE_PARTIALS, blocks.tile[s], fields, np.array([pL], np.float64))
         body.add(Execute(cs2))
 
     def fast(io):

@@ -35,7 +35,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
 from . import elementwise as ew
-from .common import placed, split_work, tile_regions
+from .common import lookup, placed, region_work
 from .reduce import composite, kernel_values, output_storage, reduce, segment_map, vector_width
 from .softmax import log_softmax
 
@@ -212,14 +212,15 @@ def loss_grad_whole(op, a, b, g, g_step, out, k):
             out[i] = loss_grad_value(L1, np.float64(a[i]), np.float64(b[i]), np.float64(g[i]), k)
 
 
-def loss_grad_instructions(n: int, width: int, op: int) -> int:
-    return 6 + math.ceil(n / width) * PER_VECTOR[op]
+def loss_grad_instructions(n, width: int, op):
+    """Ints, or arrays (one per vertex)."""
+    return 6 + np.ceil(n / width) * lookup(PER_VECTOR, op)
 
 
 LOSS_GRAD_VERTEX = VertexType(
     "popnn::LossGradient", ("a", "b", "g"), ("out",), loss_grad_codelet,
     lambda sizes, params, dtype, target: target.thread_cycles(
-        loss_grad_instructions(sizes["out"], vector_width(dtype), int(params[0]))),
+        loss_grad_instructions(sizes["out"], vector_width(dtype), params[:, 0])),
     num_params=2)
 
 
@@ -279,10 +280,9 @@ def _pointwise_backward(graph, grad, input, target, prog, reduction, name, op) -
     tl = placed(graph, body, target, tiles, f"{name}/target")
     gl = placed(graph, body, gb, tiles, f"{name}/grad")
     cs = graph.addComputeSet(name)
-    operands = {"a": input.flatten(), "b": tl.flatten(), "g": gl.flatten(), "out": out.flatten()}
-    for tile, pos in tile_regions(tiles).items():
-        for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
-            graph.addVertex(cs, LOSS_GRAD_VERTEX, tile, {f: t[pos[b:e]] for f, t in operands.items()}, (op, k))
+    work = region_work(tiles, graph.target.workers_per_tile, grain=4)
+    fields = {f: work.field(t) for f, t in {"a": input, "b": tl, "g": gl, "out": out}.items()}
+    graph.addVertices(cs, LOSS_GRAD_VERTEX, work.tiles, fields, np.array([op, k], np.float64))
     body.add(Execute(cs))
 
     def fast(io):

@@ -45,7 +45,6 @@ the fast mode calls BLAS on whole arrays (float16 operands in float32, rounded o
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,8 +55,8 @@ from ..device.kernels import JIT, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
-from ..device.vertex import VertexType
-from .common import GRAIN, flat, new_output, placed, split_work, tile_regions
+from ..device.vertex import Field, VertexType
+from .common import GRAIN, box_positions, gather_boxes, new_output, placed, region_work
 
 PARTIALS = np.dtype(np.float32)
 AVAILABLE_MEMORY_PROPORTION = 0.6
@@ -122,11 +121,12 @@ def reduce_codelet(p, p_addr, p_start, out, o_addr, o_start, params):
 
 
 def _matmul_vertex_cycles(sizes, params, dtype, target):
-    return int(matmul_partial_cycles(int(params[0]), int(params[1]), int(params[2]), dtype, target))
+    m, n, k = params.T.astype(np.int64)
+    return matmul_partial_cycles(m, n, k, dtype, target)
 
 
 def _reduce_vertex_cycles(sizes, params, dtype, target):
-    return int(reduce_cycles(sizes["out"], int(params[0]), target))
+    return reduce_cycles(sizes["out"], params[:, 0].astype(np.int64), target)
 
 
 MATMUL_VERTEX = VertexType("poplin::MatMulPartial", ("a", "b"), ("out",), matmul_codelet,
@@ -179,6 +179,15 @@ def ranges(size: int, parts: int) -> list[tuple[int, int]]:
     return [(b, min(b + block, size)) for b in range(0, size, block)]
 
 
+def block_grid(sizes, splits) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks of splitting each dimension d of `sizes` into `splits[d]` blocks as `ranges`
+    does, every combination, the last dimension fastest: (first, extent), each [blocks, dims]."""
+    axes = [np.asarray(ranges(size, parts), np.int64).reshape(-1, 2) for size, parts in zip(sizes, splits)]
+    grid = np.stack(np.meshgrid(*[np.arange(len(a)) for a in axes], indexing="ij"), -1).reshape(-1, len(axes))
+    bounds = np.stack([a[grid[:, d]] for d, a in enumerate(axes)], axis=1)  # block, dim, (begin, end)
+    return bounds[:, :, 0], bounds[:, :, 1] - bounds[:, :, 0]
+
+
 def block_tiles(count: int, num_tiles: int) -> np.ndarray:
     """Tiles for `count` blocks, spread evenly over the IPU."""
     return (np.arange(count, dtype=np.int64) * num_tiles) // max(count, 1)
@@ -188,17 +197,6 @@ def linear_tile_elements(numel: int, num_tiles: int) -> int:
     """Elements on the busiest tile of a tensor mapped by `new_output` (linear, grain 4, >= 64)."""
     per = max(ceil_div(ceil_div(numel, GRAIN), num_tiles), ceil_div(64, GRAIN)) * GRAIN
     return min(numel, per)
-
-
-def gather(graph: Graph, body: Sequence, src: Tensor, pieces: list[Tensor], tiles, name: str) -> list[Tensor]:
-    """Bring each piece (a view of src's variable) to its tile with one exchange for all pieces;
-    returns, per piece, a flat view of its elements on that tile (the source itself where every
-    element already lives there)."""
-    sizes = [p.numel for p in pieces]
-    index = np.concatenate([p.index.reshape(-1) for p in pieces]) if pieces else np.zeros(0, np.int64)
-    local = placed(graph, body, Tensor(src.var, index), np.repeat(np.asarray(tiles), sizes), name)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    return [local[offsets[i]:offsets[i + 1]] for i in range(len(pieces))]
 
 
 def partials_variable(graph: Graph, sizes: list[int], tiles, name: str) -> tuple[Tensor, np.ndarray]:
@@ -222,10 +220,9 @@ def reduce_partials(graph: Graph, body: Sequence, partials: Tensor, positions: n
     source = Tensor(partials.var, partials.index.reshape(-1)[positions])
     gathered = placed(graph, body, source, np.broadcast_to(out_tiles, positions.shape), f"{name}/gathered_partials")
     cs = graph.addComputeSet(f"{name}/reduce")
-    for tile, pos in tile_regions(out_tiles).items():
-        for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=GRAIN):
-            chunk = pos[b:e]
-            graph.addVertex(cs, REDUCE_VERTEX, tile, {"partials": gathered[:, chunk], "out": flat(out, chunk)}, (r,))
+    work = region_work(out_tiles, graph.target.workers_per_tile, grain=GRAIN)
+    graph.addVertices(cs, REDUCE_VERTEX, work.tiles, {"partials": work.rows(gathered), "out": work.field(out)},
+                      np.array([r], np.float64))
     body.add(Execute(cs))
 
 
@@ -364,44 +361,43 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
     pb, pm, pn, pk = plan.splits
     out_shape = (B, M, N) if a.rank == 3 else (M, N)
     a3, b3 = a.reshape(B, M, K), b.reshape(B, K, N)
-    blocks = list(itertools.product(ranges(B, pb), ranges(M, pm), ranges(N, pn), ranges(K, pk)))
-    tiles = block_tiles(len(blocks), graph.target.num_tiles)
+    first, extent = block_grid((B, M, N, K), plan.splits)  # per block, (b, m, n, k)
+    bb, bm, bn, bk = extent.T
+    tiles = block_tiles(len(first), graph.target.num_tiles)
+    boxes = box_positions(first[:, :3], extent[:, :3], (B, M, N))  # each block's output elements
     if pk == 1:
         out = graph.addVariable(odt, out_shape, name, category="activations", always_live=False)
-        o3 = out.reshape(B, M, N)
-        for (rb, rm, rn, _), tile in zip(blocks, tiles):
-            graph.setTileMapping(o3[slice(*rb), slice(*rm), slice(*rn)], int(tile))
+        out.var.mapping[boxes] = np.repeat(tiles, bb * bm * bn)
     else:
         out = new_output(graph, odt, out_shape, name)
-        o3 = out.reshape(B, M, N)
 
     body = Sequence(name=name)
-    lhs = gather(graph, body, a, [a3[slice(*rb), slice(*rm), slice(*rk)] for rb, rm, _, rk in blocks],
-                 tiles, f"{name}/lhs")
-    rhs = gather(graph, body, b, [b3[slice(*rb), slice(*rk), slice(*rn)] for rb, _, rn, rk in blocks],
-                 tiles, f"{name}/rhs")
+    lhs, lhs_at = gather_boxes(graph, body, a3, first[:, [0, 1, 3]], extent[:, [0, 1, 3]], tiles, f"{name}/lhs")
+    rhs, rhs_at = gather_boxes(graph, body, b3, first[:, [0, 3, 2]], extent[:, [0, 3, 2]], tiles, f"{name}/rhs")
     if pk > 1:
-        sizes = [(rb[1] - rb[0]) * (rm[1] - rm[0]) * (rn[1] - rn[0]) for rb, rm, rn, _ in blocks]
-        part, offsets = partials_variable(graph, sizes, tiles, f"{name}/partials")
+        part, part_at = partials_variable(graph, bb * bm * bn, tiles, f"{name}/partials")
         positions = np.empty((pk, out.numel), dtype=np.int64)
+        positions[np.repeat(np.arange(len(first)) % pk, bb * bm * bn), boxes] = np.arange(part.numel)
     cs = graph.addComputeSet(f"{name}/product")
-    workers = graph.target.workers_per_tile
-    for i, ((rb, rm, rn, rk), tile) in enumerate(zip(blocks, tiles)):
-        bb, bm, bn, bk = (r[1] - r[0] for r in (rb, rm, rn, rk))
-        box = o3[slice(*rb), slice(*rm), slice(*rn)]
-        if pk == 1:
-            dst = box
-        else:
-            dst = part[offsets[i]:offsets[i + 1]].reshape(bb, bm, bn)
-            positions[i % pk, box.index.reshape(-1)] = np.arange(offsets[i], offsets[i + 1])
-        a_blk, b_blk = lhs[i].reshape(bb, bm, bk), rhs[i].reshape(bb, bk, bn)
-        row_chunks, col_chunks = (int(c) for c in worker_grid(bb, bm, bn, workers))
-        for e in range(bb):
-            for r0, r1 in split_work(bm, row_chunks):
-                for c0, c1 in split_work(bn, col_chunks):
-                    graph.addVertex(cs, MATMUL_VERTEX, int(tile),
-                                    {"a": a_blk[e, r0:r1], "b": b_blk[e, :, c0:c1], "out": dst[e, r0:r1, c0:c1]},
-                                    (r1 - r0, c1 - c0, bk))
+    # vertices: per block, per batch entry e, a grid of row chunks x column chunks
+    rows, cols = worker_grid(bb, bm, bn, graph.target.workers_per_tile)
+    row_step, col_step = ceil_div(bm, np.minimum(rows, bm)), ceil_div(bn, np.minimum(cols, bn))
+    nr, nc = ceil_div(bm, row_step), ceil_div(bn, col_step)
+    count = bb * nr * nc
+    blk = np.repeat(np.arange(len(first)), count)
+    e, rest = np.divmod(np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count), (nr * nc)[blk])
+    ri, ci = np.divmod(rest, nc[blk])
+    r0, c0 = ri * row_step[blk], ci * col_step[blk]
+    m, n = np.minimum(row_step[blk], bm[blk] - r0), np.minimum(col_step[blk], bn[blk] - c0)
+    k = bk[blk]
+    fields = {"a": Field.strided(lhs, lhs_at[blk] + (e * bm[blk] + r0) * k, 1, m * k),
+              "b": Field.strided(rhs, rhs_at[blk] + e * k * bn[blk] + c0, k, n, bn[blk])}
+    if pk == 1:
+        fields["out"] = Field.strided(out, ((first[blk, 0] + e) * M + first[blk, 1] + r0) * N + first[blk, 2] + c0,
+                                      m, n, N)
+    else:
+        fields["out"] = Field.strided(part, part_at[blk] + (e * bm[blk] + r0) * bn[blk] + c0, m, n, bn[blk])
+    graph.addVertices(cs, MATMUL_VERTEX, tiles[blk], fields, np.stack([m, n, k], axis=1).astype(np.float64))
     body.add(Execute(cs))
     if pk > 1:
         reduce_partials(graph, body, part, positions, out, name)

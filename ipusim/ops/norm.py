@@ -22,8 +22,6 @@ Cycles are those of the parts; the running-statistics vertex costs
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
@@ -33,7 +31,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
 from . import elementwise as ew
-from .common import placed, split_work, tile_regions
+from .common import placed, region_work
 from .reduce import composite, reduce, segment_map, vector_width
 
 F32 = np.float32
@@ -268,7 +266,7 @@ def running_stats_whole(stat, running, out, momentum, correction):
 RUNNING_STATS_VERTEX = VertexType(
     "popnn::RunningStatistics", ("stat",), ("running",), running_stats_codelet,
     lambda sizes, params, dtype, target: target.thread_cycles(
-        6 + math.ceil(sizes["running"] / vector_width(dtype)) * 3),
+        6 + np.ceil(sizes["running"] / vector_width(dtype)) * 3),
     num_params=2)
 
 
@@ -292,10 +290,9 @@ def update_running_stats(graph: Graph, running_mean: Tensor, running_var: Tensor
     for stat, running, correction in pairs:
         run = running.flatten()
         sl = placed(graph, body, stat.reshape(run.shape), run.tiles(), f"{name}/{running.name}").flatten()
-        for tile, pos in tile_regions(run.tiles()).items():
-            for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4):
-                fields = {"stat": sl[pos[b:e]], "running": run[pos[b:e]]}
-                graph.addVertex(cs, RUNNING_STATS_VERTEX, tile, fields, (float(momentum), correction))
+        work = region_work(run.tiles(), graph.target.workers_per_tile, grain=4)
+        graph.addVertices(cs, RUNNING_STATS_VERTEX, work.tiles, {"stat": work.field(sl), "running": work.field(run)},
+                          np.array([momentum, correction], np.float64))
     body.add(Execute(cs))
 
     def fast(io):

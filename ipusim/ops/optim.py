@@ -59,8 +59,8 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
-from ..device.vertex import VertexType
-from .common import flat, placed, split_work, tile_regions
+from ..device.vertex import Field, VertexType
+from .common import Work, lookup, placed, region_work
 from .reduce import reduce
 
 KERNEL = dict(JIT, error_model="numpy")  # IEEE results (inf, nan) instead of Python exceptions
@@ -193,13 +193,13 @@ def update_codelet(w, wa, ws, g, ga, gs, s0, s0a, s0s, s1, s1a, s1s, s2, s2a, s2
                 st(w, wi, ld(w, wi) - lr * trust * ld(g, ga[g0 + i]))
 
 
-def update_cycles(sizes, params, dtype, target) -> int:
-    kind, flags, width = int(params[0]), int(params[1]), int(params[2])
-    per_vector, per_element, per_vertex = UPDATE_COSTS[kind]
-    if kind in (SGD_KIND, ADAM_KIND, RMSPROP_KIND):
-        per_vector += sum(c for f, c in FLAG_COSTS.items() if flags & f)
+def update_cycles(sizes, params, dtype, target) -> np.ndarray:
+    kind, flags, width = (params[:, i].astype(np.int64) for i in range(3))
+    per_vector, per_element, per_vertex = (lookup({k: c[i] for k, c in UPDATE_COSTS.items()}, kind) for i in range(3))
+    flagged = np.isin(kind, (SGD_KIND, ADAM_KIND, RMSPROP_KIND))
+    per_vector = per_vector + flagged * sum(c * ((flags & f) != 0) for f, c in FLAG_COSTS.items())
     n = sizes["w"]
-    return target.thread_cycles(math.ceil(n / width) * per_vector + n * per_element + per_vertex)
+    return target.thread_cycles(np.ceil(n / width) * per_vector + n * per_element + per_vertex)
 
 
 UPDATE_VERTEX = VertexType("popart::OptimiserUpdate", ("w", "g", "s0", "s1", "s2", "h", "step"),
@@ -222,12 +222,13 @@ class Hyper:
 @dataclass(eq=False)
 class WeightState:
     """The optimiser state of one weight: state tensors shaped and mapped like the weight, and a
-    step counter per update vertex. `vertices` lists (tile, flat weight positions) per vertex."""
+    step counter per update vertex. `vertices` gives each update vertex's tile and flat weight
+    positions."""
     weight: Tensor
     tensors: dict[str, Tensor]
     slots: tuple[str | None, str | None, str | None]
     step: Tensor | None
-    vertices: list[tuple[int, np.ndarray]]
+    vertices: Work
 
     def read(self, engine) -> dict[str, np.ndarray | int]:
         """The state as host arrays (torch's names); `step` is the number of updates applied."""
@@ -310,8 +311,7 @@ class Optimiser:
         if (tiles < 0).any():
             raise ValueError(f"weight {weight.name!r} has elements without a tile mapping: map it before "
                              "building its update")
-        vertices = [(tile, pos[b:e]) for tile, pos in tile_regions(tiles).items()
-                    for b, e in split_work(pos.size, graph.target.workers_per_tile, grain=4)]
+        vertices = region_work(tiles, graph.target.workers_per_tile, grain=4)
         tensors = {}
         for slot in layout.slots:
             if slot is not None:
@@ -321,8 +321,9 @@ class Optimiser:
                 tensors[slot] = t
         step = None
         if layout.uses_step:
-            step = graph.addVariable("float32", (len(vertices),), f"{weight.name}/step", category="optimiser_state")
-            step.var.mapping[:] = [tile for tile, _ in vertices]
+            step = graph.addVariable("float32", (vertices.num_vertices,), f"{weight.name}/step",
+                                     category="optimiser_state")
+            step.var.mapping[:] = vertices.tiles
         s = self._states[_key(weight)] = WeightState(weight, tensors, layout.slots, step, vertices)
         return s
 
@@ -516,61 +517,57 @@ def _starts(sizes) -> np.ndarray:
     return starts
 
 
-def _fast_addresses(kind: str, vertices, cols: int) -> tuple[np.ndarray, np.ndarray]:
+def _fast_addresses(kind: str, vertices: Work, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """(addresses, starts) of a field for every vertex, as positions in the field's whole flat array."""
-    nv = len(vertices)
+    nv = vertices.num_vertices
     if kind == ELEMENTS:
-        pos = np.concatenate([p for _, p in vertices]).astype(np.int64)
-        return pos, _starts([p.size for _, p in vertices])
+        return vertices.positions, vertices.offsets
     if kind == SCALAR:
         return np.zeros(nv, dtype=np.int64), _starts(np.ones(nv, dtype=np.int64))
     if kind == HYPER_ROW:
-        rows = np.asarray([tile for tile, _ in vertices], dtype=np.int64)
+        rows = vertices.tiles.astype(np.int64)
         return (rows[:, None] * cols + np.arange(cols)).reshape(-1), _starts(np.full(nv, cols))
     if kind == STEP:
         return np.arange(nv, dtype=np.int64), _starts(np.ones(nv, dtype=np.int64))
     return EMPTY, np.zeros(nv + 1, dtype=np.int64)
 
 
-def _update_op(graph: Graph, name: str, vertices, params: tuple, connected: dict[str, _Field]) -> OpProgram:
-    """One compute set of update vertices (one per (tile, positions) of `vertices`), operands
-    brought to the vertices' tiles first; the fast mode runs the same codelet on whole arrays."""
+def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected: dict[str, _Field]) -> OpProgram:
+    """One compute set of update vertices (one per vertex of `vertices`), operands brought to the
+    vertices' tiles first; the fast mode runs the same codelet on whole arrays."""
     body = Sequence(name=name)
     weight_tiles = connected["w"].tensor.tiles()
-    tiles = sorted({tile for tile, _ in vertices})
-    row = {tile: i for i, tile in enumerate(tiles)}
+    tiles = np.unique(vertices.tiles)
     cols = connected["h"].tensor.shape[1]
     views = {}
     for f, c in connected.items():
         if c.kind == ELEMENTS and not c.written:
             views[f] = placed(graph, body, c.tensor, weight_tiles, f"{name}/{f}")
         elif c.kind == SCALAR:
-            views[f] = placed(graph, body, c.tensor.reshape(1).broadcast((len(tiles),)), np.asarray(tiles),
+            views[f] = placed(graph, body, c.tensor.reshape(1).broadcast((len(tiles),)), tiles,
                               f"{name}/{f}@tiles")
         else:
             views[f] = c.tensor
-    nothing = flat(connected["h"].tensor, EMPTY)
     cs = graph.addComputeSet(name)
-    for k, (tile, pos) in enumerate(vertices):
-        fields_ = {}
-        for f in FIELDS:
-            c = connected.get(f)
-            if c is None:
-                fields_[f] = nothing
-            elif c.kind == ELEMENTS:
-                fields_[f] = flat(views[f], pos)
-            elif c.kind == SCALAR:
-                fields_[f] = views[f][row[tile]:row[tile] + 1]
-            elif c.kind == HYPER_ROW:
-                fields_[f] = views[f][tile]
-            else:
-                fields_[f] = views[f][k:k + 1]
-        graph.addVertex(cs, UPDATE_VERTEX, tile, fields_, params)
+    fields_ = {}
+    for f in FIELDS:
+        c = connected.get(f)
+        if c is None:  # connects nothing
+            fields_[f] = Field.strided(connected["h"].tensor, np.zeros(vertices.num_vertices, np.int64), 0, 0)
+        elif c.kind == ELEMENTS:
+            fields_[f] = vertices.field(views[f])
+        elif c.kind == SCALAR:  # the copy on the vertex's tile
+            fields_[f] = Field.strided(views[f], np.searchsorted(tiles, vertices.tiles), 1, 1)
+        elif c.kind == HYPER_ROW:  # row `tile` of the hyperparameters
+            fields_[f] = Field.strided(views[f], vertices.tiles.astype(np.int64) * cols, 1, cols)
+        else:  # the vertex's own step counter
+            fields_[f] = Field.strided(views[f], np.arange(vertices.num_vertices), 1, 1)
+    graph.addVertices(cs, UPDATE_VERTEX, vertices.tiles, fields_, np.asarray(params, np.float64))
     body.add(Execute(cs))
 
     addresses = {f: _fast_addresses(c.kind if c else None, vertices, cols)
                  for f, c in ((f, connected.get(f)) for f in FIELDS)}
-    param_rows = np.tile(np.asarray(params, dtype=np.float64), (len(vertices), 1))
+    param_rows = np.tile(np.asarray(params, dtype=np.float64), (vertices.num_vertices, 1))
     empty = np.zeros(0, dtype=np.float32)
 
     def fast(io):

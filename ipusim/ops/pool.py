@@ -39,7 +39,6 @@ window loops as the codelets, over whole arrays of planes (`pool_whole`, `pool_g
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -51,9 +50,9 @@ from ..device.kernels import JIT, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
-from ..device.vertex import VertexType
-from .common import split_work
-from .matmul import (AVAILABLE_MEMORY_PROPORTION, block_tiles, ceil_div, choose_split, float_dtype, gather,
+from ..device.vertex import Field, VertexType
+from .common import box_positions, by_distinct_rows, gather_boxes
+from .matmul import (AVAILABLE_MEMORY_PROPORTION, block_grid, block_tiles, ceil_div, choose_split, float_dtype,
                      ranges, split_grid)
 
 KINDS = ("max", "avg", "max_grad", "avg_grad")
@@ -389,17 +388,19 @@ def _taps(dim_params: tuple, out0: int, outs: int, row0: int, rows: int) -> int:
 
 
 def _fwd_vertex_cycles(sizes, params, dtype, target):
-    op, planes, row0, rows = int(params[0]), int(params[2]), int(params[3]), int(params[4])
-    dims = tuple(params[9:9 + 14])
-    taps = planes * _taps(dims, row0, rows, 0, int(params[9 + 5]))
-    return int(pool_cycles("max" if op == 0 else "avg", planes * rows, sizes["out"], taps, dtype, target))
+    op, planes, rows = (params[:, i].astype(np.int64) for i in (0, 2, 4))
+    taps = planes * by_distinct_rows(params[:, [3, 4] + list(range(9, 9 + 14))],
+                                     lambda r: _taps(r[2:], int(r[0]), int(r[1]), 0, int(r[2 + 5])))
+    return np.where(op == 0, pool_cycles("max", planes * rows, sizes["out"], taps, dtype, target),
+                    pool_cycles("avg", planes * rows, sizes["out"], taps, dtype, target))
 
 
 def _grad_vertex_cycles(kind):
     def estimate(sizes, params, dtype, target):
-        planes, row0, rows, out0, outs = (int(params[i]) for i in (1, 2, 3, 7, 8))
-        pairs = planes * _taps(tuple(params[10:10 + 14]), out0, outs, row0, rows)
-        return int(pool_cycles(kind, planes * rows, sizes["dx"], pairs, dtype, target))
+        planes, rows = (params[:, i].astype(np.int64) for i in (1, 3))
+        pairs = planes * by_distinct_rows(params[:, [2, 3, 7, 8] + list(range(10, 10 + 14))],
+                                          lambda r: _taps(r[4:], int(r[2]), int(r[3]), int(r[0]), int(r[1])))
+        return pool_cycles(kind, planes * rows, sizes["dx"], pairs, dtype, target)
     return estimate
 
 
@@ -428,11 +429,22 @@ class PoolPlan:
         return self.splits[0] * self.splits[1]
 
 
-def _pool_work(planes: int, rows: int, workers: int) -> list[tuple[int, int, int, int]]:
-    """(plane0, planes, row0, rows) of a block's vertices: over planes, or with few planes, rows."""
-    if planes >= workers:
-        return [(b, e - b, 0, rows) for b, e in split_work(planes, workers)]
-    return [(p, 1, b, e - b) for p in range(planes) for b, e in split_work(rows, workers // planes)]
+def _pool_work(planes: np.ndarray, rows: np.ndarray, workers: int):
+    """The vertices of blocks of `planes` x `rows`: over planes (as `split_ranges(planes, workers)`),
+    or with fewer planes than workers, over each plane's rows (`split_ranges(rows, workers //
+    planes)`). Returns per vertex (block, plane0, planes, row0, rows)."""
+    by_planes = planes >= workers
+    plane_step = ceil_div(planes, np.maximum(1, np.minimum(workers, planes)))
+    row_step = ceil_div(rows, np.maximum(1, np.minimum(workers // np.maximum(planes, 1), rows)))
+    count = np.where(by_planes, ceil_div(planes, plane_step), planes * ceil_div(rows, row_step))
+    block = np.repeat(np.arange(planes.size), count)
+    k = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    per_plane = ceil_div(rows, row_step)[block]
+    p0 = np.where(by_planes[block], k * plane_step[block], k // np.maximum(per_plane, 1))
+    np_ = np.where(by_planes[block], np.minimum(plane_step[block], planes[block] - p0), 1)
+    r0 = np.where(by_planes[block], 0, (k % np.maximum(per_plane, 1)) * row_step[block])
+    nr = np.where(by_planes[block], rows[block], np.minimum(row_step[block], rows[block] - r0))
+    return block, p0, np_, r0, nr
 
 
 def _pool_model(target: Target, kind: str, geom: PoolGeometry, planes: int, splits: np.ndarray, dtype):
@@ -484,6 +496,11 @@ def plan_pool(target: Target, kind: str, geometry: PoolGeometry, planes: int, dt
 
 
 # ---- building --------------------------------------------------------------------------------
+def _spans(span, size: int, parts: int) -> np.ndarray:
+    """`span(begin, end)` of every block of rows `ranges(size, parts)`, as a [blocks, 2] array."""
+    return np.asarray([span(b, e) for b, e in ranges(size, parts)], np.int64).reshape(-1, 2)
+
+
 def _dim_params(geom: PoolGeometry) -> tuple:
     return geom.h.params + geom.w.params + (int(geom.count_include_pad), geom.divisor_override)
 
@@ -494,24 +511,23 @@ def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: 
     dtype = float_dtype(x, name)
     plan = plan_pool(graph.target, geom.kind, geom, planes, dtype)
     out = graph.addVariable(dtype, (n, c, oh, ow), name, category="activations", always_live=False)
-    x3, o3 = x.reshape(planes, hh, ww), out.reshape(planes, oh, ow)
-    blocks = list(itertools.product(ranges(planes, plan.splits[0]), ranges(oh, plan.splits[1])))
-    tiles = block_tiles(len(blocks), graph.target.num_tiles)
-    spans = [geom.h.span(*rows) for _, rows in blocks]
-    boxes = [o3[slice(*pl), slice(*rows)] for pl, rows in blocks]
-    for box, tile in zip(boxes, tiles):
-        graph.setTileMapping(box, int(tile))
+    (p0, r0), (pb, rb) = (a.T for a in block_grid((planes, oh), plan.splits))
+    tiles = block_tiles(p0.size, graph.target.num_tiles)
+    lo, hi = _spans(geom.h.span, oh, plan.splits[1])[r0 // ceil_div(oh, plan.splits[1])].T
+    out.var.mapping[box_positions(np.stack([p0, r0 * ow], 1), np.stack([pb, rb * ow], 1), (planes, oh * ow))] = \
+        np.repeat(tiles, pb * rb * ow)
     body = Sequence(name=name)
-    windows = gather(graph, body, x, [x3[slice(*pl), slice(*sp)] for (pl, _), sp in zip(blocks, spans)], tiles,
-                     f"{name}/in")
-    cs = graph.addComputeSet(f"{name}/pool")
+    windows, at = gather_boxes(graph, body, x.reshape(planes, hh * ww), np.stack([p0, lo * ww], 1),
+                         np.stack([pb, (hi - lo) * ww], 1), tiles, f"{name}/in")
+    blk, vp, vn, vr, vrows = _pool_work(pb, rb, graph.target.workers_per_tile)
     op = 0 if geom.kind == "max" else 1
-    for i, (((p0, p1), (r0, r1)), tile) in enumerate(zip(blocks, tiles)):
-        lo, hi = spans[i]
-        for vp, vn, vr, vrows in _pool_work(p1 - p0, r1 - r0, graph.target.workers_per_tile):
-            params = (op, vp, vn, r0 + vr, vrows, lo, hi - lo, ww, ow) + _dim_params(geom)
-            graph.addVertex(cs, POOL_VERTEX, int(tile),
-                            {"x": windows[i], "out": boxes[i][vp:vp + vn, vr:vr + vrows]}, params)
+    params = np.concatenate([np.stack(np.broadcast_arrays(op, vp, vn, r0[blk] + vr, vrows, lo[blk], (hi - lo)[blk],
+                                                          ww, ow), 1),
+                             np.broadcast_to(_dim_params(geom), (blk.size, len(_dim_params(geom))))], 1)
+    fields = {"x": Field.strided(windows, at[blk], 1, np.diff(at)[blk]),
+              "out": Field.strided(out, (p0[blk] + vp) * oh * ow + (r0[blk] + vr) * ow, vn, vrows * ow, oh * ow)}
+    cs = graph.addComputeSet(f"{name}/pool")
+    graph.addVertices(cs, POOL_VERTEX, tiles[blk], fields, params.astype(np.float64))
     body.add(Execute(cs))
 
     def fast(io):
@@ -532,34 +548,34 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
     kind = "max_grad" if geom.kind == "max" else "avg_grad"
     plan = plan_pool(graph.target, kind, geom, planes, dtype)
     dx = graph.addVariable(dtype, (n, c, hh, ww), name, category="gradients", always_live=False)
-    dx3, dy3 = dx.reshape(planes, hh, ww), dy.reshape(planes, oh, ow)
-    blocks = list(itertools.product(ranges(planes, plan.splits[0]), ranges(hh, plan.splits[1])))
-    tiles = block_tiles(len(blocks), graph.target.num_tiles)
-    outs = [geom.h.touching(*rows) for _, rows in blocks]
-    boxes = [dx3[slice(*pl), slice(*rows)] for pl, rows in blocks]
-    for box, tile in zip(boxes, tiles):
-        graph.setTileMapping(box, int(tile))
+    (p0, r0), (pb, rb) = (a.T for a in block_grid((planes, hh), plan.splits))
+    tiles = block_tiles(p0.size, graph.target.num_tiles)
+    row_block = r0 // ceil_div(hh, plan.splits[1])
+    o0, o1 = _spans(geom.h.touching, hh, plan.splits[1])[row_block].T
+    dx.var.mapping[box_positions(np.stack([p0, r0 * ww], 1), np.stack([pb, rb * ww], 1), (planes, hh * ww))] = \
+        np.repeat(tiles, pb * rb * ww)
     body = Sequence(name=name)
-    grads = gather(graph, body, dy, [dy3[slice(*pl), slice(*o)] for (pl, _), o in zip(blocks, outs)], tiles,
-                   f"{name}/dy")
+    outs_first, outs_extent = np.stack([p0, o0 * ow], 1), np.stack([pb, (o1 - o0) * ow], 1)
+    grads, grads_at = gather_boxes(graph, body, dy.reshape(planes, oh * ow), outs_first, outs_extent, tiles, f"{name}/dy")
+    blk, vp, vn, vr, vrows = _pool_work(pb, rb, graph.target.workers_per_tile)
+    fields = {"dy": Field.strided(grads, grads_at[blk], 1, np.diff(grads_at)[blk]),
+              "dx": Field.strided(dx, (p0[blk] + vp) * hh * ww + (r0[blk] + vr) * ww, vn, vrows * ww, hh * ww)}
     if kind == "max_grad":
-        spans = [geom.h.span(*o) for o in outs]
-        x3, y3 = x.reshape(planes, hh, ww), y.reshape(planes, oh, ow)
-        windows = gather(graph, body, x, [x3[slice(*pl), slice(*sp)] for (pl, _), sp in zip(blocks, spans)], tiles,
-                         f"{name}/x")
-        pooled = gather(graph, body, y, [y3[slice(*pl), slice(*o)] for (pl, _), o in zip(blocks, outs)], tiles,
-                        f"{name}/y")
+        lo, hi = _spans(lambda b, e: geom.h.span(*geom.h.touching(b, e)), hh, plan.splits[1])[row_block].T
+        windows, at = gather_boxes(graph, body, x.reshape(planes, hh * ww), np.stack([p0, lo * ww], 1),
+                             np.stack([pb, (hi - lo) * ww], 1), tiles, f"{name}/x")
+        pooled, pooled_at = gather_boxes(graph, body, y.reshape(planes, oh * ow), outs_first, outs_extent, tiles,
+                                   f"{name}/y")
+        fields.update(x=Field.strided(windows, at[blk], 1, np.diff(at)[blk]),
+                      y=Field.strided(pooled, pooled_at[blk], 1, np.diff(pooled_at)[blk]))
     else:
-        spans = [(0, 0)] * len(blocks)
+        lo = hi = np.zeros_like(p0)
+    params = np.concatenate([np.stack(np.broadcast_arrays(vp, vn, r0[blk] + vr, vrows, lo[blk], (hi - lo)[blk], ww,
+                                                          o0[blk], (o1 - o0)[blk], ow), 1),
+                             np.broadcast_to(_dim_params(geom), (blk.size, len(_dim_params(geom))))], 1)
     cs = graph.addComputeSet(f"{name}/pool")
-    for i, (((p0, p1), (r0, r1)), tile) in enumerate(zip(blocks, tiles)):
-        (lo, hi), (o0, o1) = spans[i], outs[i]
-        for vp, vn, vr, vrows in _pool_work(p1 - p0, r1 - r0, graph.target.workers_per_tile):
-            params = (vp, vn, r0 + vr, vrows, lo, hi - lo, ww, o0, o1 - o0, ow) + _dim_params(geom)
-            fields = {"dy": grads[i], "dx": boxes[i][vp:vp + vn, vr:vr + vrows]}
-            if kind == "max_grad":
-                fields.update(x=windows[i], y=pooled[i])
-            graph.addVertex(cs, MAX_GRAD_VERTEX if kind == "max_grad" else AVG_GRAD_VERTEX, int(tile), fields, params)
+    graph.addVertices(cs, MAX_GRAD_VERTEX if kind == "max_grad" else AVG_GRAD_VERTEX, tiles[blk], fields,
+                      params.astype(np.float64))
     body.add(Execute(cs))
 
     reads = (x, y, dy) if kind == "max_grad" else (dy,)

@@ -42,8 +42,8 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor, as_dtype
-from ..device.vertex import VertexType
-from .common import GRAIN, new_output, placed, tile_regions
+from ..device.vertex import Field, VertexType
+from .common import GRAIN, Work, lookup, new_output, placed
 from .reduce import vector_width
 
 UNIFORM, NORMAL, BERNOULLI, DROPOUT = range(4)
@@ -178,27 +178,28 @@ def seed_advance_codelet(seed, s_addr, s_start, params):
         st(seed, s_addr[b + 1], new_hi)
 
 
-def rng_instructions(n: int, width: int, kind: int) -> int:
-    return 7 + 9 + 3 + math.ceil(n / width) * PER_VECTOR[kind]
+def rng_instructions(n, width: int, kind):
+    """Ints, or arrays (one per vertex)."""
+    return 7 + 9 + 3 + np.ceil(n / width) * lookup(PER_VECTOR, kind)
 
 
 RANDOM_VERTEX = VertexType(
     "poprand::Random", ("seed",), ("out",), random_codelet,
     lambda sizes, params, dtype, target: target.thread_cycles(
-        rng_instructions(sizes["out"], vector_width(dtype), int(params[0]))),
+        rng_instructions(sizes["out"], vector_width(dtype), params[:, 0])),
     num_params=5)
 DROPOUT_VERTEX = VertexType(
     "poprand::Dropout", ("x", "seed"), ("out", "mask"), dropout_codelet,
     lambda sizes, params, dtype, target: target.thread_cycles(
-        rng_instructions(sizes["out"], vector_width(dtype), DROPOUT)),
+        rng_instructions(sizes["out"], vector_width(dtype), np.full(len(params), DROPOUT))),
     num_params=4)
 DROPOUT_GRAD_VERTEX = VertexType(
     "poprand::DropoutGrad", ("dy", "mask"), ("out",), dropout_grad_codelet,
-    lambda sizes, params, dtype, target: target.thread_cycles(6 + math.ceil(sizes["out"] / vector_width(dtype)) * 2),
+    lambda sizes, params, dtype, target: target.thread_cycles(6 + np.ceil(sizes["out"] / vector_width(dtype)) * 2),
     num_params=1)
 SEED_ADVANCE_VERTEX = VertexType(
     "poprand::SeedAdvance", (), ("seed",), seed_advance_codelet,
-    lambda sizes, params, dtype, target: target.thread_cycles(10), num_params=1)
+    lambda sizes, params, dtype, target: target.thread_cycles(np.full(len(params), 10)), num_params=1)
 
 
 # ---- seeds ---------------------------------------------------------------------------------------
@@ -262,18 +263,26 @@ def _key(io, seed: Tensor) -> tuple[int, int]:
 
 
 # ---- vertex placement ----------------------------------------------------------------------------
-def contiguous_work(tiles: np.ndarray, workers: int) -> list[tuple[int, int, int]]:
-    """Vertices `(tile, begin, end)` over flat positions: contiguous runs of one tile's elements,
-    each at most about a worker's share of the tile (in vector grains)."""
-    out = []
-    for tile, pos in tile_regions(tiles).items():
-        share = -(-pos.size // workers)
-        share = max(GRAIN, -(-share // GRAIN) * GRAIN)
-        cuts = np.flatnonzero(np.diff(pos) != 1) + 1
-        for run in np.split(pos, cuts):
-            out.extend((tile, int(run[b]), int(run[min(b + share, run.size) - 1]) + 1)
-                       for b in range(0, run.size, share))
-    return out
+def contiguous_work(tiles: np.ndarray, workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Vertices over flat positions: vertex v on `tile[v]` takes positions [begin[v], end[v]), a
+    contiguous run of one tile's elements at most about a worker's share of the tile (in vector
+    grains). Tiles in increasing order, runs in position order."""
+    tiles = np.asarray(tiles).reshape(-1)
+    order = np.argsort(tiles, kind="stable")
+    sorted_tiles = tiles[order]
+    values, counts = np.unique(sorted_tiles, return_counts=True)
+    share = np.maximum(GRAIN, -(-(-(-counts // workers)) // GRAIN) * GRAIN)
+    cut = np.ones(order.size, bool)
+    cut[1:] = (np.diff(order) != 1) | (np.diff(sorted_tiles) != 0)
+    run_first = np.flatnonzero(cut)
+    run_length = np.diff(np.append(run_first, order.size))
+    run_share = share[np.searchsorted(values, sorted_tiles[run_first])]
+    pieces = -(-run_length // run_share)
+    run = np.repeat(np.arange(run_first.size), pieces)
+    begin = order[run_first][run] + (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * \
+        run_share[run]
+    end = np.minimum(begin + run_share[run], order[run_first][run] + run_length[run])
+    return sorted_tiles[run_first][run], begin, end
 
 
 def _check_probability(p: float, what: str, name: str) -> float:
@@ -292,16 +301,15 @@ def _random(graph: Graph, kind: int, shape, seed, prog: Sequence, a: float, b: f
     seed = _seed(graph, seed, name)
     out = new_output(graph, dtype, shape, name)
     body = Sequence(name=name)
-    work = contiguous_work(out.tiles().reshape(-1), graph.target.workers_per_tile)
-    if work:
-        tiles = sorted({t for t, _, _ in work})
-        row = {t: j for j, t in enumerate(tiles)}
+    work, begin, end = contiguous_work(out.tiles().reshape(-1), graph.target.workers_per_tile)
+    if work.size:
+        tiles = np.unique(work)
         seeds = _seed_per_tile(graph, body, seed, tiles, name)
         cs = graph.addComputeSet(name)
-        of = out.flatten()
-        for tile, begin, end in work:
-            graph.addVertex(cs, RANDOM_VERTEX, tile, {"seed": seeds[row[tile]], "out": of[begin:end]},
-                            (kind, begin, a, b, int(seed_modifier)))
+        fields = {"seed": Field.strided(seeds, 2 * np.searchsorted(tiles, work), 1, 2),
+                  "out": Field.strided(out, begin, 1, end - begin)}
+        params = np.stack(np.broadcast_arrays(kind, begin, a, b, int(seed_modifier)), 1).astype(np.float64)
+        graph.addVertices(cs, RANDOM_VERTEX, work, fields, params)
         body.add(Execute(cs))
 
     def fast(io):
@@ -353,17 +361,16 @@ def dropout(graph: Graph, x: Tensor, p: float, seed, prog: Sequence, name: str =
     y.var.mapping[:] = x.tiles().reshape(-1)
     mask.var.mapping[:] = y.var.mapping
     body = Sequence(name=name)
-    work = contiguous_work(y.tiles().reshape(-1), graph.target.workers_per_tile)
-    if work:
-        tiles = sorted({t for t, _, _ in work})
-        row = {t: j for j, t in enumerate(tiles)}
+    work, begin, end = contiguous_work(y.tiles().reshape(-1), graph.target.workers_per_tile)
+    if work.size:
+        tiles = np.unique(work)
         seeds = _seed_per_tile(graph, body, seed, tiles, name)
         cs = graph.addComputeSet(name)
-        xf, yf, mf = x.flatten(), y.flatten(), mask.flatten()
-        for tile, begin, end in work:
-            graph.addVertex(cs, DROPOUT_VERTEX, tile, {"x": xf[begin:end], "seed": seeds[row[tile]],
-                                                       "out": yf[begin:end], "mask": mf[begin:end]},
-                            (begin, threshold, scale, int(seed_modifier)))
+        fields = {"x": Field.strided(x, begin, 1, end - begin),
+                  "seed": Field.strided(seeds, 2 * np.searchsorted(tiles, work), 1, 2),
+                  "out": Field.strided(y, begin, 1, end - begin), "mask": Field.strided(mask, begin, 1, end - begin)}
+        params = np.stack(np.broadcast_arrays(begin, threshold, scale, int(seed_modifier)), 1).astype(np.float64)
+        graph.addVertices(cs, DROPOUT_VERTEX, work, fields, params)
         body.add(Execute(cs))
 
     def fast(io):
@@ -393,10 +400,16 @@ def dropout_backward(graph: Graph, dy: Tensor, mask: Tensor, p: float, prog: Seq
     dx_tiles = dx.tiles().reshape(-1)
     ml = placed(graph, body, mask, dx_tiles, f"{name}/mask")
     cs = graph.addComputeSet(name)
-    operands = {"dy": dy.flatten(), "mask": ml.flatten(), "out": dx.flatten()}
-    for tile, pos in tile_regions(dx_tiles).items():
-        for chunk in np.array_split(pos, min(graph.target.workers_per_tile, max(1, pos.size // GRAIN))):
-            graph.addVertex(cs, DROPOUT_GRAD_VERTEX, tile, {f: t[chunk] for f, t in operands.items()}, (scale,))
+    # each tile's elements split as np.array_split splits them into min(workers, count // GRAIN) parts
+    order = np.argsort(dx_tiles, kind="stable")
+    values, first, counts = np.unique(dx_tiles[order], return_index=True, return_counts=True)
+    parts = np.minimum(graph.target.workers_per_tile, np.maximum(1, counts // GRAIN))
+    k = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
+    small, extra = np.repeat(counts // parts, parts), np.repeat(counts % parts, parts)
+    begin = np.repeat(first, parts) + k * small + np.minimum(k, extra)
+    work = Work(np.repeat(values, parts), order.astype(np.int64), np.append(begin, order.size))
+    fields = {f: work.field(t) for f, t in {"dy": dy, "mask": ml, "out": dx}.items()}
+    graph.addVertices(cs, DROPOUT_GRAD_VERTEX, work.tiles, fields, np.array([scale]))
     body.add(Execute(cs))
 
     def fast(io):

@@ -73,8 +73,8 @@ from ..device.kernels import JIT, ld, st
 from ..device.program import Copy, Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor, as_dtype
-from ..device.vertex import VertexType, worker_makespan
-from .common import GRAIN, flat, placed
+from ..device.vertex import Field, VertexType, tile_makespans
+from .common import GRAIN, flat, lookup, placed
 
 # ---- reduction operations ------------------------------------------------------------------
 OPS = {"sum": 0, "mean": 0, "max": 1, "min": 2, "sum_squares": 3, "sum_abs": 4}
@@ -370,16 +370,18 @@ def vector_width(dtype) -> int:
     return 4 if dtype == np.float16 else 2 if dtype == np.float32 else 1
 
 
-def reduce_instructions(k: int, n: int, width: int, op: int, scaled: bool, converted: bool) -> int:
-    """Thread instructions of a reduce vertex with k outputs of n elements each (module docstring)."""
-    w, per_vector = (2 * width, 2) if op in ACCUMULATING else (width, 1)
-    return 26 + k * (8 + (n // w) * per_vector + n % w + int(scaled) + int(converted))
+def reduce_instructions(k, n, width: int, op, scaled, converted):
+    """Thread instructions of a reduce vertex with k outputs of n elements each (module docstring);
+    ints, or arrays (one per vertex)."""
+    accumulating = np.isin(op, ACCUMULATING)
+    w, per_vector = np.where(accumulating, 2 * width, width), np.where(accumulating, 2, 1)
+    return 26 + k * (8 + (n // w) * per_vector + n % w + np.asarray(scaled, np.int64) + np.asarray(converted, np.int64))
 
 
 def _reduce_cycles(sizes, params, dtype, target):
-    op, n, scale, converted = params
-    return target.thread_cycles(reduce_instructions(sizes["out"], int(n), vector_width(dtype), int(op),
-                                                    scale != 1.0, bool(converted)))
+    op, n, scale, converted = params.T
+    return target.thread_cycles(reduce_instructions(sizes["out"], n.astype(np.int64), vector_width(dtype),
+                                                    op.astype(np.int64), scale != 1.0, converted != 0))
 
 
 REDUCE_VERTEX = VertexType("popops::Reduce", ("x",), ("out",), reduce_codelet, _reduce_cycles, num_params=4)
@@ -510,24 +512,26 @@ def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounde
     return out
 
 
-def vertex_groups(seg_tile: np.ndarray, counts: np.ndarray, workers: int) -> list[tuple[int, int, int]]:
-    """Split segments (ordered by tile) into vertices `(tile, begin, end)`: each vertex takes
-    consecutive segments of one tile with equal element counts, about a worker's share of the
-    tile's elements."""
+def vertex_groups(seg_tile: np.ndarray, counts: np.ndarray, workers: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split segments (ordered by tile) into vertices: vertex v runs on `tiles[v]` and takes the
+    segments `begin[v] .. end[v] - 1`, consecutive segments of one tile with equal element
+    counts, about a worker's share of the tile's elements. The vertices cover the segments in
+    order."""
     if seg_tile.size == 0:
-        return []
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     change = np.ones(seg_tile.size, dtype=bool)
     change[1:] = (seg_tile[1:] != seg_tile[:-1]) | (counts[1:] != counts[:-1])
     run_begins = np.flatnonzero(change)
     run_ends = np.append(run_begins[1:], seg_tile.size)
     tile_total = np.bincount(seg_tile, weights=counts)
-    groups = []
-    for b, e in zip(run_begins.tolist(), run_ends.tolist()):
-        tile = int(seg_tile[b])
-        share = max(1.0, tile_total[tile] / workers)
-        per = max(1, int(math.ceil(share / max(int(counts[b]), 1))))
-        groups.extend((tile, a, min(a + per, e)) for a in range(b, e, per))
-    return groups
+    run_tiles = seg_tile[run_begins].astype(np.int64)
+    share = np.maximum(1.0, tile_total[run_tiles] / workers)
+    per = np.maximum(1, np.ceil(share / np.maximum(counts[run_begins], 1)).astype(np.int64))
+    pieces = -(-(run_ends - run_begins) // per)
+    run = np.repeat(np.arange(run_begins.size), pieces)
+    begin = run_begins[run] + (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * per[run]
+    return run_tiles[run], begin, np.minimum(begin + per[run], run_ends[run])
 
 
 def output_index(shape: tuple, axes: tuple) -> tuple[np.ndarray, tuple, tuple]:
@@ -574,12 +578,12 @@ class ReducePlan:
 
 
 def _stage_cycles(plan: SegmentPlan, width: int, op: int, scaled: bool, converted: bool, target: Target) -> int:
-    per_tile: dict[int, list[int]] = {}
-    counts = plan.counts
-    for tile, a, b in vertex_groups(plan.seg_tile, counts, target.workers_per_tile):
-        cyc = target.thread_cycles(reduce_instructions(b - a, int(counts[a]), width, op, scaled, converted))
-        per_tile.setdefault(tile, []).append(cyc + target.vertex_overhead_cycles)
-    return max((worker_makespan(c, target.workers_per_tile) for c in per_tile.values()), default=0)
+    tiles, first, end = vertex_groups(plan.seg_tile, plan.counts, target.workers_per_tile)
+    if not tiles.size:
+        return 0
+    cycles = target.thread_cycles(reduce_instructions(end - first, plan.counts[first].astype(np.int64), width, op,
+                                                      scaled, converted)) + target.vertex_overhead_cycles
+    return int(tile_makespans(tiles, cycles, target.workers_per_tile, target.num_tiles).max())
 
 
 def _gather_cycles(src_tiles: np.ndarray, dst_tiles: np.ndarray, itemsize: int, target: Target) -> int:
@@ -708,10 +712,13 @@ def _add_stage(graph: Graph, cs, src: Tensor, perm: np.ndarray, plan: SegmentPla
     """Reduce vertices: segment s of `plan` reads src[perm[starts[s]:starts[s+1]]] and writes dst[s]
     (src and dst 1-D)."""
     counts = plan.counts
-    converted = float(src.dtype != dst.dtype)
-    for tile, a, b in vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile):
-        fields = {"x": src[perm[plan.starts[a]:plan.starts[b]]], "out": dst[a:b]}
-        graph.addVertex(cs, REDUCE_VERTEX, tile, fields, (op, int(counts[a]), scale, converted))
+    tiles, begin, end = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
+    if not tiles.size:
+        return
+    fields = {"x": Field.at(src, perm, plan.starts[np.append(begin, end[-1])]),
+              "out": Field.strided(dst, begin, 1, end - begin)}
+    params = np.stack(np.broadcast_arrays(op, counts[begin], scale, float(src.dtype != dst.dtype)), 1)
+    graph.addVertices(cs, REDUCE_VERTEX, tiles, fields, params.astype(np.float64))
 
 
 def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | None = None,
@@ -950,16 +957,17 @@ ROW_KERNELS = {code: _row_kernel(code) for code, *_ in SEGMENT_OPS.values()}
 SEGMENT_COSTS = {code: (setup, per, vec) for code, setup, per, vec in SEGMENT_OPS.values()}
 
 
-def segment_map_instructions(k: int, n: int, width: int, op: int) -> int:
-    """Thread instructions of a segment map vertex with k segments of n elements (module docstring)."""
-    setup, per_vector, vectorised = SEGMENT_COSTS[op]
-    w = width if vectorised else 1
-    return 17 + k * setup + k * math.ceil(n / w) * per_vector
+def segment_map_instructions(k, n, width: int, op):
+    """Thread instructions of a segment map vertex with k segments of n elements (module docstring);
+    ints, or arrays (one per vertex)."""
+    setup, per_vector, vectorised = (lookup({code: c[i] for code, c in SEGMENT_COSTS.items()}, op) for i in range(3))
+    w = np.where(vectorised, width, 1)
+    return 17 + k * setup + k * np.ceil(n / w) * per_vector
 
 
 def _segment_map_cycles(sizes, params, dtype, target):
-    return target.thread_cycles(segment_map_instructions(sizes["r"], int(params[1]), vector_width(dtype),
-                                                         int(params[0])))
+    return target.thread_cycles(segment_map_instructions(sizes["r"], params[:, 1].astype(np.int64),
+                                                         vector_width(dtype), params[:, 0].astype(np.int64)))
 
 
 SEGMENT_MAP_VERTEX = VertexType("popops::SegmentMap", ("a", "b", "c", "r", "q", "s"), ("out",),
@@ -1154,11 +1162,12 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
         cs = graph.addComputeSet(name)
         counts = plan.counts
         full = {"a": a.flatten(), "b": bl.flatten(), "c": cl.flatten(), "out": out.flatten()}
-        for tile, lo, hi in vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile):
-            pos = plan.perm[plan.starts[lo]:plan.starts[hi]]
-            fields = {k: t[pos] for k, t in full.items()}
-            fields.update({k: t[index[lo:hi]] for k, (t, index) in per_chunk.items()})
-            graph.addVertex(cs, SEGMENT_MAP_VERTEX, tile, fields, (code, int(counts[lo]), float(param)))
+        tiles, lo, hi = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
+        bounds = np.append(lo, hi[-1:])
+        fields = {k: Field.at(t, plan.perm, plan.starts[bounds]) for k, t in full.items()}
+        fields.update({k: Field.at(t, index, bounds) for k, (t, index) in per_chunk.items()})
+        params = np.stack(np.broadcast_arrays(code, counts[lo], float(param)), 1).astype(np.float64)
+        graph.addVertices(cs, SEGMENT_MAP_VERTEX, tiles, fields, params)
         body.add(Execute(cs))
 
     fast = _fast_segment_map(code, a, given, {"r": r, "q": q, "s": s}, out, axes, out_index, float(param))

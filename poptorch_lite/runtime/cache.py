@@ -28,9 +28,9 @@ Serialisation uses the cloudpickle vendored in Numba (a dependency already): op 
 closures (each ``OpProgram.fast``), which the standard pickle cannot save. Codelets, vertex
 types and other module-level objects are saved by reference (their import path), so a loaded
 program runs the same Numba dispatchers and hits Numba's own on-disk cache. Compute sets are
-saved column-wise (vertex types, tiles, parameters, the views of all fields) and decoded when
-first used; integer arrays (tile mappings, element indices, bytes per tile) are saved as runs of
-equal or consecutive values when that is much smaller.
+tables of arrays and pickle as they are; integer arrays (tile mappings, element indices, bytes
+per tile, vertex columns) are saved as runs of equal or consecutive values when that is much
+smaller.
 
 Concurrency: a process that misses takes an exclusive lock on ``<key>.lock`` (``flock``) while
 it compiles; processes compiling the same model wait for it and then load its entry. The lock
@@ -476,101 +476,6 @@ def _compact(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _reduce_compute_set(cs: ip.ComputeSet):
-    state = {k: v for k, v in vars(cs).items() if k not in ("vertices", "_packed")}
-    state["_packed"] = _pack_vertices(cs.vertices)
-    return _new, (_PackedComputeSet,), state
-
-
-class _PackedComputeSet(ip.ComputeSet):
-    """A loaded compute set: its vertices are decoded on first use. The fast mode runs an op's
-    whole-tensor kernel, not the vertices of its program, so most are never decoded."""
-
-    @property
-    def vertices(self) -> list:
-        packed = self.__dict__.pop("_packed", None)
-        if packed is not None:
-            self.__dict__["_vertices"] = _unpack_vertices(*packed)
-        return self.__dict__["_vertices"]
-
-    @vertices.setter
-    def vertices(self, value: list) -> None:
-        self.__dict__.pop("_packed", None)
-        self.__dict__["_vertices"] = value
-
-
-def _pack_vertices(vertices: list) -> tuple:
-    """Vertices column-wise: the vertex types and field orders (a vertex's first field gives its
-    dtype), per vertex its type, field order, tile and parameters, and the views of all fields
-    packed by `_pack_views`."""
-    types, type_index, orders, order_index = [], {}, [], {}
-    kinds, layouts, tiles, params, views = [], [], [], [], []
-    for v in vertices:
-        kind = type_index.get(id(v.type))
-        if kind is None:
-            kind = type_index[id(v.type)] = len(types)
-            types.append(v.type)
-        order = tuple(v.fields)
-        layout = order_index.get(order)
-        if layout is None:
-            layout = order_index[order] = len(orders)
-            orders.append(order)
-        kinds.append(kind)
-        layouts.append(layout)
-        tiles.append(v.tile)
-        params.append(v.params)
-        views.extend(v.fields.values())
-    return (types, orders, np.array(kinds, np.int32), np.array(layouts, np.int32), np.array(tiles, np.int32),
-            params, _pack_views(views))
-
-
-def _unpack_vertices(types, orders, kinds, layouts, tiles, params, views) -> list:
-    tensors = iter(_unpack_views(*views))
-    return [ip.Vertex(types[kind], tile, {f: next(tensors) for f in orders[layout]}, p)
-            for kind, layout, tile, p in zip(kinds.tolist(), layouts.tolist(), tiles.tolist(), params)]
-
-
-def _pack_views(tensors: list) -> tuple:
-    """Tensor views column-wise: their variables, per view its variable, whether it is the whole
-    variable, its shape, and the element indices of all other views as runs (`runs`)."""
-    variables, index = [], {}
-    which, whole, ranks, dims, parts = [], [], [], [], []
-    for t in tensors:
-        i = index.get(id(t.var))
-        if i is None:
-            i = index[id(t.var)] = len(variables)
-            variables.append(t.var)
-        which.append(i)
-        ranks.append(len(t.shape))
-        dims.extend(t.shape)
-        whole.append(t.is_whole)
-        if not whole[-1]:
-            parts.append(t.index.reshape(-1))
-    flat = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
-    values, lengths = runs(flat, 1)
-    return (variables, np.array(which, np.int32), np.array(whole, np.bool_), np.array(ranks, np.int32),
-            _compact(np.array(dims, np.int64)), _compact(values), _compact(lengths))
-
-
-def _unpack_views(variables, which, whole, ranks, dims, values, lengths) -> list:
-    flat = expand(values, lengths, 1)
-    dims = dims.tolist()
-    out = []
-    d = o = 0
-    for var, is_whole, rank in zip((variables[i] for i in which.tolist()), whole.tolist(), ranks.tolist()):
-        shape = tuple(dims[d:d + rank])
-        d += rank
-        if is_whole:
-            out.append(ip.Tensor(var, None, shape))
-        else:
-            n = 1
-            for s in shape:
-                n *= s
-            out.append(ip.Tensor(var, flat[o:o + n].reshape(shape)))
-            o += n
-    return out
-
-
 def runs(a: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
     """A 1-d integer array as runs in which each element is the previous plus `step`: the first
     value and the length of each run."""
@@ -598,8 +503,6 @@ def expand(values: np.ndarray, lengths: np.ndarray, step: int) -> np.ndarray:
 
 _REDUCERS = {
     ip.Engine: _reduce_engine,
-    ip.ComputeSet: _reduce_compute_set,
-    _PackedComputeSet: _reduce_compute_set,
     ip.VertexType: _reduce_vertex_type,
 }
 
