@@ -84,7 +84,9 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     if isinstance(elements, slice):  # a run: distinct elements in order
         sent_elements = np.flatnonzero(moved) + elements.start
     else:  # a source element sent to several tiles is sent once
-        sent_elements = np.unique(elements[moved])
+        sent = np.zeros(src.var.numel, dtype=bool)
+        sent[elements[moved]] = True
+        sent_elements = np.flatnonzero(sent)
     sent = np.bincount(src.var.mapping[sent_elements], minlength=n)
     recv = np.bincount(d[moved], minlength=n)
     local = np.bincount(d[~moved], minlength=n)
