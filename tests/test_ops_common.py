@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from ipusim.ops.common import box_positions, region_work, split_ranges
+from ipusim.ops.common import box_positions, by_distinct_rows, region_work, split_ranges
 
 
 def split_reference(n, parts, grain):
@@ -48,3 +48,17 @@ def test_box_positions_are_the_flat_positions_numpy_slicing_gives(case):
     grid = np.arange(int(np.prod(shape))).reshape(shape)
     want = [int(i) for f, e in zip(first, extent) for i in grid[tuple(slice(a, a + n) for a, n in zip(f, e))].ravel()]
     assert box_positions(first, extent, shape).tolist() == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(hs.lists(hs.lists(hs.sampled_from([0.0, 1.0, 2.5, -3.0]), min_size=3, max_size=3), max_size=30))
+def test_by_distinct_rows_computes_each_distinct_row_once(rows):
+    params = np.array(rows, dtype=np.float64).reshape(-1, 3)
+    calls = []
+
+    def fn(row):
+        calls.append(row)
+        return int(row[0] * 100 + row[1] * 10 + row[2] * 2)
+    got = by_distinct_rows(params, fn)
+    assert got.tolist() == [int(a * 100 + b * 10 + c * 2) for a, b, c in params.tolist()]
+    assert len(calls) == len({tuple(r) for r in params.tolist()})

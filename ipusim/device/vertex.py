@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from numba import njit
 
 from .tensor import Tensor, Variable
 
@@ -52,7 +51,11 @@ class VertexType:
         return f"VertexType({self.name})"
 
 
-_EMPTY = np.zeros(0, np.int64)
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """starts[k], starts[k] + 1, ..., starts[k] + lengths[k] - 1 for every run k, run after run."""
+    lengths = np.asarray(lengths, np.int64)
+    return np.repeat(np.asarray(starts, np.int64) - (np.cumsum(lengths) - lengths), lengths) + \
+        np.arange(lengths.sum(), dtype=np.int64)
 
 
 @dataclass(eq=False)
@@ -81,9 +84,7 @@ class Field:
 
     def elements(self) -> np.ndarray:
         """Every connected element in vertex order, as flat indices into its variable."""
-        total = int(self.lengths.sum())
-        begin = np.cumsum(self.lengths) - self.lengths
-        return np.repeat(self.starts - begin, self.lengths) + np.arange(total, dtype=np.int64)
+        return expand_runs(self.starts, self.lengths)
 
     def element_vars(self) -> np.ndarray:
         """For every connected element, the index of its variable in `variables`."""
@@ -117,9 +118,7 @@ class Field:
         length = np.repeat(lengths, counts)
         if t.span is not None:
             return Field.from_runs([t.var], np.zeros(counts.size, np.int32), first + t.span, length, offsets)
-        begin = np.cumsum(length) - length
-        positions = np.repeat(first - begin, length) + np.arange(int(length.sum()), dtype=np.int64)
-        return Field.at(t, positions, np.concatenate(([0], np.cumsum(length)))[offsets])
+        return Field.at(t, expand_runs(first, length), np.concatenate(([0], np.cumsum(length)))[offsets])
 
     @staticmethod
     def from_elements(variables, var: np.ndarray, elements: np.ndarray, offsets: np.ndarray) -> "Field":
@@ -267,32 +266,26 @@ class ComputeSet:
 
 def tile_makespans(tiles: np.ndarray, cycles: np.ndarray, workers: int, num_tiles: int) -> np.ndarray:
     """Per tile, the longest-processing-time assignment of its vertices' cycles onto `workers`
-    threads: the busiest thread's total (0 for a tile without vertices)."""
+    threads: the busiest thread's total (0 for a tile without vertices). All tiles advance
+    together: round k gives each tile's k-th longest vertex to its least loaded thread."""
     tiles = np.asarray(tiles, np.int64)
     cycles = np.asarray(cycles, np.int64)
     order = np.lexsort((-cycles, tiles))
-    bounds = np.searchsorted(tiles[order], np.arange(num_tiles + 1))
+    cycles = cycles[order]
+    counts = np.bincount(tiles, minlength=num_tiles)
+    first = np.cumsum(counts) - counts
     out = np.zeros(num_tiles, np.int64)
-    _makespans(cycles[order], bounds, workers, out)
+    few = (counts > 0) & (counts <= workers)
+    out[few] = cycles[first[few]]  # one thread each: the longest vertex
+    many = np.flatnonzero(counts > workers)
+    if many.size:
+        loads = np.zeros((many.size, workers), np.int64)
+        for k in range(int(counts[many].max())):
+            rows = np.flatnonzero(counts[many] > k)
+            least = loads[rows].argmin(axis=1)
+            loads[rows, least] += cycles[first[many[rows]] + k]
+        out[many] = loads.max(axis=1)
     return out
-
-
-@njit(cache=True, nogil=True)
-def _makespans(cycles, bounds, workers, out):
-    loads = np.zeros(workers, np.int64)
-    for t in range(bounds.size - 1):
-        a, b = bounds[t], bounds[t + 1]
-        if b - a <= workers:
-            out[t] = cycles[a] if b > a else 0
-            continue
-        loads[:] = 0
-        for i in range(a, b):
-            k = 0
-            for w in range(1, workers):
-                if loads[w] < loads[k]:
-                    k = w
-            loads[k] += cycles[i]
-        out[t] = loads.max()
 
 
 def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
@@ -309,7 +302,9 @@ def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
         if v.ipu != cs.ipu:
             raise LocalityError(f"{what}: tensor {v.name!r} lives on IPU {v.ipu}, the vertex on IPU {cs.ipu}; "
                                 "move it with an InterIpuCopy first")
-    elements = f.elements()
+    if _runs_are_local(f, table.tiles):
+        return
+    elements = f.elements()  # something is not local: find the first element to name it
     if len(f.variables) == 1:
         tiles = f.variables[0].mapping[elements]
     else:
@@ -330,3 +325,22 @@ def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
     raise LocalityError(f"{what}: element {first - begin} of tensor {var.name!r} {where}, but the vertex runs on "
                         f"tile {int(table.tiles[vertex])} ({in_vertex} of {int(sizes[vertex])} elements are not "
                         "local); a vertex only reads its own tile's memory: copy the data to the tile first")
+
+
+def _runs_are_local(f: Field, tiles: np.ndarray) -> bool:
+    """True when every run of the field lies inside one stretch of its variable's mapping that is
+    on the run's vertex's tile: per run, one lookup and a search in the mapping's change points,
+    not one test per element."""
+    keep = f.lengths > 0
+    vertex = np.repeat(np.arange(f.num_vertices), np.diff(f.offsets))[keep]
+    first, last = f.starts[keep], f.starts[keep] + f.lengths[keep] - 1
+    var = f.var[vertex]
+    for k, v in enumerate(f.variables):
+        at = np.flatnonzero(var == k) if len(f.variables) > 1 else slice(None)
+        changes = np.flatnonzero(np.diff(v.mapping)) + 1  # where the tile changes
+        a, b = first[at], last[at]
+        if not ((v.mapping[a] == tiles[vertex[at]]).all()
+                and (np.searchsorted(changes, a, side="right") == np.searchsorted(changes, b, side="right")).all()):
+            return False
+    return True
+

@@ -9,7 +9,7 @@ import numpy as np
 from ..device.graph import Graph
 from ..device.program import Copy, Sequence
 from ..device.tensor import Tensor
-from ..device.vertex import Field
+from ..device.vertex import Field, expand_runs
 
 # Elements a tile processes in one vector step; outputs are mapped in multiples of it so that
 # vertices see whole vectors (64-bit loads: 2 x float32, 4 x float16).
@@ -75,13 +75,10 @@ class Work:
         """Each vertex connects its positions in every row of `t` ([rows, n], n the positions'
         range), row after row."""
         rows, n = t.shape[0], t.numel // max(1, t.shape[0])
-        sizes = np.diff(self.offsets)
-        offsets = np.concatenate(([0], np.cumsum(sizes * rows)))
-        local = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], sizes * rows)
-        size = np.repeat(sizes, sizes * rows)
-        row, at = np.divmod(local, np.maximum(size, 1))
-        positions = self.positions[np.repeat(self.offsets[:-1], sizes * rows) + at] + row * n
-        return Field.at(t, positions, offsets)
+        sizes = np.repeat(np.diff(self.offsets), rows)  # per (vertex, row): the vertex's positions
+        at = expand_runs(np.repeat(self.offsets[:-1], rows), sizes)
+        row = np.repeat(np.tile(np.arange(rows, dtype=np.int64), self.num_vertices), sizes)
+        return Field.at(t, self.positions[at] + row * n, np.concatenate(([0], np.cumsum(sizes)))[::rows])
 
 
 def region_work(tiles: np.ndarray, workers: int, grain: int = 1) -> Work:
@@ -111,17 +108,19 @@ def split_ranges(sizes, parts, grain: int = 1) -> tuple[np.ndarray, np.ndarray, 
 
 def box_positions(first: np.ndarray, extent: np.ndarray, shape) -> np.ndarray:
     """Flat positions (C order, in an array of `shape`) of the elements of every box, box after
-    box: box i spans [first[i, d], first[i, d] + extent[i, d]) along each dimension d."""
+    box: box i spans [first[i, d], first[i, d] + extent[i, d]) along each dimension d. Work is per
+    row of a box (its last dimension is one run), then one expansion of the runs."""
     first, extent = np.asarray(first, np.int64), np.asarray(extent, np.int64)
-    sizes = extent.prod(axis=1)
-    box = np.repeat(np.arange(len(first)), sizes)
-    local = np.arange(sizes.sum(), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    flat, stride = np.zeros_like(local), 1
-    for d in reversed(range(len(shape))):
+    row_length = extent[:, -1]
+    rows = extent[:, :-1].prod(axis=1) * (row_length > 0)
+    box = np.repeat(np.arange(len(first)), rows)
+    local = np.arange(rows.sum(), dtype=np.int64) - np.repeat(np.cumsum(rows) - rows, rows)
+    row_start, stride = first[box, -1], int(shape[-1])
+    for d in reversed(range(len(shape) - 1)):
         local, r = np.divmod(local, extent[box, d])
-        flat += (first[box, d] + r) * stride
+        row_start += (first[box, d] + r) * stride
         stride *= int(shape[d])
-    return flat
+    return expand_runs(row_start, row_length[box])
 
 
 def elements_at(t: Tensor, positions: np.ndarray) -> np.ndarray:
@@ -141,8 +140,13 @@ def by_distinct_rows(params: np.ndarray, fn) -> np.ndarray:
     """`fn(row)` (row as a tuple) for every row of a parameter matrix, computed once per distinct row."""
     if not len(params):
         return np.zeros(0, np.int64)
-    rows, inverse = np.unique(params, axis=0, return_inverse=True)
-    return np.asarray([fn(tuple(r)) for r in rows], np.int64)[inverse.reshape(-1)]
+    order = np.lexsort(params.T[::-1])
+    ordered = params[order]
+    new = np.ones(len(params), bool)
+    new[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    inverse = np.empty(len(params), np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return np.asarray([fn(tuple(r)) for r in ordered[new]], np.int64)[inverse]
 
 
 def flat(t: Tensor, positions: np.ndarray) -> Tensor:
