@@ -468,6 +468,32 @@ def test_one_vertex_and_a_table_of_one_row_are_the_same():
     assert one.tile_cycles(t).tolist() == bulk.tile_cycles(t).tolist()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_vertices_of_one_type_may_connect_different_variables(mode):
+    t = ip.Target.test(3)
+    g = ip.Graph(t)
+    xs = [g.addVariable("float32", (4,), f"x{i}") for i in range(3)]
+    ys = [g.addVariable("float32", (4,), f"y{i}") for i in range(3)]
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        g.setTileMapping(x, i)
+        g.setTileMapping(y, i)
+    cs = g.addComputeSet("neg")
+    for i in (2, 0, 1):
+        g.addVertex(cs, ew.UNARY_VERTEX, i, {"x": xs[i], "out": ys[i]}, (ew.UNARY["neg"][0], 1.0, 0.0))
+    (table,) = cs.tables
+    assert [v.name for v in table.fields["x"].variables] == ["x2", "x0", "x1"]
+    with pytest.raises(ip.LocalityError, match="tensor 'x1' lives on tile 1, but the vertex runs on tile 2"):
+        g.addVertices(cs, ew.UNARY_VERTEX, [1, 2], {"x": ip.Field.concat([ip.Field.of(xs[1]), ip.Field.of(xs[1])]),
+                                                    "out": ip.Field.concat([ip.Field.of(ys[1]), ip.Field.of(ys[2])])},
+                      [0, 1.0, 0.0])
+    e = ip.Engine(g, ip.Sequence(ip.Execute(cs)), mode=mode).load()
+    for i, x in enumerate(xs):
+        e.writeTensor(x, np.arange(4, dtype=np.float32) + 10 * i)
+    e.run()
+    for i, y in enumerate(ys):
+        assert e.readTensor(y).tolist() == (-(np.arange(4) + 10 * i)).tolist()
+
+
 # ---- memory --------------------------------------------------------------------------------
 def test_memory_report_and_liveness():
     t = ip.Target.test(4, 4096)

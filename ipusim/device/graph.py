@@ -140,8 +140,11 @@ class Graph:
         if bad.any():
             self._check_tile(int(tiles[bad][0]))
         n = tiles.size
-        params = (np.zeros((n, 0)) if params is None and vertex_type.num_params == 0
-                  else np.asarray(params, dtype=np.float64))
+        if params is None:
+            if vertex_type.num_params:
+                raise ValueError(f"vertex {vertex_type.name} takes {vertex_type.num_params} parameters: pass params=")
+            params = np.zeros((n, 0))
+        params = np.asarray(params, dtype=np.float64)
         if params.ndim == 1 and params.size == vertex_type.num_params:
             params = np.broadcast_to(params, (n, params.size))
         return cs.add(VertexTable(vertex_type, tiles, np.ascontiguousarray(params), dict(fields)))

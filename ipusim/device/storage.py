@@ -90,10 +90,8 @@ class IpuMemory:
         elements = f.elements()
         if len(f.variables) == 1:
             return self._element_addresses(f.variables[0], elements)
-        which = f.element_vars()
         out = np.empty(elements.size, np.int64)
-        for k, v in enumerate(f.variables):
-            at = np.flatnonzero(which == k)
+        for _, v, at in f.by_variable(f.element_vars()):
             out[at] = self._element_addresses(v, elements[at])
         return out
 

@@ -90,6 +90,17 @@ class Field:
         """For every connected element, the index of its variable in `variables`."""
         return np.repeat(self.var, self.sizes())
 
+    def by_variable(self, which: np.ndarray):
+        """(k, variable, positions i with which[i] == k) for every variable k of the field, from
+        one stable sort of `which` (a variable index per element or per run)."""
+        if len(self.variables) == 1:
+            yield 0, self.variables[0], slice(None)
+            return
+        order = np.argsort(which, kind="stable")
+        bounds = np.searchsorted(which[order], np.arange(len(self.variables) + 1))
+        for k, v in enumerate(self.variables):
+            yield k, v, order[bounds[k]:bounds[k + 1]]
+
     # ---- building ---------------------------------------------------------------------------
     @staticmethod
     def of(t: Tensor) -> "Field":
@@ -305,11 +316,9 @@ def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
     if _runs_are_local(f, table.tiles):
         return
     elements = f.elements()  # something is not local: find the first element to name it
-    if len(f.variables) == 1:
-        tiles = f.variables[0].mapping[elements]
-    else:
-        base = np.cumsum([0] + [v.numel for v in f.variables[:-1]])
-        tiles = np.concatenate([v.mapping for v in f.variables])[base[f.element_vars()] + elements]
+    tiles = np.empty(elements.size, np.int64)
+    for _, v, at in f.by_variable(f.element_vars()):
+        tiles[at] = v.mapping[elements[at]]
     sizes = f.sizes()
     expected = np.repeat(table.tiles, sizes)
     bad = np.flatnonzero(tiles != expected)
@@ -334,9 +343,7 @@ def _runs_are_local(f: Field, tiles: np.ndarray) -> bool:
     keep = f.lengths > 0
     vertex = np.repeat(np.arange(f.num_vertices), np.diff(f.offsets))[keep]
     first, last = f.starts[keep], f.starts[keep] + f.lengths[keep] - 1
-    var = f.var[vertex]
-    for k, v in enumerate(f.variables):
-        at = np.flatnonzero(var == k) if len(f.variables) > 1 else slice(None)
+    for _, v, at in f.by_variable(f.var[vertex]):
         changes = np.flatnonzero(np.diff(v.mapping)) + 1  # where the tile changes
         a, b = first[at], last[at]
         if not ((v.mapping[a] == tiles[vertex[at]]).all()
