@@ -43,7 +43,7 @@ from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor, as_dtype
 from ..device.vertex import Field, VertexType
-from .common import GRAIN, Work, lookup, new_output, placed
+from .common import GRAIN, Work, lookup, new_output, placed, tile_groups
 from .reduce import vector_width
 
 UNIFORM, NORMAL, BERNOULLI, DROPOUT = range(4)
@@ -267,10 +267,8 @@ def contiguous_work(tiles: np.ndarray, workers: int) -> tuple[np.ndarray, np.nda
     """Vertices over flat positions: vertex v on `tile[v]` takes positions [begin[v], end[v]), a
     contiguous run of one tile's elements at most about a worker's share of the tile (in vector
     grains). Tiles in increasing order, runs in position order."""
-    tiles = np.asarray(tiles).reshape(-1)
-    order = np.argsort(tiles, kind="stable")
-    sorted_tiles = tiles[order]
-    values, counts = np.unique(sorted_tiles, return_counts=True)
+    order, values, _, counts = tile_groups(tiles)
+    sorted_tiles = np.asarray(tiles).reshape(-1)[order]
     share = np.maximum(GRAIN, -(-(-(-counts // workers)) // GRAIN) * GRAIN)
     cut = np.ones(order.size, bool)
     cut[1:] = (np.diff(order) != 1) | (np.diff(sorted_tiles) != 0)
@@ -401,8 +399,7 @@ def dropout_backward(graph: Graph, dy: Tensor, mask: Tensor, p: float, prog: Seq
     ml = placed(graph, body, mask, dx_tiles, f"{name}/mask")
     cs = graph.addComputeSet(name)
     # each tile's elements split as np.array_split splits them into min(workers, count // GRAIN) parts
-    order = np.argsort(dx_tiles, kind="stable")
-    values, first, counts = np.unique(dx_tiles[order], return_index=True, return_counts=True)
+    order, values, first, counts = tile_groups(dx_tiles)
     parts = np.minimum(graph.target.workers_per_tile, np.maximum(1, counts // GRAIN))
     k = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
     small, extra = np.repeat(counts // parts, parts), np.repeat(counts % parts, parts)
