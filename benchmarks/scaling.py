@@ -37,14 +37,24 @@ import poptorch_lite as poptorch  # noqa: E402
 
 
 class WithLoss(nn.Module):
-    def __init__(self, net: nn.Module):
+    """The network and its loss; the loss runs in `loss_block` when the network's blocks end with
+    one that closes (the tutorial's `with Block(...)` blocks), else in the network's last block."""
+
+    def __init__(self, net: nn.Module, loss_block: str | None = None):
         super().__init__()
         self.net = net
         self.loss = nn.CrossEntropyLoss()
+        self.loss_block = loss_block
 
     def forward(self, x, labels):
         out = self.net(x)
-        return out, self.loss(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
+        if self.loss_block is None:
+            return out, self._loss(out, labels)
+        with poptorch.Block(self.loss_block):
+            return out, self._loss(out, labels)
+
+    def _loss(self, out, labels):
+        return self.loss(out.reshape(-1, out.shape[-1]), labels.reshape(-1))
 
 
 def mlp(width: int) -> nn.Module:
@@ -102,6 +112,10 @@ def tutorial_net() -> nn.Module:
 
 
 # name -> (network factory, input factory (batch) -> (x, labels), micro-batch, G, D, pipeline stages)
+# The tutorial's blocks are `with Block(...)` scopes without IPUs, as in its script: its loss runs
+# in the last one, and its stages name their IPUs. Other models' blocks carry their ipu_id.
+LOSS_BLOCKS = {"tutorial": "B4"}
+STRATEGIES = {"tutorial": lambda: poptorch.PipelinedExecution(*[poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4)])}
 MODELS = {
     "tutorial": (tutorial_net, lambda n: (torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))), 40, 10, 10, 4),
     "mlp256": (lambda: mlp(256), lambda n: (torch.randn(n, 784), torch.randint(0, 10, (n,))), 64, 10, 2, 2),
@@ -118,13 +132,14 @@ def peak_rss_mb() -> float:
 def run_side(name: str, side: str, repeats: int) -> dict:
     factory, inputs, micro, acc, its, stages = MODELS[name]
     torch.manual_seed(0)
-    model = WithLoss(factory())
+    model = WithLoss(factory(), LOSS_BLOCKS.get(name))
     x, y = inputs(micro * acc * its)
     times = []
     if side == "ipu":
         opts = poptorch.Options().deviceIterations(its)
         opts.Training.gradientAccumulation(acc)
-        opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
+        strategy = STRATEGIES.get(name, lambda: poptorch.PipelinedExecution(poptorch.AutoStage.SameAsIpu))
+        opts.setExecutionStrategy(strategy())
         training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.01))
         call = lambda: training(x, y)  # noqa: E731
     else:
