@@ -220,3 +220,20 @@ def test_heavy_stage_is_longest_and_the_advised_split_runs_faster(tmp_path):
     model.destroy()
     (text,) = printed
     assert "Longest stage: stage 0 on IPU 0 (blocks L0, L1, L2, L3)" in text and "speedup x" in text
+
+
+def test_advice_under_the_literature_kinds():
+    """GPipe and 1F1B profiles are advised with their own schedule; the split kinds are refused
+    with where to compare them."""
+    from ipusim import schedules
+    from ipusim.report import profile as prof
+    table = chain([5000, 5000, 1000, 1000], split=[2, 1, 1])
+    for make in (schedules.gpipe_schedule, schedules.one_f_one_b_schedule):
+        pipeline = adv.Pipeline.of_schedule(prof.schedule_summary(make(3, gradient_accumulation=6)))
+        assert pipeline.strategy == make(1, gradient_accumulation=1).strategy
+        assert pipeline.schedule(3).steps == make(3, gradient_accumulation=6).steps
+        advice = adv.advise(table, TARGET, pipeline)
+        assert advice.best.cycles <= advice.current.cycles
+    zb = adv.Pipeline.of_schedule(prof.schedule_summary(schedules.zb_h1_schedule(3, gradient_accumulation=6)))
+    with pytest.raises(ValueError, match=r"does not cover ZB-H1 .*--schedules"):
+        adv.advise(table, TARGET, zb)

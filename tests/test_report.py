@@ -11,7 +11,8 @@ from ipusim.report import advisor as adv
 from ipusim.report import charts
 from ipusim.report import profile as prof
 from ipusim.report import cli as report
-from ipusim.schedules import pipelined_schedule, sharded_schedule
+from ipusim.report import pricing
+from ipusim.schedules import pipelined_schedule, price, sharded_schedule, zb_h1_schedule
 
 TARGET = ip.Target.test(num_tiles=16)
 
@@ -175,3 +176,56 @@ def test_gantt_chart_draws_the_first_group_of_the_first_call():
     chosen, what = charts.chart_steps(many)
     assert len(chosen) == charts.MAX_CHART_STEPS and what.endswith(f"(first {charts.MAX_CHART_STEPS} of "
                                                                    f"{charts.MAX_CHART_STEPS + 7})")
+
+
+# --------------------------------------------------------------------------- --schedules
+
+def test_schedules_table_prices_every_kind_on_the_profiled_stages(two_runs, capsys):
+    code, out, _ = run([two_runs[0], "--schedules", "--weight-gradient-share", "0.25"], capsys)
+    assert code == 0
+    assert "W = 0.25 x the profiled backward" in out and "lock-step" in out and "event-driven" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "us/call" not in line}
+    for kind in ("PopTorch", "GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "ZB-H2"):
+        assert kind in rows, kind
+    doc = prof.load(str(two_runs[0]))
+    costs = pricing.stage_costs(doc, 0.25)
+    assert [s.forward for s in costs.stages] == [1000, 3000, 1000, 1000]
+    assert [(s.backward, s.weight_gradient) for s in costs.stages][1] == (2250, 750)
+    assert costs.update == (500, 500, 500, 500)
+    expected = price(zb_h1_schedule(4, gradient_accumulation=8), costs)
+    us = 1e6 / doc["target"]["clock_hz"]
+    assert f"{expected.event_driven.cycles * us:,.1f}" in rows["ZB-H1"]
+    assert f"{expected.lock_step.cycles * us:,.1f}" in rows["ZB-H1"]
+    assert f"{expected.event_driven.bubble_fraction():.1%}" in rows["ZB-H1"]
+
+
+def test_schedules_stash_comes_from_the_block_tables_flows(tmp_path):
+    blocks = {"names": ["B0", "B1"], "forward_cycles": [1, 1], "backward_cycles": [1, 1], "update_cycles": [0, 0],
+              "tile_bytes": [[0] * 16, [0] * 16], "current_split": [1, 1], "source": "test",
+              "flows": [{"value": 1, "bytes": 100, "src_pass": "fwd", "src_block": 0, "dst_pass": "bwd", "dst_block": 0},
+                        {"value": 2, "bytes": 30, "src_pass": "fwd", "src_block": 0, "dst_pass": "bwd", "dst_block": 1},
+                        {"value": 3, "bytes": 7, "src_pass": "fwd", "src_block": 0, "dst_pass": "fwd", "dst_block": 1}]}
+    d = write_pipeline(tmp_path / "p", "training", pipelined_schedule(2, training=True, gradient_accumulation=3),
+                       [1000, 1000], blocks=blocks)
+    c = pricing.compare(prof.load(str(d)))
+    assert [s.activation_bytes for s in pricing.stage_costs(prof.load(str(d))).stages] == [100, 30]
+    one_f_one_b = next(r for r in c.rows if r.kind == "1F1B")
+    assert one_f_one_b.price.peak_stash_bytes == (200, 30) and all(one_f_one_b.fits)
+
+
+def test_schedules_charts_and_their_absence(two_runs, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    code, out, _ = run([two_runs[0], "--schedules"], capsys)
+    assert code == 0 and "schedule-zb-h2.png" in out
+    with open(two_runs[0] / "schedule-zb-h2.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code, out, _ = run([two_runs[0], "--schedules"], capsys)
+    assert code == 0 and "Charts skipped: matplotlib is not installed" in out and "ZB-H2" in out
+
+
+def test_schedules_need_a_training_profile(tmp_path, capsys):
+    d = write_pipeline(tmp_path / "inference", "inference", pipelined_schedule(2, training=False, device_iterations=2),
+                       [1000, 1000])
+    code, _, err = run([d, "--schedules"], capsys)
+    assert code == 1 and "has no training schedule: compare schedules on a training profile" in err

@@ -32,6 +32,7 @@ from .. import schedules
 from ..device.target import Target
 
 EXHAUSTIVE_LIMIT = 2000
+ADVISED_KINDS = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule}
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,17 @@ class Pipeline:
     training: bool
     gradient_accumulation: int = 1
     device_iterations: int = 1
-    strategy: str = "pipelined"     # "pipelined" or "sharded"
+    strategy: str = "pipelined"     # "pipelined", "sharded", "GPipe" or "1F1B"
     kind: str = "grouped"           # pipelined schedules: "grouped", "interleaved", "sequential"
 
     def schedule(self, num_stages: int) -> schedules.Schedule:
         g = self.gradient_accumulation if self.training else 1
+        if self.strategy in ADVISED_KINDS:
+            return ADVISED_KINDS[self.strategy](num_stages, gradient_accumulation=g,
+                                                device_iterations=self.device_iterations)
+        if self.strategy in schedules.TRAINING_KINDS:
+            raise ValueError(f"balance advice splits blocks into one stage per IPU with whole backwards; it does not "
+                             f"cover {self.strategy} (compare schedules with python -m ipusim.report DIR --schedules)")
         if self.strategy == "sharded":
             return schedules.sharded_schedule(num_stages, training=self.training, gradient_accumulation=g,
                                               device_iterations=self.device_iterations)
@@ -115,6 +122,8 @@ class Pipeline:
         base, _, kind = strategy.partition("-")
         training = schedule_dict["training"]
         per_group, groups = schedule_dict["micro_batches_per_group"], schedule_dict["num_groups"]
+        if strategy in schedules.TRAINING_KINDS:
+            base, kind = strategy, ""
         return cls(training, per_group if training else 1, groups if training else per_group,
                    base, kind or "grouped")
 

@@ -116,6 +116,41 @@ def pipeline_chart(doc: dict, path: str) -> str:
     return path
 
 
+def schedule_chart(timing, schedule, path: str, title: str, clock_hz: float) -> str:
+    """A priced schedule (ipusim.schedules.pricing.Timing) as a Gantt chart: one row per IPU, one
+    box per op at its start and length, coloured by kind (F, B, W, weight update), labelled with
+    its micro-batch (and stage when an IPU holds several); the gaps are idle time."""
+    from matplotlib.patches import Rectangle
+    n = schedule.num_ipus
+    scale, unit = _time_axis(clock_hz, max(int(timing.cycles), 1))
+    end = timing.cycles * scale
+    fig, (ax,) = _figure(min(max(8.0, 0.12 * len(timing.intervals) / max(n, 1)), 40.0), 1.2 + 0.55 * n)
+    shared = len(set(schedule.stage_ipus)) < len(schedule.stage_ipus)
+    for iv in timing.intervals:
+        width = (iv.end - iv.start) * scale
+        if width <= 0:
+            continue
+        op = iv.op
+        ax.broken_barh([(iv.start * scale, width)], (op.ipu - 0.4, 0.8), facecolors=OP_COLOURS.get(op.kind),
+                       edgecolors="#333333", linewidth=0.3)
+        text = "U" if op.kind == "U" else (f"{op.label}s{op.stage}" if shared else op.label)
+        if width > end / 110 * max(1, len(text) / 2.5):
+            ax.text(iv.start * scale + width / 2, op.ipu, text, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(n), [f"IPU{i}" for i in range(n)])
+    ax.set_ylim(n - 0.3, -0.7)
+    ax.set_xlim(0, end)
+    ax.set_xlabel(f"{timing.mode} time ({unit}) at {clock_hz / 1e9:.2f} GHz; blank = idle")
+    ax.set_title(f"{title}: {timing.cycles:,.0f} cycles per call, bubble {timing.bubble_fraction():.1%}", fontsize=9)
+    kinds = [k for k in ("F", "B", "W", "U") if any(iv.op.kind == k for iv in timing.intervals)]
+    names = {"F": "forward", "B": "backward (input gradient)" if schedule.split_backward else "backward",
+             "W": "weight gradient", "U": "weight update"}
+    ax.legend([Rectangle((0, 0), 1, 1, fc=OP_COLOURS[k]) for k in kinds], [names[k] for k in kinds],
+              loc="upper right", fontsize=7, bbox_to_anchor=(1.0, 1.25), ncol=len(kinds), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def utilisation_chart(doc: dict, path: str) -> str:
     """Per IPU, the run time split into compute, exchange, sync, inter-IPU, host I/O and idle."""
     ex = doc["execution"]

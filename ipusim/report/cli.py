@@ -1,5 +1,5 @@
-"""`python -m ipusim.report DIR [--compare DIR2]`: read profiles and print their summaries, balance
-advice and side-by-side comparisons.
+"""`python -m ipusim.report DIR [--compare DIR2] [--schedules]`: read profiles and print their summaries,
+balance advice, side-by-side comparisons, and every pipeline schedule kind priced on the profiled model.
 
 DIR is a profile directory (it holds profile.json) or a directory of them (a run's
 autoReport.directory, with one sub-directory per model: "training", "inference", ...).
@@ -13,6 +13,7 @@ import os
 import sys
 
 from . import advisor
+from . import pricing
 from . import profile as prof
 
 
@@ -64,6 +65,25 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(out).rstrip()
 
 
+def compare_schedules(path: str, weight_gradient_share: float, charts: bool = True) -> str:
+    """Every schedule kind priced on each training profile in `path`, with one Gantt chart per
+    kind next to its profile.json (when matplotlib is installed)."""
+    from .charts import ChartsUnavailable
+    out = []
+    for _, directory in find_profiles(path).items():
+        c = pricing.compare(prof.load(directory), weight_gradient_share)
+        out.append(pricing.text(c))
+        if charts:
+            try:
+                written = pricing.write_charts(c, directory)
+                out.append(f"  Gantt charts (event-driven): {', '.join(os.path.basename(p) for p in written)} in "
+                           f"{directory}")
+            except ChartsUnavailable as note:
+                out.append(f"  {note} The table above is complete without them.")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ipusim.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", nargs="?", help="profile directory, or a directory of profile directories")
@@ -72,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-advice", action="store_true", help="leave out the balance advice")
     parser.add_argument("--charts", action="store_true", help="(re)draw the PNG charts next to each profile.json")
     parser.add_argument("--schema", action="store_true", help="print the JSON Schema of profile.json and exit")
+    parser.add_argument("--schedules", action="store_true",
+                        help="price every pipeline schedule kind (PopTorch's, GPipe, 1F1B, interleaved 1F1B, ZB-H1, "
+                             "ZB-H2) on the profiled model: time per call, bubble, peak stash per IPU, Gantt charts")
+    parser.add_argument("--weight-gradient-share", type=float, default=pricing.DEFAULT_WEIGHT_GRADIENT_SHARE,
+                        metavar="X", help="with --schedules: the share of the profiled backward taken as the weight "
+                                          "gradient W of the split kinds (default %(default)s)")
     args = parser.parse_args(argv)
     if args.schema:
         print(json.dumps(prof.PROFILE_SCHEMA, indent=2))
@@ -83,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             from .charts import write_charts
             for _, directory in find_profiles(args.dir).items():
                 print("\n".join(write_charts(prof.load(directory), directory)))
-        if args.compare:
+        if args.schedules:
+            print(compare_schedules(args.dir, args.weight_gradient_share))
+        elif args.compare:
             print(compare(args.dir, args.compare))
         else:
             print(report(args.dir, args.ipus, not args.no_advice))

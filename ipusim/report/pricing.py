@@ -1,0 +1,204 @@
+"""Every schedule kind priced on a profiled model (`python -m ipusim.report DIR --schedules`): time
+per call, bubble fraction, peak stash per IPU and whether it fits, and a Gantt chart per kind.
+
+The stages' costs come from the profile: the forward and backward cycles per micro-batch of
+every stage as executed (its compute and its copies), the weight update per IPU, and the bytes
+a stage's backward needs from the forwards (the block table's flows into it), which its IPU
+stashes per micro-batch in flight. The profile does not separate a backward's input gradient
+from its weight gradient (a linear layer's two backward matmuls carry the same name), so the
+split kinds take W as a stated share of the profiled backward (one half unless told).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .. import schedules
+from ..schedules.pricing import Costs, Price, StageCosts, peak_stash_bytes, price
+
+DEFAULT_WEIGHT_GRADIENT_SHARE = 0.5
+INTERLEAVED_CHUNKS = 2
+
+
+@dataclass(frozen=True)
+class Row:
+    """One priced schedule kind; `price` is None when the kind cannot run this model (`why`)."""
+
+    kind: str
+    schedule: schedules.Schedule | None
+    price: Price | None
+    fits: tuple[bool, ...] = ()
+    totals: tuple[int, ...] = ()      # bytes per IPU with this schedule's stash
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    name: str
+    rows: tuple[Row, ...]
+    clock_hz: float
+    capacity: tuple[int, ...]
+    header: tuple[str, ...]
+    measured_cycles: int | None
+
+
+def _stash_bytes(doc: dict) -> list[int]:
+    """Per stage, the bytes its backward reads from forwards: what one micro-batch in flight
+    keeps on the stage's IPU (the block table's fwd -> bwd flows into the stage's blocks)."""
+    blocks = doc.get("blocks")
+    stages = doc["execution"]["stages"]
+    if not blocks:
+        return [0] * len(stages)
+    stage_of = {name: st["stage"] for st in stages for name in st["blocks"]}
+    index = {b: stage_of.get(name) for b, name in enumerate(blocks["names"])}
+    out = [0] * len(stages)
+    for f in blocks["flows"]:
+        s = index.get(f["dst_block"])
+        if f["src_pass"] == "fwd" and f["dst_pass"] == "bwd" and s is not None:
+            out[s] += int(f["bytes"])
+    return out
+
+
+def stage_costs(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SHARE) -> Costs:
+    """The profiled stages' costs: F and B cycles per micro-batch as executed (copies included,
+    so `Costs.copy` is 0), B split into input gradient (1 - share) and weight gradient (share),
+    the weight update per IPU and the stash bytes per micro-batch."""
+    ex = doc["execution"]
+    if not ex["stages"] or any(st["forward"] is None for st in ex["stages"]):
+        raise ValueError(f"profile {doc.get('name')!r} has no per-stage forward cycles: pricing schedules needs a "
+                         "poptorch_lite model profile of at least one call")
+    if any(st["backward"] is None for st in ex["stages"]):
+        raise ValueError(f"profile {doc.get('name')!r} is of inference: the schedule kinds differ in how they order "
+                         "backward passes, so compare them on a training profile")
+    if not 0 <= weight_gradient_share <= 1:
+        raise ValueError(f"the weight-gradient share of the backward must be in [0, 1], got {weight_gradient_share}")
+    stash = _stash_bytes(doc)
+    per_stage = []
+    for st, nbytes in zip(ex["stages"], stash):
+        backward = st["backward"]["cycles_per_micro_batch"]
+        per_stage.append(StageCosts(st["forward"]["cycles_per_micro_batch"], backward * (1 - weight_gradient_share),
+                                    backward * weight_gradient_share, nbytes))
+    updates = {u["ipu"]: u["cycles"] for u in ex["updates"]}
+    return Costs(tuple(per_stage), 0.0, tuple(updates.get(i, 0.0) for i in range(doc["num_ipus"])))
+
+
+def _chunked(costs: Costs, v: int) -> Costs:
+    """Each stage cut into `v` chunks of 1/v of its cycles and stash (stage s, chunk c becomes
+    stage c*N + s on IPU s)."""
+    n = len(costs.stages)
+    return Costs(tuple(StageCosts(costs.stages[s].forward / v, costs.stages[s].backward / v,
+                                  costs.stages[s].weight_gradient / v, costs.stages[s].activation_bytes // v)
+                       for _ in range(v) for s in range(n)), costs.copy, costs.update)
+
+
+def compare(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SHARE) -> Comparison:
+    """Price the profiled schedule and every training kind on the profiled model."""
+    ex = doc["execution"]
+    sched = ex["schedule"]
+    if not sched or not sched["training"]:
+        raise ValueError(f"profile {doc.get('name')!r} has no training schedule: compare schedules on a training "
+                         "profile")
+    costs = stage_costs(doc, weight_gradient_share)
+    n = len(costs.stages)
+    if list(sched["stage_ipus"]) != list(range(n)):
+        raise ValueError(f"profile {doc.get('name')!r} places its {n} stages on IPUs {sched['stage_ipus']}: "
+                         "schedules are compared with stage s on IPU s")
+    g, d = sched["micro_batches_per_group"], sched["num_groups"]
+    memory = doc["memory"]["ipus"]
+    capacity = tuple(m["capacity_bytes"] for m in memory[:n])
+    stash = [s.activation_bytes for s in costs.stages]
+    profiled = _profiled_schedule(sched, n, g, d)
+    base = [m["total_bytes"] - b for m, b in zip(memory, peak_stash_bytes(profiled, stash))]
+    whole = Costs(tuple(StageCosts(s.forward, s.backward + s.weight_gradient, 0.0, s.activation_bytes)
+                        for s in costs.stages), costs.copy, costs.update)
+
+    def row(kind: str, make, kind_costs: Costs) -> Row:
+        try:
+            s = make()
+        except ValueError as error:
+            return Row(kind, None, None, why=str(error))
+        p = price(s, kind_costs)
+        totals = tuple(int(b + p.peak_stash_bytes[i]) for i, b in enumerate(base))
+        return Row(kind, s, p, tuple(t <= c for t, c in zip(totals, capacity)), totals)
+
+    rows = [row(f"PopTorch ({sched['strategy']})", lambda: profiled, whole),
+            row("GPipe", lambda: schedules.gpipe_schedule(n, gradient_accumulation=g, device_iterations=d), whole),
+            row("1F1B", lambda: schedules.one_f_one_b_schedule(n, gradient_accumulation=g, device_iterations=d), whole),
+            row(f"Interleaved1F1B (V={INTERLEAVED_CHUNKS})",
+                lambda: schedules.interleaved_1f1b_schedule(n, INTERLEAVED_CHUNKS, gradient_accumulation=g,
+                                                            device_iterations=d), _chunked(whole, INTERLEAVED_CHUNKS)),
+            row("ZB-H1", lambda: schedules.zb_h1_schedule(n, gradient_accumulation=g, device_iterations=d), costs),
+            row("ZB-H2", lambda: schedules.zb_h2_schedule(n, gradient_accumulation=g, device_iterations=d), costs)]
+    header = (
+        f"{n} stages on {n} IPUs, {g} micro-batches per weight update, {d} update(s) per call; per-stage F and B "
+        "cycles per micro-batch as profiled (copies included), the weight update per IPU as profiled.",
+        f"ZB-H1/ZB-H2 split each backward into B and W with W = {weight_gradient_share:g} x the profiled backward "
+        "(an assumption: the profile does not tell the weight-gradient ops apart).",
+        f"Interleaved1F1B cuts every stage into {INTERLEAVED_CHUNKS} chunks of equal cycles and stash (an assumption: "
+        "the profile has one block table row per block, not per layer), chunk c of stage s on IPU s.",
+        "lock-step: a step lasts as long as its slowest IPU (how PopTorch's runtime and this emulator run a "
+        "schedule); event-driven: each IPU runs its ops as soon as their inputs are ready (how GPipe, 1F1B and "
+        "ZB are meant to run). Bubble fraction and the charts use the event-driven timing.",
+        "memory: each IPU's profiled total with the profiled stash replaced by the schedule's peak stash "
+        "(bytes per micro-batch = the stage's fwd -> bwd flows); tile-level fit is not re-checked.")
+    measured = ex["cycles_per_call"][0] if ex.get("cycles_per_call") else None
+    return Comparison(doc.get("name", ""), tuple(rows), doc["target"]["clock_hz"], capacity, header, measured)
+
+
+def _profiled_schedule(sched: dict, n: int, g: int, d: int) -> schedules.Schedule:
+    strategy = sched["strategy"]
+    base, _, kind = strategy.partition("-")
+    if base == "pipelined":
+        return schedules.pipelined_schedule(n, training=True, gradient_accumulation=g, device_iterations=d,
+                                            kind=kind or "grouped")
+    if base == "sharded":
+        return schedules.sharded_schedule(n, training=True, gradient_accumulation=g, device_iterations=d)
+    makers = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule}
+    if strategy in makers:
+        return makers[strategy](n, gradient_accumulation=g, device_iterations=d)
+    raise ValueError(f"cannot rebuild the profiled schedule {strategy!r} to compare against")
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f}"
+
+
+def text(c: Comparison) -> str:
+    """The table, its assumptions first."""
+    us = 1e6 / c.clock_hz
+    lines = [f"Schedules for {c.name!r} (priced on the profiled stages):"] + [f"  {h}" for h in c.header]
+    if c.measured_cycles:
+        lines.append(f"  measured: {c.measured_cycles:,} cycles ({c.measured_cycles * us:,.1f} us) for the first "
+                     "profiled call")
+    head = ("schedule", "lock-step us/call", "event-driven us/call", "bubble", "peak stash per IPU (MiB)",
+            "fits (of MiB per IPU)")
+    body = []
+    for r in c.rows:
+        if r.price is None:
+            body.append((r.kind, "-", "-", "-", "-", f"not priced: {r.why}"))
+            continue
+        p = r.price
+        fits = "yes" if all(r.fits) else "no: IPU " + ", ".join(str(i) for i, f in enumerate(r.fits) if not f)
+        body.append((r.kind, f"{p.lock_step.cycles * us:,.1f}", f"{p.event_driven.cycles * us:,.1f}",
+                     f"{p.event_driven.bubble_fraction():.1%}", " / ".join(_mib(b) for b in p.peak_stash_bytes),
+                     f"{fits} ({_mib(max(c.capacity))})"))
+    widths = [max(len(str(x[k])) for x in [head] + body) for k in range(len(head))]
+    lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    lines += ["  " + "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in body]
+    return "\n".join(lines)
+
+
+def chart_name(kind: str) -> str:
+    """File name of a kind's Gantt chart: "schedule-zb-h1.png"."""
+    slug = "".join(ch if ch.isalnum() else "-" for ch in kind.lower())
+    return "schedule-" + "-".join(p for p in slug.split("-") if p) + ".png"
+
+
+def write_charts(c: Comparison, directory: str) -> list[str]:
+    """One Gantt chart per priced kind (event-driven timing) in `directory`; raises
+    charts.ChartsUnavailable without matplotlib."""
+    from .charts import require_matplotlib, schedule_chart
+    require_matplotlib()
+    return [schedule_chart(r.price.event_driven, r.schedule, os.path.join(directory, chart_name(r.kind)),
+                           f"{c.name}: {r.kind}", c.clock_hz)
+            for r in c.rows if r.price is not None]
