@@ -86,6 +86,19 @@ def test_gpipe_and_1f1b_bubble_is_n_minus_1_over_m_plus_n_minus_1(n):
         assert [one_f_one_b.peak_in_flight(i) for i in range(n)] == [min(n - i, m) for i in range(n)]
 
 
+@pytest.mark.parametrize("n", range(2, 17))
+def test_ramps_of_the_literature_kinds(n):
+    """Ramp-up / steady state / ramp-down in steps for M >= 2N-1 (docs/schedules.md)."""
+    for m in range(2 * n - 1, 65, 3):
+        assert S.gpipe_schedule(n, gradient_accumulation=m).ramp_up() == n - 1
+        testing.assert_ramp_up(S.one_f_one_b_schedule(n, gradient_accumulation=m), 2 * n - 1)
+        for make, phases in ((S.one_f_one_b_schedule, (2 * n - 1, 2 * (m - n) + 1, 2 * n - 2)),
+                             (S.zb_h1_schedule, (2 * n - 1, 3 * m - n, 0)),
+                             (S.zb_h2_schedule, (n - 1, 3 * m - n + 1, n - 1))):
+            s = make(n, gradient_accumulation=m)
+            assert (s.ramp_up(), s.main(), s.ramp_down()) == phases, (s.strategy, n, m)
+
+
 @pytest.mark.parametrize("n", range(1, 17))
 def test_interleaved_bubble_is_n_minus_1_over_vm_plus_n_minus_1(n):
     for v in (2, 3, 4):
