@@ -592,7 +592,8 @@ class _EmulatorOptions(_OptionGroup):
     def __init__(self):
         super().__init__(target=os.environ.get("IPUSIM_TARGET") or None,
                          mode=os.environ.get("IPUSIM_MODE", "fast"),
-                         host_threads=int(os.environ.get("IPUSIM_HOST_THREADS", "1")))
+                         host_threads=int(os.environ.get("IPUSIM_HOST_THREADS", "1")),
+                         pipeline_schedule="PopTorch")
         if self._values["mode"] not in ("fast", "strict"):
             raise ValueError(f"IPUSIM_MODE must be 'fast' or 'strict', got {self._values['mode']!r}")
 
@@ -600,6 +601,8 @@ class _EmulatorOptions(_OptionGroup):
                               "useOfflineIpuTarget(1)).")
     mode = _value("mode", "'fast' (default) or 'strict' (every tile mapping and exchange checked).")
     host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently.")
+    pipeline_schedule = _value("pipeline_schedule", "The schedule a pipelined training model runs: 'PopTorch' "
+                                                    "(default) or a kind of ipusim.schedules.TRAINING_KINDS.")
 
     def setTarget(self, target) -> "_EmulatorOptions":
         """Emulate this IPU: a preset name ('GC200', 'Bow', 'GC2', ...) or an ipusim.Target."""
@@ -621,6 +624,20 @@ class _EmulatorOptions(_OptionGroup):
     def setHostThreads(self, threads: int) -> "_EmulatorOptions":
         """Run the emulated IPUs of one pipeline step on this many host threads."""
         self._set(host_threads=_int_arg("Emulator.setHostThreads", threads))
+        return self
+
+    def setPipelineSchedule(self, kind: str) -> "_EmulatorOptions":
+        """Train a PipelinedExecution model under this schedule: "PopTorch" (the default,
+        PopTorch's own), "GPipe", "1F1B" or "Interleaved1F1B" (stage s on IPU s mod N);
+        "ZB-H1" and "ZB-H2" are accepted here and refused when the model is compiled, since
+        they need the backward split into input- and weight-gradient programs. Inference always
+        runs PopTorch's schedule. See docs/schedules.md."""
+        from ipusim.schedules import TRAINING_KINDS  # pylint: disable=import-outside-toplevel
+        kinds = ("PopTorch",) + TRAINING_KINDS
+        if kind not in kinds:
+            raise ValueError(f"Emulator.setPipelineSchedule: unknown schedule {kind!r}; use one of "
+                             f"{', '.join(repr(k) for k in kinds)}")
+        self._set(pipeline_schedule=kind)
         return self
 
 

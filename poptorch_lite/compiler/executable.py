@@ -11,6 +11,7 @@ import collections
 import torch
 
 import ipusim as ip
+from ipusim import schedules
 
 from ..api.enums import Liveness
 from .autodiff import differentiate
@@ -138,11 +139,41 @@ def target_of(options) -> ip.Target:
     return ip.GC2 if options.ipu_version == 1 else ip.GC200
 
 
+RUNNABLE_KINDS = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule}
+
+
 def build_schedule(placement, options, training: bool):
-    """The schedule of this placement (ipusim.schedules): the runtime executes it step by step."""
-    return placement.schedule(training=training,
-                              gradient_accumulation=options.gradient_accumulation if training else 1,
-                              device_iterations=options.device_iterations)
+    """The schedule of this placement (ipusim.schedules): the runtime executes it step by step.
+    A pipelined training model runs the kind of Options.Emulator.setPipelineSchedule, PopTorch's
+    own by default."""
+    kind = options.Emulator.pipeline_schedule
+    if not training or kind == "PopTorch":
+        return placement.schedule(training=training,
+                                  gradient_accumulation=options.gradient_accumulation if training else 1,
+                                  device_iterations=options.device_iterations)
+    chosen = f"Emulator.setPipelineSchedule({kind!r})"
+    if placement.schedule_kind != "pipelined":
+        raise ValueError(f"{chosen} schedules a PipelinedExecution; this model uses {placement.schedule_kind} "
+                         "execution. Use PipelinedExecution or leave the schedule as 'PopTorch'.")
+    if kind in ("ZB-H1", "ZB-H2"):
+        raise ValueError(f"{chosen}: {kind} runs the backward as separate input-gradient (B) and weight-gradient (W) "
+                         "programs, which the compiler does not build yet. Price it instead (ipusim.schedules.price, "
+                         "or python -m ipusim.report DIR --schedules on a profile), or run 'GPipe', '1F1B' or "
+                         "'Interleaved1F1B'.")
+    g, d = options.gradient_accumulation, options.device_iterations
+    stage_ipus = tuple(placement.stage_ipus)
+    n_ipus = 1 + max(stage_ipus)
+    if kind == "Interleaved1F1B":
+        if len(stage_ipus) % n_ipus or stage_ipus != tuple(s % n_ipus for s in range(len(stage_ipus))):
+            raise ValueError(f"{chosen} needs stage s on IPU s mod {n_ipus} ({len(stage_ipus)} stages on {n_ipus} "
+                             f"IPUs, each IPU the same number of stages); this model places its stages on IPUs "
+                             f"{list(stage_ipus)}. Place them with Stage(...).ipu(s % {n_ipus}).")
+        return schedules.interleaved_1f1b_schedule(n_ipus, len(stage_ipus) // n_ipus, gradient_accumulation=g,
+                                                      device_iterations=d)
+    if stage_ipus != tuple(range(len(stage_ipus))):
+        raise ValueError(f"{chosen} runs stage s on IPU s; this model places its stages on IPUs {list(stage_ipus)}. "
+                         "Place one stage per IPU in order, or use 'Interleaved1F1B' for stage s on IPU s mod N.")
+    return RUNNABLE_KINDS[kind](len(stage_ipus), gradient_accumulation=g, device_iterations=d)
 
 
 def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica: int) -> ip.OutOfMemoryError:
