@@ -131,8 +131,8 @@ def zb_h1_schedule(num_stages: int, *, gradient_accumulation: int,
     """ZB-H1, the memory-efficient zero-bubble schedule: 1F1B's order with the backward split
     into B and W, where stage s (of N) runs N-s forwards, then s (B, F) pairs whose Ws it defers
     to the end of the group, then (B, W, F) in steady state. Like 1F1B at most N micro-batches
-    are in flight on any stage (on every stage here, against N-s in 1F1B); at unit costs the
-    bubble is (N-1)(F+B-W) per IPU against 1F1B's (N-1)(F+B+W)."""
+    are in flight on any stage (on every stage here, against N-s in 1F1B). Run event-driven with
+    a flush per group, an IPU idles (N-1)max(F, F+B-W) against 1F1B's (N-1)(F+B+W) (M >= N)."""
     positive("num_stages", num_stages)
 
     def order(stage: int, m: int) -> list[Action]:
@@ -164,7 +164,7 @@ def interleaved_1f1b_schedule(num_ipus: int, virtual_stages: int, *, gradient_ac
     runs its forwards chunk by chunk, r micro-batches per chunk before moving to its next
     chunk, and its backwards likewise from its last chunk back. It warms up with
     min((V-1)r + 2(N-1-d), V*M) forwards, then alternates a forward and a backward, then
-    finishes the backwards. At unit costs the bubble is (N-1)/(V*M+N-1)."""
+    finishes the backwards. At unit costs the bubble is (N-1)/(V*M+N-1) once M >= N."""
     positive("num_ipus", num_ipus)
     positive("virtual_stages", virtual_stages)
     positive("gradient_accumulation", gradient_accumulation)

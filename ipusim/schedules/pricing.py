@@ -43,11 +43,6 @@ class Costs:
     copy: float = 0.0
     update: float | tuple[float, ...] = 0.0
 
-    @classmethod
-    def unit(cls, num_stages: int, *, weight_gradient: float = 0.0) -> "Costs":
-        """Every F and B costs 1 (W costs `weight_gradient`), no copies, a free weight update."""
-        return cls(tuple(StageCosts(1.0, 1.0, weight_gradient) for _ in range(num_stages)))
-
     def update_on(self, ipu: int) -> float:
         if isinstance(self.update, (int, float)):
             return float(self.update)
