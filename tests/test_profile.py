@@ -314,7 +314,7 @@ def test_model_trace_matches_the_record(profiled):
     # ts and dur are microseconds rounded to 6 decimals each
     assert steps[-1]["ts"] + steps[-1]["dur"] == pytest.approx(record.cycles / clock * 1e6, abs=1e-6)
     ops = [e["name"] for e in lanes[(4, 1)]]           # IPU 3's op lane: F1 s3, B1 s3, F2 s3, ...
-    assert ops[:4] == ["F1 s3", "B1 s3", "F2 s3", "B2 s3"] and ops[-1] == "W ipu3"
+    assert ops[:4] == ["F1 s3", "B1 s3", "F2 s3", "B2 s3"] and ops[-1] == "U ipu3"
 
 
 @pytest.mark.slow

@@ -267,14 +267,14 @@ def _cycles(c: Cycles) -> dict:
 
 
 def op_label(op) -> str:
-    """"F3 s0" (forward of micro-batch 3 on stage 0), "W ipu1", or "" for no op."""
+    """"F3 s0" (forward of micro-batch 3 on stage 0), "U ipu1" (the weight update on IPU 1), or "" for no op."""
     if op is None:
         return ""
     label = getattr(op, "label", None) or str(op)
     if getattr(op, "stage", None) is not None:
         return f"{label} s{op.stage}"
     if getattr(op, "kind", None) == "U":
-        return f"W ipu{op.ipu}"
+        return f"U ipu{op.ipu}"
     return label
 
 
