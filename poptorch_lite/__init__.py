@@ -14,7 +14,7 @@ from .api.options import Options, TensorLocationSettings, setLogLevel
 from .api.strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
                              ShardedExecution, Stage, StrategyError)
 from .compiler.capture import op_placement
-from .compiler.frontend import UnsupportedOpError
+from .compiler.aten import UnsupportedOpError
 from .compiler.lowering import CompileError
 from .runtime.executor import PoplarExecutor, inferenceModel, trainingModel
 

@@ -16,9 +16,16 @@ from ipusim import schedules
 from ..api.enums import Liveness
 from .autodiff import differentiate
 from .capture import capture, place_graph
+from .aten import decompositions, to_ir as aten_to_ir
+from .export import capture_joint
 from .frontend import to_ir
 from .lowering import Locations, Lowering
 from .updates import UpdatePlan, build_updates
+
+
+# Which capture compile_model uses: "aten" (PyTorch 2's joint graph) or "fx" (torch.fx, hand-written
+# conversions and VJPs) while the models it compiles move over.
+CAPTURE = "aten"
 
 
 class Executable:
@@ -57,6 +64,41 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     """Compile `model` for one micro-batch of inputs (`args`, `kwargs`): capture, place blocks on
     stages and IPUs, convert to IR, differentiate (training), build the schedule, lower to ipusim
     and load the Engine. `progress(percent)` is told how far it got."""
+    front_end = capture_aten if CAPTURE == "aten" else capture_fx
+    ir, placement = front_end(model, args, kwargs, options, training, optimizer, progress)
+    progress(15)
+    schedule = build_schedule(placement, options, training)
+    try:
+        executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
+                                      optimizer, named_weights)
+    except ip.OutOfMemoryError as error:
+        raise model_out_of_memory(error, placement, placement.num_ipus) from None
+    progress(35)
+    executable.engine.load()
+    progress(25)
+    return executable
+
+
+def capture_aten(model, args, kwargs, options, training: bool, optimizer, progress):
+    """PyTorch 2's capture (`export.capture_joint`): forward and backward are ATen ops, the
+    gradients PyTorch's own; lowered to IR by `aten.to_ir`."""
+    was_training = torch.nn.Module.__getattribute__(model, "training")
+    model.train(training)
+    try:
+        trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
+        joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
+                              trainable=trainable,
+                              loss_scaling=loss_scaling(optimizer) if training else 1.0)
+    finally:
+        model.train(was_training)
+    progress(15)
+    ir, placement = aten_to_ir(joint, options.execution_strategy)
+    progress(10)
+    return ir, placement
+
+
+def capture_fx(model, args, kwargs, options, training: bool, optimizer, progress):
+    """The torch.fx capture with hand-written conversions (`frontend`) and VJPs (`autodiff`)."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
     buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
     model.train(training)
@@ -75,17 +117,7 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     if training:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         ir.grads = differentiate(ir, ir.loss, seed=loss_scaling(optimizer), wrt=trainable)
-    progress(15)
-    schedule = build_schedule(placement, options, training)
-    try:
-        executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
-                                      optimizer, named_weights)
-    except ip.OutOfMemoryError as error:
-        raise model_out_of_memory(error, placement, placement.num_ipus) from None
-    progress(35)
-    executable.engine.load()
-    progress(25)
-    return executable
+    return ir, placement
 
 
 def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,

@@ -17,12 +17,9 @@ import torch.nn.functional as F
 
 from ..api import ops
 from .capture import OP_KINDS, describe_op
+from .aten import UnsupportedOpError
 from .ir import LOSS_OPS, IRGraph, Node, Value, flatten_values
 from ..api.strategies import Placement
-
-
-class UnsupportedOpError(NotImplementedError):
-    """The model uses an op the compiler cannot lower."""
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:

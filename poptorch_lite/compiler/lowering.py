@@ -360,6 +360,37 @@ def _slice_backward(ctx, n, ins):
     return [out]
 
 
+def _new_activation(ctx, n, dtype) -> ip.Tensor:
+    g = ctx.graph
+    out = g.addVariable(dtype, n.outputs[0].shape, ctx.name, category="activations", always_live=False)
+    g.map_linearly(out, grain=4, min_elements_per_tile=64)
+    return out
+
+
+@lowers("cat")
+def _cat(ctx, n, ins):
+    out = _new_activation(ctx, n, ins[0].dtype)
+    for t, key in zip(ins, n.attrs["keys"]):
+        ctx.prog.add(ip.Copy(t, out[key]))
+    return [out]
+
+
+@lowers("scatter_slice")
+def _scatter_slice(ctx, n, ins):
+    base, src = ins
+    out = _new_activation(ctx, n, base.dtype)
+    ctx.prog.add(ip.Copy(base, out))
+    ctx.prog.add(ip.Copy(src, out[n.attrs["key"]]))
+    return [out]
+
+
+@lowers("assign")
+def _assign(ctx, n, ins):
+    """A buffer's new value (functionalised in-place update) copied into the buffer."""
+    ctx.prog.add(ip.Copy(ins[1], ins[0]))
+    return []
+
+
 @lowers("unary")
 def _unary(ctx, n, ins):
     a = n.attrs

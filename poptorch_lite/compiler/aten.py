@@ -1,0 +1,1052 @@
+"""From a captured joint ATen graph (:mod:`.export`) to our IR: one lowering per ATen op.
+
+:data:`LOWERINGS` maps each ATen op (its overload packet, e.g. ``aten.add``) to a function that
+emits IR nodes onto the ops ipusim has today; ``docs/ops.md`` is generated from it
+(:func:`ops_table`). The graph is already decomposed to core ATen except the ops kept whole for a
+fused ipusim kernel (:func:`decompositions`). An op without a lowering is an :class:`UnsupportedOpError`
+at compile time naming the ATen op, the user's source line and the module path.
+
+Placement: every node lands on the stage and IPU of its block (``export.Annotation``); forward
+nodes are ``pass_="fwd"``, nodes traced inside ``torch.autograd.grad`` are ``"bwd"`` and carry
+the block of the forward call they differentiate. A node without a block (functionalisation's
+copies, the sum of two gradients of one value, the gradient seed) goes where its inputs are:
+forward nodes with their latest input, backward nodes with their earliest (the backward runs
+the stages in reverse), or, without placed inputs, with their first consumer.
+
+int64 tensors become int32 on the device, as PopTorch does; float64 becomes float32.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions, decomposition_table
+from torch._decomp.decompositions import native_batch_norm_decomposition
+
+from ..api.blocks import DEFAULT_REGION
+from ..api.strategies import ExecutionStrategy, Placement, StrategyError
+from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
+from .export import Annotation, JointGraph, annotation_of, pass_of
+from .ir import IRGraph, Node, Value
+
+aten = torch.ops.aten
+
+
+class UnsupportedOpError(NotImplementedError):
+    """The model uses an op the compiler cannot lower."""
+
+
+def np_dtype(dtype: torch.dtype) -> np.dtype:
+    table = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int32,
+             torch.int32: np.int32, torch.bool: np.bool_, torch.float64: np.float32}
+    if dtype not in table:
+        raise UnsupportedOpError(f"tensors of dtype {dtype} are not supported on the IPU")
+    return np.dtype(table[dtype])
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a node runs."""
+    block: str | None
+    stage: int
+    ipu: int
+    phase: int | None
+    pass_: str
+    source: str
+
+    def template(self) -> Node:
+        return Node("", [], [], block=self.block, stage=self.stage, ipu=self.ipu, phase=self.phase,
+                    pass_=self.pass_, source=self.source)
+
+
+@dataclass(frozen=True)
+class Only:
+    """An output only the matching backward op may read (max pooling's indices stand for the
+    pooled values, NLL's total weight for nothing): any other use is unsupported."""
+    what: str
+    value: Value | None = None
+
+
+# ---- placement ------------------------------------------------------------------------------------
+def op_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function"]
+
+
+def traced_blocks(joint: JointGraph) -> list:
+    """The blocks holding forward ops, in order of their first op."""
+    blocks = []
+    for n in op_nodes(joint.graph_module.graph):
+        a = annotation_of(n)
+        if a is not None and a.block is not None and pass_of(n) == "fwd":
+            blocks.append(a.block)
+    return list(dict.fromkeys(blocks)) or [DEFAULT_REGION]
+
+
+def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, dict]:
+    """Place the blocks under `strategy`; return the placement and every op node's Site. Data
+    may only flow to the same or a later stage (pipelines) or phase (phased execution)."""
+    placement = strategy.place(traced_blocks(joint))
+    nodes = op_nodes(joint.graph_module.graph)
+    sites: dict[torch.fx.Node, Site] = {}
+    for n in nodes:
+        a = annotation_of(n)
+        if a is not None and a.block is not None:
+            p = placement[a.block]
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source)
+    for n in nodes:  # by their inputs
+        if n in sites:
+            continue
+        placed = [sites[i] for i in n.all_input_nodes if i in sites]
+        if placed:
+            pick = max if pass_of(n) == "fwd" else min
+            s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source)
+    for n in reversed(nodes):  # by their first consumer
+        if n in sites:
+            continue
+        users = [sites[u] for u in n.users if u in sites]
+        if users:
+            sites[n] = Site(users[0].block, users[0].stage, users[0].ipu, users[0].phase, pass_of(n), users[0].source)
+        else:
+            p = placement.blocks[0]
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), "")
+    check_data_flow(joint, placement, sites)
+    return placement, sites
+
+
+def check_data_flow(joint: JointGraph, placement: Placement, sites: dict) -> None:
+    if placement.schedule_kind.endswith("phased"):
+        unit, key = "phase", lambda s: s.phase
+        hint = "move the blocks so that the phases follow the data"
+    elif placement.schedule_kind == "pipelined":
+        unit, key = "stage", lambda s: s.stage
+        hint = "use AutoStage.AutoIncrement (a new stage per block) or reorder the stages"
+    else:
+        unit, key = "stage", lambda s: s.stage
+        hint = "give a block that starts again after other IPUs ran a name of its own"
+    for n, here in sites.items():
+        if here.pass_ != "fwd" or annotation_of(n) is None:
+            continue
+        for producer in n.all_input_nodes:
+            there = sites.get(producer)
+            if there is None or there.pass_ != "fwd" or annotation_of(producer) is None:
+                continue
+            if key(there) > key(here):
+                a, b = annotation_of(n), annotation_of(producer)
+                raise StrategyError(
+                    f"{a.describe()} at {a.source} (block {here.block}, {unit} {key(here)}) uses the result of "
+                    f"{b.describe()} (block {there.block}, {unit} {key(there)}): data can only flow to the same "
+                    f"or a later {unit}; {hint}")
+
+
+# ---- lowering -------------------------------------------------------------------------------------
+class Lowerer:
+    """Walks the joint graph and emits IR nodes placed at each node's Site."""
+
+    def __init__(self, joint: JointGraph, sites: dict):
+        self.joint = joint
+        self.gm = joint.graph_module
+        self.sites = sites
+        self.ir = IRGraph()
+        self.env: dict[torch.fx.Node, object] = {}
+        self.node: torch.fx.Node | None = None
+        self.template = Node("", [], [])
+
+    # ---- emitting ---------------------------------------------------------------------------
+    def emit(self, op: str, inputs: list[Value], out_specs: list[tuple], /, **attrs) -> list[Value]:
+        return self.ir.add(op, inputs, out_specs, like=self.template, **attrs)
+
+    def one(self, op, inputs, shape, dtype, /, **attrs) -> Value:
+        return self.emit(op, inputs, [(shape, dtype)], **attrs)[0]
+
+    def const(self, value, dtype) -> Value:
+        arr = np.asarray(value, dtype=dtype)
+        label = f"const{float(arr.reshape(-1)[0])}" if arr.size == 1 else "const"
+        return Value(arr.shape, arr.dtype, label, kind="const", data=arr)
+
+    def error(self, what: str) -> UnsupportedOpError:
+        n = self.node
+        a = annotation_of(n) if n is not None else None
+        target = str(n.target) if n is not None else "op"
+        if a is None:
+            where = " (added by the capture, no user source)"
+        else:
+            module = f", module {a.module}" if a.module and not a.leaf_module else ""
+            where = f" from {a.describe()} at {a.source}{module}"
+        return UnsupportedOpError(f"aten op {target}{where}: {what}")
+
+    def unsupported(self) -> UnsupportedOpError:
+        return self.error("not supported by the IPU compiler (see docs/ops.md for the supported ATen ops)")
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def out_meta(self, i: int | None = None):
+        """The node's (fake) result; of a multi-output op, output i (default the first)."""
+        val = self.node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            return val[i or 0]
+        return val
+
+    def out_dtype(self, i: int | None = None) -> np.dtype:
+        return np_dtype(self.out_meta(i).dtype)
+
+    def cast(self, x: Value, dtype) -> Value:
+        dtype = np.dtype(dtype)
+        return x if x.dtype == dtype else self.one("cast", [x], x.shape, dtype)
+
+    def operand(self, x, dtype) -> Value:
+        return self.cast(x, dtype) if isinstance(x, Value) else self.const(x, dtype)
+
+    def reshape(self, x: Value, shape) -> Value:
+        shape = list(int(s) for s in shape)
+        if -1 in shape:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape[shape.index(-1)] = x.numel // max(known, 1)
+        if int(np.prod(shape)) != x.numel:
+            raise self.error(f"cannot reshape {list(x.shape)} to {shape}")
+        return x if tuple(shape) == x.shape else self.one("reshape", [x], tuple(shape), x.dtype, shape=tuple(shape))
+
+    def transpose(self, x: Value, perm) -> Value:
+        perm = tuple(int(p) % max(len(x.shape), 1) for p in perm)
+        if perm == tuple(range(len(x.shape))):
+            return x
+        return self.one("transpose", [x], tuple(x.shape[p] for p in perm), x.dtype, perm=perm)
+
+    def expand(self, x: Value, shape) -> Value:
+        shape = tuple(int(s) for s in shape)
+        lead = len(shape) - len(x.shape)
+        shape = tuple(x.shape[i - lead] if s == -1 else s for i, s in enumerate(shape))
+        if lead:
+            x = self.reshape(x, (1,) * lead + x.shape)
+        return x if x.shape == shape else self.one("expand", [x], shape, x.dtype, shape=shape)
+
+    def unary(self, fn: str, x: Value, **attrs) -> Value:
+        return self.one("unary", [x], x.shape, x.dtype, fn=fn, **attrs)
+
+    def binary(self, fn: str, a, b, dtype=None) -> Value:
+        """a fn b with both operands in `dtype` (the node's output dtype unless given)."""
+        dtype = np.dtype(dtype if dtype is not None else self.out_dtype())
+        a, b = self.operand(a, dtype), self.operand(b, dtype)
+        shape = tuple(np.broadcast_shapes(a.shape, b.shape))
+        out = np.bool_ if fn in COMPARISONS else dtype
+        return self.one("binary", [a, b], shape, out, fn=fn)
+
+    def reduce(self, fn: str, x: Value, dims, keepdim: bool) -> Value:
+        rank = len(x.shape)
+        dims = tuple(range(rank)) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else \
+            tuple(sorted({int(d) % rank for d in ((dims,) if isinstance(dims, int) else dims)}))
+        if not dims and rank == 0:
+            return x
+        shape = tuple(1 if i in dims else s for i, s in enumerate(x.shape)) if keepdim else \
+            tuple(s for i, s in enumerate(x.shape) if i not in dims)
+        return self.one("reduce", [x], shape, x.dtype, fn=fn, axes=dims, keepdims=bool(keepdim))
+
+    def where(self, cond: Value, a, b) -> Value:
+        """select(cond, a, b) from ops ipusim has: relu_grad(m, v) is v where m > 0 and exactly 0
+        elsewhere, so a where cond plus b where not cond is exact (the unused side's inf or nan
+        never reaches the sum)."""
+        dtype = self.out_dtype()
+        m = self.cast(cond, dtype)
+        a, b = self.operand(a, dtype), self.operand(b, dtype)
+        shape = tuple(np.broadcast_shapes(m.shape, a.shape, b.shape))
+        m = self.expand(m, shape)
+        not_m = self.unary("scale", m, scale=-1.0, bias=1.0)
+        return self.binary("add", self.binary("relu_grad", m, a, dtype), self.binary("relu_grad", not_m, b, dtype),
+                           dtype)
+
+    # ---- driver ---------------------------------------------------------------------------------
+    def run(self) -> IRGraph:
+        j = self.joint
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        names = [("param", n) for n in j.params] + [("buffer", n) for n in j.buffers] + [("input", n) for n in j.inputs]
+        for (kind, name), n in zip(names, placeholders):
+            meta = n.meta["val"]
+            v = Value(tuple(meta.shape), np_dtype(meta.dtype), name, kind=kind)
+            if kind == "param":
+                self.ir.params[name] = v
+            elif kind == "buffer":
+                self.ir.buffers[name] = v
+            else:
+                self.ir.inputs.append(v)
+            self.env[n] = v
+        for n in self.gm.graph.nodes:
+            self.node = n
+            if n.op == "get_attr":
+                t = getattr(self.gm, n.target)
+                self.env[n] = self.const(t.detach().cpu().numpy(), np_dtype(t.dtype))
+            elif n.op == "call_function":
+                self.template = self.sites[n].template()
+                self.env[n] = self.call(n)
+            elif n.op == "output":
+                self.finish(list(n.args[0]))
+        return self.ir
+
+    def load(self, a):
+        if isinstance(a, torch.fx.Node):
+            v = self.env[a]
+            if isinstance(v, Only):
+                raise self.error(f"uses {v.what}, which only its backward op can read")
+            return v
+        if isinstance(a, (tuple, list)):
+            return type(a)(self.load(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self.load(v) for k, v in a.items()}
+        return a
+
+    def call(self, n: torch.fx.Node):
+        if n.target is operator.getitem:
+            return self.env[n.args[0]][n.args[1]]
+        packet = getattr(n.target, "overloadpacket", None)
+        lower = LOWERINGS.get(packet)
+        if lower is None:
+            raise self.unsupported()
+        if getattr(lower, "raw", False):
+            out = lower(self, n)
+        else:
+            out = lower(self, *self.load(n.args), **self.load(n.kwargs))
+        val = n.meta.get("val")
+        if isinstance(out, Value) and isinstance(val, torch.Tensor) and tuple(val.shape) != out.shape:
+            raise self.error(f"internal shape mismatch: torch gives {list(val.shape)}, the compiler {list(out.shape)}")
+        return out
+
+    def finish(self, outs: list) -> None:
+        j = self.joint
+        values = [self.env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
+        user = values[:j.num_outputs]
+        rest = values[j.num_outputs:]
+        self.ir.outputs = _map_leaves(j.output_tree, lambda i: user[i])
+        if j.loss is not None:
+            self.ir.loss, rest = rest[0], rest[1:]
+            self.ir.grads = dict(zip(j.grads, rest[:len(j.grads)]))
+            rest = rest[len(j.grads):]
+        for name, new in zip(j.buffers, rest):
+            old = self.ir.buffers[name]
+            if new is old:
+                continue
+            producer = new.producer if isinstance(new, Value) else None
+            if producer is not None:
+                self.template = producer
+            self.ir.add("assign", [old, self.cast(new, old.dtype)], [])
+
+
+def _map_leaves(tree, fn):
+    if isinstance(tree, int) and not isinstance(tree, bool):
+        return fn(tree)
+    if isinstance(tree, tuple):
+        return tuple(_map_leaves(t, fn) for t in tree)
+    if isinstance(tree, list):
+        return [_map_leaves(t, fn) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _map_leaves(t, fn) for k, t in tree.items()}
+    return tree
+
+
+def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Placement]:
+    """Place the captured graph under `strategy` and lower it to IR (ops whose results nobody
+    uses are dropped first)."""
+    joint.graph_module.graph.eliminate_dead_code()
+    placement, sites = place(joint, strategy)
+    return Lowerer(joint, sites).run(), placement
+
+
+# =========================================================================================
+# Lowerings: (lowerer, *ATen arguments with Values for tensors) -> Value, tuple, list or Only
+# =========================================================================================
+LOWERINGS: dict = {}
+COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or"}
+
+
+def lowers(*packets, doc: str = "", raw: bool = False):
+    """Register a lowering; a `raw` one is given the fx node (to read a forward op's Only output)."""
+    def deco(fn):
+        for p in packets:
+            LOWERINGS[p] = fn
+        fn.doc, fn.raw = doc, raw
+        return fn
+    return deco
+
+
+def _int_list(v, n: int = 2) -> tuple:
+    return (int(v),) * n if isinstance(v, (int, np.integer)) else tuple(int(x) for x in v)
+
+
+# ---- no computation ------------------------------------------------------------------------------
+@lowers(aten.alias, aten.clone, aten.lift_fresh, aten.lift_fresh_copy, aten.detach, aten.alias_copy, aten.detach_copy,
+        doc="no computation (values are never mutated after functionalisation)")
+def _same(c, x, *args, **kwargs):
+    return x
+
+
+@lowers(aten.view, aten.view_copy, aten._unsafe_view, aten.reshape, doc="view")
+def _view(c, x, shape):
+    return c.reshape(x, shape)
+
+
+@lowers(aten.permute, aten.permute_copy, doc="view")
+def _permute(c, x, dims):
+    return c.transpose(x, dims)
+
+
+@lowers(aten.t, aten.t_copy, doc="view")
+def _t(c, x):
+    return c.transpose(x, (1, 0)) if len(x.shape) == 2 else x
+
+
+@lowers(aten.transpose, aten.transpose_copy, doc="view")
+def _transpose(c, x, d0, d1):
+    perm = list(range(len(x.shape)))
+    d0, d1 = d0 % len(perm), d1 % len(perm)
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return c.transpose(x, perm)
+
+
+@lowers(aten.expand, aten.expand_copy, doc="view (broadcast)")
+def _expand(c, x, shape, implicit=False):
+    return c.expand(x, shape)
+
+
+@lowers(aten.unsqueeze, aten.unsqueeze_copy, doc="view")
+def _unsqueeze(c, x, dim):
+    d = dim % (len(x.shape) + 1)
+    return c.reshape(x, x.shape[:d] + (1,) + x.shape[d:])
+
+
+@lowers(aten.squeeze, aten.squeeze_copy, doc="view")
+def _squeeze(c, x, dims=None):
+    rank = len(x.shape)
+    if dims is None:
+        dims = range(rank)
+    dims = {d % rank for d in ((dims,) if isinstance(dims, int) else dims)} if rank else set()
+    return c.reshape(x, tuple(s for i, s in enumerate(x.shape) if not (i in dims and s == 1)))
+
+
+def _slice_key(x: Value, dim: int, start, end, step) -> tuple:
+    dim = dim % len(x.shape)
+    size = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(size) if start is not None or end is not None else (0, size, 1)
+    return (slice(None),) * dim + (slice(start, end, int(step)),)
+
+
+@lowers(aten.slice, aten.slice_copy, doc="view")
+def _slice(c, x, dim=0, start=None, end=None, step=1):
+    key = _slice_key(x, dim, start, end, step)
+    shape = np.empty(x.shape, dtype=np.bool_)[key].shape
+    if shape == x.shape:
+        return x
+    return c.one("slice", [x], shape, x.dtype, key=key)
+
+
+@lowers(aten.select, aten.select_copy, doc="view")
+def _select(c, x, dim, index):
+    dim = dim % len(x.shape)
+    key = (slice(None),) * dim + (int(index) % x.shape[dim],)
+    return c.one("slice", [x], x.shape[:dim] + x.shape[dim + 1:], x.dtype, key=key)
+
+
+@lowers(aten.split_with_sizes, aten.split_with_sizes_copy, doc="views")
+def _split_with_sizes(c, x, sizes, dim=0):
+    out, start = [], 0
+    for s in sizes:
+        out.append(_slice(c, x, dim, start, start + s, 1))
+        start += s
+    return out
+
+
+@lowers(aten.split, aten.split_copy, doc="views")
+def _split(c, x, size, dim=0):
+    n = x.shape[dim % len(x.shape)]
+    return _split_with_sizes(c, x, [min(size, n - s) for s in range(0, n, size)], dim)
+
+
+@lowers(aten.cat, doc="copies into one new tensor")
+def _cat(c, tensors, dim=0):
+    dtype = c.out_dtype()
+    tensors = [c.cast(t, dtype) for t in tensors if t.numel > 0 or len(tensors) == 1]
+    dim = dim % len(tensors[0].shape)
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    keys, start = [], 0
+    for t in tensors:
+        keys.append((slice(None),) * dim + (slice(start, start + t.shape[dim]),))
+        start += t.shape[dim]
+    return c.one("cat", tensors, tuple(shape), dtype, keys=tuple(keys))
+
+
+@lowers(aten.slice_scatter, doc="a copy of the base with the source copied into a slice")
+def _slice_scatter(c, base, src, dim=0, start=None, end=None, step=1):
+    key = _slice_key(base, dim, start, end, step)
+    return c.one("scatter_slice", [base, c.cast(src, base.dtype)], base.shape, base.dtype, key=key)
+
+
+@lowers(aten.select_scatter, doc="a copy of the base with the source copied into a slice")
+def _select_scatter(c, base, src, dim, index):
+    dim = dim % len(base.shape)
+    key = (slice(None),) * dim + (int(index) % base.shape[dim],)
+    return c.one("scatter_slice", [base, c.cast(src, base.dtype)], base.shape, base.dtype, key=key)
+
+
+@lowers(aten.constant_pad_nd, doc="slices (negative padding), a filled tensor with the input copied into it")
+def _pad(c, x, pad, value=0.0):
+    pairs = [(len(x.shape) - 1 - i, int(pad[2 * i]), int(pad[2 * i + 1])) for i in range(len(pad) // 2)]
+    for d, lo, hi in pairs:   # negative padding crops
+        if lo < 0 or hi < 0:
+            x = _slice(c, x, d, max(-lo, 0), x.shape[d] - max(-hi, 0), 1)
+    shape, key = list(x.shape), [slice(None)] * len(x.shape)
+    for d, lo, hi in pairs:
+        lo, hi = max(lo, 0), max(hi, 0)
+        shape[d] += lo + hi
+        key[d] = slice(lo, lo + x.shape[d])
+    if tuple(shape) == x.shape:
+        return x
+    base = c.const(np.full(shape, value), x.dtype)
+    return c.one("scatter_slice", [base, x], tuple(shape), x.dtype, key=tuple(key))
+
+
+# ---- constants -------------------------------------------------------------------------------------
+def _full(c, shape, value):
+    return c.const(np.full(tuple(int(s) for s in shape), value), c.out_dtype())
+
+
+@lowers(aten.full, doc="constant")
+def _full_op(c, size, fill_value, **kwargs):
+    return _full(c, size, fill_value)
+
+
+@lowers(aten.full_like, doc="constant")
+def _full_like(c, x, fill_value, **kwargs):
+    return _full(c, x.shape, fill_value)
+
+
+@lowers(aten.zeros, aten.ones, aten.zeros_like, aten.ones_like, aten.new_zeros, aten.new_ones, doc="constant")
+def _zeros_ones(c, *args, **kwargs):
+    value = 1.0 if "ones" in c.node.target.__name__ else 0.0
+    return _full(c, c.out_meta().shape, value)
+
+
+@lowers(aten.empty, aten.empty_like, aten.empty_permuted, aten.empty_strided, doc="constant (zeros)")
+def _empty(c, *args, **kwargs):
+    return _full(c, c.out_meta().shape, 0.0)
+
+
+@lowers(aten.scalar_tensor, doc="constant")
+def _scalar_tensor(c, value, **kwargs):
+    return _full(c, (), value)
+
+
+@lowers(aten.arange, doc="constant")
+def _arange(c, *args, **kwargs):
+    numbers = [a for a in args if isinstance(a, (int, float))]
+    return c.const(np.arange(*numbers), c.out_dtype())
+
+
+@lowers(aten.copy_, doc="a buffer's in-place update (its new value is an output of the graph)", raw=True)
+def _copy_(c, n):
+    dst = c.env[n.args[0]]
+    if not (isinstance(dst, Value) and dst.kind == "buffer"):
+        raise c.error("in-place updates of model inputs or parameters are not supported")
+    return None
+
+
+# ---- elementwise -----------------------------------------------------------------------------------
+def _unary(fn):
+    def lower(c, x, *args, **kwargs):
+        return c.unary(fn, c.cast(x, c.out_dtype()))
+    lower.doc = f"unary {fn}"
+    return lower
+
+
+for _packet, _fn in [(aten.neg, "neg"), (aten.abs, "abs"), (aten.relu, "relu"), (aten.exp, "exp"),
+                     (aten.log, "log"), (aten.sqrt, "sqrt"), (aten.rsqrt, "rsqrt"), (aten.reciprocal, "reciprocal"),
+                     (aten.tanh, "tanh"), (aten.sigmoid, "sigmoid")]:
+    LOWERINGS[_packet] = _unary(_fn)
+
+
+@lowers(aten.gelu, doc="unary gelu (erf form)")
+def _gelu(c, x, approximate="none"):
+    if approximate != "none":
+        raise c.error("GELU with approximate='tanh' is not supported; use approximate='none'")
+    return c.unary("gelu", x)
+
+
+@lowers(aten.logical_not, aten.bitwise_not, doc="unary logical_not (bool)")
+def _not(c, x):
+    if x.dtype != np.bool_:
+        raise c.error("bitwise not of integers is not supported")
+    return c.one("unary", [x], x.shape, np.bool_, fn="logical_not")
+
+
+@lowers(aten.sign, aten.sgn, doc="binary abs_grad(x, 1)")
+def _sign(c, x):
+    return c.binary("abs_grad", x, 1.0)
+
+
+def _arith(fn):
+    def lower(c, a, b, alpha=1, rounding_mode=None):
+        if rounding_mode is not None:
+            raise c.error(f"division with rounding_mode={rounding_mode!r} is not supported")
+        if alpha != 1:
+            b = c.binary("mul", b, alpha) if isinstance(b, Value) else b * alpha
+        return c.binary(fn, a, b)
+    lower.doc = f"binary {fn}"
+    return lower
+
+
+LOWERINGS.update({aten.add: _arith("add"), aten.sub: _arith("sub"), aten.mul: _arith("mul"),
+                  aten.div: _arith("div"), aten.maximum: _arith("max"), aten.minimum: _arith("min")})
+
+
+@lowers(aten.rsub, doc="binary sub")
+def _rsub(c, a, b, alpha=1):
+    return c.binary("sub", b, c.binary("mul", a, alpha) if alpha != 1 else a)
+
+
+@lowers(aten.pow, doc="unary square / sqrt / reciprocal / rsqrt for those exponents, else binary pow")
+def _pow(c, x, e):
+    if isinstance(x, Value) and not isinstance(e, Value):
+        x = c.cast(x, c.out_dtype())
+        special = {2: "square", 0.5: "sqrt", -1: "reciprocal", -0.5: "rsqrt"}
+        if e == 1:
+            return x
+        if e in special:
+            return c.unary(special[e], x)
+    return c.binary("pow", x, e)
+
+
+def _comparison(fn):
+    def lower(c, a, b):
+        dtypes = [v.dtype for v in (a, b) if isinstance(v, Value)]
+        if any(isinstance(v, float) for v in (a, b)):
+            dtypes.append(np.dtype(np.float32))
+        return c.binary(fn, a, b, dtype=np.result_type(*dtypes))
+    lower.doc = f"binary {fn} (bool)"
+    return lower
+
+
+for _packet, _fn in [(aten.eq, "eq"), (aten.ne, "ne"), (aten.gt, "gt"), (aten.ge, "ge"), (aten.lt, "lt"),
+                     (aten.le, "le"), (aten.logical_and, "logical_and"), (aten.logical_or, "logical_or")]:
+    LOWERINGS[_packet] = _comparison(_fn)
+
+
+def _bitwise(fn):
+    def lower(c, a, b):
+        if any(isinstance(v, Value) and v.dtype != np.bool_ for v in (a, b)):
+            raise c.error("bitwise ops on integers are not supported (on bool they are logical ops)")
+        return c.binary(fn, a, b, dtype=np.bool_)
+    lower.doc = f"binary {fn} (bool)"
+    return lower
+
+
+LOWERINGS.update({aten.bitwise_and: _bitwise("logical_and"), aten.bitwise_or: _bitwise("logical_or")})
+
+
+@lowers(aten.clamp, doc="binary max and min")
+def _clamp(c, x, min=None, max=None):
+    y = c.cast(x, c.out_dtype())
+    if min is not None:
+        y = c.binary("max", y, min)
+    if max is not None:
+        y = c.binary("min", y, max)
+    return y
+
+
+@lowers(aten.hardtanh, doc="binary max and min")
+def _hardtanh(c, x, min_val=-1.0, max_val=1.0):
+    return _clamp(c, x, min_val, max_val)
+
+
+@lowers(aten.leaky_relu, doc="where(x > 0, x, x * slope)")
+def _leaky_relu(c, x, negative_slope=0.01):
+    return c.where(c.binary("gt", x, 0.0, dtype=x.dtype), x, c.binary("mul", x, negative_slope))
+
+
+@lowers(aten.clamp_min, doc="binary max")
+def _clamp_min(c, x, m):
+    return c.binary("max", x, m)
+
+
+@lowers(aten.clamp_max, doc="binary min")
+def _clamp_max(c, x, m):
+    return c.binary("min", x, m)
+
+
+@lowers(aten.where, doc="relu_grad(mask, a) + relu_grad(1 - mask, b): exact, no select op yet")
+def _where(c, cond, a, b):
+    return c.where(cond, a, b)
+
+
+@lowers(aten._to_copy, aten.to, aten.copy, doc="cast")
+def _to_copy(c, x, *args, **kwargs):
+    if c.node.target.overloadpacket is aten.copy:
+        return c.expand(c.cast(args[0], x.dtype), x.shape)
+    return c.cast(x, c.out_dtype())
+
+
+@lowers(aten.threshold_backward, doc="binary relu_grad")
+def _threshold_backward(c, grad, x, threshold):
+    if threshold != 0:
+        raise c.error("threshold backward with a threshold other than 0 is not supported")
+    return c.one("binary", [x, grad], grad.shape, grad.dtype, fn="relu_grad")
+
+
+@lowers(aten.tanh_backward, doc="binary tanh_grad")
+def _tanh_backward(c, grad, y):
+    return c.one("binary", [y, grad], grad.shape, grad.dtype, fn="tanh_grad")
+
+
+@lowers(aten.sigmoid_backward, doc="binary sigmoid_grad")
+def _sigmoid_backward(c, grad, y):
+    return c.one("binary", [y, grad], grad.shape, grad.dtype, fn="sigmoid_grad")
+
+
+@lowers(aten.gelu_backward, doc="binary gelu_grad")
+def _gelu_backward(c, grad, x, approximate="none"):
+    if approximate != "none":
+        raise c.error("GELU with approximate='tanh' is not supported; use approximate='none'")
+    return c.one("binary", [x, grad], grad.shape, grad.dtype, fn="gelu_grad")
+
+
+# ---- reductions ------------------------------------------------------------------------------------
+def _reduction(fn):
+    def lower(c, x, dims=None, keepdim=False, dtype=None):
+        return c.reduce(fn, c.cast(x, c.out_dtype()), dims, keepdim)
+    lower.doc = f"reduce {fn}"
+    return lower
+
+
+LOWERINGS.update({aten.sum: _reduction("sum"), aten.mean: _reduction("mean"), aten.amax: _reduction("max"),
+                  aten.amin: _reduction("min")})
+
+
+def _values_only(fn):
+    def lower(c, x, dim=None, keepdim=False):
+        return c.reduce(fn, x, dim, keepdim), Only(f"the indices of {fn}")
+    lower.doc = f"reduce {fn} (values; indices unsupported)"
+    return lower
+
+
+LOWERINGS.update({aten.max: _values_only("max"), aten.min: _values_only("min")})
+
+
+def _any_all(fn):
+    def lower(c, x, dims=None, keepdim=False):
+        y = c.reduce(fn, c.cast(x, np.float32), dims, keepdim)
+        return c.binary("ne", y, 0.0, dtype=np.float32)
+    lower.doc = f"cast, reduce {fn}, ne 0"
+    return lower
+
+
+LOWERINGS.update({aten.any: _any_all("max"), aten.all: _any_all("min")})
+
+
+@lowers(aten.var, doc="reduce mean, sub, square, reduce mean")
+def _var(c, x, dims=None, correction=None, keepdim=False, **kwargs):
+    return _var_mean(c, x, dims, correction=correction, keepdim=keepdim)[0]
+
+
+@lowers(aten.var_mean, doc="reduce mean, sub, square, reduce mean")
+def _var_mean(c, x, dims=None, correction=None, keepdim=False, **kwargs):
+    correction = 1 if correction is None else correction
+    rank = len(x.shape)
+    axes = range(rank) if dims is None else [d % rank for d in dims]
+    n = int(np.prod([x.shape[d] for d in axes]))
+    mean = c.reduce("mean", x, dims, True)
+    var = c.reduce("mean", c.unary("square", c.binary("sub", x, mean)), dims, keepdim)
+    if correction:
+        var = c.binary("mul", var, n / max(n - correction, 0))
+    return var, mean if keepdim else c.reduce("mean", x, dims, False)
+
+
+# ---- matmul ----------------------------------------------------------------------------------------
+@lowers(aten.mm, aten.bmm, doc="matmul")
+def _mm(c, a, b):
+    shape = a.shape[:-1] + (b.shape[-1],)
+    return c.one("matmul", [a, b], shape, c.out_dtype())
+
+
+@lowers(aten.addmm, doc="matmul, add")
+def _addmm(c, bias, a, b, beta=1, alpha=1):
+    y = _mm(c, a, b)
+    if alpha != 1:
+        y = c.binary("mul", y, alpha)
+    if beta != 1:
+        bias = c.binary("mul", bias, beta)
+    return c.binary("add", y, bias)
+
+
+# ---- convolution ------------------------------------------------------------------------------------
+def _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd):
+    if transposed:
+        raise c.error("transposed convolution is not supported")
+    if nd not in (1, 2):
+        raise c.error(f"{nd}-D convolution is not supported (1-D and 2-D are)")
+    lift = (lambda v: (1,) + _int_list(v, 1)) if nd == 1 else (lambda v: _int_list(v, 2))
+    pad = (0,) + _int_list(padding, 1) if nd == 1 else _int_list(padding, 2)
+    return dict(stride=lift(stride), padding=pad, dilation=lift(dilation), groups=int(groups))
+
+
+def _to_2d(c, x, nd):
+    return c.reshape(x, x.shape[:2] + (1,) + x.shape[2:]) if nd == 1 else x
+
+
+@lowers(aten.convolution, doc="conv2d (1-D as 2-D), add")
+def _convolution(c, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    nd = len(x.shape) - 2
+    attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
+    out = c.out_meta().shape
+    x2, w2 = _to_2d(c, x, nd), _to_2d(c, w, nd)
+    y = c.one("conv2d", [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs)
+    if b is not None:
+        y = c.binary("add", y, c.reshape(b, (1, -1, 1, 1)))
+    return c.reshape(y, tuple(out))
+
+
+@lowers(aten.convolution_backward, doc="conv2d_backward_input, conv2d_backward_weights, reduce sum")
+def _convolution_backward(c, grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask):
+    nd = len(x.shape) - 2
+    attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
+    g2, x2, w2 = _to_2d(c, grad, nd), _to_2d(c, x, nd), _to_2d(c, w, nd)
+    gx = c.reshape(c.one("conv2d_backward_input", [g2, w2], x2.shape, grad.dtype, **attrs), x.shape) \
+        if output_mask[0] else None
+    gw = c.reshape(c.one("conv2d_backward_weights", [g2, x2], w2.shape, grad.dtype, **attrs), w.shape) \
+        if output_mask[1] else None
+    gb = c.reduce("sum", grad, [0] + list(range(2, len(grad.shape))), False) if output_mask[2] else None
+    return gx, gw, gb
+
+
+# ---- pooling ----------------------------------------------------------------------------------------
+def _pool_attrs(c, kernel, stride, padding, dilation=1, ceil_mode=False):
+    if _int_list(dilation) != (1, 1) or ceil_mode:
+        raise c.error("pooling with dilation or ceil_mode is not supported")
+    k = _int_list(kernel)
+    s = _int_list(stride) if stride not in (None, []) else k
+    return dict(kernel=k, stride=s, padding=_int_list(padding))
+
+
+@lowers(aten.max_pool2d_with_indices, doc="max_pool2d")
+def _max_pool(c, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
+    y = c.one("max_pool2d", [x], tuple(c.out_meta(0).shape), x.dtype, **_pool_attrs(c, kernel, stride, padding,
+                                                                                   dilation, ceil_mode))
+    return y, Only("max pooling's indices", y)
+
+
+@lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward", raw=True)
+def _max_pool_backward(c, n):
+    grad, x = c.load(n.args[0]), c.load(n.args[1])
+    indices = c.env[n.args[7]]
+    attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]])
+    return c.one("max_pool2d_backward", [x, indices.value, grad], x.shape, grad.dtype, **attrs)
+
+
+@lowers(aten.avg_pool2d, doc="avg_pool2d")
+def _avg_pool(c, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    if divisor_override is not None:
+        raise c.error("average pooling with divisor_override is not supported")
+    return c.one("avg_pool2d", [x], tuple(c.out_meta().shape), x.dtype, count_include_pad=bool(count_include_pad),
+                 **_pool_attrs(c, kernel, stride, padding, 1, ceil_mode))
+
+
+@lowers(aten.avg_pool2d_backward, doc="avg_pool2d_backward")
+def _avg_pool_backward(c, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    if divisor_override is not None:
+        raise c.error("average pooling with divisor_override is not supported")
+    return c.one("avg_pool2d_backward", [grad], x.shape, grad.dtype, count_include_pad=bool(count_include_pad),
+                 **_pool_attrs(c, kernel, stride, padding, 1, ceil_mode))
+
+
+@lowers(aten._adaptive_avg_pool2d, doc="adaptive_avg_pool2d")
+def _adaptive(c, x, output_size):
+    out = tuple(c.out_meta().shape)
+    return c.one("adaptive_avg_pool2d", [x], out, x.dtype, output_size=out[-2:])
+
+
+@lowers(aten._adaptive_avg_pool2d_backward, doc="adaptive_avg_pool2d_backward")
+def _adaptive_backward(c, grad, x):
+    return c.one("adaptive_avg_pool2d_backward", [grad], x.shape, grad.dtype, output_size=grad.shape[-2:])
+
+
+# ---- softmax, norms, dropout, losses, embedding --------------------------------------------------------
+def _softmax(op):
+    def lower(c, x, dim, half_to_float=False):
+        return c.one(op, [x], x.shape, x.dtype, axis=dim % len(x.shape))
+    lower.doc = op
+    return lower
+
+
+def _softmax_backward(op):
+    def lower(c, grad, y, dim, input_dtype=None):
+        return c.one(op, [y, grad], y.shape, grad.dtype, axis=dim % len(y.shape))
+    lower.doc = op
+    return lower
+
+
+LOWERINGS.update({aten._softmax: _softmax("softmax"), aten._log_softmax: _softmax("log_softmax"),
+                  aten._softmax_backward_data: _softmax_backward("softmax_backward"),
+                  aten._log_softmax_backward_data: _softmax_backward("log_softmax_backward")})
+
+
+@lowers(aten.native_layer_norm, doc="layer_norm")
+def _layer_norm(c, x, normalized_shape, w, b, eps):
+    nd = len(normalized_shape)
+    stats = x.shape[:len(x.shape) - nd] + (1,) * nd
+    ins = [x] + [v for v in (w, b) if v is not None]
+    return tuple(c.emit("layer_norm", ins, [(x.shape, x.dtype), (stats, np.float32), (stats, np.float32)],
+                        normalized_ndim=nd, eps=float(eps), affine=w is not None, has_bias=b is not None))
+
+
+@lowers(aten.native_layer_norm_backward, doc="layer_norm_backward")
+def _layer_norm_backward(c, grad, x, normalized_shape, mean, rstd, w, b, output_mask):
+    params = [v for v in (w, b) if v is not None]
+    outs = c.emit("layer_norm_backward", [grad, x, mean, rstd, *params],
+                  [(x.shape, x.dtype)] + [(v.shape, v.dtype) for v in params],
+                  normalized_ndim=len(normalized_shape), affine=w is not None, has_bias=b is not None, eps=0.0)
+    dx, rest = outs[0], outs[1:]
+    dw = rest.pop(0) if w is not None else None
+    db = rest.pop(0) if b is not None else None
+    return (dx if output_mask[0] else None, dw if output_mask[1] else None, db if output_mask[2] else None)
+
+
+@lowers(aten.native_group_norm, doc="reshape, reduce mean, sub, square, reduce mean, rsqrt, mul, add")
+def _group_norm(c, x, w, b, n, channels, hw, groups, eps):
+    g = c.reshape(x, (n, groups, -1))
+    mean = c.reduce("mean", g, [2], True)
+    centred = c.binary("sub", g, mean)
+    var = c.reduce("mean", c.unary("square", centred), [2], True)
+    rstd = c.unary("rsqrt", c.binary("add", var, float(eps)))
+    y = c.reshape(c.binary("mul", centred, rstd), x.shape)
+    per_channel = (1, channels) + (1,) * (len(x.shape) - 2)
+    if w is not None:
+        y = c.binary("mul", y, c.reshape(w, per_channel))
+    if b is not None:
+        y = c.binary("add", y, c.reshape(b, per_channel))
+    return y, c.reshape(mean, (n, groups)), c.reshape(rstd, (n, groups))
+
+
+def _nchw(c, x):
+    if len(x.shape) == 4:
+        return x
+    if len(x.shape) in (2, 3):
+        return c.reshape(x, x.shape + (1,) * (4 - len(x.shape)))
+    raise c.error(f"batch norm of a {len(x.shape)}-D input is not supported (2-D to 4-D are)")
+
+
+@lowers(aten._native_batch_norm_legit_functional, doc="batch_norm (running statistics updated in place)")
+def _batch_norm(c, x, w, b, running_mean, running_var, training, momentum, eps):
+    if w is None or b is None:
+        raise c.error("batch norm without affine parameters is not supported")
+    x4 = _nchw(c, x)
+    ins = [x4, w, b, running_mean, running_var]
+    ch = (x.shape[1],)
+    if not training:
+        return _batch_norm_inference(c, x, w, b, running_mean, running_var, momentum, eps)
+    y, mean, _, inv_std = c.emit("batch_norm", ins, [(x4.shape, x.dtype), (ch, np.float32), (ch, np.float32),
+                                                     (ch, np.float32)],
+                                 training=True, momentum=float(momentum), eps=float(eps))
+    # the lowering updates the running statistics in place: their new values are the buffers
+    return c.reshape(y, x.shape), mean, inv_std, running_mean, running_var
+
+
+@lowers(aten._native_batch_norm_legit_no_training, doc="batch_norm (running statistics)")
+def _batch_norm_inference(c, x, w, b, running_mean, running_var, momentum, eps):
+    if w is None or b is None:
+        raise c.error("batch norm without affine parameters is not supported")
+    x4 = _nchw(c, x)
+    y = c.one("batch_norm", [x4, w, b, running_mean, running_var], x4.shape, x.dtype, training=False, eps=float(eps))
+    return c.reshape(y, x.shape), Only("batch norm statistics"), Only("batch norm statistics")
+
+
+@lowers(aten.native_batch_norm_backward, doc="batch_norm_backward")
+def _batch_norm_backward(c, grad, x, w, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    if not train:
+        raise c.error("batch norm with running statistics has no gradient here; train the model in training mode")
+    dx, dw, db = c.emit("batch_norm_backward", [_nchw(c, grad), _nchw(c, x), save_mean, save_invstd, w],
+                        [(_nchw(c, x).shape, x.dtype), (w.shape, w.dtype), (w.shape, w.dtype)])
+    return c.reshape(dx, x.shape), dw, db
+
+
+@lowers(aten.native_dropout, doc="dropout")
+def _dropout(c, x, p, train):
+    if not train or p == 0:
+        return x, Only("an inactive dropout's mask")
+    y, mask = c.emit("dropout", [x], [(x.shape, x.dtype), (x.shape, np.bool_)], p=float(p))
+    return y, mask
+
+
+@lowers(aten.native_dropout_backward, doc="dropout_backward")
+def _dropout_backward(c, grad, mask, scale):
+    return c.one("dropout_backward", [grad, mask], grad.shape, grad.dtype, p=1.0 - 1.0 / float(scale))
+
+
+REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+@lowers(aten.nll_loss_forward, doc="nll_loss")
+def _nll(c, x, target, weight, reduction, ignore_index):
+    if weight is not None:
+        raise c.error("class weights in NLL loss are not supported")
+    if len(x.shape) != 2:
+        raise c.error("NLL loss needs [N, C] log-probabilities")
+    r = REDUCTIONS[reduction]
+    y = c.one("nll_loss", [x, target], x.shape[:1] if r == "none" else (), x.dtype, reduction=r,
+              ignore_index=int(ignore_index))
+    return y, Only("NLL loss's total weight")
+
+
+@lowers(aten.nll_loss_backward, doc="nll_loss_backward", raw=True)
+def _nll_backward(c, n):
+    grad, x, target, weight, reduction, ignore_index = (c.load(a) for a in n.args[:6])
+    return c.one("nll_loss_backward", [x, target, grad], x.shape, x.dtype, reduction=REDUCTIONS[reduction],
+                 ignore_index=int(ignore_index))
+
+
+@lowers(torch.ops.poptorch_lite.ctc_loss, doc="ctc_loss (F.ctc_loss, captured whole: compiler/library.py)")
+def _ctc(c, log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity):
+    return c.one("ctc_loss", [log_probs, targets, input_lengths, target_lengths], (), log_probs.dtype,
+                 blank=int(blank), reduction=reduction, zero_infinity=bool(zero_infinity))
+
+
+@lowers(torch.ops.poptorch_lite.ctc_loss_backward, doc="ctc_loss_backward")
+def _ctc_backward(c, log_probs, targets, input_lengths, target_lengths, grad, blank, reduction, zero_infinity):
+    return c.one("ctc_loss_backward", [log_probs, targets, input_lengths, target_lengths, grad], log_probs.shape,
+                 log_probs.dtype, blank=int(blank), reduction=reduction, zero_infinity=bool(zero_infinity))
+
+
+@lowers(aten.embedding, doc="embedding")
+def _embedding(c, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if scale_grad_by_freq or sparse:
+        raise c.error("embedding with scale_grad_by_freq or sparse gradients is not supported")
+    return c.one("embedding", [idx, w], idx.shape + (w.shape[1],), w.dtype, padding_idx=int(padding_idx))
+
+
+@lowers(aten.embedding_dense_backward, doc="embedding_backward")
+def _embedding_backward(c, grad, idx, num_weights, padding_idx, scale_grad_by_freq):
+    if scale_grad_by_freq:
+        raise c.error("embedding with scale_grad_by_freq is not supported")
+    return c.one("embedding_backward", [idx, grad], (int(num_weights), grad.shape[-1]), grad.dtype,
+                 padding_idx=int(padding_idx))
+
+
+def decompositions() -> dict:
+    """What the capture decomposes: every op without a lowering of its own that PyTorch can
+    decompose (the core ATen table, then torch._decomp's wider one; not the torch._refs entries
+    of that table, which trace to prims ops), never an op lowered whole
+    (convolution, pooling, softmax, norms, dropout, NLL, embedding keep their fused ipusim kernels
+    and estimators). BatchNorm's ``native_batch_norm`` becomes ``_native_batch_norm_legit``, whose
+    schema declares the running-statistics update, so that functionalisation turns it into new
+    buffer values."""
+    wider = {op: fn for op, fn in decomposition_table.items()
+             if getattr(fn, "__module__", "").startswith("torch._decomp")}   # not torch._refs: prims
+    table = {op: fn for op, fn in {**wider, **core_aten_decompositions()}.items()
+             if isinstance(op, torch._ops.OpOverload) and op.overloadpacket not in LOWERINGS}
+    table[aten.native_batch_norm.default] = native_batch_norm_decomposition
+    return table
+
+
+def ops_table() -> list[tuple[str, str]]:
+    """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
+    rows = {}
+    for packet, fn in LOWERINGS.items():
+        rows[f"aten.{packet.__name__}"] = getattr(fn, "doc", "")
+    return sorted(rows.items())

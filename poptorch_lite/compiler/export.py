@@ -1,0 +1,386 @@
+"""Capture through PyTorch 2: one joint forward-backward graph of core ATen ops, blocks on its nodes.
+
+:func:`capture_joint` traces a function that calls the model (parameters and buffers passed in
+as tensors, ``torch.func.functional_call``), picks the final loss and asks
+``torch.autograd.grad`` for the gradients of the trainable parameters. The trace is
+``make_fx``'s, in two passes:
+
+1. ``make_fx(joint)`` on fake tensors records the forward and PyTorch's own backward formulas
+   as ATen ops, in-place ops included (BatchNorm's running statistics, ``relu(inplace=True)``);
+2. ``make_fx(functionalize(Interpreter(pass 1)))`` replays that graph functionalised (every
+   mutation becomes a new value; the new buffer values are outputs) and decomposes it with
+   :data:`DECOMPOSITIONS`. The fx Interpreter sets each replayed node's meta as the current
+   meta, so the annotations of pass 1 reach the nodes of pass 2. Both passes decompose with
+   the table the lowering gives (``aten.decompositions()``).
+
+Why not ``aot_export_module``: on torch 2.14 it re-traces its joint graph by calling the
+GraphModule (not an Interpreter), which drops ``node.meta["custom"]``, and it refuses
+parameters that get no gradient. ``torch.export`` + ``run_decompositions`` gives a forward
+graph only; its joint (``_export_forward_backward``) is experimental and keeps no annotation
+on backward nodes either.
+
+Blocks and sources are ``node.meta["custom"]["poptorch"]``, an :class:`Annotation`, set two ways:
+
+- forward: :class:`BlockAnnotator`, a ``TorchFunctionMode`` active while the model runs, wraps
+  every torch function the user's code calls (``F.linear``, ``x + 1``, ``torch.cat``, ...) in
+  ``torch.fx.traceback.annotate`` with the block active at that moment (see
+  ``poptorch_lite.api.blocks``: ``with Block``, ``Block.start``, ``BeginBlock`` hooks and
+  ``BlockFunction`` all change it), the user's source line and the module path;
+- backward: the same mode tags every autograd node the call created, with a pre-hook and a
+  post-hook that set and clear that annotation while the autograd engine runs the node's
+  backward formula. So every backward ATen op carries the annotation of the forward call
+  whose gradient it computes (PopTorch: an op's gradient runs on its forward op's IPU). This
+  is what ``seq_nr`` matching in AOTAutograd's ``copy_fwd_metadata_to_bw_nodes`` achieves; the
+  hooks make it direct. Ops the engine adds between nodes (sums of the gradients of a value
+  used twice) and the seed carry no block: :mod:`.aten` places them by their inputs.
+
+Every node made inside ``torch.autograd.grad`` also carries ``pass="bwd"``.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
+from ..api.ops import identity_loss
+from . import library
+
+aten = torch.ops.aten
+KEY = "poptorch"
+
+def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """Dropout as one op with its mask: ATen's CPU dropout is a CompositeImplicit bernoulli and
+    multiply, decomposed before any table sees it."""
+    return aten.native_dropout.default(x, p, True)[0] if training and p > 0 else x
+
+
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Attention as ATen's math composition (matmuls, softmax, dropout): the fused CPU kernel's
+    backward has no decomposition."""
+    return aten._scaled_dot_product_attention_math.default(query, key, value, attn_mask, dropout_p, is_causal,
+                                                           scale=scale, enable_gqa=enable_gqa)[0]
+
+
+# Torch functions traced as another (the annotator calls these instead).
+FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss,
+             F.scaled_dot_product_attention: _attention}
+
+
+# Torch functions that define a loss (PopTorch finds the final loss among them).
+LOSS_FUNCTIONS = frozenset({
+    identity_loss, F.nll_loss, F.cross_entropy, F.mse_loss, F.l1_loss, F.ctc_loss, F.smooth_l1_loss,
+    F.huber_loss, F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div,
+    F.poisson_nll_loss, F.gaussian_nll_loss, F.soft_margin_loss, F.multilabel_soft_margin_loss,
+    F.hinge_embedding_loss, F.margin_ranking_loss, F.triplet_margin_loss, F.cosine_embedding_loss,
+    F.multi_margin_loss, F.multilabel_margin_loss,
+})
+
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,   # poptorch_lite
+)
+
+
+@dataclass(frozen=True)
+class Annotation:
+    """Where a torch call was made: its block, the user's source line, the module and function."""
+
+    block: Optional[BlockRef]
+    source: str
+    module: str = ""                       # "model.layer1.conv (Conv2d)", "" outside modules
+    function: str = ""                     # "linear", "add", ".view", ...
+    leaf_module: bool = False              # the call is a torch.nn layer's own computation
+    closed: Optional[BlockRef] = None      # the block that had closed, when block is None
+
+    def describe(self) -> str:
+        """The op for error messages, as the torch.fx capture names it."""
+        if self.leaf_module:
+            return f"module {self.module}"
+        if self.function.startswith("."):
+            return f"method {self.function}()"
+        return f"function {self.function}()"
+
+    def where(self) -> str:
+        inside = f" in module {self.module}" if self.module and not self.leaf_module else ""
+        return f"{self.describe()} at {self.source}{inside}"
+
+
+def annotation_of(node: torch.fx.Node) -> Optional[Annotation]:
+    custom = node.meta.get("custom") or {}
+    return custom.get(KEY)
+
+
+def pass_of(node: torch.fx.Node) -> str:
+    custom = node.meta.get("custom") or {}
+    return custom.get("pass", "fwd")
+
+
+def _function_name(func) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    if name.startswith("__") and name.endswith("__"):
+        name = name.strip("_")
+        return name[1:] if name.startswith(("r", "i")) and name[1:] in _REFLECTED else name
+    qualname = getattr(func, "__qualname__", "")
+    if qualname.startswith(("Tensor.", "TensorBase.", "_TensorBase.")):
+        return "." + name
+    return name
+
+
+_REFLECTED = {"add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "mod", "and", "or", "xor"}
+# Tensor attributes read through __torch_function__ that compute nothing.
+_NOT_OPS = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "requires_grad", "is_floating_point",
+            "__len__", "__iter__", "__bool__", "__format__", "__repr__", "__hash__", "grad_fn", "is_leaf",
+            "data_ptr", "layout", "names", "T", "mT", "__get__", "stride", "storage_offset",
+            "is_contiguous", "__index__", "__int__", "__float__", "item", "tolist", "element_size"}
+
+
+class BlockAnnotator(TorchFunctionMode):
+    """Annotates every torch call the model makes, and the backward of it, with its block."""
+
+    def __init__(self, trace: BlockTrace, root: torch.nn.Module):
+        super().__init__()
+        self.trace = trace
+        self.modules = {id(m): (name, m) for name, m in root.named_modules()}
+        self.losses: list[tuple[torch.Tensor, Annotation]] = []
+        self.tagged: dict = {}          # autograd node -> annotation (keeps the nodes alive)
+        self._saved: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _function_name(func)
+        if name.lstrip(".") in _NOT_OPS or getattr(func, "__name__", "") == "__get__":
+            return func(*args, **kwargs)
+        annotation = self.annotate(name)
+        with fx_traceback.annotate({KEY: annotation}):
+            out = FUNCTIONS.get(func, func)(*args, **kwargs)
+        self.tag_backward(out, annotation)
+        if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
+            self.losses.append((out, annotation))
+        return out
+
+    def annotate(self, function: str) -> Annotation:
+        source, module, leaf = "<unknown>", "", False
+        frame = sys._getframe(2)
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            if not module and frame.f_code.co_name == "forward":
+                owner = self.modules.get(id(frame.f_locals.get("self")))
+                if owner is not None:
+                    path, m = owner
+                    module = f"{path or '<root>'} ({type(m).__name__})"
+                    leaf = type(m).__module__.startswith("torch.nn")
+            if source == "<unknown>" and not filename.startswith(_LIBRARY_DIRS) and not filename.startswith("<"):
+                source = f"{filename}:{frame.f_lineno}"
+            if module and source != "<unknown>":
+                break
+            frame = frame.f_back
+        block = self.trace.active
+        return Annotation(block, source, module, function, leaf, None if block is not None else self.trace.last_closed)
+
+    # ---- backward: the autograd nodes a call created run under its annotation ----------------
+    def tag_backward(self, out, annotation: Annotation) -> None:
+        stack = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in self.tagged or type(node).__name__ == "AccumulateGrad":
+                continue
+            self.tagged[node] = annotation
+            node.register_prehook(functools.partial(self._enter, annotation))
+            node.register_hook(self._leave)
+            stack.extend(fn for fn, _ in node.next_functions)
+
+    def _enter(self, annotation: Annotation, grad_outputs) -> None:
+        meta = fx_traceback.get_current_meta()
+        custom = meta.get("custom")
+        self._saved.append(custom)
+        meta["custom"] = {**(custom or {}), KEY: annotation}
+
+    def _leave(self, grad_inputs, grad_outputs) -> None:
+        meta = fx_traceback.get_current_meta()
+        custom = self._saved.pop()
+        if custom is None:
+            meta.pop("custom", None)
+        else:
+            meta["custom"] = custom
+
+
+def final_loss(losses: list[tuple[torch.Tensor, Annotation]], outputs: list) -> tuple[torch.Tensor, Annotation]:
+    """PopTorch's rule: exactly one loss among the outputs' ancestors that feeds no other loss.
+    Ancestry is read from the autograd graph of the traced call."""
+    def reach(roots) -> set:
+        seen, stack = set(), [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(fn for fn, _ in node.next_functions)
+        return seen
+
+    from_outputs = reach(outputs)
+    candidates = [(t, a) for t, a in losses if t.grad_fn is not None and t.grad_fn in from_outputs]
+    if not candidates and any(t.grad_fn is None for t, _ in losses):
+        raise RuntimeError("the loss does not depend on any trainable parameter")
+    finals = [(t, a) for t, a in candidates
+              if not any(o is not t and t.grad_fn in reach([o]) for o, _ in candidates)]
+    if not finals:
+        raise RuntimeError("Couldn't find a loss in the graph: a training model must return a loss computed "
+                           "by a torch loss (e.g. torch.nn.NLLLoss) or wrapped in poptorch.identity_loss(x, "
+                           "reduction=...)")
+    if len(finals) > 1:
+        where = ", ".join(f"{a.function} at {a.source}" for _, a in finals)
+        raise RuntimeError(f"Multiple independent losses found in the graph ({where}). The graph must have one "
+                           "final loss: combine them and wrap the result in poptorch.identity_loss(total, "
+                           "reduction='none')")
+    loss, annotation = finals[0]
+    if loss.numel() != 1:
+        raise RuntimeError(f"the final loss {annotation.function} at {annotation.source} has shape "
+                           f"{list(loss.shape)}; training needs a scalar loss: use reduction='mean' or 'sum'")
+    return loss, annotation
+
+
+@dataclass
+class JointGraph:
+    """A captured model: one fx graph of ATen ops and what its inputs and outputs are.
+
+    Placeholders are, in order, the parameters, the buffers and the tensor inputs; outputs are
+    the model's tensor outputs, then the loss (training), the gradients of ``grads``' parameters
+    and the new value of every buffer."""
+
+    graph_module: torch.fx.GraphModule
+    params: list[str]
+    buffers: list[str]
+    inputs: list[str]                       # names of the model's tensor inputs, in call order
+    output_tree: Any                        # the model's outputs with leaf i = output node arg i
+    num_outputs: int
+    loss: Optional[Annotation] = None       # where the final loss was computed (training)
+    grads: list[str] = field(default_factory=list)
+
+    def output_values(self) -> list[torch.fx.Node]:
+        return list(self.graph_module.graph.output_node().args[0])
+
+
+def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    """The model's tensor inputs (positional in order, then keyword, as the executor feeds them)
+    and a function rebuilding the call from replacements for them."""
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"the inputs do not match {type(model).__name__}.forward"
+                        f"{inspect.signature(model.forward)}: {error}") from None
+    names = list(inspect.signature(model.forward).parameters)
+    tensors = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            tensors.append((names[i] if i < len(names) else f"args[{i}]", a))
+    tensors += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    for i, a in list(enumerate(args)) + list(kwargs.items()):
+        if not isinstance(a, torch.Tensor) and any(isinstance(x, torch.Tensor) for x in tree_leaves(a)):
+            raise TypeError(f"input {i!r} of {type(model).__name__}.forward holds tensors inside a "
+                            f"{type(a).__name__}; pass each tensor as an argument of its own")
+
+    def rebuild(replacements):
+        it = iter(replacements)
+        new_args = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
+        new_kwargs = {k: next(it) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    return tensors, rebuild
+
+
+def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
+                  trainable=None, loss_scaling: float = 1.0) -> JointGraph:
+    """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
+    ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
+    require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
+    (``aten.decompositions()``: down to the ops the compiler lowers)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    params = dict(torch.nn.Module.named_parameters(model))
+    buffers = dict(torch.nn.Module.named_buffers(model))
+    if trainable is None:
+        trainable = {n for n, p in params.items() if p.requires_grad}
+    inputs, rebuild = _bind(model, args, kwargs)
+    pnames, bnames = list(params), list(buffers)
+    found: dict = {}
+
+    def joint(*flat):
+        p = dict(zip(pnames, flat[:len(pnames)]))
+        b = dict(zip(bnames, flat[len(pnames):len(pnames) + len(bnames)]))
+        call_args, call_kwargs = rebuild(flat[len(pnames) + len(bnames):])
+        with tracing_blocks() as trace:
+            annotator = BlockAnnotator(trace, model)
+            root_hook = block_annotation(model)
+            if root_hook is not None:
+                root_hook.start()
+            with annotator:
+                out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+        leaves, tree = tree_flatten(out)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        found["tree"] = (leaves, tree)
+        extra = []
+        if training:
+            loss, where = final_loss(annotator.losses, tensors)
+            found["loss"] = where
+            wrt = [n for n in pnames if n in trainable]
+            with fx_traceback.annotate({KEY: where}):
+                seed = loss * loss_scaling if loss_scaling != 1.0 else loss
+            with fx_traceback.annotate({"pass": "bwd"}):
+                grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True)
+            found["grads"] = [n for n, g in zip(wrt, grads) if g is not None]
+            extra = [loss.detach()] + [g for g in grads if g is not None]
+        return [t.detach() for t in tensors] + extra + [b[n] for n in bnames]
+
+    flat = [t.detach().requires_grad_(training and n in trainable) for n, t in params.items()]
+    flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
+    table = decompositions
+    with fx_traceback.preserve_node_meta(), torch.enable_grad():
+        # tensors the model makes or holds outside its parameters and buffers (torch.tensor(...)
+        # in forward, tensor default arguments) are real: they become constants of the graph
+        recorded = make_fx(joint, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
+
+        def replay(*a):
+            return torch.fx.Interpreter(recorded).run(*a)
+
+        functional = torch.func.functionalize(replay, remove="mutations_and_views")
+        gm = make_fx(functional, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
+    leaves, tree = found["tree"]
+    index = iter(range(len(leaves)))
+    output_tree = tree.unflatten([next(index) if isinstance(t, torch.Tensor) else t for t in leaves]) \
+        if leaves else tree.unflatten([])
+    num_outputs = sum(isinstance(t, torch.Tensor) for t in leaves)
+    joint_graph = JointGraph(gm, pnames, bnames, [n for n, _ in inputs], output_tree, num_outputs,
+                             found.get("loss"), found.get("grads", []))
+    check_blocks(joint_graph)
+    return joint_graph
+
+
+def check_blocks(joint: JointGraph) -> None:
+    """An op issued after a block closed and before the next started is PopTorch's "No active
+    Block" error: name the op, its source line and the block that had closed."""
+    for node in joint.graph_module.graph.nodes:
+        a = annotation_of(node)
+        if node.op != "call_function" or a is None or a.block is not None or pass_of(node) != "fwd":
+            continue
+        if a.closed is None:
+            closed_text, fix = "a block had closed", "wrap it in a `with Block(...)`"
+        else:
+            closed_text = f"block {a.closed} had closed"
+            fix = f"wrap it in `with Block({a.closed.user_id!r}):` (the block that closed before it)"
+        raise BlockError(
+            f"{a.describe()} at {a.source} is outside any Block. Ops before the first block run in "
+            "stage 0 on IPU 0, but once a block has started every op must belong to one, and "
+            f"{closed_text} when this op ran. To place it, {fix} or start a block with Block.start(...)."
+        )

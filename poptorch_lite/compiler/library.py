@@ -1,0 +1,65 @@
+"""Torch functions captured as one op of our own (``torch.library`` custom ops).
+
+Some functions have no ATen form the capture can trace: ``F.ctc_loss`` dispatches to
+``aten._ctc_loss``, whose second output (the alpha table) has a shape that depends on the
+target lengths' values, so fake tensors cannot trace it. PopTorch lowers CTC loss as one op
+(sum or mean reduction, padded 2-D targets); so do we: ``poptorch_lite::ctc_loss`` and its
+gradient ``poptorch_lite::ctc_loss_backward`` run PyTorch's CTC loss when called eagerly and are
+lowered to ipusim's CTC ops (:mod:`.aten`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "sum")
+
+
+@torch.library.custom_op("poptorch_lite::ctc_loss", mutates_args=())
+def ctc_loss(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+             target_lengths: torch.Tensor, blank: int, reduction: str, zero_infinity: bool) -> torch.Tensor:
+    return F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+
+
+@ctc_loss.register_fake
+def _ctc_loss_fake(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity):
+    return log_probs.new_empty(())
+
+
+@torch.library.custom_op("poptorch_lite::ctc_loss_backward", mutates_args=())
+def ctc_loss_backward(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+                      target_lengths: torch.Tensor, grad: torch.Tensor, blank: int, reduction: str,
+                      zero_infinity: bool) -> torch.Tensor:
+    with torch.enable_grad():
+        x = log_probs.detach().requires_grad_()
+        loss = F.ctc_loss(x, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+        return torch.autograd.grad(loss, x, grad)[0]
+
+
+@ctc_loss_backward.register_fake
+def _ctc_loss_backward_fake(log_probs, targets, input_lengths, target_lengths, grad, blank, reduction,
+                            zero_infinity):
+    return torch.empty_like(log_probs)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:4])
+    ctx.attrs = inputs[4:]
+
+
+def _backward(ctx, grad):
+    return (ctc_loss_backward(*ctx.saved_tensors, grad, *ctx.attrs),) + (None,) * 6
+
+
+ctc_loss.register_autograd(_backward, setup_context=_setup)
+
+
+def functional_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                        zero_infinity=False):
+    """``F.ctc_loss`` as captured: PopTorch's restrictions, then the op of our own."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"CTC loss supports reduction 'sum' or 'mean' on the IPU, as in PopTorch; got {reduction!r}")
+    if targets.dim() != 2:
+        raise ValueError("CTC loss needs 2-D padded targets [N, S], as in PopTorch")
+    lengths = [torch.as_tensor(v, dtype=torch.int64) for v in (input_lengths, target_lengths)]
+    return ctc_loss(log_probs, targets, *lengths, int(blank), reduction, bool(zero_infinity))
