@@ -107,7 +107,7 @@ class Encoder(nn.Module):
 
 
 def tutorial_net() -> nn.Module:
-    from test_frontend import Network
+    from tutorial_model import Network
     return Network()
 
 

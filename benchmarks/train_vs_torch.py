@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import poptorch_lite as poptorch  # noqa: E402
-from test_frontend import Network, TrainingModelWithLoss  # noqa: E402
+from tutorial_model import Network, TrainingModelWithLoss  # noqa: E402
 
 STRATEGIES = {
     "pipelined": lambda: poptorch.PipelinedExecution(*[poptorch.Stage(f"B{i + 1}").ipu(i) for i in range(4)]),
@@ -58,7 +58,7 @@ def torch_call(model, opt, x, y, micro, accumulation):
 COMPILE = """
 import sys, time; sys.path.insert(0, {tests!r})
 import torch, poptorch_lite as poptorch
-from test_frontend import Network, TrainingModelWithLoss
+from tutorial_model import Network, TrainingModelWithLoss
 t0 = time.perf_counter()
 opts = poptorch.Options().deviceIterations(2); opts.Training.gradientAccumulation(8)
 opts.setExecutionStrategy(poptorch.PipelinedExecution(*[poptorch.Stage(f"B{{i+1}}").ipu(i) for i in range(4)]))

@@ -13,68 +13,13 @@ import poptorch_lite as poptorch
 import poptorch_lite.api.blocks as blocks
 from poptorch_lite.api.blocks import Block, BlockError, BlockRef
 from poptorch_lite.api.ops import identity_loss
-from poptorch_lite.api.strategies import AutoStage, PipelinedExecution, Stage, StrategyError
-from poptorch_lite.compiler.aten import UnsupportedOpError, decompositions, ops_table, to_ir
+from poptorch_lite.api.strategies import AutoStage, PipelinedExecution, StrategyError
+from poptorch_lite.compiler.aten import UnsupportedOpError, decompositions, ops_markdown, ops_table, to_ir
 from poptorch_lite.compiler.export import annotation_of, capture_joint, pass_of
 
 from test_compiled_ops import run_op
-
-
-class ConvLayer(nn.Module):
-    def __init__(self, in_channels, out_channels, kernel_size, pool_size):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=kernel_size)
-        self.pool = nn.MaxPool2d(kernel_size=pool_size)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        return self.relu(self.pool(self.conv(x)))
-
-
-class Network(nn.Module):
-    """The network of Graphcore's PopTorch pipelining tutorial."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer1 = ConvLayer(1, 10, 5, 2)
-        self.layer2 = ConvLayer(10, 20, 5, 2)
-        self.layer3 = nn.Linear(320, 256)
-        self.layer3_act = nn.ReLU()
-        self.layer3_dropout = torch.nn.Dropout(0.5)
-        self.layer4 = nn.Linear(256, 10)
-        self.softmax = nn.LogSoftmax(1)
-
-    def forward(self, x):
-        with blocks.Block("B1"):
-            x = self.layer1(x)
-        with blocks.Block("B2"):
-            x = self.layer2(x)
-        with blocks.Block("B3"):
-            x = x.view(-1, 320)
-            x = self.layer3_act(self.layer3(x))
-            x = self.layer3_dropout(x)
-        with blocks.Block("B4"):
-            x = self.layer4(x)
-            x = self.softmax(x)
-        return x
-
-
-class TrainingModelWithLoss(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.loss = nn.NLLLoss()
-
-    def forward(self, args, loss_inputs=None):
-        output = self.model(args)
-        if loss_inputs is None:
-            return output
-        with blocks.Block("B4"):
-            loss = self.loss(output, loss_inputs)
-        return output, loss
-
-
-TUTORIAL_STRATEGY = PipelinedExecution(Stage("B1").ipu(0), Stage("B2").ipu(1), Stage("B3").ipu(2), Stage("B4").ipu(3))
+import tutorial_model
+from tutorial_model import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
 
 
 def lower(model, *args, training=True, strategy=TUTORIAL_STRATEGY, trainable=None, **kwargs):
@@ -133,7 +78,7 @@ def test_joint_graph_nodes_carry_block_source_and_module():
     nodes = {n.name: n for n in joint.graph_module.graph.nodes}
     conv = annotation_of(nodes["convolution"])
     assert conv.block == BlockRef("B1") and conv.module == "model.layer1.conv (Conv2d)"
-    assert conv.source.startswith(__file__ + ":")
+    assert conv.source.startswith(tutorial_model.__file__ + ":")
     grad = annotation_of(nodes["convolution_backward"])
     assert pass_of(nodes["convolution_backward"]) == "bwd" and grad.block == BlockRef("B2")
     assert annotation_of(nodes["nll_loss_forward"]).module == "loss (NLLLoss)"
@@ -347,6 +292,11 @@ def test_unsupported_op_fails_when_the_model_is_compiled():
     model = poptorch.inferenceModel(Outer(), poptorch.Options())
     with pytest.raises(poptorch.UnsupportedOpError, match=r"aten\.cumsum.*module inner \(Inner\)"):
         model(torch.randn(2, 4))
+
+
+def test_docs_ops_md_is_generated_from_the_lowering_table():
+    docs = pathlib.Path(__file__).parent.parent / "docs" / "ops.md"
+    assert docs.read_text() == ops_markdown(), "run: python -m poptorch_lite.compiler.aten > docs/ops.md"
 
 
 def test_ops_table_lists_every_lowering():

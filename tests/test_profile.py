@@ -17,7 +17,7 @@ import poptorch_lite as poptorch
 from ipusim.report import profile as prof
 from ipusim.ops.matmul import matmul
 from ipusim.schedules import pipelined_schedule
-from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
+from tutorial_model import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
 
 SMALL = ip.Target.test(num_tiles=64, bytes_per_tile=256 * 1024)
 

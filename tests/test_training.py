@@ -9,7 +9,7 @@ import torch
 
 import ipusim as ip
 import poptorch_lite as poptorch
-from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
+from tutorial_model import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
 
 SHARDED = poptorch.ShardedExecution(poptorch.Stage("B1").ipu(0), poptorch.Stage("B2").ipu(1),
                                     poptorch.Stage("B3").ipu(2), poptorch.Stage("B4").ipu(3))

@@ -1,2 +1,3 @@
-"""From a torch.nn.Module to an Executable of ipusim programs: capture, IR, autodiff, lowering,
-weight updates (`executable.compile_model` runs them in order)."""
+"""From a torch.nn.Module to an Executable of ipusim programs: capture (a joint forward-backward ATen
+graph with blocks), lowering to IR, lowering to ipusim, weight updates (`executable.compile_model`
+runs them in order)."""

@@ -29,7 +29,7 @@ from torch._decomp.decompositions import native_batch_norm_decomposition
 from ..api.blocks import DEFAULT_REGION
 from ..api.strategies import ExecutionStrategy, Placement, StrategyError
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
-from .export import Annotation, JointGraph, annotation_of, pass_of
+from .export import JointGraph, annotation_of, pass_of
 from .ir import IRGraph, Node, Value
 
 aten = torch.ops.aten
@@ -1048,5 +1048,28 @@ def ops_table() -> list[tuple[str, str]]:
     """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
     rows = {}
     for packet, fn in LOWERINGS.items():
-        rows[f"aten.{packet.__name__}"] = getattr(fn, "doc", "")
+        rows[str(packet)] = getattr(fn, "doc", "")
     return sorted(rows.items())
+
+
+def ops_markdown() -> str:
+    """docs/ops.md: the supported ATen ops, from the lowering table (`python -m
+    poptorch_lite.compiler.aten > docs/ops.md` rewrites it; a test checks that it is current)."""
+    lines = ["# Supported ops", "",
+             "Generated from the lowering table of `poptorch_lite/compiler/aten.py` by",
+             "`python -m poptorch_lite.compiler.aten > docs/ops.md`; do not edit by hand.", "",
+             "A model is captured as one joint forward-backward graph of ATen ops (`compiler/export.py`),",
+             "decomposed by PyTorch's own decompositions (`torch._decomp`) down to the ops below, so any",
+             "torch function that decomposes to them is supported, with PyTorch's own gradient. An op",
+             "outside this list is an `UnsupportedOpError` at compile time naming the ATen op, the",
+             "source line and the module.", "",
+             "Torch functions captured as another: `F.dropout` as `aten.native_dropout` (one op with its",
+             "mask), `F.scaled_dot_product_attention` as ATen's math composition, `F.ctc_loss` as",
+             "`poptorch_lite.ctc_loss` (`compiler/library.py`).", "",
+             "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
+    lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(ops_markdown(), end="")

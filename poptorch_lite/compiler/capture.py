@@ -1,4 +1,5 @@
-"""Capture: trace a model with torch.fx and record the block of every node.
+"""The torch.fx capture behind :func:`op_placement`: trace a model with torch.fx and record the
+block of every node. (The compiler captures through PyTorch 2's stack: :mod:`.export`.)
 
 :func:`capture` runs ``torch.fx`` symbolic tracing with :class:`BlockTracer`, which
 keeps block annotations active (see ``poptorch_lite.api.blocks``) and stores on every

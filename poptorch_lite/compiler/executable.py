@@ -1,8 +1,9 @@
 """From a torch.nn.Module to an Executable: the compiler's pipeline end to end.
 
-capture (torch.fx, blocks on nodes) -> placement (blocks to stages and IPUs) -> IR -> autodiff
-(training) -> schedule -> lowering to ipusim, one `Lowering` per replica on one device, weight
-updates -> an Engine. The runtime (`poptorch_lite.runtime`) loads and runs the result.
+capture (PyTorch 2: one joint forward-backward ATen graph, blocks on its nodes) -> placement
+(blocks to stages and IPUs) -> IR (the ATen lowering table) -> schedule -> lowering to ipusim, one
+`Lowering` per replica on one device, weight updates -> an Engine. The runtime
+(`poptorch_lite.runtime`) loads and runs the result.
 """
 from __future__ import annotations
 
@@ -14,18 +15,10 @@ import ipusim as ip
 from ipusim import schedules
 
 from ..api.enums import Liveness
-from .autodiff import differentiate
-from .capture import capture, place_graph
-from .aten import decompositions, to_ir as aten_to_ir
+from .aten import decompositions, to_ir
 from .export import capture_joint
-from .frontend import to_ir
 from .lowering import Locations, Lowering
 from .updates import UpdatePlan, build_updates
-
-
-# Which capture compile_model uses: "aten" (PyTorch 2's joint graph) or "fx" (torch.fx, hand-written
-# conversions and VJPs) while the models it compiles move over.
-CAPTURE = "aten"
 
 
 class Executable:
@@ -61,11 +54,10 @@ class Executable:
 
 def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool, optimizer,
                   named_weights: dict, progress=lambda percent: None) -> Executable:
-    """Compile `model` for one micro-batch of inputs (`args`, `kwargs`): capture, place blocks on
-    stages and IPUs, convert to IR, differentiate (training), build the schedule, lower to ipusim
-    and load the Engine. `progress(percent)` is told how far it got."""
-    front_end = capture_aten if CAPTURE == "aten" else capture_fx
-    ir, placement = front_end(model, args, kwargs, options, training, optimizer, progress)
+    """Compile `model` for one micro-batch of inputs (`args`, `kwargs`): capture (with the backward
+    when training), place blocks on stages and IPUs, lower to IR, build the schedule, lower to
+    ipusim and load the Engine. `progress(percent)` is told how far it got."""
+    ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress)
     progress(15)
     schedule = build_schedule(placement, options, training)
     try:
@@ -79,44 +71,21 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     return executable
 
 
-def capture_aten(model, args, kwargs, options, training: bool, optimizer, progress):
-    """PyTorch 2's capture (`export.capture_joint`): forward and backward are ATen ops, the
-    gradients PyTorch's own; lowered to IR by `aten.to_ir`."""
+def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progress):
+    """Capture the model in train or eval mode as it will run (`export.capture_joint`: forward and
+    backward as ATen ops, the gradients PyTorch's own, seeded with the optimiser's loss scaling),
+    place its blocks and lower it to IR (`aten.to_ir`)."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
     model.train(training)
     try:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
-                              trainable=trainable,
-                              loss_scaling=loss_scaling(optimizer) if training else 1.0)
+                              trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0)
     finally:
         model.train(was_training)
     progress(15)
-    ir, placement = aten_to_ir(joint, options.execution_strategy)
+    ir, placement = to_ir(joint, options.execution_strategy)
     progress(10)
-    return ir, placement
-
-
-def capture_fx(model, args, kwargs, options, training: bool, optimizer, progress):
-    """The torch.fx capture with hand-written conversions (`frontend`) and VJPs (`autodiff`)."""
-    was_training = torch.nn.Module.__getattribute__(model, "training")
-    buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
-    model.train(training)
-    try:
-        with torch.no_grad():
-            gm = capture(model, *args, **kwargs)
-    finally:
-        model.train(was_training)
-        with torch.no_grad():  # capture ran the model once: undo its buffer updates
-            for b, saved in buffers:
-                b.copy_(saved)
-    progress(15)
-    placement = place_graph(gm, options.execution_strategy)
-    ir = to_ir(gm, placement, training)
-    progress(10)
-    if training:
-        trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
-        ir.grads = differentiate(ir, ir.loss, seed=loss_scaling(optimizer), wrt=trainable)
     return ir, placement
 
 

@@ -14,9 +14,7 @@ import numpy as np
 _ids = itertools.count()
 
 # Ops whose output is a view of their input (no compute, no memory of their own).
-VIEW_OPS = frozenset({"reshape", "transpose", "expand", "slice", "select"})
-# Ops that define a loss for training (PopTorch finds the final loss among these).
-LOSS_OPS = frozenset({"nll_loss", "cross_entropy", "mse_loss", "l1_loss", "ctc_loss", "identity_loss"})
+VIEW_OPS = frozenset({"reshape", "transpose", "expand", "slice"})
 
 
 @dataclass(eq=False)
@@ -123,15 +121,3 @@ def map_values(tree, fn):
     if isinstance(tree, dict):
         return {k: map_values(t, fn) for k, t in tree.items()}
     return tree
-
-
-def prune(graph: IRGraph, keep: list[Value], start: int = 0) -> None:
-    """Drop the nodes from index `start` on whose outputs do not contribute to `keep` (dead code
-    elimination; the nodes before `start` stay, with their side effects)."""
-    needed = {v.id for v in keep}
-    alive = []
-    for n in reversed(graph.nodes[start:]):
-        if any(v.id in needed for v in n.outputs):
-            alive.append(n)
-            needed.update(v.id for v in n.inputs)
-    graph.nodes = graph.nodes[:start] + alive[::-1]

@@ -350,16 +350,6 @@ def _view(ctx, n: Node, ins):
     return [x[a["key"]]]
 
 
-@lowers("slice_backward")
-def _slice_backward(ctx, n, ins):
-    g = ctx.graph
-    out = g.addVariable(ins[0].dtype, n.outputs[0].shape, ctx.name, category="activations", always_live=False)
-    g.map_linearly(out, grain=4, min_elements_per_tile=64)
-    ew.unary(g, "fill", out, ctx.prog, f"{ctx.name}/zero", out=out, scale=0.0)
-    ctx.prog.add(ip.Copy(ins[0], out[n.attrs["key"]]))
-    return [out]
-
-
 def _new_activation(ctx, n, dtype) -> ip.Tensor:
     g = ctx.graph
     out = g.addVariable(dtype, n.outputs[0].shape, ctx.name, category="activations", always_live=False)
@@ -512,41 +502,6 @@ def _nll_bwd(ctx, n, ins):
     a = n.attrs
     return [loss.nll_loss_backward(ctx.graph, ins[2], ins[0], ins[1], ctx.prog, a["reduction"], a["ignore_index"],
                                    name=ctx.name)]
-
-
-@lowers("cross_entropy")
-def _ce(ctx, n, ins):
-    a = n.attrs
-    value, _ = loss.cross_entropy(ctx.graph, ins[0], ins[1], ctx.prog, a["reduction"], a["ignore_index"],
-                                  name=ctx.name)
-    return [value]
-
-
-@lowers("cross_entropy_backward")
-def _ce_bwd(ctx, n, ins):
-    a = n.attrs
-    return [loss.cross_entropy_backward(ctx.graph, ins[2], ins[0], ins[1], ctx.prog, a["reduction"],
-                                        a["ignore_index"], name=ctx.name)]
-
-
-@lowers("mse_loss", "l1_loss")
-def _pointwise_loss(ctx, n, ins):
-    fn = loss.mse_loss if n.op == "mse_loss" else loss.l1_loss
-    return [fn(ctx.graph, ins[0], ins[1], ctx.prog, n.attrs["reduction"], name=ctx.name)]
-
-
-@lowers("mse_loss_backward", "l1_loss_backward")
-def _pointwise_loss_bwd(ctx, n, ins):
-    fn = loss.mse_loss_backward if n.op == "mse_loss_backward" else loss.l1_loss_backward
-    return [fn(ctx.graph, ins[2], ins[0], ins[1], ctx.prog, n.attrs["reduction"], name=ctx.name)]
-
-
-@lowers("identity_loss")
-def _identity_loss(ctx, n, ins):
-    r = n.attrs["reduction"]
-    if r == "none":
-        return [ins[0]]
-    return [reduce_ops.reduce(ctx.graph, ins[0], None, r, ctx.prog, ctx.name)]
 
 
 @lowers("ctc_loss")

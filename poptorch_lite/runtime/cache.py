@@ -6,8 +6,8 @@ model for the same inputs, options and target loads it instead of compiling. pop
 ``Options``; the instances of a run share the directory and only one compiles (below).
 
 Key (:func:`cache_key`): the SHA-256 of :func:`key_contents`, everything that shapes the
-compiled program: the captured graph (fx code, block of every node, leaf modules' types and
-settings, tensor shapes, constant tensors), parameter and buffer names, shapes, dtypes and
+compiled program: the captured graph (the code of the joint ATen graph, with every op's
+arguments; block, pass and result shape of every node; constant tensors), parameter and buffer names, shapes, dtypes and
 ``requires_grad`` (not their values: weights are copied to the device after loading, as after a
 compile), input shapes and dtypes, the options except host-side ones (:data:`HOST_OPTIONS`), the
 target's fields, the optimiser's type, parameter groups and structure (state layout, state
@@ -62,12 +62,12 @@ import numpy as np
 import torch
 from numba.cloudpickle import cloudpickle
 from numba.core.dispatcher import Dispatcher
-from torch.fx.passes.shape_prop import TensorMetadata
 
 import ipusim as ip
 from ipusim.ops import optim as device_optim
 
-from ..compiler.capture import capture
+from ..compiler.aten import decompositions
+from ..compiler.export import JointGraph, annotation_of, capture_joint, pass_of
 from ..compiler.executable import Executable
 from ..compiler.updates import device_config
 
@@ -94,8 +94,8 @@ HOST_OPTIONS = ("log_dir", "show_compilation_progress_bar", "relax_optimizer_att
 def cache_key(model: torch.nn.Module, example_args, options, target: ip.Target, training: bool,
               optimizer=None, example_kwargs: dict | None = None) -> str:
     """The cache key of `model` compiled for these micro-batch inputs (hex SHA-256). Like the
-    compiler, it captures the model, which runs it once on the inputs (drawing from torch's
-    random generator when the model has random ops)."""
+    compiler, it captures the model (on fake tensors: the model's weights and buffers are left as
+    they are)."""
     contents = key_contents(model, example_args, options, target, training, optimizer, example_kwargs)
     text = json.dumps(contents, sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -122,37 +122,32 @@ def key_contents(model: torch.nn.Module, example_args, options, target: ip.Targe
     }
 
 
-def traced(model: torch.nn.Module, training: bool, args, kwargs) -> torch.fx.GraphModule:
-    """The model captured as the compiler captures it: in train/eval mode as the executor runs it,
-    with the buffer updates of the capture's example run undone."""
+def traced(model: torch.nn.Module, training: bool, args, kwargs) -> JointGraph:
+    """The model captured as the compiler captures it, in train or eval mode as the executor
+    runs it (the joint forward-backward ATen graph when training)."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
-    buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
     model.train(training)
     try:
-        with torch.no_grad():
-            return capture(model, *args, **kwargs)
+        trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
+        return capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
+                             trainable=trainable)
     finally:
         model.train(was_training)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
 
 
-def graph_description(gm: torch.fx.GraphModule) -> dict:
-    """The captured graph as plain data: fx's code, and per node its block, result shapes, and
-    for leaf modules their type and settings (``repr``), for constant tensors a digest."""
-    weights = {n for n, _ in gm.named_parameters()} | {n for n, _ in gm.named_buffers()}
+def graph_description(joint: JointGraph) -> dict:
+    """The captured graph as plain data: its code (every ATen op with its arguments) and per node
+    its block, pass and result shapes, and for constant tensors a digest."""
+    gm = joint.graph_module
     nodes = []
     for node in gm.graph.nodes:
-        entry = {"name": node.name, "block": str(node.meta.get("block")),
-                 "result": _describe_meta(node.meta.get("tensor_meta"))}
-        if node.op == "call_module":
-            module = gm.get_submodule(node.target)
-            entry["module"] = [_qualified_name(type(module)), repr(module), module.training]
-        elif node.op == "get_attr" and node.target not in weights:
+        annotation = annotation_of(node)
+        entry = {"name": node.name, "block": str(annotation.block) if annotation is not None else None,
+                 "pass": pass_of(node), "result": _describe_meta(node.meta.get("val"))}
+        if node.op == "get_attr":
             entry["constant"] = _digest_value(_attribute(gm, node.target))
         nodes.append(entry)
-    return {"code": gm.code, "nodes": nodes}
+    return {"code": gm.code, "nodes": nodes, "outputs": repr(joint.output_tree)}
 
 
 def compiled_options(options) -> dict:
@@ -217,7 +212,7 @@ def _describe_input(value):
 
 
 def _describe_meta(meta):
-    if isinstance(meta, TensorMetadata):
+    if isinstance(meta, torch.Tensor):
         return [list(meta.shape), str(meta.dtype)]
     if isinstance(meta, (list, tuple)):
         return [_describe_meta(m) for m in meta]
