@@ -340,3 +340,17 @@ OPS = {
 def test_op_matches_pytorch_forward_and_gradients(name):
     fn, shapes = OPS[name]
     run_op(fn, *shapes, rtol=1e-4, atol=1e-5)
+
+
+def test_random_ops_draw_from_the_ipus_generator():
+    class Noisy(nn.Module):
+        def forward(self, x):
+            return x + torch.rand_like(x), torch.randn_like(x) * 2 + 1, torch.empty_like(x).bernoulli_(0.3)
+
+    model = poptorch.inferenceModel(Noisy(), poptorch.Options().randomSeed(3))
+    uniform, normal, coins = model(torch.zeros(4, 5000))
+    assert 0 <= uniform.min() and uniform.max() < 1 and abs(uniform.mean() - 0.5) < 0.01
+    assert abs(normal.mean() - 1) < 0.05 and abs(normal.std() - 2) < 0.05
+    assert set(coins.unique().tolist()) == {0.0, 1.0} and abs(coins.mean() - 0.3) < 0.01
+    again = model(torch.zeros(4, 5000))[0]
+    assert not torch.equal(again, uniform)   # a new draw every call

@@ -979,6 +979,40 @@ def _dropout_backward(c, grad, mask, scale):
     return c.one("dropout_backward", [grad, mask], grad.shape, grad.dtype, p=1.0 - 1.0 / float(scale))
 
 
+def _draw(c, kind, a, b):
+    meta = c.out_meta()
+    if c.out_dtype().kind != "f" and kind != "bernoulli":
+        raise c.error("random numbers of an integer dtype are not supported")
+    return c.one("random", [], tuple(meta.shape), c.out_dtype(), kind=kind, a=float(a), b=float(b))
+
+
+@lowers(aten.rand, aten.rand_like, doc="random uniform (the IPU's generator, not torch's)")
+def _rand(c, *args, **kwargs):
+    return _draw(c, "uniform", 0.0, 1.0)
+
+
+@lowers(aten.randn, aten.randn_like, doc="random normal (the IPU's generator, not torch's)")
+def _randn(c, *args, **kwargs):
+    return _draw(c, "normal", 0.0, 1.0)
+
+
+@lowers(aten.uniform, doc="random uniform (the IPU's generator, not torch's)")
+def _uniform(c, x, low=0.0, high=1.0, generator=None):
+    return _draw(c, "uniform", low, high)
+
+
+@lowers(aten.normal_functional, doc="random normal (the IPU's generator, not torch's)")
+def _normal(c, x, mean=0.0, std=1.0, generator=None):
+    return _draw(c, "normal", mean, std)
+
+
+@lowers(aten.bernoulli, doc="random bernoulli with a constant probability (the IPU's generator)")
+def _bernoulli(c, x, p=None, generator=None):
+    if isinstance(p, Value) or p is None:
+        raise c.error("bernoulli with a probability per element is not supported (a constant p is)")
+    return _draw(c, "bernoulli", p, 0.0)
+
+
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 

@@ -486,6 +486,19 @@ def _dropout(ctx, n, ins):
     return [y, mask]
 
 
+@lowers("random")
+def _random(ctx, n, ins):
+    a = n.attrs
+    seed, modifier = ctx.seed()
+    out = n.outputs[0]
+    draw = {"uniform": rnd.uniform, "normal": rnd.normal}.get(a["kind"])
+    if draw is not None:
+        return [draw(ctx.graph, out.shape, seed, ctx.prog, a["a"], a["b"], out.dtype, name=ctx.name,
+                     seed_modifier=modifier)]
+    return [rnd.bernoulli(ctx.graph, out.shape, a["a"], seed, ctx.prog, out.dtype, name=ctx.name,
+                          seed_modifier=modifier)]
+
+
 @lowers("dropout_backward")
 def _dropout_bwd(ctx, n, ins):
     return [rnd.dropout_backward(ctx.graph, ins[0], ins[1], n.attrs["p"], ctx.prog, name=ctx.name)]
