@@ -1,6 +1,7 @@
 """PyTorch 2 capture (compiler/export.py) and ATen lowering (compiler/aten.py): blocks on forward and
 backward nodes, placement on stages, loss rules, what users write in forward, unsupported ops, and
 a table of ops computed through the whole compiler against PyTorch eager (forward and gradients)."""
+import collections
 import pathlib
 
 import numpy as np
@@ -230,12 +231,30 @@ def test_varargs_keywords_defaults_and_constants_capture_like_eager(args, kwargs
     leaves = outputs[:joint.num_outputs]
     if isinstance(expected, dict):
         assert joint.output_tree["n"] == expected["n"]
-        torch.testing.assert_close(leaves[joint.output_tree["y"]], expected["y"])
-        torch.testing.assert_close(leaves[joint.output_tree["z"]], expected["z"])
+        torch.testing.assert_close(leaves[joint.output_tree["y"].index], expected["y"])
+        torch.testing.assert_close(leaves[joint.output_tree["z"].index], expected["z"])
     else:
         torch.testing.assert_close(leaves[0], expected)
     ir = to_ir(joint, PipelinedExecution())[0]
     assert len(ir.inputs) == len(flat) - 2
+    if isinstance(expected, dict):
+        assert ir.outputs["n"] == expected["n"] and ir.outputs["y"].shape == (2, 3)
+
+
+def test_named_tuple_outputs_keep_their_type():
+    Pair = collections.namedtuple("Pair", "out loss")
+
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = self.fc(x)
+            return Pair(out, F.mse_loss(out, y))
+
+    ir = lower(Named(), torch.randn(2, 4), torch.randn(2, 3), strategy=PipelinedExecution())
+    assert type(ir.outputs) is Pair and ir.outputs.loss is ir.loss
 
 
 def test_keyword_arguments_train_through_the_executor():

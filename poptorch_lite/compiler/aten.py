@@ -25,11 +25,12 @@ import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._decomp.decompositions import native_batch_norm_decomposition
+from torch.utils._pytree import tree_map
 
 from ..api.blocks import DEFAULT_REGION
 from ..api.strategies import ExecutionStrategy, Placement, StrategyError
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
-from .export import JointGraph, annotation_of, pass_of
+from .export import JointGraph, Output, annotation_of, pass_of
 from .ir import IRGraph, Node, Value
 
 aten = torch.ops.aten
@@ -316,7 +317,7 @@ class Lowerer:
         values = [self.env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
         user = values[:j.num_outputs]
         rest = values[j.num_outputs:]
-        self.ir.outputs = _map_leaves(j.output_tree, lambda i: user[i])
+        self.ir.outputs = tree_map(lambda leaf: user[leaf.index] if isinstance(leaf, Output) else leaf, j.output_tree)
         if j.loss is not None:
             self.ir.loss, rest = rest[0], rest[1:]
             self.ir.grads = dict(zip(j.grads, rest[:len(j.grads)]))
@@ -329,18 +330,6 @@ class Lowerer:
             if producer is not None:
                 self.template = producer
             self.ir.add("assign", [old, self.cast(new, old.dtype)], [])
-
-
-def _map_leaves(tree, fn):
-    if isinstance(tree, int) and not isinstance(tree, bool):
-        return fn(tree)
-    if isinstance(tree, tuple):
-        return tuple(_map_leaves(t, fn) for t in tree)
-    if isinstance(tree, list):
-        return [_map_leaves(t, fn) for t in tree]
-    if isinstance(tree, dict):
-        return {k: _map_leaves(t, fn) for k, t in tree.items()}
-    return tree
 
 
 def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Placement]:

@@ -251,6 +251,12 @@ def final_loss(losses: list[tuple[torch.Tensor, Annotation]], outputs: list) -> 
     return loss, annotation
 
 
+@dataclass(frozen=True)
+class Output:
+    """A tensor output of the model in its output tree: argument `index` of the graph's output."""
+    index: int
+
+
 @dataclass
 class JointGraph:
     """A captured model: one fx graph of ATen ops and what its inputs and outputs are.
@@ -263,7 +269,7 @@ class JointGraph:
     params: list[str]
     buffers: list[str]
     inputs: list[str]                       # names of the model's tensor inputs, in call order
-    output_tree: Any                        # the model's outputs with leaf i = output node arg i
+    output_tree: Any                        # the model's outputs: tensors as Output(i), the rest as they are
     num_outputs: int
     loss: Optional[Annotation] = None       # where the final loss was computed (training)
     grads: list[str] = field(default_factory=list)
@@ -358,8 +364,7 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         gm = make_fx(functional, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
     leaves, tree = found["tree"]
     index = iter(range(len(leaves)))
-    output_tree = tree.unflatten([next(index) if isinstance(t, torch.Tensor) else t for t in leaves]) \
-        if leaves else tree.unflatten([])
+    output_tree = tree.unflatten([Output(next(index)) if isinstance(t, torch.Tensor) else t for t in leaves])
     num_outputs = sum(isinstance(t, torch.Tensor) for t in leaves)
     joint_graph = JointGraph(gm, pnames, bnames, [n for n, _ in inputs], output_tree, num_outputs,
                              found.get("loss"), found.get("grads", []))
