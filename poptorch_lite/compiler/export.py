@@ -352,16 +352,21 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
     flat = [t.detach().requires_grad_(training and n in trainable) for n, t in params.items()]
     flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
     table = decompositions
-    with fx_traceback.preserve_node_meta(), torch.enable_grad():
+    with fx_traceback.preserve_node_meta():
         # tensors the model makes or holds outside its parameters and buffers (torch.tensor(...)
         # in forward, tensor default arguments) are real: they become constants of the graph
-        recorded = make_fx(joint, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
+        with torch.enable_grad():
+            recorded = make_fx(joint, decomposition_table=table, tracing_mode="fake",
+                               _allow_non_fake_inputs=True)(*flat)
 
         def replay(*a):
             return torch.fx.Interpreter(recorded).run(*a)
 
+        # the replay holds the backward already: no autograd graph of it
         functional = torch.func.functionalize(replay, remove="mutations_and_views")
-        gm = make_fx(functional, decomposition_table=table, tracing_mode="fake", _allow_non_fake_inputs=True)(*flat)
+        with torch.no_grad():
+            gm = make_fx(functional, decomposition_table=table, tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*[t.detach() for t in flat])
     leaves, tree = found["tree"]
     index = iter(range(len(leaves)))
     output_tree = tree.unflatten([Output(next(index)) if isinstance(t, torch.Tensor) else t for t in leaves])
