@@ -373,3 +373,15 @@ def test_random_ops_draw_from_the_ipus_generator():
     assert set(coins.unique().tolist()) == {0.0, 1.0} and abs(coins.mean() - 0.3) < 0.01
     again = model(torch.zeros(4, 5000))[0]
     assert not torch.equal(again, uniform)   # a new draw every call
+
+
+def test_data_dependent_shapes_are_unsupported_ops_named_at_their_source_line():
+    """Fake tensors trace them with unbacked sizes; the lowering refuses the op."""
+    class Masked(nn.Module):
+        def forward(self, x):
+            return x[x > 0].sum()  # MASK LINE
+
+    line = next(i + 1 for i, t in enumerate(pathlib.Path(__file__).read_text().splitlines()) if "# MASK LINE" in t)
+    expected = rf"aten op aten\.index\.Tensor from function getitem\(\) at {__file__}:{line}"
+    with pytest.raises(UnsupportedOpError, match=expected):
+        lower(Masked(), torch.randn(2, 4), training=False, strategy=PipelinedExecution())

@@ -172,11 +172,7 @@ class Lowerer:
         n = self.node
         a = annotation_of(n) if n is not None else None
         target = str(n.target) if n is not None else "op"
-        if a is None:
-            where = " (added by the capture, no user source)"
-        else:
-            module = f", module {a.module}" if a.module and not a.leaf_module else ""
-            where = f" from {a.describe()} at {a.source}{module}"
+        where = " (added by the capture, no user source)" if a is None else f" {a.origin()}"
         return UnsupportedOpError(f"aten op {target}{where}: {what}")
 
     def unsupported(self) -> UnsupportedOpError:

@@ -112,9 +112,10 @@ class Annotation:
             return f"method {self.function}()"
         return f"function {self.function}()"
 
-    def where(self) -> str:
-        inside = f" in module {self.module}" if self.module and not self.leaf_module else ""
-        return f"{self.describe()} at {self.source}{inside}"
+    def origin(self) -> str:
+        """'from <op> at <file:line>, module <path>' for error messages."""
+        module = f", module {self.module}" if self.module and not self.leaf_module else ""
+        return f"from {self.describe()} at {self.source}{module}"
 
 
 def annotation_of(node: torch.fx.Node) -> Optional[Annotation]:
