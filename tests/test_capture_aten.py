@@ -338,6 +338,7 @@ OPS = {
     "where": (lambda x: torch.where(x > 0, x, 0.1 * x), [(4, 5)]),
     "leaky_relu": (F.leaky_relu, [(4, 5)]),
     "silu": (F.silu, [(4, 5)]),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), [(4, 5)]),
     "sign": (lambda x: torch.sign(x) * x, [(4, 5)]),
     "minimum": (torch.minimum, [(4, 5), (4, 5)]),
     "rsqrt": (lambda x: torch.rsqrt(x.abs() + 1), [(4, 5)]),

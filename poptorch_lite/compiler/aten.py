@@ -548,11 +548,22 @@ for _packet, _fn in [(aten.neg, "neg"), (aten.abs, "abs"), (aten.relu, "relu"), 
     LOWERINGS[_packet] = _unary(_fn)
 
 
-@lowers(aten.gelu, doc="unary gelu (erf form)")
+GELU_BETA, GELU_KAPPA = float(np.sqrt(2 / np.pi)), 0.044715
+
+
+def _gelu_tanh_inner(c, x):
+    """tanh(beta * (x + kappa * x^3)) of GELU's tanh form, and x^2."""
+    x2 = c.unary("square", x)
+    inner = c.binary("mul", c.binary("add", x, c.binary("mul", c.binary("mul", x2, x), GELU_KAPPA)), GELU_BETA)
+    return c.unary("tanh", inner), x2
+
+
+@lowers(aten.gelu, doc="unary gelu (erf form); tanh form: mul, add, tanh")
 def _gelu(c, x, approximate="none"):
-    if approximate != "none":
-        raise c.error("GELU with approximate='tanh' is not supported; use approximate='none'")
-    return c.unary("gelu", x)
+    if approximate == "none":
+        return c.unary("gelu", x)
+    t, _ = _gelu_tanh_inner(c, x)
+    return c.binary("mul", c.binary("mul", x, 0.5), c.unary("scale", t, scale=1.0, bias=1.0))
 
 
 @lowers(aten.logical_not, aten.bitwise_not, doc="unary logical_not (bool)")
@@ -685,11 +696,16 @@ def _sigmoid_backward(c, grad, y):
     return c.one("binary", [y, grad], grad.shape, grad.dtype, fn="sigmoid_grad")
 
 
-@lowers(aten.gelu_backward, doc="binary gelu_grad")
+@lowers(aten.gelu_backward, doc="binary gelu_grad (erf form); tanh form: PyTorch's formula in mul, add, tanh")
 def _gelu_backward(c, grad, x, approximate="none"):
-    if approximate != "none":
-        raise c.error("GELU with approximate='tanh' is not supported; use approximate='none'")
-    return c.one("binary", [x, grad], grad.shape, grad.dtype, fn="gelu_grad")
+    if approximate == "none":
+        return c.one("binary", [x, grad], grad.shape, grad.dtype, fn="gelu_grad")
+    t, x2 = _gelu_tanh_inner(c, x)
+    left_derivative = c.unary("scale", t, scale=0.5, bias=0.5)                       # 0.5 * (1 + t)
+    sech2 = c.unary("scale", c.unary("square", t), scale=-1.0, bias=1.0)              # 1 - t^2
+    slope = c.unary("scale", x2, scale=3 * GELU_KAPPA * GELU_BETA, bias=GELU_BETA)    # beta * (1 + 3 kappa x^2)
+    right_derivative = c.binary("mul", c.binary("mul", c.binary("mul", x, 0.5), sech2), slope)
+    return c.binary("mul", grad, c.binary("add", left_derivative, right_derivative))
 
 
 # ---- reductions ------------------------------------------------------------------------------------
