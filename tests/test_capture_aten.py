@@ -386,3 +386,37 @@ def test_data_dependent_shapes_are_unsupported_ops_named_at_their_source_line():
     expected = rf"aten op aten\.index\.Tensor from function getitem\(\) at {__file__}:{line}"
     with pytest.raises(UnsupportedOpError, match=expected):
         lower(Masked(), torch.randn(2, 4), training=False, strategy=PipelinedExecution())
+
+
+class Encoder(nn.Module):
+    """Embedding, two torch.nn.TransformerEncoderLayers (multi-head attention, LayerNorm, GELU and
+    ReLU feed-forwards) and a head, over two IPUs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.l1 = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, activation="gelu")
+        self.l2 = blocks.BeginBlock(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+                                    "second", ipu_id=1)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.l2(self.l1(self.emb(ids))))
+        return logits, F.cross_entropy(logits.reshape(-1, 50), labels.reshape(-1))
+
+
+def test_transformer_encoder_pipelined_over_two_ipus_trains_like_pytorch():
+    torch.manual_seed(0)
+    model = Encoder()
+    reference = Encoder()
+    reference.load_state_dict(model.state_dict())
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(3)
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids, labels = torch.randint(0, 50, (6, 5)), torch.randint(0, 50, (6, 5))
+    training(ids, labels)
+    reference(ids, labels)[1].backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    assert {n.ipu for n in training._executable.ir.nodes} == {0, 1}

@@ -1099,8 +1099,8 @@ def ops_markdown() -> str:
              "outside this list is an `UnsupportedOpError` at compile time naming the ATen op, the",
              "source line and the module.", "",
              "Torch functions captured as another: `F.dropout` as `aten.native_dropout` (one op with its",
-             "mask), `F.scaled_dot_product_attention` as ATen's math composition, `F.ctc_loss` as",
-             "`poptorch_lite.ctc_loss` (`compiler/library.py`).", "",
+             "mask), `F.ctc_loss` as `poptorch_lite.ctc_loss` (`compiler/library.py`); attention runs",
+             "PyTorch's math backend (matmuls, softmax, dropout).", "",
              "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
     lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
     return "\n".join(lines) + "\n"

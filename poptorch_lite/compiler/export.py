@@ -50,6 +50,7 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
@@ -66,16 +67,8 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
     return aten.native_dropout.default(x, p, True)[0] if training and p > 0 else x
 
 
-def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Attention as ATen's math composition (matmuls, softmax, dropout): the fused CPU kernel's
-    backward has no decomposition."""
-    return aten._scaled_dot_product_attention_math.default(query, key, value, attn_mask, dropout_p, is_causal,
-                                                           scale=scale, enable_gqa=enable_gqa)[0]
-
-
 # Torch functions traced as another (the annotator calls these instead).
-FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss,
-             F.scaled_dot_product_attention: _attention}
+FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).
@@ -332,7 +325,9 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             root_hook = block_annotation(model)
             if root_hook is not None:
                 root_hook.start()
-            with annotator:
+            # attention as ATen's math composition (matmuls, softmax, dropout): the fused CPU
+            # kernel's backward has no decomposition
+            with annotator, sdpa_kernel([SDPBackend.MATH]):
                 out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
         leaves, tree = tree_flatten(out)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
