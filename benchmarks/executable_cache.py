@@ -31,7 +31,7 @@ sys.path.insert(0, {tests!r})
 import torch
 import poptorch_lite as poptorch
 from poptorch_lite.runtime import cache
-from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
+from tutorial_model import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
 
 cache_dir = sys.argv[1]
 micro, accumulation, iterations = {micro}, 10, 10

@@ -27,7 +27,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.runtime import profiling
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from test_frontend import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss  # noqa: E402
+from tutorial_model import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss  # noqa: E402
 
 
 def model(profile_dir: str | None, accumulation: int):

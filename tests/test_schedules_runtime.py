@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import poptorch_lite as poptorch
-from test_frontend import Network, TrainingModelWithLoss
+from tutorial_model import Network, TrainingModelWithLoss
 
 MICRO_BATCH, ACCUMULATION, CALLS = 4, 8, 2
 
