@@ -105,23 +105,31 @@ def _apply(step: int, view, ref: np.ndarray, rng: np.random.Generator):
 @settings(max_examples=300, deadline=None)
 @given(_view_chains())
 def test_property_views_index_like_numpy(case):
-    """Every chain of views names the elements NumPy's indexing of the same array names; views
-    that are contiguous runs hold no index array."""
+    """Every chain of views names the elements NumPy's indexing of the same array names; every
+    view NumPy makes without a copy is strided (its strides NumPy's) and holds no index array,
+    and applied to a per-element array it reads what NumPy's view reads."""
     shape, steps = case
     g = ip.Graph(ip.Target.test(4))
     view = g.addVariable("float32", shape, "t")
-    ref = np.arange(view.numel).reshape(shape)
+    base = np.arange(view.numel)
+    ref = base.reshape(shape)
     rng = np.random.default_rng(steps[0])
     for step in steps:
         view, ref = _apply(step, view, ref, rng)
         assert view.shape == ref.shape
         assert np.array_equal(view.index, ref)
+        assert np.array_equal(view.on(base), ref)
+        assert np.array_equal(view.elements_at(np.arange(ref.size)), ref.reshape(-1))
+        if ref.size and np.shares_memory(ref, base):
+            assert view._index is None
+            assert all(s * base.itemsize == r for n, s, r in zip(ref.shape, view.strides, ref.strides) if n > 1)
         flat = ref.reshape(-1)
         is_run = flat.size > 0 and np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size))
         assert (view.span is not None) == (is_run or flat.size == 0)
         if is_run:
             assert view.span == flat[0] and view._index is None
         assert view.is_whole == (is_run and flat[0] == 0 and flat.size == view.var.numel)
+        assert view.distinct == (view._index is None and np.unique(flat).size == flat.size)
 
 
 def test_runs_keep_no_index_and_map_by_slices():
@@ -131,7 +139,10 @@ def test_runs_keep_no_index_and_map_by_slices():
     rows = t[10:20]
     assert rows.span == 10_000 and rows._index is None
     assert rows.reshape(-1)[500:1500].span == 10_500
-    assert t[:, 3]._index is not None and t[:, 3].span is None
+    column = t[:, 3]
+    assert column._index is None and column.span is None and (column.offset, column.strides) == (3, (1000,))
+    assert (column.tiles() == t.tiles()[:, 3]).all()
+    assert t.T[::2]._index is None and t.T[::2].strides == (2, 1000)
     assert (rows.tiles() == t.tiles()[10:20]).all()
     g.setTileMapping(rows, 7)
     assert (t.tiles()[10:20] == 7).all() and (t.tiles()[20] != 7).any()

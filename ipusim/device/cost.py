@@ -80,14 +80,12 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     size = src.dtype.itemsize
     moved = s != d
     n = target.num_tiles
-    elements = src.elements()
-    if isinstance(elements, slice):  # a run: distinct elements in order
-        sent_elements = np.flatnonzero(moved) + elements.start
+    if src.distinct:  # every source element once: its tile is s
+        sent = np.bincount(s[moved], minlength=n)
     else:  # a source element sent to several tiles is sent once
-        sent = np.zeros(src.var.numel, dtype=bool)
-        sent[elements[moved]] = True
-        sent_elements = np.flatnonzero(sent)
-    sent = np.bincount(src.var.mapping[sent_elements], minlength=n)
+        mask = np.zeros(src.var.numel, dtype=bool)
+        mask[src.elements()[moved]] = True
+        sent = np.bincount(src.var.mapping[mask], minlength=n)
     recv = np.bincount(d[moved], minlength=n)
     local = np.bincount(d[~moved], minlength=n)
     worst = int(max(sent.max(initial=0), recv.max(initial=0))) * size

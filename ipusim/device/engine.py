@@ -148,9 +148,7 @@ class Engine:
                 plan.append((table.type.kernel, args + [table.params]))
             self._plans[id(node)] = plan
         elif isinstance(node, (Copy, InterIpuCopy)):
-            src_mem, dst_mem = mem[node.src.ipu], mem[node.dst.ipu]
-            self._plans[id(node)] = (src_mem.arena(node.src.dtype), _as_index(src_mem.addresses(node.src)),
-                                     dst_mem.arena(node.dst.dtype), _as_index(dst_mem.addresses(node.dst)))
+            self._plans[id(node)] = _copy_plan(mem[node.src.ipu], node.src, mem[node.dst.ipu], node.dst)
 
     def _flatten(self, p: Program) -> list | None:
         """Program p as a flat list of host calls, one per leaf it runs, in order; None when p
@@ -359,6 +357,17 @@ def _repeat(steps: list, count: int):
             for step in steps:
                 step()
     return run
+
+
+def _copy_plan(src_mem, src: Tensor, dst_mem, dst: Tensor) -> tuple:
+    """(source array, its index, destination array, its index) of a copy: the two views of
+    storage themselves when both are strided (fast layout), else arenas and addresses."""
+    src_view = src_mem.view(src)
+    dst_view = dst_mem.view(dst) if dst.distinct else None
+    if src_view is not None and dst_view is not None and src_view.shape == dst_view.shape:
+        return src_view, ..., dst_view, ...
+    return (src_mem.arena(src.dtype), _as_index(src_mem.addresses(src)),
+            dst_mem.arena(dst.dtype), _as_index(dst_mem.addresses(dst)))
 
 
 def _as_index(addr: np.ndarray):

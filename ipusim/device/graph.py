@@ -69,19 +69,23 @@ class Graph:
     def setTileMapping(self, t: Tensor, tile: int) -> None:
         """Map every element of the view to one tile."""
         self._own(t)
-        t.var.mapping[t.elements()] = self._check_tile(tile)
+        tile = self._check_tile(tile)
+        if t.distinct:
+            t.on(t.var.mapping)[...] = tile
+        else:
+            t.var.mapping[t.elements()] = tile
 
     def setTileMappingIntervals(self, t: Tensor, intervals) -> None:
         """Map flat element intervals of the view: `[(tile, begin, end), ...]`, end exclusive."""
         self._own(t)
-        elements, n = t.elements(), t.numel
+        n, span = t.numel, t.span
         for tile, begin, end in intervals:
             if not 0 <= begin <= end <= n:
                 raise ValueError(f"interval [{begin}, {end}) is outside tensor {t.name!r} of {n} elements")
-            if isinstance(elements, slice):
-                t.var.mapping[elements.start + begin:elements.start + end] = self._check_tile(tile)
+            if span is not None:
+                t.var.mapping[span + begin:span + end] = self._check_tile(tile)
             else:
-                t.var.mapping[elements[begin:end]] = self._check_tile(tile)
+                t.var.mapping[t.elements_at(np.arange(begin, end))] = self._check_tile(tile)
 
     def getTileMapping(self, t: Tensor) -> list[list[tuple[int, int]]]:
         """Per tile, the list of [begin, end) intervals of the view's flat elements on it."""

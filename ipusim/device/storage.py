@@ -80,10 +80,17 @@ class IpuMemory:
         v = t.var
         if self.layout == "fast":
             base = self._offset(v)
-            if t.span is not None:
-                return np.arange(base + t.span, base + t.span + t.numel, dtype=np.int64)
+            span = t.span
+            if span is not None:
+                return np.arange(base + span, base + span + t.numel, dtype=np.int64)
             return np.add(t.index.reshape(-1), base, dtype=np.int64)  # indices may be int32
-        return self.addr[v.id][t.elements()]
+        return t.on(self.addr[v.id]).reshape(-1)
+
+    def view(self, t: Tensor) -> np.ndarray | None:
+        """The view's storage as a NumPy view of its arena (fast layout, strided view), else None."""
+        if self.layout != "fast" or t._index is not None:
+            return None
+        return t.on(self.arenas[t.var.dtype], self._offset(t.var))
 
     def field_addresses(self, f: Field) -> np.ndarray:
         """Arena address of every element a vertex field connects, in vertex order."""
@@ -114,12 +121,12 @@ class IpuMemory:
         return self.arenas[np.dtype(dtype)]
 
     def read(self, t: Tensor) -> np.ndarray:
-        """The view's values (a NumPy view when the layout allows it: do not modify)."""
-        arena = self.arenas[t.var.dtype]
-        if self.layout == "fast" and t.span is not None:
-            base = self._offset(t.var) + t.span
-            return arena[base:base + t.numel].reshape(t.shape)
-        return arena[self.addresses(t)].reshape(t.shape)
+        """The view's values: a NumPy view of the storage in the fast layout when the view is
+        strided (do not modify), else a copy."""
+        view = self.view(t)
+        if view is not None:
+            return view
+        return self.arenas[t.var.dtype][self.addresses(t)].reshape(t.shape)
 
     def write(self, t: Tensor, values) -> None:
         arena = self.arenas[t.var.dtype]
@@ -130,9 +137,9 @@ class IpuMemory:
             except ValueError:
                 raise ValueError(f"cannot write values of shape {values.shape} to tensor {t.name!r} "
                                  f"of shape {t.shape}") from None
-        if self.layout == "fast" and t.span is not None:
-            base = self._offset(t.var) + t.span
-            arena[base:base + t.numel] = values.reshape(-1)
+        view = self.view(t) if t.distinct else None
+        if view is not None:
+            view[...] = values
         else:
             arena[self.addresses(t)] = values.reshape(-1)
 

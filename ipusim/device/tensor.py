@@ -1,10 +1,11 @@
 """Variables (storage with a tile mapping) and tensors (views of one variable).
 
 A `Variable` owns `numel` elements of one dtype on one IPU; every element lives on exactly one
-tile (`mapping[i]`, -1 until mapped). A `Tensor` is a view: the flat element indices of its
-variable it covers, shaped like the view, kept as a run (first element and shape) when they are
-consecutive and as an index array otherwise. Slicing, reshaping, transposing and broadcasting
-only derive new indices, so a view always knows which tile holds each of its elements.
+tile (`mapping[i]`, -1 until mapped). A `Tensor` is a view: (variable, offset, shape, strides)
+as NumPy's, so slicing (with steps), transposing, broadcasting and reshaping contiguous data
+derive new numbers, not indices; only gathers (integer-array and mask indexing, reshapes no
+strides express) hold an index array. Either way a view knows which tile holds each of its
+elements: applied to the variable's mapping (`Tensor.on`) it is a NumPy view of it.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.bool_,
           "uint32": np.uint32}
@@ -71,53 +73,114 @@ class Variable:
 class Tensor:
     """A view of a Variable: which of its elements, in which shape.
 
-    Two forms. A *run* (`_index is None`) is `numel` consecutive elements of the variable from
-    `_start`, in C order: the whole variable, and every reshape or slice of a run that stays
-    contiguous, held as two numbers. Any other view (strided slices, transposes, broadcasts,
-    gathers) holds an explicit array of flat element indices shaped like the view. An explicit
-    index that turns out contiguous becomes a run, so a graph keeps index arrays only where they
-    say something.
+    Two forms. A *strided* view (`_index is None`) is NumPy's: element `i` of the view is the
+    variable's flat element `offset + sum(i[d] * strides[d])`, held as a few numbers. Slices
+    (with steps), transposes, broadcasts (stride 0) and reshapes that NumPy can make without a
+    copy stay strided; a C-contiguous one is a *run* (`span`). A *gather* holds an explicit array
+    of flat element indices shaped like the view: what integer-array and mask indexing select,
+    and reshapes of non-contiguous views that no strides express. A gather whose indices turn
+    out to be strided becomes a strided view, so a graph keeps index arrays only where they say
+    something.
     """
 
-    __slots__ = ("var", "shape", "_index", "_start")
+    __slots__ = ("var", "shape", "offset", "strides", "_index")
 
     def __init__(self, var: Variable, index: np.ndarray | None = None, shape: tuple | None = None,
-                 start: int = 0):
+                 offset: int = 0, strides: tuple | None = None):
         self.var = var
         if index is not None:
-            run = run_start(index)
-            if run is not None:
-                start, shape, index = run, index.shape, None
+            layout = strides_of(index)
+            if layout is not None:
+                shape, (offset, strides), index = index.shape, layout, None
         self._index = index
-        self._start = None if index is not None else int(start)
-        self.shape = tuple(index.shape) if index is not None else tuple(var.shape if shape is None else shape)
+        if index is not None:
+            self.shape, self.offset, self.strides = tuple(index.shape), None, None
+            return
+        self.shape = tuple(var.shape if shape is None else shape)
+        self.offset = int(offset)
+        self.strides = c_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
+        if 0 in self.shape:  # an empty view names no element: keep one form of it
+            self.offset, self.strides = 0, c_strides(self.shape)
 
     # ---- properties -----------------------------------------------------------------------
     @property
     def index(self) -> np.ndarray:
-        """Flat element indices into the variable, shaped like the view (a run's are made on
-        each call, not kept)."""
+        """Flat element indices into the variable, shaped like the view (a strided view's are
+        made on each call, not kept)."""
         if self._index is not None:
             return self._index
-        return np.arange(self._start, self._start + self.numel,
-                         dtype=index_dtype(self.var.numel)).reshape(self.shape)
+        total = np.full((1,) * self.rank, self.offset, index_dtype(self.var.numel))
+        for d, (n, s) in enumerate(zip(self.shape, self.strides)):
+            total = total + (np.arange(n, dtype=total.dtype) * s).reshape((1,) * d + (n,) + (1,) * (self.rank - d - 1))
+        return total
 
     def elements(self) -> slice | np.ndarray:
         """The view's flat elements, in order, as something that indexes a per-element array of
         the variable (its mapping, its storage): a slice for a run, else a 1-d index array."""
-        if self._index is None:
-            return slice(self._start, self._start + self.numel)
-        return self._index.reshape(-1)
+        span = self.span
+        if span is not None:
+            return slice(span, span + self.numel)
+        return self.index.reshape(-1)
+
+    def elements_at(self, positions: np.ndarray) -> np.ndarray:
+        """The variable elements (int64) at flat `positions` of the view, in time proportional to
+        the positions, not to the view."""
+        positions = np.asarray(positions, np.int64)
+        if self._index is not None:
+            return self._index.reshape(-1)[positions].astype(np.int64)
+        span = self.span
+        if span is not None:
+            return positions + span
+        out = np.full(positions.shape, self.offset, np.int64)
+        rest = positions
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            rest, i = np.divmod(rest, n)
+            out += i * s
+        return out
+
+    def on(self, array: np.ndarray, base: int = 0) -> np.ndarray:
+        """The view applied to a per-element array of the variable (its mapping, its fast-layout
+        storage from `base`): a NumPy view of `array`, never a copy, when the view is strided
+        (writeable unless it repeats elements); a gather's values otherwise."""
+        if self._index is not None:
+            return array[self._index + base] if base else array[self._index]
+        step = array.itemsize
+        writeable = 0 not in (s for n, s in zip(self.shape, self.strides) if n > 1)
+        return as_strided(array[base + self.offset:], self.shape, tuple(s * step for s in self.strides),
+                          writeable=writeable)
+
+    @property
+    def distinct(self) -> bool:
+        """True when no element of the variable appears twice in the view (known without
+        indices for a strided view; a gather is not assumed distinct)."""
+        if self._index is not None:
+            return False
+        reach = 0
+        for n, s in sorted(((n, abs(s)) for n, s in zip(self.shape, self.strides) if n > 1), key=lambda a: a[1]):
+            if s <= reach:
+                return False
+            reach += s * (n - 1)
+        return True
 
     @property
     def is_whole(self) -> bool:
         """True when the view is every element of its variable in natural order (any shape)."""
-        return self._index is None and self._start == 0 and self.numel == self.var.numel
+        return self.span == 0 and self.numel == self.var.numel
 
     @property
     def span(self) -> int | None:
-        """First flat element when the view is a run (it reads and writes as a slice), else None."""
-        return self._start
+        """First flat element when the view is a run (C-contiguous: it reads and writes as a
+        slice), else None."""
+        if self._index is not None:
+            return None
+        if self.numel == 0:
+            return 0
+        expected = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n > 1 and s != expected:
+                return None
+            expected *= n
+        return self.offset
 
     @property
     def dtype(self) -> np.dtype:
@@ -145,28 +208,41 @@ class Tensor:
 
     def tiles(self) -> np.ndarray:
         """Tile of every element (int32, -1 where unmapped), shaped like the view."""
-        return self.var.mapping[self.elements()].astype(np.int32).reshape(self.shape)
+        return self.on(self.var.mapping).astype(np.int32)
 
     def __repr__(self):
         kind = "" if self.is_whole else " view"
         return f"Tensor({self.var.name!r}{kind}, {self.dtype.name}, {self.shape}, ipu={self.ipu})"
 
     # ---- views ----------------------------------------------------------------------------
-    def _view(self, index: np.ndarray) -> "Tensor":
+    def _gather(self, index: np.ndarray) -> "Tensor":
         return Tensor(self.var, np.asarray(index, order="C"))
 
+    def _strided(self, mapped: np.ndarray) -> "Tensor":
+        """The strided view whose application to the variable's mapping is `mapped`, a NumPy
+        view that `on(mapping)` was turned into by basic indexing, a transpose, a broadcast or
+        a reshape: NumPy did the arithmetic, its offset and strides are read back."""
+        mapping = self.var.mapping
+        step = mapping.itemsize
+        offset = (mapped.__array_interface__["data"][0] - mapping.__array_interface__["data"][0]) // step
+        return Tensor(self.var, None, mapped.shape, offset, tuple(s // step for s in mapped.strides))
+
     def __getitem__(self, key) -> "Tensor":
-        parsed = _parse_key(self._start, self.shape, key) if self._index is None else None
-        if parsed is not None:  # a run indexed without making its indices
-            first, axes = parsed
-            run = _run_of(first, axes)
-            if run is not None:
-                return Tensor(self.var, None, run[1], run[0])
-            return self._view(_gather(first, axes).astype(index_dtype(self.var.numel)))
-        sub = self.index[key]
-        if not isinstance(sub, np.ndarray):
-            sub = np.asarray(sub).reshape(())
-        return self._view(sub)
+        if self._index is None and _is_basic(key):
+            key = key if isinstance(key, tuple) else (key,)
+            if not any(k is Ellipsis for k in key):
+                key += (Ellipsis,)  # so that integers alone still give a (0-d) view, not a scalar
+            return self._strided(self.on(self.var.mapping)[key])
+        if self._index is not None:
+            sub = self._index[key]
+        else:  # a gather from a strided view: per axis its term, indexed by the key (NumPy's
+            # fancy indexing of a broadcast, so the work is proportional to the result)
+            dtype = index_dtype(self.var.numel)
+            sub = np.broadcast_to(np.asarray(self.offset, dtype), self.shape)[key]
+            for d, (n, s) in enumerate(zip(self.shape, self.strides)):
+                term = (np.arange(n, dtype=dtype) * s).reshape((1,) * d + (n,) + (1,) * (self.rank - d - 1))
+                sub = sub + np.broadcast_to(term, self.shape)[key]
+        return self._gather(np.asarray(sub).reshape(np.shape(sub)))
 
     def slice(self, begin: int, end: int, dim: int = 0) -> "Tensor":
         key = [slice(None)] * self.rank
@@ -175,26 +251,35 @@ class Tensor:
 
     def reshape(self, *shape) -> "Tensor":
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = _resolve_shape(shape, self.numel, self.shape)
+        if shape == self.shape:
+            return self
         if self._index is None:
-            shape = _resolve_shape(shape, self.numel, self.shape)
-            return self if shape == self.shape else Tensor(self.var, None, shape, self._start)
-        return self._view(self._index.reshape(shape))
+            try:
+                return self._strided(self.on(self.var.mapping).reshape(shape, copy=False))
+            except ValueError:  # no strides express it: the indices say it
+                pass
+        return self._gather(self.index.reshape(shape))
 
     def flatten(self) -> "Tensor":
         return self.reshape(self.numel)
 
     def transpose(self, *axes) -> "Tensor":
         axes = axes[0] if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else (axes or None)
-        return self._view(self.index.transpose(axes))
+        if self._index is None:
+            return self._strided(self.on(self.var.mapping).transpose(axes))
+        return self._gather(self._index.transpose(axes))
 
     @property
     def T(self) -> "Tensor":
         return self.transpose()
 
     def broadcast(self, shape) -> "Tensor":
-        """Broadcast to `shape`: repeated elements refer to the same storage (and tile). The
-        index is NumPy's read-only broadcast view, as small as the source's."""
-        return Tensor(self.var, np.broadcast_to(self.index, tuple(shape)))
+        """Broadcast to `shape`: repeated elements refer to the same storage (and tile), by
+        stride 0 (a gather's index is NumPy's read-only broadcast view, as small as the source's)."""
+        if self._index is None:
+            return self._strided(np.broadcast_to(self.on(self.var.mapping), tuple(shape)))
+        return Tensor(self.var, np.broadcast_to(self._index, tuple(shape)))
 
     def expand_dims(self, axis: int) -> "Tensor":
         rank = self.rank + 1
@@ -202,6 +287,44 @@ class Tensor:
             raise ValueError(f"axis {axis} is out of range for a new axis of a rank-{self.rank} view")
         axis %= rank
         return self.reshape(self.shape[:axis] + (1,) + self.shape[axis:])
+
+
+def c_strides(shape: tuple) -> tuple:
+    """Strides (in elements) of a C-contiguous array of `shape`."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def strides_of(index: np.ndarray) -> tuple[int, tuple] | None:
+    """(offset, strides) when `index` (flat element indices) is `offset + sum(i[d] * strides[d])`
+    for every position i, else None. Reads a few elements unless they fit, so a gather that is
+    not strided costs little to reject."""
+    if index.size == 0:
+        return 0, c_strides(index.shape)
+    offset = int(index.flat[0])
+    corner = (0,) * index.ndim
+    strides = tuple(int(index[corner[:d] + (1,) + corner[d + 1:]]) - offset if n > 1 else 0
+                    for d, n in enumerate(index.shape))
+    last = offset + sum((n - 1) * s for n, s in zip(index.shape, strides))
+    if int(index.flat[-1]) != last:
+        return None
+    if index.size > 2:
+        expected = np.full((1,) * index.ndim, offset, np.int64)
+        for d, (n, s) in enumerate(zip(index.shape, strides)):
+            expected = expected + (np.arange(n, dtype=np.int64) * s).reshape((1,) * d + (n,) + (1,) * (index.ndim - d - 1))
+        if not np.array_equal(index, expected):
+            return None
+    return offset, strides
+
+
+def _is_basic(key) -> bool:
+    """True for keys NumPy answers with a view: integers, slices, None and Ellipsis."""
+    key = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, slice)
+               or (isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))) for k in key)
 
 
 def run_start(index: np.ndarray) -> int | None:
@@ -228,64 +351,3 @@ def _resolve_shape(shape: tuple, numel: int, current: tuple) -> tuple:
     if any(s < 0 for s in shape) or math.prod(shape) != numel:
         raise ValueError(f"cannot reshape a view of shape {current} ({numel} elements) into {shape}")
     return shape
-
-
-def _parse_key(start: int, shape: tuple, key) -> tuple[int, list] | None:
-    """A key of integers and slices, or of slices and one integer array, applied to a run of
-    `shape` from `start`: (first element, per result axis group (stride, positions kept: a range,
-    or the array)), integers folded into the first element. None for other keys (None, Ellipsis,
-    boolean masks, several arrays, integers next to an array), which index the run's
-    materialised indices instead."""
-    key = key if isinstance(key, tuple) else (key,)
-    arrays = [k for k in key if isinstance(k, np.ndarray)]
-    plain = [k for k in key if not isinstance(k, np.ndarray)]
-    if (len(key) > len(shape) or len(arrays) > 1 or any(a.dtype.kind not in "iu" for a in arrays)
-            or not all(isinstance(k, (slice, int, np.integer)) and not isinstance(k, (bool, np.bool_))
-                       for k in plain)
-            or (arrays and not all(isinstance(k, slice) for k in plain))):
-        return None
-    first, axes = start, []
-    for d, size in enumerate(shape):
-        k = key[d] if d < len(key) else slice(None)
-        stride = math.prod(shape[d + 1:])
-        if isinstance(k, slice):
-            axes.append((stride, range(*k.indices(size))))
-            continue
-        bad = (k < -size) | (k >= size)
-        if np.any(bad):
-            raise IndexError(f"index {int(np.asarray(k)[bad].flat[0])} is out of bounds for axis {d} "
-                             f"with size {size}")
-        if isinstance(k, np.ndarray):
-            axes.append((stride, np.where(k < 0, k + size, k).astype(np.int64)))
-        else:
-            first += (int(k) + (size if k < 0 else 0)) * stride
-    return first, axes
-
-
-def _run_of(first: int, axes: list) -> tuple[int, tuple] | None:
-    """(first element, shape) when the kept ranges of every axis make one run, else None."""
-    if not all(isinstance(kept, range) for _, kept in axes):
-        return None
-    shape = tuple(len(kept) for _, kept in axes)
-    if math.prod(shape) == 0:
-        return first, shape
-    expected = 1
-    for stride, kept in reversed(axes):
-        if len(kept) > 1 and kept.step * stride != expected:
-            return None
-        expected *= len(kept)
-    return first + sum(kept.start * stride for stride, kept in axes), shape
-
-
-def _gather(first: int, axes: list) -> np.ndarray:
-    """The flat indices `_parse_key` describes: first + the outer sum over axes of the kept
-    positions x stride, in time and memory proportional to the result."""
-    terms = [(np.arange(kept.start, kept.stop, kept.step, dtype=np.int64) if isinstance(kept, range) else kept)
-             * stride for stride, kept in axes]
-    rank = sum(t.ndim for t in terms)
-    total = np.full((1,) * rank, first, np.int64)
-    at = 0
-    for t in terms:
-        total = total + t.reshape((1,) * at + t.shape + (1,) * (rank - at - t.ndim))
-        at += t.ndim
-    return total

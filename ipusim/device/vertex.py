@@ -112,9 +112,7 @@ class Field:
     @staticmethod
     def at(t: Tensor, positions: np.ndarray, offsets: np.ndarray) -> "Field":
         """Vertex v connects the flat elements `positions[offsets[v]:offsets[v+1]]` of the view."""
-        positions = np.asarray(positions, np.int64).reshape(-1)
-        span = t.span
-        elements = positions + span if span is not None else t.index.reshape(-1)[positions].astype(np.int64)
+        elements = t.elements_at(np.asarray(positions, np.int64).reshape(-1))
         return Field.from_elements([t.var], np.zeros(len(offsets) - 1, np.int32), elements, offsets)
 
     @staticmethod
@@ -127,8 +125,9 @@ class Field:
         j = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], counts)
         first = np.repeat(starts, counts) + j * np.repeat(strides, counts)
         length = np.repeat(lengths, counts)
-        if t.span is not None:
-            return Field.from_runs([t.var], np.zeros(counts.size, np.int32), first + t.span, length, offsets)
+        span = t.span
+        if span is not None:
+            return Field.from_runs([t.var], np.zeros(counts.size, np.int32), first + span, length, offsets)
         return Field.at(t, expand_runs(first, length), np.concatenate(([0], np.cumsum(length)))[offsets])
 
     @staticmethod

@@ -50,7 +50,7 @@ def gather_boxes(graph: Graph, body: Sequence, src: Tensor, first: np.ndarray, e
     on its tile (a view of the source itself where every element already lives there), and the
     boxes' offsets in it."""
     sizes = np.asarray(extent, np.int64).prod(axis=1)
-    index = elements_at(src, box_positions(first, extent, src.shape))
+    index = src.elements_at(box_positions(first, extent, src.shape))
     local = placed(graph, body, Tensor(src.var, index), np.repeat(np.asarray(tiles), sizes), name)
     return local, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
@@ -131,12 +131,6 @@ def box_positions(first: np.ndarray, extent: np.ndarray, shape) -> np.ndarray:
         row_start += (first[box, d] + r) * stride
         stride *= int(shape[d])
     return expand_runs(row_start, row_length[box])
-
-
-def elements_at(t: Tensor, positions: np.ndarray) -> np.ndarray:
-    """The variable elements of the view at flat `positions`."""
-    span = t.span
-    return positions + span if span is not None else t.index.reshape(-1)[positions].astype(np.int64)
 
 
 def lookup(table: dict, keys: np.ndarray) -> np.ndarray:

@@ -53,7 +53,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import box_positions, by_distinct_rows, elements_at, gather_boxes, new_output, split_ranges
+from .common import box_positions, by_distinct_rows, gather_boxes, new_output, split_ranges
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_tiles,
                      ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
                      output_dtype, partials_variable, ranges, reduce_cycles, reduce_partials, split_grid)
@@ -388,7 +388,7 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
     w_spans = np.asarray([w.span(o0, o1, 0, kw) for o0, o1 in cols], np.int64).reshape(len(cols), 2)
     hlo, hhi = h_spans[oh0 // step[3], k0 // step[6]].T
     wlo, whi = w_spans[ow0 // step[4]].T
-    boxes = elements_at(outv, box_positions(first[:, :5], extent[:, :5], outv.shape))
+    boxes = outv.elements_at(box_positions(first[:, :5], extent[:, :5], outv.shape))
     sizes = gb * bb * cob * ohb * owb
     reduction = plan.reduction_split
     if reduction == 1:

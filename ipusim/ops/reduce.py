@@ -1054,7 +1054,8 @@ def output_storage(io, t: Tensor) -> np.ndarray | None:
         return None
     view = io.read(t)
     memory = io if hasattr(io, "arena") else io[t.ipu]  # one IPU's memory, or a device's
-    return view.reshape(-1) if np.may_share_memory(view, memory.arena(t.dtype)) else None
+    flat = view.reshape(-1)  # a copy unless the view is contiguous
+    return flat if np.shares_memory(flat, memory.arena(t.dtype)) else None
 
 
 def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tensor, axes: tuple,
