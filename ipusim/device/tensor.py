@@ -124,13 +124,14 @@ class Tensor:
 
     def elements_at(self, positions: np.ndarray) -> np.ndarray:
         """The variable elements (int64) at flat `positions` of the view, in time proportional to
-        the positions, not to the view."""
+        the positions (or to the view, when they are as many: then its indices are cheaper to
+        make than one division per axis and position)."""
         positions = np.asarray(positions, np.int64)
-        if self._index is not None:
-            return self._index.reshape(-1)[positions].astype(np.int64)
         span = self.span
         if span is not None:
             return positions + span
+        if self._index is not None or 2 * positions.size >= self.numel:
+            return self.index.reshape(-1)[positions].astype(np.int64)
         out = np.full(positions.shape, self.offset, np.int64)
         rest = positions
         for n, s in zip(reversed(self.shape), reversed(self.strides)):
