@@ -228,6 +228,34 @@ def test_strict_layout_gives_each_tile_its_own_segment():
         assert ((addr >= seg[tiles]) & (addr < seg[tiles + 1])).all()
 
 
+@pytest.mark.parametrize("layout", ["strict", "fast"])
+def test_strided_views_read_and_write_in_place(layout):
+    """In the fast layout a strided view reads as a NumPy view of its storage, not a copy; in
+    both layouts strided reads, writes and copies touch the elements NumPy's view names."""
+    from ipusim.device.storage import IpuMemory
+    g = ip.Graph(ip.Target.test(4))
+    a = g.addVariable("float32", (6, 8), "a")
+    b = g.addVariable("float32", (4, 6), "b")
+    g.map_linearly(a)
+    g.map_linearly(b)
+    mem = IpuMemory(g, layout)
+    values = np.arange(48, dtype=np.float32).reshape(6, 8)
+    mem.write(a, values)
+    view = a.T[::2, 1:]
+    got = mem.read(view)
+    assert np.array_equal(got, values.T[::2, 1:])
+    assert np.shares_memory(got, mem.arena(np.float32)) == (layout == "fast")
+    mem.write(view, -got)
+    expected = values.copy()
+    expected.T[::2, 1:] *= -1
+    assert np.array_equal(mem.read(a), expected)
+    mem.write(b, 0)
+    mem.write(b.T[::-1], np.arange(24, dtype=np.float32).reshape(6, 4))
+    assert np.array_equal(mem.read(b), np.arange(24, dtype=np.float32).reshape(6, 4)[::-1].T)
+    row = a[2]
+    assert np.array_equal(mem.read(row.broadcast((3, 8))), np.broadcast_to(expected[2], (3, 8)))
+
+
 # ---- programs and engine -------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_reruns_and_streams(mode):
