@@ -7,6 +7,8 @@ ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profil
 from .api import enums, optim, options
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, removeBlocks
 from .api.data import AsynchronousDataAccessor, DataLoader
+from .api.errors import Error, RecoverableError, UnrecoverableError
+from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion
 from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import identity_loss
@@ -21,8 +23,9 @@ from .runtime.executor import PoplarExecutor, inferenceModel, trainingModel
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
+           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
-           "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
-           "TensorLocationSettings", "UnsupportedOpError", "identity_loss", "inferenceModel", "op_placement", "optim",
+           "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
+           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "identity_loss", "inferenceModel",
+           "ipuHardwareIsAvailable", "ipuHardwareVersion", "op_placement", "optim",
            "removeBlocks", "setLogLevel", "trainingModel"]

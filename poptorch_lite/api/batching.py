@@ -17,10 +17,11 @@ from typing import Mapping, Optional, Sequence, Tuple
 import torch
 
 from .enums import OutputMode
+from .errors import Error
 from .options import Options
 
 
-class BatchSizeError(ValueError):
+class BatchSizeError(Error, ValueError):
     """A model call's batch dimension does not fit the batching options."""
 
 

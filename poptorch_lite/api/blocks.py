@@ -41,8 +41,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .errors import Error
 
-class BlockError(RuntimeError):
+
+class BlockError(Error, RuntimeError):
     """A block annotation is invalid or an op was issued outside any block."""
 
 

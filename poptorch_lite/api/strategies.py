@@ -35,9 +35,10 @@ from ipusim import schedules
 
 from .blocks import DEFAULT_REGION, BlockRef
 from .enums import AutoStage, Liveness
+from .errors import Error
 
 
-class StrategyError(ValueError):
+class StrategyError(Error, ValueError):
     """An execution strategy is malformed or does not fit the traced blocks."""
 
 

@@ -26,10 +26,11 @@ from ipusim.ops import random as rnd
 from ipusim.ops import reduce as reduce_ops
 from ipusim.ops import softmax as sm
 
+from ..api.errors import Error
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
 
 
-class CompileError(RuntimeError):
+class CompileError(Error, RuntimeError):
     pass
 
 

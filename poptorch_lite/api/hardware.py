@@ -1,0 +1,17 @@
+"""Which IPU hardware the process can use: none. Every model runs on emulated IPUs (ipusim), so
+PopTorch's hardware queries answer as on a machine without IPUs."""
+from __future__ import annotations
+
+
+def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
+    """False: no physical IPU is attached; models run on emulated IPUs whatever `num_ipus`."""
+    if isinstance(num_ipus, bool) or not isinstance(num_ipus, int) or num_ipus < 1:
+        raise ValueError(f"ipuHardwareIsAvailable: num_ipus must be a positive int, got {num_ipus!r}")
+    return False
+
+
+def ipuHardwareVersion() -> int:
+    """PopTorch's version of the attached IPUs; there are none, so this fails as PopTorch does
+    on a machine without IPUs. `Options.Emulator.setTarget` chooses the emulated IPU's version."""
+    raise AssertionError("No IPU hardware available on this system: poptorch_lite runs models on "
+                         "emulated IPUs (choose their version with Options.Emulator.setTarget)")

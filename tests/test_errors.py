@@ -1,0 +1,38 @@
+"""PopTorch's exception classes and hardware queries, as a PopTorch program sees them."""
+import pytest
+import torch
+
+import poptorch_lite as poptorch
+from poptorch_lite.api.batching import BatchSizeError
+
+
+def test_error_hierarchy_matches_poptorch():
+    assert issubclass(poptorch.RecoverableError, poptorch.Error)
+    assert issubclass(poptorch.UnrecoverableError, poptorch.Error)
+    assert not issubclass(poptorch.Error, (RuntimeError, ValueError))
+    error = poptorch.RecoverableError("the run failed")
+    assert error.message == "the run failed"
+    assert error.type and error.recovery_action == "" and error.location == ""
+
+
+@pytest.mark.parametrize("cls, python_class", [
+    (poptorch.BlockError, RuntimeError), (poptorch.StrategyError, ValueError),
+    (BatchSizeError, ValueError), (poptorch.CompileError, RuntimeError),
+    (poptorch.UnsupportedOpError, NotImplementedError)])
+def test_project_errors_are_poptorch_errors(cls, python_class):
+    assert issubclass(cls, poptorch.Error) and issubclass(cls, python_class)
+
+
+def test_a_wrong_batch_is_caught_as_poptorch_error():
+    model = poptorch.inferenceModel(torch.nn.Linear(2, 2), poptorch.Options().deviceIterations(3))
+    with pytest.raises(poptorch.Error, match="Invalid batch dimension 4"):
+        model(torch.ones(4, 2))
+
+
+def test_no_ipu_hardware():
+    assert poptorch.ipuHardwareIsAvailable() is False
+    assert poptorch.ipuHardwareIsAvailable(16) is False
+    with pytest.raises(ValueError, match="num_ipus"):
+        poptorch.ipuHardwareIsAvailable(0)
+    with pytest.raises(AssertionError, match="No IPU hardware"):
+        poptorch.ipuHardwareVersion()
