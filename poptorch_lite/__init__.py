@@ -5,7 +5,8 @@ blocks and strategies, DataLoader, optimisers), `compiler` (a torch.nn.Module to
 ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profiling, distributed).
 """
 from .api import enums, optim, options
-from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, removeBlocks
+from .api.arguments import ICustomArgParser, registerCustomArgParser
+from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion
@@ -23,9 +24,9 @@ from .runtime.executor import PoplarExecutor, inferenceModel, trainingModel
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "Liveness", "MeanReductionStrategy",
+           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "identity_loss", "inferenceModel",
-           "ipuHardwareIsAvailable", "ipuHardwareVersion", "op_placement", "optim",
-           "removeBlocks", "setLogLevel", "trainingModel"]
+           "ipuHardwareIsAvailable", "ipuHardwareVersion", "module_repr", "op_placement", "optim",
+           "registerCustomArgParser", "removeBlocks", "setLogLevel", "trainingModel"]

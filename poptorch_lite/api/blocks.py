@@ -216,6 +216,20 @@ def block_annotation(module: torch.nn.Module) -> Optional[BeginBlockHook]:
     return None
 
 
+def module_repr(module: torch.nn.Module) -> str:
+    """``repr(module)`` showing the BeginBlock annotation of every (sub)module before its name."""
+    extra = module.extra_repr()
+    lines = extra.split("\n") if extra else []
+    children = [f"({name}): " + module_repr(child).replace("\n", "\n  ") for name, child in module.named_children()]
+    annotation = block_annotation(module)
+    text = (f"{annotation!r} " if annotation is not None else "") + module._get_name() + "("
+    if len(lines) == 1 and not children:
+        text += lines[0]
+    elif lines or children:
+        text += "\n  " + "\n  ".join(lines + children) + "\n"
+    return text + ")"
+
+
 def BeginBlock(
     module: torch.nn.Module, user_id: Optional[str] = None, ipu_id: Optional[int] = None
 ) -> torch.nn.Module:

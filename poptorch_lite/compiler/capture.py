@@ -24,7 +24,6 @@ phase: what PopTorch only prints in its debug log, here as data.
 
 from __future__ import annotations
 
-import inspect
 import operator
 import os
 import sys
@@ -34,8 +33,8 @@ from typing import Optional
 import torch
 import torch.fx
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
-from torch.utils._pytree import tree_leaves
 
+from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
 from ..api.strategies import ExecutionStrategy, PipelinedExecution, Placement, StrategyError
 
@@ -78,26 +77,24 @@ def describe_op(node: torch.fx.Node, root: Optional[torch.nn.Module] = None) -> 
 class BlockTracer(torch.fx.Tracer):
     """An fx Tracer that records the active block on every node it creates."""
 
-    def __init__(self, trace: BlockTrace):
+    def __init__(self, trace: BlockTrace, call: arguments.CallArguments):
         super().__init__()
         self._trace = trace
-        self._creating_inputs = False
+        self._call = call
 
-    def create_args_for_root(self, *args, **kwargs):
-        # Nodes made here, other than placeholders, are fx's guards on concrete inputs.
-        self._creating_inputs = True
-        try:
-            return super().create_args_for_root(*args, **kwargs)
-        finally:
-            self._creating_inputs = False
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        """One placeholder per tensor of the call; `forward` runs on the call rebuilt around them."""
+        placeholders = [self.create_proxy("placeholder", name, (), {}) for name in self._call.names]
+        args, kwargs = self._call.with_tensors(placeholders)
+        root = self.root
+
+        def call_forward():
+            return root.forward(*args, **kwargs)
+        return call_forward, []
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         node.meta["block"] = self._trace.active
-        if self._creating_inputs:
-            if kind != "placeholder":
-                node.meta["concrete_input_guard"] = True
-            return node
         if kind not in OP_KINDS:
             return node
         node.meta["source"] = user_source()
@@ -155,57 +152,36 @@ def outside_block_error(
     )
 
 
-def _has_tensor(value) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(value))
-
-
-def _inputs(model: torch.nn.Module, args, kwargs) -> tuple[list, dict]:
-    """Every forward input in signature order, and the ones traced as constants."""
-    signature = inspect.signature(model.forward)
-    for parameter in signature.parameters.values():
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            raise TypeError(
-                f"capture cannot trace {type(model).__name__}.forward{signature}: give "
-                "every input its own named parameter instead of *args / **kwargs"
-            )
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError as error:
-        raise TypeError(
-            f"the example inputs do not match {type(model).__name__}.forward{signature}: {error}"
-        ) from None
-    values, concrete = [], {}
-    for name, parameter in signature.parameters.items():
-        value = bound.arguments.get(name, parameter.default)
-        values.append(value)
-        if not _has_tensor(value):
-            concrete[name] = value
-    return values, concrete
-
-
 def capture(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.fx.GraphModule:
     """Trace ``model`` with its blocks; return the fx GraphModule.
 
-    Inputs holding tensors are traced symbolically; the others (None, numbers,
-    missing inputs with defaults) are fixed, so ``forward(x, labels=None)`` called
-    as ``capture(model, x)`` traces the inference branch and ``capture(model, x, y)``
-    the training branch. Nodes get ``meta["tensor_meta"]`` from running the graph
-    on the example inputs.
+    ``forward`` is called as a user calls it (keywords, defaults, ``*args`` and ``**kwargs``,
+    tensors nested in tuples, lists, dicts and custom types: see ``poptorch_lite.api.arguments``).
+    Each tensor of the call is a placeholder, in the order of ``arguments.bind``; everything
+    else (None, numbers, missing inputs with defaults) is fixed, so ``forward(x, labels=None)``
+    called as ``capture(model, x)`` traces the inference branch and ``capture(model, x, y)`` the
+    training branch. Nodes get ``meta["tensor_meta"]`` from running the graph on the example
+    inputs.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
-    values, concrete = _inputs(model, example_inputs, example_kwargs)
+    call = arguments.bind(model.forward, example_inputs, example_kwargs)
     with tracing_blocks() as trace:
         root_hook = block_annotation(model)
         if root_hook is not None:
             root_hook.start()
-        tracer = BlockTracer(trace)
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    for node in reversed(list(graph.nodes)):
-        if node.meta.get("concrete_input_guard"):
-            graph.erase_node(node)
+        tracer = BlockTracer(trace, call)
+        attributes = set(vars(model))
+        graph = tracer.trace(model)
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-    ShapeProp(graph_module).propagate(*values)
+    for name in set(vars(model)) - attributes:
+        # A tensor made in forward: fx keeps it on the model, and the graph module holds it as a
+        # buffer. It is a constant of the graph, neither a weight nor the model's attribute.
+        constant = getattr(model, name)
+        delattr(model, name)
+        del graph_module._buffers[name]
+        setattr(graph_module, name, constant)
+    ShapeProp(graph_module).propagate(*(t for _, t in call.tensors))
     for node in graph.nodes:
         if "unpacks_after" in node.meta:
             produced = node.args[0].meta.get("tensor_meta")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 import weakref
@@ -23,7 +22,8 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from ..api import batching
+from ..api import arguments, batching
+from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api.options import Options
 from ..compiler.executable import Executable, compile_model, target_of
@@ -78,13 +78,14 @@ class PoplarExecutor:
         self._user_model = model
         self._training = training
         self._executable: Executable | None = None
-        self._compiled_shapes = None
+        self._call: arguments.CallArguments | None = None  # the call the executable was compiled for
         self._is_attached = False
         self._dirty_host_weights = False
         self._host_weights_version = 0
         self.last_run: RunRecord | None = None
         self._collective = None     # cross-process gradient reduction (poptorch_lite.runtime.distributed)
         self._profiler = None       # poptorch_lite.runtime.profiling, only when profiling is on
+        self._pool = None           # host threads running the IPUs of a step (Emulator.setHostThreads)
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -173,32 +174,26 @@ class PoplarExecutor:
         """Compile for these inputs without running (the only way with an offline target)."""
         if self._executable is None:
             self._compile_or_load(args, kwargs)
-            self._compiled_shapes = input_signature(args)
 
-    def _tensor_inputs(self, args, kwargs) -> list[tuple[str, torch.Tensor]]:
-        names = list(inspect.signature(self._user_model.forward).parameters)
-        named = list(zip(names, args)) + list(kwargs.items())
-        return [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
-
-    def _batch_plan(self, args, kwargs) -> batching.BatchPlan:
-        """Check every input's batch dimension; the first fixes the micro-batch size."""
+    def _batch_plan(self, tensors: list[tuple[str, torch.Tensor]]) -> batching.BatchPlan:
+        """Check every input's batch dimension; the first fixes the micro-batch size. A call
+        without tensors still runs every micro-batch of the batching options."""
+        if not tensors:
+            return batching.BatchPlan(1, *batching.batch_factors(self._options, self._training))
         plan = None
-        for name, t in self._tensor_inputs(args, kwargs):
+        for name, t in tensors:
             plan = batching.split_call_batch(t, self._options, self._training,
                                              None if plan is None else plan.micro_batch_size, input_name=name)
-        if plan is None:
-            raise ValueError("the model call has no tensor input: nothing to split into micro-batches")
         return plan
 
-    def _micro_batch_args(self, args, kwargs):
-        size = self._batch_plan(args, kwargs).micro_batch_size
-        def narrow(t):
-            return t.narrow(0, 0, size) if isinstance(t, torch.Tensor) else t
-        return [narrow(a) for a in args], {k: narrow(v) for k, v in kwargs.items()}
+    def _micro_batch_args(self, call: arguments.CallArguments):
+        """The call's arguments with every tensor cut to its first micro-batch."""
+        size = self._batch_plan(call.tensors).micro_batch_size
+        return call.with_tensors([t.narrow(0, 0, size) if t.dim() else t for _, t in call.tensors])
 
-    def _compile(self, args, kwargs) -> None:
+    def _compile(self, call: arguments.CallArguments) -> None:
         with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
-            margs, mkwargs = self._micro_batch_args(args, kwargs)
+            margs, mkwargs = self._micro_batch_args(call)
             executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
                                        self._optimizer if self._training else None, self._named_weights(),
                                        progress=bar.update)
@@ -215,11 +210,13 @@ class PoplarExecutor:
         lock would never join."""
         options = self._options
         path = options.cache_path
+        call = arguments.bind(self._user_model.forward, args, kwargs)
+        self._call = call
         if path is None:
-            self._compile(args, kwargs)
+            self._compile(call)
             return False
         start = time.perf_counter()
-        margs, mkwargs = self._micro_batch_args(args, kwargs)
+        margs, mkwargs = self._micro_batch_args(call)
         key = cache.cache_key(self._user_model, margs, options, target_of(options), self._training,
                               self._optimizer, mkwargs)
         seen = cache.entry_version(path, key)
@@ -233,7 +230,7 @@ class PoplarExecutor:
                     # the key's capture already drew what the compiler's capture draws from torch's
                     # random generator: the generator ends as after compiling without the cache
                     with torch.random.fork_rng(devices=[]):
-                        self._compile(args, kwargs)
+                        self._compile(call)
                     cache.store(path, key, self._executable)
                     return False
         self._install(executable)
@@ -348,7 +345,7 @@ class PoplarExecutor:
         if self._training:
             self.copyWeightsToHostIfNeeded()
         self._executable.engine.close()
-        if getattr(self, "_pool", None) is not None:
+        if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
         self._executable = None
@@ -359,13 +356,11 @@ class PoplarExecutor:
         if self._options.connection_type == ConnectionType.Never:
             raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
-        shapes = input_signature(args)
         if self._executable is None:
             self._compile_or_load(args, kwargs)
-            self._compiled_shapes = shapes
-        elif shapes != self._compiled_shapes:
-            raise RuntimeError(f"the model was compiled for inputs {self._compiled_shapes} and is now called with "
-                               f"{shapes}; create a new model (or call destroy()) to compile for new shapes")
+            tensors = self._call.tensors
+        else:
+            tensors = self._call.match(args, kwargs, self._user_model.forward)
         if not self._is_attached:
             self.attachToDevice()
         if not self._training:
@@ -373,7 +368,7 @@ class PoplarExecutor:
         exe = self._executable
         self._output_plan = batching.output_plan(self._options, self._training)
         self._returned = set(self._output_plan.returned_steps)
-        self._inputs = self._split_inputs(args, kwargs)
+        self._inputs = self._split_inputs(tensors)
         self._outputs.clear()
         record = self._run_schedule(exe)
         self.last_run = record
@@ -402,12 +397,12 @@ class PoplarExecutor:
                 self.copyWeightsToDevice()
                 self._host_weights_version = version
 
-    def _split_inputs(self, args, kwargs) -> list[np.ndarray]:
+    def _split_inputs(self, tensors: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
         """Each input as [micro-batches of the call, *micro-batch shape] in schedule order."""
         exe = self._executable
-        plan = self._batch_plan(args, kwargs)
+        plan = self._batch_plan(tensors)
         out = []
-        for (_, t), v in zip(self._tensor_inputs(args, kwargs), exe.ir.inputs):
+        for (_, t), v in zip(tensors, exe.ir.inputs):
             arr = t.detach().cpu().numpy().astype(v.dtype, copy=False)
             out.append(np.ascontiguousarray(arr.reshape((plan.micro_batches,) + tuple(v.shape))))
         return out
@@ -468,7 +463,7 @@ class PoplarExecutor:
         threads = self._options.Emulator.host_threads
         if threads <= 1:
             return None
-        if getattr(self, "_pool", None) is None:
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ipu")
         return self._pool
 
@@ -525,12 +520,15 @@ class PoplarExecutor:
 
         optimizer.state_dict = state_dict.__get__(optimizer)
 
+    def __getattr__(self, name: str):
+        """Attributes the executor does not have are the wrapped model's (`poptorch_model.linear`),
+        as in PopTorch; reading a trained weight copies the weights back from the device first."""
+        if name.startswith("__") or name == "_user_model":
+            raise AttributeError(name)
+        return getattr(self._user_model, name)
+
     def __repr__(self):
-        return f"PoplarExecutor({'training' if self._training else 'inference'}, {type(self._user_model).__name__})"
-
-
-def input_signature(args) -> tuple:
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        return module_repr(self._user_model)
 
 
 def torch_dtype(dtype) -> torch.dtype:

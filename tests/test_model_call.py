@@ -1,0 +1,211 @@
+"""Calling a model as its forward is called: keywords, defaults, *args / **kwargs, nested and custom
+inputs, calls without tensors, tensors made inside forward; and a later call that differs from
+the compiled one is an Error naming what changed."""
+import collections
+
+import pytest
+import torch
+
+import poptorch_lite as poptorch
+
+
+class KeywordsAndDefaults(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x, *more, scale=2.0, bias=None, **named):
+        y = self.lin(x) * scale
+        for i, m in enumerate(more):
+            y = y + (i + 1) * m
+        if bias is not None:
+            y = y + bias
+        return y - named["shift"]
+
+
+def test_keywords_defaults_varargs_and_kwargs():
+    torch.manual_seed(0)
+    net = KeywordsAndDefaults()
+    x, a, b, bias, shift = (torch.randn(4, 3) for _ in range(5))
+    model = poptorch.inferenceModel(net, poptorch.Options().deviceIterations(2))
+    for _ in range(2):
+        torch.testing.assert_close(model(x, a, b, bias=bias, shift=shift),
+                                   net(x, a, b, bias=bias, shift=shift), rtol=1e-5, atol=1e-5)
+
+
+def test_forward_args_kwargs_wrapper():
+    class Wrapper(KeywordsAndDefaults):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    torch.manual_seed(0)
+    net = Wrapper()
+    x, shift = torch.randn(2, 3), torch.randn(2, 3)
+    model = poptorch.inferenceModel(net)
+    torch.testing.assert_close(model(x, scale=3.0, shift=shift), net(x, scale=3.0, shift=shift),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_nested_inputs_and_dict_order():
+    class Nested(torch.nn.Module):
+        def forward(self, pair, table):
+            a, (b, c) = pair
+            return a + b * c - table["x"] / table["y"]
+
+    net = Nested()
+    t = [torch.randn(2, 2) for _ in range(5)]
+    model = poptorch.inferenceModel(net)
+    out = model((t[0], [t[1], t[2]]), {"x": t[3], "y": t[4] + 3})
+    torch.testing.assert_close(out, net((t[0], [t[1], t[2]]), {"x": t[3], "y": t[4] + 3}))
+    reordered = collections.OrderedDict(y=t[4] + 3, x=t[3])
+    torch.testing.assert_close(model((t[0], [t[1], t[2]]), reordered), out)
+
+
+def test_a_call_that_differs_from_the_compiled_one_is_an_error():
+    torch.manual_seed(0)
+    model = poptorch.inferenceModel(KeywordsAndDefaults())
+    x, a, shift = torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3)
+    model(x, a, scale=3.0, shift=shift)
+    with pytest.raises(poptorch.Error, match="Value mismatch for scale: expected 3.0 but got 2.0"):
+        model(x, a, shift=shift)
+    with pytest.raises(poptorch.Error, match="Type mismatch for bias: expected None but got torch.Tensor"):
+        model(x, a, scale=3.0, bias=x, shift=shift)
+    with pytest.raises(poptorch.Error, match="Number of positional arguments mismatch: expected 2 arguments but got 3"):
+        model(x, a, a, scale=3.0, shift=shift)
+    with pytest.raises(poptorch.Error, match="Missing arguments: shift"):
+        model(x, a, scale=3.0)
+    with pytest.raises(poptorch.Error, match="Unexpected arguments: other"):
+        model(x, a, scale=3.0, shift=shift, other=x)
+    with pytest.raises(poptorch.Error, match=r"Type mismatch for x: expected torch.float32 but got torch.float16"):
+        model(x.half(), a, scale=3.0, shift=shift)
+    with pytest.raises(poptorch.Error, match=r"Shape mismatch for more\[0\]: expected torch.Size\(\[2, 3\]\) "
+                                             r"but got torch.Size\(\[2, 1\]\)"):
+        model(x, a[:, :1], scale=3.0, shift=shift)
+    model.destroy()  # compiles again for the new call
+    torch.testing.assert_close(model(x, shift=shift), KeywordsAndDefaults.forward(model.model, x, shift=shift))
+
+
+def test_a_missing_argument_is_an_error_naming_it():
+    model = poptorch.inferenceModel(KeywordsAndDefaults())
+    with pytest.raises(poptorch.Error, match="Mandatory parameter x missing"):
+        model(shift=torch.ones(1, 3))
+
+
+class Batch:
+    def __init__(self, data, label):
+        self.data, self.label = data, label
+
+
+class BatchParser(poptorch.ICustomArgParser):
+    def yieldTensors(self, struct):
+        yield struct.data
+        yield struct.label
+
+    def reconstruct(self, original_structure, tensor_iterator):
+        return Batch(*tensor_iterator)
+
+
+def test_custom_argument_types_are_split_into_micro_batches():
+    class Model(torch.nn.Module):
+        def forward(self, batch):
+            assert isinstance(batch, Batch)
+            return batch.data * 2 + batch.label
+
+    poptorch.registerCustomArgParser(Batch, BatchParser())
+    try:
+        model = poptorch.inferenceModel(Model(), poptorch.Options().deviceIterations(3))
+        data, label = torch.randn(6, 2), torch.randn(6, 2)
+        torch.testing.assert_close(model(Batch(data, label)), data * 2 + label)
+    finally:
+        poptorch.registerCustomArgParser(Batch, None)
+    with pytest.raises(poptorch.Error, match="must be an instance of a subclass of poptorch.ICustomArgParser"):
+        poptorch.registerCustomArgParser(Batch, object())
+
+
+def test_a_call_without_tensor_inputs():
+    class Constant(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+
+        def forward(self, repeat=2):
+            return self.w * repeat
+
+    model = poptorch.inferenceModel(Constant(), poptorch.Options().deviceIterations(3))
+    torch.testing.assert_close(model(), torch.tensor([2.0, 4.0] * 3))
+
+
+def test_tensors_made_inside_forward():
+    class Offsets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            offset = torch.tensor([1.0, -1.0])
+            return self.lin(x) + offset * torch.tensor(3.0), x * torch.tensor([0.5, 2.0])
+
+    torch.manual_seed(0)
+    net = Offsets()
+    attributes = set(vars(net))
+    x = torch.randn(4, 2)
+    model = poptorch.inferenceModel(net)
+    for actual, expected in zip(model(x), net(x)):
+        torch.testing.assert_close(actual, expected)
+    assert set(vars(net)) == attributes  # the model gained no attributes from the capture
+
+
+class Target(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        error = self.lin(x) - torch.tensor([1.0, -1.0])
+        return poptorch.identity_loss(error * error, reduction="mean")
+
+
+def test_training_with_a_tensor_made_inside_forward():
+    torch.manual_seed(0)
+    net = Target()
+    reference = Target()
+    reference.load_state_dict(net.state_dict())
+    x = torch.randn(4, 2)
+    training = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    loss = training(x)
+    torch.testing.assert_close(loss, reference(x))
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference(x).backward()
+    sgd.step()
+    torch.testing.assert_close(net.lin.weight, reference.lin.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_attributes_of_the_wrapped_model():
+    torch.manual_seed(0)
+    net = Target()
+    net.threshold = 0.5
+    model = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    assert model.lin is net.lin and model.threshold == 0.5
+    before = net.lin.weight.detach().clone()
+    model(torch.randn(2, 2))
+    assert not torch.equal(model.lin.weight.detach(), before)  # the trained weight, copied back
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        model.missing  # pylint: disable=pointless-statement
+
+
+def test_repr_shows_block_annotations():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = torch.nn.Linear(2, 2)
+            self.second = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.second(self.first(x))
+
+    net = Two()
+    assert poptorch.module_repr(net) == repr(net)
+    poptorch.BeginBlock(net.second, "late", ipu_id=1)
+    text = repr(poptorch.inferenceModel(net))
+    assert "(second): BeginBlock(user_id='late', ipu_id=1) Linear(in_features=2, out_features=2, bias=True)" in text
+    assert "(first): Linear(" in text
