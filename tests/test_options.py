@@ -157,12 +157,14 @@ def test_setters_store_their_values():
     assert options.available_memory_proportion == {0: 0.25, 3: 1.0}
 
 
-def test_output_mode_period_rules():
+def test_output_mode_period_rules(caplog):
     options = Options()
     with pytest.raises(ValueError, match="EveryN.*needs the return period"):
         options.outputMode(OutputMode.EveryN)
-    with pytest.raises(ValueError, match="only used by OutputMode.EveryN"):
-        options.outputMode(OutputMode.All, 2)
+    with caplog.at_level(logging.INFO, logger="poptorch_lite"):
+        options.outputMode(OutputMode.All, 2)  # ignored, as in PopTorch
+    assert (options.output_mode, options.output_return_period) == (OutputMode.All, 1)
+    assert "output_return_period 2 ignored" in caplog.text
     with pytest.raises(ValueError, match="output_return_period must be >= 1"):
         options.outputMode(OutputMode.EveryN, 0)
     with pytest.raises(TypeError, match="OutputMode.All"):

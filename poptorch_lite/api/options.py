@@ -862,7 +862,8 @@ class Options(_OptionGroup):
                    output_mode: OutputMode,
                    output_return_period: Optional[int] = None) -> "Options":
         """Which results a call returns; ``EveryN`` needs
-        ``output_return_period`` (N), the other modes take none."""
+        ``output_return_period`` (N). The other modes ignore a period, as
+        PopTorch does (it is logged at info level)."""
         mode = _enum_arg("Options.outputMode", output_mode, OutputMode)
         if mode == OutputMode.EveryN:
             if output_return_period is None:
@@ -872,12 +873,12 @@ class Options(_OptionGroup):
                     "iterations.")
             period = _int_arg("Options.outputMode: output_return_period",
                               output_return_period)
-        elif output_return_period is not None:
-            raise ValueError(
-                f"Options.outputMode: output_return_period is only used by "
-                f"OutputMode.EveryN, not by OutputMode.{mode.name}; remove "
-                f"it or use OutputMode.EveryN.")
         else:
+            if output_return_period is not None:
+                logger.info(
+                    "Options.outputMode: output_return_period %r ignored: "
+                    "only OutputMode.EveryN uses it, not OutputMode.%s",
+                    output_return_period, mode.name)
             period = 1
         self._set(output_mode=mode, output_return_period=period)
         return self
