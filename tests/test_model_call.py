@@ -209,3 +209,48 @@ def test_repr_shows_block_annotations():
     text = repr(poptorch.inferenceModel(net))
     assert "(second): BeginBlock(user_id='late', ipu_id=1) Linear(in_features=2, out_features=2, bias=True)" in text
     assert "(first): Linear(" in text
+
+
+class HalfThenFloat(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4, dtype=torch.float16)
+        self.conv = torch.nn.Conv2d(1, 2, 3, padding=1)
+        self.last = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.first(x).reshape(-1, 1, 2, 2)
+        return self.last(self.conv(h).reshape(-1, 2, 4)).sum(dim=1)
+
+
+def test_a_float16_input_runs_float32_layers_in_float16():
+    torch.manual_seed(0)
+    net = HalfThenFloat()
+    x = torch.randn(3, 4).half()
+    out = poptorch.inferenceModel(net)(x)
+    assert out.dtype == torch.float16
+    with torch.no_grad():  # the float32 layers with their weights cast to float16 for the op
+        h = net.first(x).reshape(-1, 1, 2, 2).float()
+        h = torch.nn.functional.conv2d(h, net.conv.weight.half().float(), net.conv.bias.half().float(), padding=1)
+        h = h.half().float().reshape(-1, 2, 4)
+        expected = torch.nn.functional.linear(h, net.last.weight.half().float(), net.last.bias.half().float()).sum(1)
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    assert net.conv.weight.dtype == torch.float32
+
+
+def test_training_a_float32_layer_on_float16_inputs_updates_float32_weights():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            y = self.lin(x).float()
+            return poptorch.identity_loss(y * y, reduction="mean")
+
+    torch.manual_seed(0)
+    net = Model()
+    before = net.lin.weight.detach().clone()
+    loss = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))(torch.randn(2, 4).half())
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert net.lin.weight.dtype == torch.float32 and not torch.equal(net.lin.weight.detach(), before)

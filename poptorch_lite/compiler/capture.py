@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.fx
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+from torch.utils._pytree import tree_leaves
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
@@ -152,6 +153,25 @@ def outside_block_error(
     )
 
 
+def runs_in_half(module: torch.nn.Module, half_input: bool) -> bool:
+    """PopTorch's half semantics: a layer given a float16 input while its parameters are float32
+    runs in float16, its parameters cast to float16 for the op (they stay float32 in the model
+    and are updated in float32)."""
+    return half_input and any(p.dtype == torch.float32 for p in module.parameters())
+
+
+class MixedPrecisionShapeProp(ShapeProp):
+    """fx's ShapeProp, running the layers that `runs_in_half` in float16 as the device does."""
+
+    def call_module(self, target, args, kwargs):
+        module = self.fetch_attr(target)
+        half_input = any(getattr(x, "dtype", None) == torch.float16 for x in tree_leaves((args, kwargs)))
+        if not runs_in_half(module, half_input):
+            return super().call_module(target, args, kwargs)
+        half = {n: p.half() if p.dtype == torch.float32 else p for n, p in module.named_parameters()}
+        return torch.func.functional_call(module, half, args, kwargs)
+
+
 def capture(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.fx.GraphModule:
     """Trace ``model`` with its blocks; return the fx GraphModule.
 
@@ -181,7 +201,7 @@ def capture(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.
         delattr(model, name)
         del graph_module._buffers[name]
         setattr(graph_module, name, constant)
-    ShapeProp(graph_module).propagate(*(t for _, t in call.tensors))
+    MixedPrecisionShapeProp(graph_module).propagate(*(t for _, t in call.tensors))
     for node in graph.nodes:
         if "unpacks_after" in node.meta:
             produced = node.args[0].meta.get("tensor_meta")
