@@ -12,7 +12,7 @@ from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion
 from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
-from .api.ops import identity_loss
+from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
 from .api.options import Options, TensorLocationSettings, setLogLevel
 from .api.strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
                              ShardedExecution, Stage, StrategyError)
@@ -28,5 +28,5 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "identity_loss", "inferenceModel",
-           "ipuHardwareIsAvailable", "ipuHardwareVersion", "module_repr", "op_placement", "optim",
-           "registerCustomArgParser", "removeBlocks", "setLogLevel", "trainingModel"]
+           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "module_repr", "op_placement", "optim",
+           "registerCustomArgParser", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]

@@ -102,6 +102,7 @@ class Lowering:
         self.channels: list[Channel] = []
         self._consts: dict[tuple, ip.Tensor] = {}
         self.seeds: dict[int, ip.Tensor] = {}
+        self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
 
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
@@ -405,9 +406,15 @@ def _reduce(ctx, n, ins):
     return [reduce_ops.reduce(ctx.graph, ins[0], a["axes"], a["fn"], ctx.prog, ctx.name, keepdims=a["keepdims"])]
 
 
+def _memory(a):
+    """The planner's memory budget set by poptorch.set_available_memory (else the op's default)."""
+    return {"available_memory_proportion": a["available_memory_proportion"]} if "available_memory_proportion" in a \
+        else {}
+
+
 @lowers("matmul")
 def _matmul(ctx, n, ins):
-    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name)]
+    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(n.attrs))]
 
 
 def _conv_args(a):
@@ -416,7 +423,18 @@ def _conv_args(a):
 
 @lowers("conv2d")
 def _conv2d(ctx, n, ins):
-    return [conv.conv2d(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs))]
+    return [conv.conv2d(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs),
+                        **_memory(n.attrs))]
+
+
+@lowers("print_tensor")
+def _print_tensor(ctx, n, ins):
+    """Copy the tensor to the host, which prints it (Poplar's PrintTensor); the result is the tensor."""
+    v = n.inputs[0]
+    name = f"{ctx.name}/{n.outputs[0].name}"
+    ctx.prog.add(ip.StreamCopy(ins[0], ctx.graph.addDeviceToHostFIFO(name, v.dtype, v.shape)))
+    ctx.lowering.printed.append((name, n.attrs["title"], n.attrs["format"]))
+    return [ins[0]]
 
 
 @lowers("conv2d_backward_input")

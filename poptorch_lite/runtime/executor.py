@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 import weakref
@@ -26,6 +27,7 @@ from ..api import arguments, batching
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api.options import Options
+from ..api.printing import PrintFormat, format_tensor
 from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.updates import read_state, write_hyperparameters
@@ -266,6 +268,8 @@ class PoplarExecutor:
                     exe.engine.connectStream(name, self._input_callback((r, key), index))
                 for name, index in sp.output_streams:
                     exe.engine.connectStream(name, self._output_callback((r, key), index))
+            for name, title, fmt in low.printed:
+                exe.engine.connectStream(name, printer(title, fmt))
 
     def _input_callback(self, key, index):
         """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout)."""
@@ -529,6 +533,13 @@ class PoplarExecutor:
 
     def __repr__(self):
         return module_repr(self._user_model)
+
+
+def printer(title: str, fmt: PrintFormat):
+    """The host end of an ipu_print_tensor stream: writes `title: tensor` to stderr."""
+    def write(value):
+        print(f"{title}: {format_tensor(value, fmt)}", file=sys.stderr, flush=True)
+    return write
 
 
 def torch_dtype(dtype) -> torch.dtype:
