@@ -678,6 +678,7 @@ class Options(_OptionGroup):
                          ipu_id=None,
                          sync_pattern=SyncPattern.Full,
                          available_memory_proportion={},
+                         anchored_tensors={},
                          model_name=None,
                          broadcast_buffers=True,
                          show_compilation_progress_bar=True,
@@ -856,6 +857,37 @@ class Options(_OptionGroup):
         (multiplies the batch a call consumes and the IPUs used)."""
         self._set(replication_factor=_int_arg("Options.replicationFactor",
                                               replication_factor))
+        return self
+
+    @property
+    def anchored_tensors(self) -> Dict[str, tuple]:
+        """``anchorTensor``'s entries: short name -> (long name, OutputMode
+        or None for the model's, return period)."""
+        return dict(self._values["anchored_tensors"])
+
+    def anchorTensor(self, short_name: str, long_name: str,
+                     output_mode: Optional[OutputMode] = None,
+                     output_return_period: Optional[int] = 1) -> "Options":
+        """Return the device tensor ``long_name`` from every run, read with
+        ``model.getAnchoredTensor(short_name)``. The tensors a model can
+        anchor are named as in PopART: ``Gradient___<parameter>`` (the
+        gradient a weight update applies) and ``UpdatedVar___<parameter>``
+        (the parameter after the update), one value per weight update;
+        ``output_mode`` (the model's output mode when None) picks which."""
+        for what, name in (("short_name", short_name), ("long_name", long_name)):
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"Options.anchorTensor: {what} must be a "
+                                f"non-empty str, got {name!r}.")
+        if output_mode is not None:
+            _enum_arg("Options.anchorTensor: output_mode", output_mode,
+                      OutputMode)
+        period = 1
+        if output_mode == OutputMode.EveryN:
+            period = _int_arg("Options.anchorTensor: output_return_period",
+                              output_return_period)
+        self._set(anchored_tensors={**self._values["anchored_tensors"],
+                                    short_name: (long_name, output_mode,
+                                                 period)})
         return self
 
     def outputMode(self,

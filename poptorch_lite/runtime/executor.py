@@ -26,12 +26,13 @@ from ipusim.ops import random as rnd
 from ..api import arguments, batching
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
+from ..api.errors import Error
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.updates import read_state, write_hyperparameters
-from . import cache
+from . import anchors, cache
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
@@ -88,6 +89,8 @@ class PoplarExecutor:
         self._collective = None     # cross-process gradient reduction (poptorch_lite.runtime.distributed)
         self._profiler = None       # poptorch_lite.runtime.profiling, only when profiling is on
         self._pool = None           # host threads running the IPUs of a step (Emulator.setHostThreads)
+        self._anchors: list[anchors.Anchor] = []    # Options.anchorTensor, resolved when compiled
+        self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -253,6 +256,9 @@ class PoplarExecutor:
             from .profiling import Profiler
             self._profiler = Profiler(self, opts.profile_dir)
         self._connect_streams()
+        trained = set(executable.lowering.accumulators) if self._training else set()
+        dtypes = {name: w.dtype for name, w in self._named_weights().items()}
+        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes)
         self._is_attached = True
         self.copyWeightsToDevice()
 
@@ -374,7 +380,10 @@ class PoplarExecutor:
         self._returned = set(self._output_plan.returned_steps)
         self._inputs = self._split_inputs(tensors)
         self._outputs.clear()
+        for anchor in self._anchors:
+            anchor.values = []
         record = self._run_schedule(exe)
+        self._anchored = {a.short_name: a.result() for a in self._anchors if a.values}
         self.last_run = record
         if self._profiler is not None:
             self._profiler.called(record)
@@ -416,6 +425,8 @@ class PoplarExecutor:
         update, the gradient all-reduce, the updates and the shard all-gather)."""
         engine = exe.engine
         runs: list[tuple[str, int]] = []
+        if op.kind == "U" and self._anchors:
+            anchors.record(self._anchors, exe, op.ipu, "gradient")
         if op.kind == "U":
             if self._collective is not None:
                 self._collective.reduce(exe, op.ipu)
@@ -432,7 +443,18 @@ class PoplarExecutor:
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
-        return [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
+        events = [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
+        if op.kind == "U" and self._anchors:
+            anchors.record(self._anchors, exe, op.ipu, "updated")
+        return events
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The tensor anchored as `short_name` (Options.anchorTensor) by the last call."""
+        if short_name not in self._anchored:
+            known = ", ".join(repr(a.short_name) for a in self._anchors) or "none"
+            when = "" if self._anchored else "; run the model first"
+            raise Error(f"getAnchoredTensor: no tensor anchored as {short_name!r} (anchored: {known}{when})")
+        return self._anchored[short_name]
 
     def _send(self, exe: Executable, op) -> list[Event]:
         if op.kind not in ("F", "B"):
