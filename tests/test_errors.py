@@ -36,3 +36,30 @@ def test_no_ipu_hardware():
         poptorch.ipuHardwareIsAvailable(0)
     with pytest.raises(AssertionError, match="No IPU hardware"):
         poptorch.ipuHardwareVersion()
+
+
+class TwoStages(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(1, 1)
+        self.second = torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        with poptorch.Block("A", ipu_id=0):
+            x = self.first(x)
+        with poptorch.Block("B", ipu_id=1):
+            return poptorch.identity_loss(self.second(x), reduction="mean")
+
+
+def test_inference_with_gradient_accumulation_is_refused_when_the_model_is_created():
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(2)
+    with pytest.raises(poptorch.Error, match=r"gradientAccumulation\(1\).*deviceIterations"):
+        poptorch.inferenceModel(TwoStages(), opts)
+
+
+def test_pipeline_depth_errors_are_poptorch_errors():
+    with pytest.raises(poptorch.Error, match="2 stages runs 3 pipeline stages"):
+        poptorch.trainingModel(TwoStages())(torch.ones(1, 1))
+    with pytest.raises(poptorch.Error, match="2 stages needs at least 2 device iterations"):
+        poptorch.inferenceModel(TwoStages())(torch.ones(1, 1))

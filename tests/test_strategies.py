@@ -411,12 +411,6 @@ def test_inference_pipeline_needs_device_iterations_of_n():
         validate_counts(placement, training=False, gradient_accumulation=1, device_iterations=3)
 
 
-def test_inference_with_gradient_accumulation_is_an_error():
-    placement = PipelinedExecution().place([])
-    with pytest.raises(StrategyError, match="gradient accumulation is 4 for an inference model"):
-        validate_counts(placement, training=False, gradient_accumulation=4, device_iterations=8)
-
-
 def test_sharded_phased_and_single_stage_have_no_depth_requirement():
     sharded = ShardedExecution(*tutorial_stages()).place(TUTORIAL_BLOCKS)
     single = PipelinedExecution().place([BlockRef("A", 0)])

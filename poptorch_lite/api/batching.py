@@ -22,7 +22,8 @@ from .options import Options
 
 
 class BatchSizeError(Error, ValueError):
-    """A model call's batch dimension does not fit the batching options."""
+    """A model call's batch dimension does not fit the batching options, or
+    the options do not fit the model (gradient accumulation in inference)."""
 
 
 def batch_factors(options: Options, training: bool) -> Tuple[int, int, int]:
@@ -138,7 +139,7 @@ def check_inference_options(options: Options) -> None:
     if pipelined:
         message += (" To keep an inference pipeline busy, use "
                     "Options.deviceIterations(n) instead.")
-    raise ValueError(message)
+    raise BatchSizeError(message)
 
 
 def resolve_output_mode(options: Options, training: bool) -> OutputMode:

@@ -208,8 +208,13 @@ class Placement:
     ) -> schedules.Schedule:
         """The execution schedule of this placement (``ipusim.schedules``).
 
-        ``options`` go to the schedule function, e.g. ``kind="interleaved"`` for a pipeline.
+        ``options`` go to the schedule function, e.g. ``kind="interleaved"`` for a pipeline;
+        PopTorch's own schedule (no options) first checks the counts as PopTorch does
+        (:func:`validate_counts`).
         """
+        if not options:
+            validate_counts(self, training=training, gradient_accumulation=gradient_accumulation,
+                            device_iterations=device_iterations)
         function = getattr(schedules, f"{self.schedule_kind}_schedule")
         return function(
             **self.schedule_arguments(),
@@ -601,9 +606,10 @@ def validate_counts(
     gradient_accumulation: int,
     device_iterations: int,
 ) -> None:
-    """Check the batching options against the placement, as PopTorch does at compile time.
+    """Check the batching options against the placement, as PopTorch does at compile time
+    (an inference model's gradient accumulation is checked when the model is created:
+    ``batching.check_inference_options``).
 
-    - an inference model keeps gradient accumulation at 1;
     - a training pipeline of n stages runs 2n - 1 pipeline stages (each stage's
       backward pass is a stage too; the last IPU's forward and backward merge), and
       needs gradient accumulation >= 2n - 1 micro-batches to fill it;
@@ -615,12 +621,6 @@ def validate_counts(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise StrategyError(f"{name} must be a positive integer, got {value!r}")
-    if not training and gradient_accumulation != 1:
-        raise StrategyError(
-            f"gradient accumulation is {gradient_accumulation} for an inference model; it "
-            "must stay at its default of 1. Use options without it for inference, e.g. "
-            "opts = train_opts.clone(); opts.Training.gradientAccumulation(1)"
-        )
     if placement.schedule_kind != "pipelined" or placement.num_stages < 2:
         return
     stages = placement.num_stages

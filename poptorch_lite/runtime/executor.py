@@ -100,6 +100,7 @@ class PoplarExecutor:
         else:
             if optimizer is not None:
                 raise ValueError("an inference model takes no optimizer")
+            batching.check_inference_options(options)
             self._optimizer = None
 
     # ---- PopTorch's implicit weight sync -------------------------------------------------------
