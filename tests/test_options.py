@@ -301,6 +301,16 @@ def test_clone_is_an_unfrozen_deep_copy():
         options.deviceIterations(1)
 
 
+def test_a_deep_copy_of_frozen_options_is_unfrozen():
+    options = Options().deviceIterations(2)
+    options._freeze()  # pylint: disable=protected-access
+    copied = copy.deepcopy(options)
+    copied.deviceIterations(5).Training.gradientAccumulation(4)
+    assert (options.device_iterations, copied.device_iterations) == (2, 5)
+    with pytest.raises(FrozenOptionsError):
+        options.Training.gradientAccumulation(4)
+
+
 def test_deepcopy_and_pickle_keep_every_value():
     options = Options().replicationFactor(2).randomSeed(7)
     options.outputMode(OutputMode.Sum)

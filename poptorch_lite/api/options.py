@@ -1123,8 +1123,16 @@ class Options(_OptionGroup):
         self._set_frozen(True)
 
     def clone(self) -> "Options":
-        """An unfrozen deep copy."""
-        copied = copy.deepcopy(self)
+        """An unfrozen deep copy (as ``copy.deepcopy``)."""
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo) -> "Options":
+        """A copy is new options, unfrozen even when these are (as in
+        PopTorch): only the model or DataLoader given them holds them."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            object.__setattr__(copied, name, copy.deepcopy(value, memo))
         copied._set_frozen(False)
         return copied
 
