@@ -254,3 +254,40 @@ def test_training_a_float32_layer_on_float16_inputs_updates_float32_weights():
     loss = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))(torch.randn(2, 4).half())
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert net.lin.weight.dtype == torch.float32 and not torch.equal(net.lin.weight.detach(), before)
+
+
+def test_outputs_keep_their_containers_and_constants_are_returned():
+    Pair = collections.namedtuple("Pair", "total constant")
+
+    class Outputs(collections.OrderedDict):
+        pass
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            c = torch.tensor([1.0, 2.0])
+            out = Outputs()
+            out["pair"] = Pair(x + c, c)
+            out["list"] = [x * 2]
+            return out
+
+    x = torch.randn(6, 2)
+    out = poptorch.inferenceModel(Model(), poptorch.Options().deviceIterations(3))(x)
+    assert type(out) is Outputs and list(out) == ["pair", "list"]
+    assert type(out["pair"]) is Pair and type(out["list"]) is list
+    torch.testing.assert_close(out["pair"].total, x + torch.tensor([1.0, 2.0]))
+    torch.testing.assert_close(out["pair"].constant, torch.tensor([1.0, 2.0] * 3))
+    torch.testing.assert_close(out["list"][0], x * 2)
+
+
+def test_keyword_arguments_of_a_kwargs_wrapper_are_named_by_their_keys():
+    class Wrapper(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return args[0] * kwargs["scale"] + kwargs["shift"]
+
+    model = poptorch.inferenceModel(Wrapper())
+    x = torch.ones(2)
+    model(x, scale=2, shift=x)
+    with pytest.raises(poptorch.Error, match="Value mismatch for scale: expected 2 but got 3"):
+        model(x, scale=3, shift=x)
+    with pytest.raises(poptorch.Error, match=r"^Missing arguments: shift\. The model"):
+        model(x, scale=2)

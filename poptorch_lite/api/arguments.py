@@ -148,7 +148,7 @@ def _match(spec, value, name: str, out: List[Tuple[str, torch.Tensor]]) -> None:
     elif isinstance(spec, Mapping):
         if not isinstance(value, dict):
             raise Error(f"Type mismatch for {name}: expected {spec.kind.__name__} but got {_describe(value)}")
-        _match_keys([k for k, _ in spec.items], value, f" of {name}")
+        _match_keys([k for k, _ in spec.items], value, f" (in {name})")
         for k, s in spec.items:
             _match(s, value[k], f"{name}[{k!r}]", out)
     elif isinstance(value, torch.Tensor) or type(value) is not type(spec.value) or value != spec.value:
@@ -161,10 +161,10 @@ def _match(spec, value, name: str, out: List[Tuple[str, torch.Tensor]]) -> None:
 def _match_keys(expected: list, value: dict, where: str) -> None:
     missing = [k for k in expected if k not in value]
     if missing:
-        raise Error(f"Missing arguments{where}: {', '.join(map(str, missing))}. The model was compiled with them")
+        raise Error(f"Missing arguments: {', '.join(map(str, missing))}.{where} The model was compiled with them")
     unexpected = [k for k in value if k not in expected]
     if unexpected:
-        raise Error(f"Unexpected arguments{where}: {', '.join(map(str, unexpected))}. The model was compiled "
+        raise Error(f"Unexpected arguments: {', '.join(map(str, unexpected))}.{where} The model was compiled "
                     "without them")
 
 
@@ -200,7 +200,12 @@ class CallArguments:
     def _tensors_of(self, bound: inspect.BoundArguments) -> List[Tuple[str, torch.Tensor]]:
         out: List[Tuple[str, torch.Tensor]] = []
         for name, spec in self._specs.items():
-            _match(spec, bound.arguments[name], name, out)
+            value = bound.arguments[name]
+            if bound.signature.parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+                for key, item in spec.items:  # named as the caller names them
+                    _match(item, value[key], str(key), out)
+            else:
+                _match(spec, value, name, out)
         return out
 
     @property
@@ -234,10 +239,7 @@ class CallArguments:
                             f"{expected - len(spec.items) + len(value)}")
             if parameter.kind == parameter.VAR_KEYWORD:
                 _match_keys([k for k, _ in spec.items], value, "")
-        out: List[Tuple[str, torch.Tensor]] = []
-        for name, spec in self._specs.items():
-            _match(spec, bound.arguments[name], name, out)
-        return out
+        return self._tensors_of(bound)
 
 
 def _bind(forward: Callable, args, kwargs) -> inspect.BoundArguments:

@@ -115,9 +115,10 @@ def map_values(tree, fn):
     if isinstance(tree, Value):
         return fn(tree)
     if isinstance(tree, tuple):
-        return tuple(map_values(t, fn) for t in tree)
+        items = [map_values(t, fn) for t in tree]
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)  # namedtuples too
     if isinstance(tree, list):
-        return [map_values(t, fn) for t in tree]
+        return type(tree)(map_values(t, fn) for t in tree)
     if isinstance(tree, dict):
-        return {k: map_values(t, fn) for k, t in tree.items()}
+        return type(tree)((k, map_values(t, fn)) for k, t in tree.items())  # OrderedDict and subclasses too
     return tree

@@ -513,6 +513,10 @@ class PoplarExecutor:
                 data = self._inputs[inputs[v.id]]
                 got = {(k, r): data[k * exe.replicas + r]
                        for k in range(len(data) // exe.replicas) for r in range(exe.replicas)}
+            elif v.kind == "const":  # a tensor made in forward and returned as it is
+                micro_batches = self._options.device_iterations * (
+                    self._options.gradient_accumulation if self._training else 1)
+                got = {(k, r): v.data for k in range(micro_batches) for r in range(exe.replicas)}
             else:
                 got = self._outputs.get(i, {})
             per_step = {(*self._step_of(k), r): torch.from_numpy(np.array(a)).to(torch_dtype(v.dtype))
