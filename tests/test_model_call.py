@@ -291,3 +291,17 @@ def test_keyword_arguments_of_a_kwargs_wrapper_are_named_by_their_keys():
         model(x, scale=3, shift=x)
     with pytest.raises(poptorch.Error, match=r"^Missing arguments: shift\. The model"):
         model(x, scale=2)
+
+
+def test_each_input_is_cut_along_its_own_batch_dimension():
+    class Model(torch.nn.Module):
+        def forward(self, images, table):
+            return images.sum(dim=1), table * 2
+
+    images, table = torch.randn(6, 4), torch.randn(9, 2)
+    model = poptorch.inferenceModel(Model(), poptorch.Options().deviceIterations(3))
+    summed, doubled = model(images, table)  # micro-batches of 2 images and of 3 table rows
+    torch.testing.assert_close(summed, images.sum(dim=1))
+    torch.testing.assert_close(doubled, table * 2)
+    with pytest.raises(poptorch.Error, match=r"Invalid batch dimension 4 for table .*multiple of 3"):
+        poptorch.inferenceModel(Model(), poptorch.Options().deviceIterations(3))(images, torch.randn(4, 2))

@@ -480,3 +480,11 @@ def test_count_rules(stages, accumulation, iterations):
     )
     inferred = passes(training=False, gradient_accumulation=1, device_iterations=iterations)
     assert (trained, inferred) == (training_ok, inference_ok)
+
+
+def test_phased_strategies_give_the_stage_of_a_block():
+    strategy = SerialPhasedExecution("B1", "B2", "B3")
+    strategy.stage("B2").ipu(1)
+    assert strategy.phase(1).stage(0).assigned_ipu == 1
+    with pytest.raises(StrategyError, match="block 'B4' is in no stage"):
+        strategy.stage("B4")

@@ -229,6 +229,14 @@ class ExecutionStrategy(abc.ABC):
     """Base of all execution strategies accepted by ``Options.setExecutionStrategy``."""
 
     schedule_kind: str
+    _stages: tuple[Stage, ...]
+    _block_stage: dict[str, int]     # block id -> index in _stages
+
+    def stage(self, block_id: str) -> Stage:
+        """The Stage the given block belongs to (to change its IPU: ``.stage("B1").ipu(0)``)."""
+        if block_id not in self._block_stage:
+            raise StrategyError(f"block {block_id!r} is in no stage of {self!r}")
+        return self._stages[self._block_stage[block_id]]
 
     @abc.abstractmethod
     def place(self, blocks: Sequence[BlockRef]) -> Placement:
@@ -325,12 +333,6 @@ class PipelinedExecution(ExecutionStrategy):
     @property
     def stages(self) -> tuple[Stage, ...]:
         return self._stages
-
-    def stage(self, block_id: str) -> Stage:
-        """The Stage the given block belongs to."""
-        if block_id not in self._block_stage:
-            raise StrategyError(f"block {block_id!r} is in no stage of {self!r}")
-        return self._stages[self._block_stage[block_id]]
 
     def __repr__(self) -> str:
         if self._auto_stage is not None:

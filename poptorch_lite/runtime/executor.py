@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -181,21 +182,16 @@ class PoplarExecutor:
         if self._executable is None:
             self._compile_or_load(args, kwargs)
 
-    def _batch_plan(self, tensors: list[tuple[str, torch.Tensor]]) -> batching.BatchPlan:
-        """Check every input's batch dimension; the first fixes the micro-batch size. A call
-        without tensors still runs every micro-batch of the batching options."""
-        if not tensors:
-            return batching.BatchPlan(1, *batching.batch_factors(self._options, self._training))
-        plan = None
-        for name, t in tensors:
-            plan = batching.split_call_batch(t, self._options, self._training,
-                                             None if plan is None else plan.micro_batch_size, input_name=name)
-        return plan
+    def _batch_plans(self, tensors: list[tuple[str, torch.Tensor]]) -> list[batching.BatchPlan]:
+        """Each input's split into the call's micro-batches. As in PopTorch, every input is cut
+        along its own leading dimension: inputs may have different micro-batch sizes."""
+        return [batching.split_call_batch(t, self._options, self._training, input_name=name) for name, t in tensors]
 
     def _micro_batch_args(self, call: arguments.CallArguments):
         """The call's arguments with every tensor cut to its first micro-batch."""
-        size = self._batch_plan(call.tensors).micro_batch_size
-        return call.with_tensors([t.narrow(0, 0, size) if t.dim() else t for _, t in call.tensors])
+        plans = self._batch_plans(call.tensors)
+        return call.with_tensors([t.narrow(0, 0, plan.micro_batch_size) if t.dim() else t
+                                  for (_, t), plan in zip(call.tensors, plans)])
 
     def _compile(self, call: arguments.CallArguments) -> None:
         with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
@@ -414,11 +410,11 @@ class PoplarExecutor:
     def _split_inputs(self, tensors: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
         """Each input as [micro-batches of the call, *micro-batch shape] in schedule order."""
         exe = self._executable
-        plan = self._batch_plan(tensors)
+        micro_batches = math.prod(batching.batch_factors(self._options, self._training))
         out = []
-        for (_, t), v in zip(tensors, exe.ir.inputs):
+        for (_, t), v in zip(tensors, exe.ir.inputs):  # shapes checked when the call was matched
             arr = t.detach().cpu().numpy().astype(v.dtype, copy=False)
-            out.append(np.ascontiguousarray(arr.reshape((plan.micro_batches,) + tuple(v.shape))))
+            out.append(np.ascontiguousarray(arr.reshape((micro_batches,) + tuple(v.shape))))
         return out
 
     def _run_op(self, exe: Executable, op) -> list[Event]:
@@ -514,8 +510,7 @@ class PoplarExecutor:
                 got = {(k, r): data[k * exe.replicas + r]
                        for k in range(len(data) // exe.replicas) for r in range(exe.replicas)}
             elif v.kind == "const":  # a tensor made in forward and returned as it is
-                micro_batches = self._options.device_iterations * (
-                    self._options.gradient_accumulation if self._training else 1)
+                micro_batches = math.prod(batching.batch_factors(self._options, self._training)) // exe.replicas
                 got = {(k, r): v.data for k in range(micro_batches) for r in range(exe.replicas)}
             else:
                 got = self._outputs.get(i, {})
