@@ -27,6 +27,8 @@ import sys
 import tempfile
 import types
 
+from .api.errors import UnsupportedAttributeError, UnsupportedModuleError
+
 ALIAS = "poptorch"
 TARGET = "poptorch_lite"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,14 +47,6 @@ def _unsupported(name: str, provider: types.ModuleType) -> str:
     hint = f" Did you mean {', '.join(f'{module}.{c}' for c in close)}?" if close else ""
     return (f"{name} is not supported by {TARGET} (PopTorch's API on emulated IPUs), so this program cannot "
             f"run unchanged.{hint} `help({provider.__name__})` lists what {module} provides here.")
-
-
-class UnsupportedAttributeError(AttributeError, NotImplementedError):
-    """A PopTorch function, class or constant that poptorch_lite does not provide."""
-
-
-class UnsupportedModuleError(ModuleNotFoundError, NotImplementedError):
-    """A PopTorch module that poptorch_lite does not provide."""
 
 
 def _public(module: types.ModuleType) -> list[str]:

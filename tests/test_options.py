@@ -511,3 +511,13 @@ def test_set_log_level():
     finally:
         logger.setLevel(level)
         logger.handlers[:] = handlers
+
+
+def test_an_option_poptorch_has_and_the_emulator_lacks_is_named():
+    from poptorch_lite.api.errors import UnsupportedAttributeError
+    with pytest.raises(UnsupportedAttributeError, match=r"Options.maxRepeatLogs is not supported by poptorch_lite"):
+        Options().maxRepeatLogs(None)
+    with pytest.raises(AttributeError, match=r"TrainingOptions.gradientAcumulation .*Did you mean "
+                                             r"gradientAccumulation"):
+        Options().Training.gradientAcumulation(2)
+    assert not hasattr(Options(), "maxRepeatLogs")

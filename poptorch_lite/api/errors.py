@@ -30,3 +30,11 @@ class RecoverableError(Error):
 
 class UnrecoverableError(Error):
     """A run failed and the device cannot be used again in this process."""
+
+
+class UnsupportedAttributeError(AttributeError, NotImplementedError):
+    """A PopTorch function, class, constant or option that poptorch_lite does not provide."""
+
+
+class UnsupportedModuleError(ModuleNotFoundError, NotImplementedError):
+    """A PopTorch module that poptorch_lite does not provide."""

@@ -18,6 +18,7 @@ Defaults can come from the environment, as in PopTorch:
 """
 import ast
 import copy
+import difflib
 import enum
 import json
 import logging
@@ -33,6 +34,7 @@ from . import enums
 from .enums import (ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
+from .errors import UnsupportedAttributeError
 
 logger = logging.getLogger("poptorch_lite")
 
@@ -158,6 +160,20 @@ class _OptionGroup:
     def __init__(self, **defaults):
         object.__setattr__(self, "_frozen", False)
         object.__setattr__(self, "_values", dict(defaults))
+
+    def __getattr__(self, name):
+        """A PopTorch option this emulator does not have is an error naming
+        it (and the options of this group that come closest)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        public = [n for n in dir(type(self)) if not n.startswith("_")]
+        close = difflib.get_close_matches(name, public, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise UnsupportedAttributeError(
+            f"{type(self).__name__.lstrip('_')}.{name} is not supported by "
+            f"poptorch_lite (PopTorch's API on emulated IPUs).{hint} "
+            f"help(poptorch_lite.Options) lists the options it has.",
+            name=name, obj=self)
 
     def __setattr__(self, name, value):
         if not name.startswith("_"):
