@@ -9,7 +9,7 @@ from .api.arguments import ICustomArgParser, registerCustomArgParser
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
-from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion
+from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
@@ -28,5 +28,5 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "identity_loss", "inferenceModel",
-           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "module_repr", "op_placement", "optim",
+           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "op_placement", "optim",
            "registerCustomArgParser", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]

@@ -305,3 +305,14 @@ def test_each_input_is_cut_along_its_own_batch_dimension():
     torch.testing.assert_close(doubled, table * 2)
     with pytest.raises(poptorch.Error, match=r"Invalid batch dimension 4 for table .*multiple of 3"):
         poptorch.inferenceModel(Model(), poptorch.Options().deviceIterations(3))(images, torch.randn(4, 2))
+
+
+def test_forward_knows_when_it_runs_for_the_ipu():
+    class Branches(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y if poptorch.isRunningOnIpu() else x * y
+
+    net = Branches()
+    x, y = torch.tensor([50.0]), torch.tensor([2.0])
+    assert poptorch.inferenceModel(net)(x, y).item() == 52.0
+    assert net(x, y).item() == 100.0 and not poptorch.isRunningOnIpu()

@@ -1,6 +1,15 @@
 """Which IPU hardware the process can use: none. Every model runs on emulated IPUs (ipusim), so
-PopTorch's hardware queries answer as on a machine without IPUs."""
+PopTorch's hardware queries answer as on a machine without IPUs. `isRunningOnIpu` tells a model's
+forward whether it runs for the (emulated) IPU."""
 from __future__ import annotations
+
+from .blocks import active_trace
+
+
+def isRunningOnIpu() -> bool:
+    """True while forward is captured for the IPU (what the device will run), False when the
+    model runs on the CPU: `if poptorch.isRunningOnIpu():` chooses a branch for the IPU."""
+    return active_trace() is not None
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
