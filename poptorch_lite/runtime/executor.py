@@ -123,6 +123,11 @@ class PoplarExecutor:
             def copyWeightsToHostIfNeeded(self):
                 return sync()
 
+            def __reduce_ex__(self, protocol):
+                """Saved (torch.save, pickle) as the user's class, with the trained weights."""
+                sync()
+                return (unwrapped_module, (user_cls, self.__getstate__()))
+
             def __getattribute__(self, name):
                 if name == "_poptorch_weights_version":
                     p = parent()
@@ -146,6 +151,9 @@ class PoplarExecutor:
                 sync()
                 return object.__getattribute__(self, name)
 
+            def __reduce_ex__(self, protocol):
+                return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)  # saved as a plain tensor
+
             @classmethod
             def __torch_function__(cls, func, types, args=(), kwargs=None):
                 sync()
@@ -168,6 +176,10 @@ class PoplarExecutor:
     @property
     def options(self) -> Options:
         return self._options
+
+    def _forward(self):
+        """The model's forward, for its signature: reading it must not copy trained weights back."""
+        return object.__getattribute__(self._user_model, "forward")
 
     def _named_weights(self) -> dict[str, torch.Tensor]:
         m = self._user_model
@@ -212,7 +224,7 @@ class PoplarExecutor:
         lock would never join."""
         options = self._options
         path = options.cache_path
-        call = arguments.bind(self._user_model.forward, args, kwargs)
+        call = arguments.bind(self._forward(), args, kwargs)
         self._call = call
         if path is None:
             self._compile(call)
@@ -367,7 +379,7 @@ class PoplarExecutor:
             self._compile_or_load(args, kwargs)
             tensors = self._call.tensors
         else:
-            tensors = self._call.match(args, kwargs, self._user_model.forward)
+            tensors = self._call.match(args, kwargs, self._forward())
         if not self._is_attached:
             self.attachToDevice()
         if not self._training:
@@ -395,8 +407,10 @@ class PoplarExecutor:
         for m in torch.nn.Module.modules(self._user_model):
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
                 tracked = torch.nn.Module.__getattr__(m, "num_batches_tracked")
-                with torch.no_grad():
-                    tracked.add_(micro_batches)
+                # a host-side update: it must not copy the trained weights back (the buffer syncs
+                # on use), which would cost a device-to-host copy of every weight per call
+                with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                    torch.Tensor.add_(tracked, micro_batches)
 
     def _sync_from_training_model(self) -> None:
         sync = getattr(self._user_model, "copyWeightsToHostIfNeeded", None)
@@ -555,6 +569,13 @@ class PoplarExecutor:
 
     def __repr__(self):
         return module_repr(self._user_model)
+
+
+def unwrapped_module(cls: type, state: dict) -> torch.nn.Module:
+    """A saved model, loaded as the user's class (not the weight-syncing one it had when saved)."""
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    return module
 
 
 def printer(title: str, fmt: PrintFormat):

@@ -1,0 +1,59 @@
+"""PopTorch's implicit weight sync seen from the host: training calls copy nothing back; reading
+or saving the model copies the trained weights back once; a saved model loads as the user's class."""
+import io
+
+import torch
+
+import poptorch_lite as poptorch
+
+
+class WithBatchNorm(torch.nn.Module):  # the (unused) BatchNorm layer has a host-side counter each call advances
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return poptorch.identity_loss(y * y, reduction="sum")
+
+
+def counting_copies(model):
+    calls = []
+    real = model.copyWeightsToHost
+
+    def copy():
+        calls.append(1)
+        real()
+    model.copyWeightsToHost = copy
+    return calls
+
+
+def test_training_calls_copy_no_weights_back_and_reading_copies_once():
+    torch.manual_seed(0)
+    net = WithBatchNorm()
+    training = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01))
+    copies = counting_copies(training)
+    for _ in range(3):
+        training(torch.randn(2, 4))
+    assert copies == []
+    net.lin.weight.detach()
+    net.lin.bias.detach()
+    assert copies == [1]
+
+
+def test_a_trained_model_saves_as_the_users_class_with_trained_weights():
+    torch.manual_seed(0)
+    net = WithBatchNorm()
+    before = net.lin.weight.detach().clone()
+    training = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    copies = counting_copies(training)
+    training(torch.randn(2, 4))
+    saved = io.BytesIO()
+    torch.save(net, saved)
+    assert copies == [1]
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert type(loaded) is WithBatchNorm
+    assert type(loaded.lin.weight) is torch.nn.Parameter and type(loaded.bn.running_mean) is torch.Tensor
+    assert torch.equal(loaded.lin.weight, net.lin.weight) and not torch.equal(loaded.lin.weight, before)
