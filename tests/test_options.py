@@ -521,3 +521,9 @@ def test_an_option_poptorch_has_and_the_emulator_lacks_is_named():
                                              r"gradientAccumulation"):
         Options().Training.gradientAcumulation(2)
     assert not hasattr(Options(), "maxRepeatLogs")
+
+
+def test_the_default_strategy_is_a_pipeline_from_the_start():
+    options = Options()
+    assert isinstance(options._execution_strategy, strategies.PipelinedExecution)  # as PopTorch's
+    assert options.execution_strategy.auto_stage == AutoStage.SameAsIpu

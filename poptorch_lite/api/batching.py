@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from . import strategies
 from .enums import OutputMode
 from .errors import Error
 from .options import Options
@@ -130,13 +131,8 @@ def check_inference_options(options: Options) -> None:
     message = (f"An inference model needs Options.Training."
                f"gradientAccumulation(1) (the default), got "
                f"{accumulation}: only training accumulates gradients.")
-    strategy = options._execution_strategy  # pylint: disable=protected-access
-    pipelined = strategy is None  # the default is PipelinedExecution
-    if strategy is not None:
-        from . import strategies  # pylint: disable=import-outside-toplevel
-        pipelined = isinstance(strategy, strategies.PipelinedExecution) and \
-            not isinstance(strategy, strategies.ShardedExecution)
-    if pipelined:
+    strategy = options.execution_strategy
+    if isinstance(strategy, strategies.PipelinedExecution) and not isinstance(strategy, strategies.ShardedExecution):
         message += (" To keep an inference pipeline busy, use "
                     "Options.deviceIterations(n) instead.")
     raise BatchSizeError(message)

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import enums
+from . import enums, strategies
 from .enums import (ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
@@ -707,7 +707,7 @@ class Options(_OptionGroup):
         self._distributed = _DistributedOptions()
         self._tensor_locations = _TensorLocationOptions()
         self._emulator = _EmulatorOptions()
-        self._execution_strategy = None
+        self._execution_strategy = strategies.PipelinedExecution(enums.AutoStage.SameAsIpu)
         cache_dir = os.environ.get("POPTORCH_CACHE_DIR", "")
         if cache_dir:
             self.enableExecutableCaching(cache_dir)
@@ -810,11 +810,6 @@ class Options(_OptionGroup):
     def execution_strategy(self):
         """The execution strategy; ``PipelinedExecution(AutoStage.SameAsIpu)``
         unless ``setExecutionStrategy`` chose another."""
-        if self._execution_strategy is None:
-            from . import strategies  # pylint: disable=import-outside-toplevel
-            object.__setattr__(
-                self, "_execution_strategy",
-                strategies.PipelinedExecution(enums.AutoStage.SameAsIpu))
         return self._execution_strategy
 
     @property
@@ -950,7 +945,6 @@ class Options(_OptionGroup):
         """How the model's blocks are spread over IPUs: a
         ``PipelinedExecution``, ``ShardedExecution``,
         ``SerialPhasedExecution`` or ``ParallelPhasedExecution``."""
-        from . import strategies  # pylint: disable=import-outside-toplevel
         if not isinstance(strategy, strategies.ExecutionStrategy):
             raise TypeError(
                 "Options.setExecutionStrategy expects an execution strategy "
@@ -1177,8 +1171,7 @@ class Options(_OptionGroup):
             "_Popart": self._popart,
         }
         body = [f"{k}={v!r}" for k, v in self._values.items()]
-        if self._execution_strategy is not None:
-            body.append(f"execution_strategy={self._execution_strategy!r}")
+        body.append(f"execution_strategy={self._execution_strategy!r}")
         body += [f"{k}={v!r}" for k, v in groups.items()]
         return "Options(" + ", ".join(body) + ")"
 
@@ -1300,7 +1293,6 @@ class _ConfigEvaluator:
         if parts[0] in ("poptorch", "poptorch_lite"):
             parts = parts[1:]
         if len(parts) == 1 and not parts[0].startswith("_"):
-            from . import strategies  # pylint: disable=import-outside-toplevel
             for module in (enums, sys.modules[__name__], strategies):
                 found = getattr(module, parts[0], None)
                 if isinstance(found, type):
