@@ -316,3 +316,15 @@ def test_forward_knows_when_it_runs_for_the_ipu():
     x, y = torch.tensor([50.0]), torch.tensor([2.0])
     assert poptorch.inferenceModel(net)(x, y).item() == 52.0
     assert net(x, y).item() == 100.0 and not poptorch.isRunningOnIpu()
+
+
+def test_each_model_holds_its_own_options_with_the_output_mode_resolved():
+    opts = poptorch.Options()
+    training = poptorch.trainingModel(Target(), opts)
+    inference = poptorch.inferenceModel(Target(), opts)
+    assert opts.defaultOutputMode()
+    assert training.options.output_mode == poptorch.OutputMode.Final
+    assert inference.options.output_mode == poptorch.OutputMode.All
+    for frozen in (opts, training.options):
+        with pytest.raises(AttributeError, match="frozen"):
+            frozen.randomSeed(42)

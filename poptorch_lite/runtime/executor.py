@@ -77,8 +77,13 @@ class RunRecord:
 class PoplarExecutor:
     def __init__(self, model: torch.nn.Module, options: Options | None, training: bool, optimizer=None):
         options = options if options is not None else Options()
-        options._freeze()
-        self._options = options
+        options._freeze()  # the user's options can no longer change...
+        # ...and the model keeps its own copy, with the output mode Default resolved for it (the same
+        # options may serve a training and an inference model), as in PopTorch
+        self._options = options.clone()
+        if self._options.defaultOutputMode():
+            self._options.outputMode(batching.resolve_output_mode(options, training))
+        self._options._freeze()
         self._user_model = model
         self._training = training
         self._executable: Executable | None = None
@@ -175,6 +180,7 @@ class PoplarExecutor:
 
     @property
     def options(self) -> Options:
+        """The model's options: a frozen copy of those it was given, the output mode resolved."""
         return self._options
 
     def _forward(self):
