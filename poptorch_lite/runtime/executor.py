@@ -200,14 +200,11 @@ class PoplarExecutor:
         if self._executable is None:
             self._compile_or_load(args, kwargs)
 
-    def _batch_plans(self, tensors: list[tuple[str, torch.Tensor]]) -> list[batching.BatchPlan]:
-        """Each input's split into the call's micro-batches. As in PopTorch, every input is cut
-        along its own leading dimension: inputs may have different micro-batch sizes."""
-        return [batching.split_call_batch(t, self._options, self._training, input_name=name) for name, t in tensors]
-
     def _micro_batch_args(self, call: arguments.CallArguments):
-        """The call's arguments with every tensor cut to its first micro-batch."""
-        plans = self._batch_plans(call.tensors)
+        """The call's arguments with every tensor cut to its first micro-batch. As in PopTorch,
+        each input is split along its own leading dimension (inputs may differ in micro-batch size)."""
+        plans = [batching.split_call_batch(t, self._options, self._training, input_name=name)
+                 for name, t in call.tensors]
         return call.with_tensors([t.narrow(0, 0, plan.micro_batch_size) if t.dim() else t
                                   for (_, t), plan in zip(call.tensors, plans)])
 
