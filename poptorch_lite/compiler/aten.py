@@ -28,6 +28,7 @@ from torch._decomp.decompositions import native_batch_norm_decomposition
 from torch.utils._pytree import tree_map
 
 from ..api.blocks import DEFAULT_REGION
+from ..api.errors import Error
 from ..api.strategies import ExecutionStrategy, Placement, StrategyError
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
@@ -36,7 +37,7 @@ from .ir import IRGraph, Node, Value
 aten = torch.ops.aten
 
 
-class UnsupportedOpError(NotImplementedError):
+class UnsupportedOpError(Error, NotImplementedError):
     """The model uses an op the compiler cannot lower."""
 
 

@@ -39,7 +39,6 @@ Every node made inside ``torch.autograd.grad`` also carries ``pass="bwd"``.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import sys
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
+from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
 from ..api.ops import identity_loss
 from . import library
@@ -273,31 +273,11 @@ class JointGraph:
 
 
 def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.Tensor]], Any]:
-    """The model's tensor inputs (positional in order, then keyword, as the executor feeds them)
-    and a function rebuilding the call from replacements for them."""
-    try:
-        inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as error:
-        raise TypeError(f"the inputs do not match {type(model).__name__}.forward"
-                        f"{inspect.signature(model.forward)}: {error}") from None
-    names = list(inspect.signature(model.forward).parameters)
-    tensors = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            tensors.append((names[i] if i < len(names) else f"args[{i}]", a))
-    tensors += [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    for i, a in list(enumerate(args)) + list(kwargs.items()):
-        if not isinstance(a, torch.Tensor) and any(isinstance(x, torch.Tensor) for x in tree_leaves(a)):
-            raise TypeError(f"input {i!r} of {type(model).__name__}.forward holds tensors inside a "
-                            f"{type(a).__name__}; pass each tensor as an argument of its own")
-
-    def rebuild(replacements):
-        it = iter(replacements)
-        new_args = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
-        new_kwargs = {k: next(it) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        return new_args, new_kwargs
-
-    return tensors, rebuild
+    """The model's tensor inputs, in the order the executor feeds them (``arguments.bind``: nested
+    containers and custom argument types included), and a function rebuilding the call from
+    replacements for them."""
+    call = arguments.bind(model.forward, args, kwargs)
+    return call.tensors, call.with_tensors
 
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
