@@ -8,6 +8,7 @@ import numbers
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
+from .blocks import active_trace
 from .errors import Error
 from .printing import PrintFormat
 
@@ -43,6 +44,9 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
     if isinstance(tensor, torch.fx.Proxy):
         return tensor.tracer.create_proxy("call_function", ipu_print_tensor, (tensor, str(title), bool(print_gradient),
                                                                                *dataclasses.astuple(fmt)), {})
+    if active_trace() is not None:  # the ATen capture: printing is not lowered there yet
+        raise Error(f"ipu_print_tensor({title!r}): printing a tensor on the device is not supported by the "
+                    "compiler's ATen capture yet; remove the call (on the CPU it is an identity)")
     return tensor
 
 

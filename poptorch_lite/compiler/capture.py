@@ -90,9 +90,7 @@ class BlockTracer(torch.fx.Tracer):
         root = self.root
 
         def call_forward():
-            result = root.forward(*args, **kwargs)
-            self.output_containers = containers(result)
-            return result
+            return root.forward(*args, **kwargs)
         return call_forward, []
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
@@ -155,28 +153,6 @@ def outside_block_error(
     )
 
 
-def containers(value):
-    """The containers of what forward returned (types kept: OrderedDict subclasses, namedtuples,
-    ...), every other value None. fx records outputs in its own containers; the compiler gives the
-    user's back (`with_containers`)."""
-    if isinstance(value, (list, tuple)):
-        items = [containers(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        return type(value)((k, containers(v)) for k, v in value.items())
-    return None
-
-
-def with_containers(value, template):
-    """`value` (outputs in fx's containers) rebuilt in the containers of `template`."""
-    if isinstance(template, dict) and isinstance(value, dict):
-        return type(template)((k, with_containers(value[k], t)) for k, t in template.items())
-    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)) and len(template) == len(value):
-        items = [with_containers(v, t) for v, t in zip(value, template)]
-        return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
-    return value
-
-
 def runs_in_half(module: torch.nn.Module, half_input: bool) -> bool:
     """PopTorch's half semantics: a layer given a float16 input while its parameters are float32
     runs in float16, its parameters cast to float16 for the op (they stay float32 in the model
@@ -218,7 +194,6 @@ def capture(model: torch.nn.Module, *example_inputs, **example_kwargs) -> torch.
         attributes = set(vars(model))
         graph = tracer.trace(model)
     graph_module = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
-    graph_module.meta["output_containers"] = tracer.output_containers
     for name in set(vars(model)) - attributes:
         # A tensor made in forward: fx keeps it on the model, and the graph module holds it as a
         # buffer. It is a constant of the graph, neither a weight nor the model's attribute.
