@@ -552,14 +552,12 @@ SCRIPT = textwrap.dedent("""
     if forbid:
         import pytest
         forbid_compiling(pytest.MonkeyPatch())
-    start = time.perf_counter()
     loaded = training._compile_or_load(args, {{}})
-    seconds = time.perf_counter() - start
     out, loss = training(*args)
     digest = hashlib.sha256()
     for t in [out, loss, *model.parameters()]:
         digest.update(t.detach().numpy().tobytes())
-    print(json.dumps({{"loaded": loaded, "seconds": seconds, "digest": digest.hexdigest()}}))
+    print(json.dumps({{"loaded": loaded, "digest": digest.hexdigest()}}))
 """)
 
 
@@ -583,7 +581,8 @@ def test_second_process_loads_the_tutorial_model(tmp_path):
     warm = _result(_start(tmp_path, cache_dir, "tutorial", forbid=True))
     assert not cold["loaded"] and warm["loaded"]
     assert warm["digest"] == cold["digest"]  # same outputs, loss and trained parameters, bit for bit
-    assert warm["seconds"] < cold["seconds"] / 2, (cold, warm)
+    # The warm process cannot compile (forbid): it loaded. How much time that saves is measured by
+    # benchmarks/executable_cache.py, not here.
 
 
 @pytest.mark.slow
