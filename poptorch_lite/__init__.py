@@ -4,7 +4,9 @@ Three layers, each importing only the ones before it: `api` (what PopTorch users
 blocks and strategies, DataLoader, optimisers), `compiler` (a torch.nn.Module to an Executable of
 ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profiling, distributed).
 """
-from .api import enums, optim, options
+import importlib
+
+from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
 from .api.data import AsynchronousDataAccessor, DataLoader
@@ -14,12 +16,36 @@ from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCast
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
 from .api.options import Options, TensorLocationSettings, setLogLevel
-from .api.strategies import (ParallelPhasedExecution, Phase, PipelinedExecution, SerialPhasedExecution,
-                             ShardedExecution, Stage, StrategyError)
-from .compiler.capture import op_placement
-from .compiler.aten import UnsupportedOpError
-from .compiler.lowering import CompileError
-from .runtime.executor import PoplarExecutor, inferenceModel, trainingModel
+
+# Names whose modules bring in the device emulator (ipusim, Numba) or the compiler: imported on first
+# use, so that a process that only loads data (an AsynchronousDataAccessor's, spawned, which imports
+# the user's script again) imports torch and what its dataset needs, not the emulator.
+_ON_FIRST_USE = {
+    "optim": ("poptorch_lite.api.optim", None),
+    **{name: ("poptorch_lite.api.strategies", name)
+       for name in ("ParallelPhasedExecution", "Phase", "PipelinedExecution", "SerialPhasedExecution",
+                    "ShardedExecution", "Stage", "StrategyError")},
+    "op_placement": ("poptorch_lite.compiler.capture", "op_placement"),
+    "UnsupportedOpError": ("poptorch_lite.compiler.aten", "UnsupportedOpError"),
+    "CompileError": ("poptorch_lite.compiler.lowering", "CompileError"),
+    **{name: ("poptorch_lite.runtime.executor", name) for name in ("PoplarExecutor", "inferenceModel", "trainingModel")},
+}
+
+
+def __getattr__(name: str):
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _ON_FIRST_USE[name]
+    value = importlib.import_module(module)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ON_FIRST_USE))
+
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
-"""A dataset that tells how the worker loading it started. Kept apart from the tests, which
-import poptorch_lite: a spawned worker imports only this module and torch to unpickle it."""
+"""Datasets that tell about the process loading them. Kept apart from the tests, which import
+poptorch_lite: a spawned worker imports only this module and torch to unpickle them."""
 import sys
 
 import torch
@@ -14,3 +14,20 @@ class StartMethodProbe(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return torch.tensor(int("poptorch_lite.api.data" in sys.modules))
+
+
+def emulator_modules() -> list:
+    """The modules of the device emulator, Numba and poptorch_lite's compiler and runtime that
+    this process has imported."""
+    return sorted(m for m in sys.modules if m.partition(".")[0] in ("ipusim", "numba", "llvmlite")
+                  or m.startswith(("poptorch_lite.compiler", "poptorch_lite.runtime")))
+
+
+class ImportProbe(torch.utils.data.Dataset):
+    """One sample: `emulator_modules()` of the process that loads it."""
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        return emulator_modules()

@@ -91,6 +91,30 @@ def test_a_failing_sample_names_itself_and_stops_the_epoch(mode):
         loader.terminate()
 
 
+IMPORTS_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import poptorch_lite as poptorch
+    from start_method_probe import ImportProbe, emulator_modules
+
+    if __name__ == "__main__":
+        print("host", emulator_modules())
+        loader = poptorch.DataLoader(poptorch.Options(), ImportProbe(), batch_size=None,
+                                     mode=poptorch.DataLoaderMode.Async)
+        print("accessor", next(iter(loader)))
+""")
+
+
+def test_the_accessor_process_imports_what_the_dataset_needs_not_the_emulator(tmp_path):
+    """The spawned accessor process imports the user's script again, and with it poptorch_lite:
+    that brings in the DataLoader, not the emulator, Numba or the compiler (seconds of imports
+    before the first batch). The host imports them only when it builds a model."""
+    script = tmp_path / "imports.py"
+    script.write_text(IMPORTS_SCRIPT.format(tests=TESTS))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.stdout.split("\n")[:2] == ["host []", "accessor []"], done.stdout + done.stderr
+
+
 # ---- whole processes: exits, interrupts, deaths ------------------------------------------------
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time

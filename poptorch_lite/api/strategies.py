@@ -29,13 +29,14 @@ from __future__ import annotations
 import abc
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
-
-from ipusim import schedules
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from .blocks import DEFAULT_REGION, BlockRef
 from .enums import AutoStage, Liveness
 from .errors import Error
+
+if TYPE_CHECKING:
+    from ipusim import schedules
 
 
 class StrategyError(Error, ValueError):
@@ -212,6 +213,8 @@ class Placement:
         PopTorch's own schedule (no options) first checks the counts as PopTorch does
         (:func:`validate_counts`).
         """
+        from ipusim import schedules  # here, not at import: Options (and a data-only process) need no emulator
+
         if not options:
             validate_counts(self, training=training, gradient_accumulation=gradient_accumulation,
                             device_iterations=device_iterations)
