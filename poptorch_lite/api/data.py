@@ -649,10 +649,16 @@ def _worker_main(payload, data, commands, settings) -> None:
     torch.set_num_threads(1)
     worker = None
     try:
+        dump = None
+        if payload is None:  # SharingStrategy.FileSystem: the host sends a file
+            command = commands.recv()
+            if command[0] != "dataset":
+                return  # stopped before it sent the dataset
+            dump = command[1]
         try:
-            if isinstance(payload, str):
-                with open(payload, "rb") as dump:
-                    payload = pickle.load(dump)
+            if dump is not None:
+                with open(dump, "rb") as file:
+                    payload = pickle.load(file)
             if isinstance(payload, DataLoader):
                 payload._accessor = None  # this copy loads synchronously
             _fork_loader_workers(payload)
@@ -662,7 +668,7 @@ def _worker_main(payload, data, commands, settings) -> None:
         data.send(("ready", ))
         worker = _Worker(payload, data, commands, settings)
         worker.run()
-    except (_Stop, BrokenPipeError, ConnectionResetError):
+    except (_Stop, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # stopped, or the host closed its end: nobody wants more items
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown below is not interrupted
@@ -776,30 +782,23 @@ class AsynchronousDataAccessor:
 
     def _start_worker(self, dataset, sharing_strategy) -> None:
         context = multiprocessing.get_context(_START_METHODS[sharing_strategy])
-        payload = dataset
-        if sharing_strategy == SharingStrategy.FileSystem:
-            self._payload_dir = tempfile.mkdtemp(prefix="poptorch_lite_data_")
-            payload = os.path.join(self._payload_dir, "dataset.pkl")
-            try:
-                with open(payload, "wb") as dump:
-                    pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as error:
-                self._remove_payload()
-                raise TypeError(self._pickle_advice(sharing_strategy,
-                                                    error)) from error
+        # With FileSystem the process is started first and the dataset pickled
+        # to a file while it starts (a spawned interpreter spends seconds
+        # importing torch before it can read anything); the file's path is its
+        # first command. The other strategies hand the dataset over at start.
+        dumped = sharing_strategy == SharingStrategy.FileSystem
         # Pipes, not queues: they need no semaphores, so nothing is left for
         # the resource tracker however either process ends.
         self._data, data_writer = context.Pipe(duplex=False)
         commands_reader, self._commands = context.Pipe(duplex=False)
         process = context.Process(target=_worker_main,
-                                  args=(payload, data_writer, commands_reader,
-                                        self._settings),
+                                  args=(None if dumped else dataset, data_writer,
+                                        commands_reader, self._settings),
                                   name="AsynchronousDataAccessor",
                                   daemon=False)
         try:
             process.start()
         except Exception as error:
-            self._remove_payload()
             raise TypeError(self._pickle_advice(sharing_strategy,
                                                 error)) from error
         finally:
@@ -807,6 +806,29 @@ class AsynchronousDataAccessor:
             data_writer.close()
         self._process = process
         _LIVE_ACCESSORS.add(self)
+        if dumped:
+            self._payload_dir = tempfile.mkdtemp(prefix="poptorch_lite_data_")
+            payload = os.path.join(self._payload_dir, "dataset.pkl")
+            try:
+                with open(payload, "wb") as dump:
+                    pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as error:
+                self._abort_start()
+                raise TypeError(self._pickle_advice(sharing_strategy,
+                                                    error)) from error
+            self._send(("dataset", payload))
+
+    def _abort_start(self) -> None:
+        """Stop a worker process that has not received its dataset: it is
+        still starting, so it is stopped by signal rather than asked."""
+        process, self._process = self._process, None
+        _LIVE_ACCESSORS.discard(self)
+        process.terminate()
+        process.join()
+        process.close()
+        self._commands.close()
+        self._data.close()
+        self._remove_payload()
 
     @staticmethod
     def _pickle_advice(sharing_strategy, error) -> str:
