@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -591,3 +592,106 @@ def test_processes_starting_together_compile_once(tmp_path):
     results = [_result(p) for p in [_start(tmp_path, cache_dir, "tiny") for _ in range(2)]]
     assert sorted(r["loaded"] for r in results) == [False, True]
     assert results[0]["digest"] == results[1]["digest"]
+
+
+# ---- Ctrl-C ---------------------------------------------------------------------------------------
+INTERRUPTED_SCRIPT = textwrap.dedent("""
+    import logging, os, sys, time
+    sys.path.insert(0, {tests!r})
+    import poptorch_lite as poptorch
+    from poptorch_lite.compiler import executable
+    from test_executable_cache import tiny_batch, tiny_training
+
+    logging.basicConfig(format="%(levelname)s %(message)s")
+    logging.getLogger("poptorch_lite").setLevel(logging.INFO)
+    cache_dir, where = sys.argv[1], sys.argv[2]
+
+    def interrupt_here(what):
+        print(what, flush=True)
+        time.sleep(120)  # the test sends Ctrl-C now
+
+    if where == "compile":  # in the compiler, between its passes
+        differentiate = executable.differentiate
+        def pausing_differentiate(*args, **kwargs):
+            interrupt_here("compiling")
+            return differentiate(*args, **kwargs)
+        executable.differentiate = pausing_differentiate
+    elif where == "write":  # half of the entry's payload written
+        fdopen = os.fdopen
+        class PausingFile:
+            def __init__(self, file):
+                self.file = file
+            def __enter__(self):
+                return self
+            def __exit__(self, *exc_info):
+                return self.file.__exit__(*exc_info)
+            def __getattr__(self, name):
+                return getattr(self.file, name)
+            def write(self, data):
+                if len(data) > 4096:
+                    self.file.write(data[:len(data) // 2])
+                    self.file.flush()
+                    interrupt_here("writing")
+                return self.file.write(data)
+        os.fdopen = lambda fd, mode="r", *args, **kwargs: PausingFile(fdopen(fd, mode, *args, **kwargs))
+    _, training = tiny_training(cache_dir)
+    batch = tiny_batch()
+    training(*batch)
+    print("called", flush=True)
+    if where == "training":
+        while True:
+            training(*batch)
+""")
+
+
+def _interrupted(tmp_path, cache_dir, where):
+    """Run the script until it prints what it is doing (`where`), press Ctrl-C (SIGINT to its process
+    group), and return the seconds it took to exit, its stderr and its stdout lines."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED_SCRIPT.format(tests=HERE))
+    process = subprocess.Popen([sys.executable, str(script), str(cache_dir), where], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        waited = {"compile": "compiling", "write": "writing", "training": "called", "none": None}[where]
+        lines = []
+        while waited not in lines:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line.strip())
+        if waited is None:
+            _, err = process.communicate(timeout=900)
+            return 0.0, err, lines
+        assert lines[-1:] == [waited], (lines, process.communicate(timeout=60)[1])
+        time.sleep(0.3 if where == "training" else 0.0)  # a few training calls in
+        os.killpg(process.pid, signal.SIGINT)
+        interrupted = time.monotonic()
+        out, err = process.communicate(timeout=60)
+        return time.monotonic() - interrupted, err, lines + out.split()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_compile_cache_write_or_training_exits_promptly_and_leaves_a_valid_cache(tmp_path):
+    """Ctrl-C while the model compiles, while its cache entry is half written, or during training
+    calls: the process exits within seconds, and the next run finds either no entry (and compiles
+    and stores one) or a whole one, which it loads; it never reads a torn entry, and no
+    temporary file is left."""
+    cache_dir = tmp_path / "cache"
+    for where in ("compile", "write"):
+        seconds, err, _ = _interrupted(tmp_path, cache_dir, where)
+        assert "KeyboardInterrupt" in err and seconds < 10, (where, seconds, err)
+        assert not [f for f in os.listdir(cache_dir) if not f.endswith(".lock")], (where, os.listdir(cache_dir))
+    _, err, lines = _interrupted(tmp_path, cache_dir, "none")
+    assert "called" in lines and "Saved the compiled model" in err and "unusable" not in err, err
+    (entry,) = entries(cache_dir)
+    saved = (cache_dir / entry).read_bytes()
+    seconds, err, lines = _interrupted(tmp_path, cache_dir, "training")
+    assert "Loaded the compiled model" in err and "KeyboardInterrupt" in err and seconds < 10, (seconds, err)
+    assert entries(cache_dir) == [entry] and (cache_dir / entry).read_bytes() == saved
+    _, err, lines = _interrupted(tmp_path, cache_dir, "none")
+    assert "called" in lines and "Loaded the compiled model" in err and "unusable" not in err, err
+    assert not [f for f in os.listdir(cache_dir) if f.endswith(".tmp")]

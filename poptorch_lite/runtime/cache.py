@@ -18,8 +18,10 @@ Python, NumPy, Numba and PyTorch versions.
 Entry: a magic line, a JSON header line (format version, key, payload size and SHA-256) and the
 payload, the pickled ``Executable`` without host-side state (the engine's memory and address
 plans, connected streams, thread pools; ``engine.load()`` re-creates them). Entries are written
-to a temporary file and renamed, so readers never see a partial entry (and the checksum catches
-one a system crash may leave, as entries are not synced to disk). A missing, truncated,
+to a temporary file in the same directory, synced to disk and renamed, so readers never see a
+partial entry, after an interrupt or a system crash alike; an interrupted writer (Ctrl-C) removes
+its temporary file, and one killed outright leaves a hidden ``.<key>.*.tmp`` that is never read
+(the checksum catches damage done to an entry afterwards). A missing, truncated,
 corrupt, stale or unreadable entry makes :func:`load` return None (the reason is logged at
 info level) and the model is compiled again and the entry rewritten. Entries are pickles: point
 the cache only at directories you trust, as you would for any executable.
@@ -268,16 +270,31 @@ def store(path, key: str, executable: Executable) -> str | None:
             f.write(MAGIC)
             f.write(json.dumps(header).encode() + b"\n")
             f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it gets the entry's name
         os.replace(tmp, file)
-    except OSError as error:
+        _sync_directory(path)
+    except BaseException as error:  # an interrupt (Ctrl-C) too: no temporary file is left behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if not isinstance(error, OSError):
+            raise
         logger.warning("Cannot write the executable cache entry %s (%s); the model was compiled but not cached. "
                        "Make the directory writable or choose another with Options.enableExecutableCaching(path) "
                        "(or POPTORCH_CACHE_DIR).", file, error)
         return None
     logger.info("Saved the compiled model to the executable cache: %s (%.1f MB)", file, len(payload) / 1e6)
     return file
+
+
+def _sync_directory(path) -> None:
+    """Make a rename in directory `path` durable (where the file system can sync a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load(path, key: str) -> Executable | None:
@@ -549,4 +566,4 @@ def _acquire(fd: int, path, timeout: float) -> None:
             time.sleep(0.05)
 
 
-__all__ = ["CacheEntryError", "cache_key", "compile_or_load", "entry_path", "key_contents", "load", "store"]
+__all__ = ["CacheEntryError", "cache_key", "compile_lock", "entry_path", "entry_version", "key_contents", "load", "store"]
