@@ -120,6 +120,9 @@ SCRIPT = textwrap.dedent("""
         opts = poptorch.Options().deviceIterations(2)
         loader = poptorch.DataLoader(opts, Slow(400), batch_size=4, num_workers=workers,
                                      mode=poptorch.DataLoaderMode.Async)
+        if how == "idle":  # built, never iterated
+            print("pids", os.getpid(), flush=True)
+            time.sleep(60)
         count = 0
         for x, y in loader:
             count += 1
@@ -136,12 +139,19 @@ SCRIPT = textwrap.dedent("""
 
 
 def run_script(tmp_path, how, workers, **kw):
-    """The script in a subprocess: its stdout a pipe, its stderr the file tmp_path/stderr.txt."""
+    """The script in a subprocess: its stdout a pipe, its stderr the file tmp_path/stderr.txt, its
+    temporary files in tmp_path/tmp (see `temporary_files`)."""
     script = tmp_path / "loader_script.py"
     script.write_text(SCRIPT.format(tests=TESTS))
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     with open(tmp_path / "stderr.txt", "w", encoding="utf-8") as err:
         return subprocess.Popen([sys.executable, str(script), how, str(workers)], stdout=subprocess.PIPE,
-                                stderr=err, text=True, **kw)
+                                stderr=err, text=True, env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")), **kw)
+
+
+def temporary_files(tmp_path):
+    """What the script run by `run_script` left in its temporary directory."""
+    return sorted(p.name for p in (tmp_path / "tmp").iterdir())
 
 
 def finish(process, tmp_path, timeout):
@@ -207,6 +217,7 @@ def test_sixteen_workers_leave_nothing_to_clean_up(tmp_path, how):
         assert "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert not descendants(process.pid)
+    assert not temporary_files(tmp_path)
 
 
 @pytest.mark.slow
@@ -224,6 +235,25 @@ def test_loader_processes_die_with_their_host(tmp_path, sig):
     while any(alive(p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in below if alive(p)]
+    assert "leaked" not in finish(process, tmp_path, 10)[1]
+    assert not temporary_files(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_host_killed_before_its_first_batch_leaves_nothing(tmp_path):
+    """The host killed (SIGKILL) right after building its loader, while the spawned accessor process
+    may still be importing torch: once that process runs, it finds its host gone, stops, and
+    removes the file the dataset was pickled to."""
+    process = run_script(tmp_path, "idle", 2, start_new_session=True)
+    host = wait_for_pids_line(process, tmp_path)
+    below = descendants(host)
+    os.kill(host, signal.SIGKILL)
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 60  # the accessor's interpreter may take seconds to import torch
+    while (any(alive(p) for p in below) or temporary_files(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in below if alive(p)]
+    assert not temporary_files(tmp_path)
     assert "leaked" not in finish(process, tmp_path, 10)[1]
 
 

@@ -632,6 +632,24 @@ def _host_alive(settings: "_WorkerSettings", start_parent: int) -> bool:
     return start_parent == settings.parent_pid or _running(settings.parent_pid)
 
 
+@dataclass(frozen=True)
+class _DatasetFile:
+    """The file the host pickles the dataset to (SharingStrategy.FileSystem).
+    The worker process removes it once read, and when it ends if it was not
+    read: however the host ends, nothing is left in the temporary directory."""
+    path: str
+
+    def read(self):
+        try:
+            with open(self.path, "rb") as file:
+                return pickle.load(file)
+        finally:
+            self.remove()
+
+    def remove(self) -> None:
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+
+
 def _worker_main(payload, data, commands, settings) -> None:
     """Entry point of the worker process."""
     # The host owns shutdown: Ctrl-C reaches it, and it stops this worker.
@@ -648,30 +666,27 @@ def _worker_main(payload, data, commands, settings) -> None:
     # survive the fork).
     torch.set_num_threads(1)
     worker = None
+    dump = payload if isinstance(payload, _DatasetFile) else None
     try:
-        dump = None
-        if payload is None:  # SharingStrategy.FileSystem: the host sends a file
-            command = commands.recv()
-            if command[0] != "dataset":
-                return  # stopped before it sent the dataset
-            dump = command[1]
+        if dump is not None and commands.recv()[0] != "dataset":
+            return  # stopped before the host wrote the file
         try:
             if dump is not None:
-                with open(dump, "rb") as file:
-                    payload = pickle.load(file)
+                payload = dump.read()
             if isinstance(payload, DataLoader):
                 payload._accessor = None  # this copy loads synchronously
             _fork_loader_workers(payload)
         except Exception as error:  # pylint: disable=broad-except
             data.send(("error", None, *_describe_exception(error)))
             return
-        data.send(("ready", ))
         worker = _Worker(payload, data, commands, settings)
         worker.run()
     except (_Stop, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # stopped, or the host closed its end: nobody wants more items
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown below is not interrupted
+        if dump is not None:
+            dump.remove()
         if worker is not None:
             worker.close()
         data.close()
@@ -737,7 +752,7 @@ class AsynchronousDataAccessor:
                  sharing_strategy: SharingStrategy = SharingStrategy.FileSystem,
                  rebatched_size: Optional[int] = None):
         self._process = None
-        self._payload_dir = None
+        self._dump = None  # the dataset's file (SharingStrategy.FileSystem)
         buffer_size = _count_arg("AsynchronousDataAccessor: buffer_size",
                                  buffer_size, 1)
         if isinstance(miss_sleep_time_in_ms, bool) or not isinstance(
@@ -784,21 +799,25 @@ class AsynchronousDataAccessor:
         context = multiprocessing.get_context(_START_METHODS[sharing_strategy])
         # With FileSystem the process is started first and the dataset pickled
         # to a file while it starts (a spawned interpreter spends seconds
-        # importing torch before it can read anything); the file's path is its
-        # first command. The other strategies hand the dataset over at start.
-        dumped = sharing_strategy == SharingStrategy.FileSystem
+        # importing torch before it can read anything); a command tells it the
+        # file is complete. The other strategies hand the dataset over at start.
+        dump = None
+        if sharing_strategy == SharingStrategy.FileSystem:
+            dump = self._dump = _DatasetFile(os.path.join(
+                tempfile.mkdtemp(prefix="poptorch_lite_data_"), "dataset.pkl"))
         # Pipes, not queues: they need no semaphores, so nothing is left for
         # the resource tracker however either process ends.
         self._data, data_writer = context.Pipe(duplex=False)
         commands_reader, self._commands = context.Pipe(duplex=False)
         process = context.Process(target=_worker_main,
-                                  args=(None if dumped else dataset, data_writer,
+                                  args=(dump or dataset, data_writer,
                                         commands_reader, self._settings),
                                   name="AsynchronousDataAccessor",
                                   daemon=False)
         try:
             process.start()
         except Exception as error:
+            self._remove_payload()
             raise TypeError(self._pickle_advice(sharing_strategy,
                                                 error)) from error
         finally:
@@ -806,17 +825,15 @@ class AsynchronousDataAccessor:
             data_writer.close()
         self._process = process
         _LIVE_ACCESSORS.add(self)
-        if dumped:
-            self._payload_dir = tempfile.mkdtemp(prefix="poptorch_lite_data_")
-            payload = os.path.join(self._payload_dir, "dataset.pkl")
+        if dump is not None:
             try:
-                with open(payload, "wb") as dump:
-                    pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)
+                with open(dump.path, "wb") as file:
+                    pickle.dump(dataset, file, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as error:
                 self._abort_start()
                 raise TypeError(self._pickle_advice(sharing_strategy,
                                                     error)) from error
-            self._send(("dataset", payload))
+            self._send(("dataset", ))
 
     def _abort_start(self) -> None:
         """Stop a worker process that has not received its dataset: it is
@@ -889,11 +906,7 @@ class AsynchronousDataAccessor:
         self._release()
         while True:
             message = self._receive()
-            kind = message[0]
-            if kind == "ready":
-                self._remove_payload()
-                continue
-            epoch = message[1]
+            kind, epoch = message[0], message[1]
             if kind == "error" and epoch is None:
                 self._done = True
                 self._broken = ("The AsynchronousDataAccessor worker process "
@@ -1008,9 +1021,9 @@ class AsynchronousDataAccessor:
         self._remove_payload()
 
     def _remove_payload(self) -> None:
-        if self._payload_dir is not None:
-            shutil.rmtree(self._payload_dir, ignore_errors=True)
-            self._payload_dir = None
+        """Remove the dataset's file if the worker process did not."""
+        if self._dump is not None:
+            self._dump.remove()
 
     def __enter__(self) -> "AsynchronousDataAccessor":
         return self
