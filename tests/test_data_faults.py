@@ -86,8 +86,9 @@ IMPORTS_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         print("host", emulator_modules())
-        loader = poptorch.DataLoader(poptorch.Options(), ImportProbe(), batch_size=None,
-                                     mode=poptorch.DataLoaderMode.Async)
+        opts = poptorch.Options()
+        opts.setExecutionStrategy(poptorch.PipelinedExecution("A", "B"))  # imports the emulator here
+        loader = poptorch.DataLoader(opts, ImportProbe(), batch_size=None, mode=poptorch.DataLoaderMode.Async)
         print("accessor", next(iter(loader)))
 """)
 
@@ -95,7 +96,8 @@ IMPORTS_SCRIPT = textwrap.dedent("""
 def test_the_accessor_process_imports_what_the_dataset_needs_not_the_emulator(tmp_path):
     """The spawned accessor process imports the user's script again, and with it poptorch_lite:
     that brings in the DataLoader, not the emulator, Numba or the compiler (seconds of imports
-    before the first batch). The host imports them only when it builds a model."""
+    before the first batch), even when the loader's options hold an execution strategy. The host
+    imports them only when it uses them."""
     script = tmp_path / "imports.py"
     script.write_text(IMPORTS_SCRIPT.format(tests=TESTS))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)

@@ -14,6 +14,7 @@ that keeps up to ``buffer_size`` batches ready while the caller computes.
 """
 import atexit
 import collections
+import copy
 import logging
 import multiprocessing
 import numbers
@@ -632,6 +633,17 @@ def _host_alive(settings: "_WorkerSettings", start_parent: int) -> bool:
     return start_parent == settings.parent_pid or _running(settings.parent_pid)
 
 
+def _sent_copy(source):
+    """What is pickled for the worker process: a DataLoader without its
+    options (its copy only iterates, and an execution strategy in the options
+    would import the device emulator there); any other source as it is."""
+    if not isinstance(source, DataLoader):
+        return source
+    source = copy.copy(source)  # __getstate__: no accessor, no iterator
+    source._options = None  # pylint: disable=protected-access
+    return source
+
+
 @dataclass(frozen=True)
 class _DatasetFile:
     """The file the host pickles the dataset to (SharingStrategy.FileSystem).
@@ -809,6 +821,8 @@ class AsynchronousDataAccessor:
         # the resource tracker however either process ends.
         self._data, data_writer = context.Pipe(duplex=False)
         commands_reader, self._commands = context.Pipe(duplex=False)
+        if sharing_strategy != SharingStrategy.Fork:
+            dataset = _sent_copy(dataset)
         process = context.Process(target=_worker_main,
                                   args=(dump or dataset, data_writer,
                                         commands_reader, self._settings),
