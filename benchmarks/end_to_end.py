@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dataset", default="fashion-mnist")
     args = ap.parse_args()
+    load = os.getloadavg()[0]
     common = ["--epochs", "1", "--num-workers", str(args.workers), "--dataset", args.dataset]
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "torch_mnist.py")
@@ -90,7 +91,8 @@ def main() -> None:
             ours.append(timed([sys.executable, os.path.join(TUTORIAL, "mnist_pipeline.py"), *common]))
             theirs.append(timed([sys.executable, script, *common]))
     o, t = statistics.median(s for s, _ in ours), statistics.median(s for s, _ in theirs)
-    print(f"one epoch and the test pass, {args.workers} loader workers, {args.dataset}, median of {args.repeats}:")
+    print(f"one epoch and the test pass, {args.workers} loader workers, {args.dataset}, median of {args.repeats}, "
+          f"{os.cpu_count()} cores, load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end:")
     print(f"  tutorial on emulated IPUs: {o:.1f} s (test accuracy {ours[-1][1]})")
     print(f"  plain PyTorch on the CPU:  {t:.1f} s (test accuracy {theirs[-1][1]})")
     print(f"  ratio {o / t:.2f}")

@@ -126,7 +126,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = prepare(tmp)
         print(f"data: {'Fashion-MNIST from ' + DEBIAN if root else 'generated images (dataset-fashion-mnist is not installed)'}, "
-              f"{args.samples} samples, items of 4000 images, median of {args.repeats} runs, {os.cpu_count()} cores")
+              f"{args.samples} samples, items of 4000 images, median of {args.repeats} runs, {os.cpu_count()} cores, "
+              f"load average {os.getloadavg()[0]:.1f} at the start")
         print(f"{'W':>3} {'first batch s (ours / torch)':>30} {'goal':>6} {'epoch s (ours / torch)':>24} {'ratio':>6}"
               f" {'Fork: first, epoch s':>22}")
         for w in (int(x) for x in args.workers.split(",")):
@@ -139,6 +140,7 @@ def main() -> None:
             goal = "met" if o["first"] <= 1.5 * t["first"] + 1 else "missed"
             print(f"{w:>3} {o['first']:>14.2f} / {t['first']:<13.2f} {goal:>6} {o['epoch']:>11.2f} / {t['epoch']:<10.2f} "
                   f"{o['epoch'] / t['epoch']:>6.2f} {f['first']:>11.2f}, {f['epoch']:.2f}", flush=True)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":
