@@ -118,10 +118,11 @@ SCRIPT = textwrap.dedent("""
             return super().__getitem__(index)
 
     if __name__ == "__main__":
-        how, workers = sys.argv[1], int(sys.argv[2])
+        how, workers, strategy = sys.argv[1], int(sys.argv[2]), getattr(poptorch.SharingStrategy, sys.argv[3])
         opts = poptorch.Options().deviceIterations(2)
         loader = poptorch.DataLoader(opts, Slow(400), batch_size=4, num_workers=workers,
-                                     mode=poptorch.DataLoaderMode.Async)
+                                     mode=poptorch.DataLoaderMode.Async,
+                                     async_options={{"sharing_strategy": strategy}})
         if how == "idle":  # built, never iterated
             print("pids", os.getpid(), flush=True)
             time.sleep(60)
@@ -140,15 +141,16 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_script(tmp_path, how, workers, **kw):
-    """The script in a subprocess: its stdout a pipe, its stderr the file tmp_path/stderr.txt, its
-    temporary files in tmp_path/tmp (see `temporary_files`)."""
+def run_script(tmp_path, how, workers, strategy=SharingStrategy.FileSystem):
+    """The script in a subprocess and a session of its own: its stdout a pipe, its stderr the file
+    tmp_path/stderr.txt, its temporary files in tmp_path/tmp (see `temporary_files`)."""
     script = tmp_path / "loader_script.py"
     script.write_text(SCRIPT.format(tests=TESTS))
     (tmp_path / "tmp").mkdir(exist_ok=True)
     with open(tmp_path / "stderr.txt", "w", encoding="utf-8") as err:
-        return subprocess.Popen([sys.executable, str(script), how, str(workers)], stdout=subprocess.PIPE,
-                                stderr=err, text=True, env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")), **kw)
+        return subprocess.Popen([sys.executable, str(script), how, str(workers), strategy.name],
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+                                env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
 
 
 def temporary_files(tmp_path):
@@ -197,18 +199,24 @@ def wait_for_pids_line(process, tmp_path):
     return int(line.split()[1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["normal", "break", "raise", "sigint"])
-def test_sixteen_workers_leave_nothing_to_clean_up(tmp_path, how):
-    """A normal exit, `break`, an exception in the user's loop and Ctrl-C: no resource tracker
-    warning, no process left, and within seconds."""
-    process = run_script(tmp_path, how, 16, start_new_session=True)
-    if how != "normal":
-        host = wait_for_pids_line(process, tmp_path)
-        if how == "sigint":
-            os.killpg(host, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+def check_an_end(tmp_path, how, workers, strategy=SharingStrategy.FileSystem):
+    """Run the script to its end (`how`): the user sees what the end says, the script ends within
+    seconds of Ctrl-C, every process it started is gone within 5 s of its end, and neither the
+    resource tracker nor the temporary directory has anything left."""
+    process = run_script(tmp_path, how, workers, strategy)
+    host = wait_for_pids_line(process, tmp_path)  # three batches in
+    tree = descendants(host)
+    if how == "sigint":
+        os.killpg(host, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+    interrupted = time.monotonic()
     out, err = finish(process, tmp_path, 90)
+    ended = time.monotonic()
+    deadline = ended + 5
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in tree if alive(p)], err
     assert "resource_tracker" not in err and "leaked" not in err, err
+    assert not temporary_files(tmp_path)
     if how == "normal":
         assert process.returncode == 0 and "batches 50" in out, err
     elif how == "break":
@@ -216,10 +224,23 @@ def test_sixteen_workers_leave_nothing_to_clean_up(tmp_path, how):
     elif how == "raise":
         assert process.returncode == 1 and "the training loop failed" in err
     else:
-        assert "KeyboardInterrupt" in err
-    time.sleep(0.5)
-    assert not descendants(process.pid)
-    assert not temporary_files(tmp_path)
+        assert "KeyboardInterrupt" in err and ended - interrupted < 10, (ended - interrupted, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["normal", "break", "raise", "sigint"])
+def test_sixteen_workers_leave_nothing_to_clean_up(tmp_path, how):
+    """A normal exit, `break`, an exception in the user's loop and Ctrl-C with 16 DataLoader
+    workers (Graphcore's scripts use 16)."""
+    check_an_end(tmp_path, how, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [SharingStrategy.SharedMemory, SharingStrategy.Fork,
+                                      SharingStrategy.ForkServer], ids=lambda s: s.name)
+@pytest.mark.parametrize("how", ["normal", "sigint"])
+def test_every_sharing_strategy_leaves_nothing_to_clean_up(tmp_path, how, strategy):
+    check_an_end(tmp_path, how, 4, strategy)
 
 
 @pytest.mark.slow
@@ -227,7 +248,7 @@ def test_sixteen_workers_leave_nothing_to_clean_up(tmp_path, how):
 def test_loader_processes_die_with_their_host(tmp_path, sig):
     """When the host dies, its accessor process and the DataLoader workers below it are gone
     within 5 s, and nothing is left for the resource tracker."""
-    process = run_script(tmp_path, "hold", 4, start_new_session=True)
+    process = run_script(tmp_path, "hold", 4)
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
     assert len(below) >= 5  # the accessor process and its 4 DataLoader workers (and the tracker)
@@ -246,7 +267,7 @@ def test_a_host_killed_before_its_first_batch_leaves_nothing(tmp_path):
     """The host killed (SIGKILL) right after building its loader, while the spawned accessor process
     may still be importing torch: once that process runs, it finds its host gone, stops, and
     removes the file the dataset was pickled to."""
-    process = run_script(tmp_path, "idle", 2, start_new_session=True)
+    process = run_script(tmp_path, "idle", 2)
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
     os.kill(host, signal.SIGKILL)
