@@ -610,12 +610,12 @@ INTERRUPTED_SCRIPT = textwrap.dedent("""
         print(what, flush=True)
         time.sleep(120)  # the test sends Ctrl-C now
 
-    if where == "compile":  # in the compiler, between its passes
-        differentiate = executable.differentiate
-        def pausing_differentiate(*args, **kwargs):
+    if where == "compile":  # in the compiler, between the capture and the lowering to IR
+        to_ir = executable.to_ir
+        def pausing_to_ir(*args, **kwargs):
             interrupt_here("compiling")
-            return differentiate(*args, **kwargs)
-        executable.differentiate = pausing_differentiate
+            return to_ir(*args, **kwargs)
+        executable.to_ir = pausing_to_ir
     elif where == "write":  # half of the entry's payload written
         fdopen = os.fdopen
         class PausingFile:
