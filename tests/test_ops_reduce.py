@@ -576,3 +576,18 @@ def test_fast_kernels_give_the_same_bits_on_more_kernel_threads():
         got.append([e.readTensor(o) for o in outs])
     for a, b in zip(*got):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "sum_squares"])
+@pytest.mark.parametrize("key, axes", [((slice(None), slice(2, 3)), (0, 1)), ((slice(None), 2), (0,)),
+                                       ((slice(None, None, 2), slice(None, None, -1)), (1,)), ((Ellipsis, 1), None)])
+def test_strided_views_reduce_as_numpy_in_both_modes(op, key, axes):
+    """A fast-mode read of a strided view is a view of the storage, not a copy: the reduction
+    kernels, which load runs as contiguous memory, must still see the view's elements."""
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", (6, 5), "x")
+    prog = ip.Sequence()
+    out = R.reduce(g, x[key], axes, op, prog)
+    values = np.random.default_rng(3).standard_normal((6, 5)).astype(np.float32)
+    (got,), _ = run_both(g, prog, {x: values}, [out])
+    np.testing.assert_allclose(got, REFS[op](values[key].astype(np.float64), axis=axes), rtol=1e-5)

@@ -193,8 +193,9 @@ def reduce_contiguous(typingctx, src, start, n, op):
     op, with the LANES lanes in two 8-wide float64 vector registers (lanes 0-7 and 8-15): each
     vector lane does the operations of its scalar lane in the same order, so the result has the
     bits of the scalar form. The last n % LANES elements go to lanes 0, 1, ... under a mask."""
-    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(op, types.IntegerLiteral)):
-        return None
+    if not (isinstance(src, types.Array) and src.dtype == types.float32 and src.layout == "C"
+            and isinstance(op, types.IntegerLiteral)):
+        return None  # vector loads need C-contiguous memory: a strided array must not reach them
     code = op.literal_value
     lane_op = code if code in (MAX, MIN) else SUM
 
@@ -497,7 +498,9 @@ def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
 def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounded: bool = False) -> np.ndarray:
     """The float64 result of every segment of a stage. `rounded`: squares are rounded to float32
     first (as one-element float32 partials hold them). Row and column blocks are separate kernels,
-    compiled only when a stage has such blocks."""
+    compiled only when a stage has such blocks. `src` may be a strided view (a fast-mode read); the
+    kernels load runs of it as contiguous memory, so it is made contiguous first."""
+    src = np.ascontiguousarray(src)
     if src.dtype != np.float32:  # one more kernel specialisation only: integers and bools exactly as float64
         src = src.astype(np.float64)
     if op == SUM_ABS:
