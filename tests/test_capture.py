@@ -28,62 +28,8 @@ from poptorch_lite.api.strategies import (
     StrategyError,
 )
 
-# The model of Graphcore's PopTorch MNIST pipelining tutorial.
-
-
-class ConvLayer(nn.Module):
-    def __init__(self, in_channels, num_filters, kernel_size, pool_size):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, num_filters, kernel_size=kernel_size)
-        self.pool = nn.MaxPool2d(kernel_size=pool_size)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        x = self.conv(x)
-        x = self.pool(x)
-        x = self.relu(x)
-        return x
-
-
-class Network(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = ConvLayer(1, 10, 5, 2)
-        self.layer2 = ConvLayer(10, 20, 5, 2)
-        self.layer3 = nn.Linear(320, 256)
-        self.layer3_act = nn.ReLU()
-        self.layer3_dropout = nn.Dropout(0.5)
-        self.layer4 = nn.Linear(256, 10)
-        self.softmax = nn.LogSoftmax(1)
-
-    def forward(self, x):
-        with Block("B1"):
-            x = self.layer1(x)
-        with Block("B2"):
-            x = self.layer2(x)
-        with Block("B3"):
-            x = x.view(-1, 320)
-            x = self.layer3_act(self.layer3(x))
-            x = self.layer3_dropout(x)
-        with Block("B4"):
-            x = self.layer4(x)
-            x = self.softmax(x)
-        return x
-
-
-class TrainingModelWithLoss(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.loss = nn.NLLLoss()
-
-    def forward(self, args, loss_inputs=None):
-        output = self.model(args)
-        if loss_inputs is None:
-            return output
-        with Block("B4"):
-            loss = self.loss(output, loss_inputs)
-        return output, loss
+import tutorial_model
+from tutorial_model import Network, TrainingModelWithLoss  # the model of Graphcore's MNIST pipelining tutorial
 
 
 class LossOutsideBlocks(TrainingModelWithLoss):
@@ -174,7 +120,7 @@ def test_nodes_carry_block_shape_and_source():
     nodes = {n.name: n for n in graph_module.graph.nodes}
     assert nodes["loss"].meta["block"] == BlockRef("B4")
     assert nodes["view"].meta["tensor_meta"].shape == torch.Size([8, 320])
-    assert nodes["model_layer1_conv"].meta["source"].startswith(__file__ + ":")
+    assert nodes["model_layer1_conv"].meta["source"].startswith(tutorial_model.__file__ + ":")  # the user's line
     assert nodes["args"].meta["block"] == DEFAULT_REGION
     assert traced_blocks(graph_module.graph) == [BlockRef(f"B{i}") for i in range(1, 5)]
 
