@@ -604,6 +604,22 @@ class ParallelPhasedExecution(_PhasedExecution):
             )
 
 
+def check_data_flow(kind: str, op: str, source: str, here, producer: str, there) -> None:
+    """Data flows only to the same or a later stage (pipelined and sharded execution) or phase
+    (phased execution). `here` and `there` are where the op and the producer of one of its
+    inputs run (anything with `block`, `stage` and `phase`); a StrategyError names both ops when
+    the producer runs later."""
+    unit = "phase" if kind.endswith("phased") else "stage"
+    a, b = getattr(here, unit), getattr(there, unit)
+    if b <= a:
+        return
+    hint = ("move the blocks so that the phases follow the data" if unit == "phase" else
+            "use AutoStage.AutoIncrement (a new stage per block) or reorder the stages" if kind == "pipelined" else
+            "give a block that starts again after other IPUs ran a name of its own")
+    raise StrategyError(f"{op} at {source} (block {here.block}, {unit} {a}) uses the result of {producer} "
+                        f"(block {there.block}, {unit} {b}): data can only flow to the same or a later {unit}; {hint}")
+
+
 def validate_counts(
     placement: Placement,
     *,

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 
 from ..api.blocks import DEFAULT_REGION
 from ..api.errors import Error
-from ..api.strategies import ExecutionStrategy, Placement, StrategyError
+from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
 from .ir import IRGraph, Node, Value
@@ -120,15 +120,7 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
 
 
 def check_data_flow(joint: JointGraph, placement: Placement, sites: dict) -> None:
-    if placement.schedule_kind.endswith("phased"):
-        unit, key = "phase", lambda s: s.phase
-        hint = "move the blocks so that the phases follow the data"
-    elif placement.schedule_kind == "pipelined":
-        unit, key = "stage", lambda s: s.stage
-        hint = "use AutoStage.AutoIncrement (a new stage per block) or reorder the stages"
-    else:
-        unit, key = "stage", lambda s: s.stage
-        hint = "give a block that starts again after other IPUs ran a name of its own"
+    """Every forward op uses results of its own or an earlier stage or phase only."""
     for n, here in sites.items():
         if here.pass_ != "fwd" or annotation_of(n) is None:
             continue
@@ -136,12 +128,8 @@ def check_data_flow(joint: JointGraph, placement: Placement, sites: dict) -> Non
             there = sites.get(producer)
             if there is None or there.pass_ != "fwd" or annotation_of(producer) is None:
                 continue
-            if key(there) > key(here):
-                a, b = annotation_of(n), annotation_of(producer)
-                raise StrategyError(
-                    f"{a.describe()} at {a.source} (block {here.block}, {unit} {key(here)}) uses the result of "
-                    f"{b.describe()} (block {there.block}, {unit} {key(there)}): data can only flow to the same "
-                    f"or a later {unit}; {hint}")
+            a, b = annotation_of(n), annotation_of(producer)
+            check_flow(placement.schedule_kind, a.describe(), a.source, here, b.describe(), there)
 
 
 # ---- lowering -------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
-from ..api.strategies import ExecutionStrategy, PipelinedExecution, Placement, StrategyError
+from ..api.strategies import ExecutionStrategy, PipelinedExecution, Placement, check_data_flow
 
 OP_KINDS = ("call_module", "call_function", "call_method")
 
@@ -222,30 +222,14 @@ def place_graph(graph_module: torch.fx.GraphModule, strategy: ExecutionStrategy)
     sharded execution) or phase (phased execution).
     """
     placement = strategy.place(traced_blocks(graph_module.graph))
-    if placement.schedule_kind.endswith("phased"):
-        unit, key = "phase", lambda p: p.phase
-        hint = "move the blocks so that the phases follow the data"
-    elif placement.schedule_kind == "pipelined":
-        unit, key = "stage", lambda p: p.stage
-        hint = "use AutoStage.AutoIncrement (a new stage per block) or reorder the stages"
-    else:
-        unit, key = "stage", lambda p: p.stage
-        hint = "give a block that starts again after other IPUs ran a name of its own"
     for node in graph_module.graph.nodes:
         if node.op not in OP_KINDS:
             continue
-        here = placement[node.meta["block"]]
         for producer in node.all_input_nodes:
-            if producer.op not in OP_KINDS:
-                continue
-            there = placement[producer.meta["block"]]
-            if key(there) > key(here):
-                raise StrategyError(
-                    f"{describe_op(node, graph_module)} at {node.meta['source']} (block "
-                    f"{here.block}, {unit} {key(here)}) uses the result of "
-                    f"{describe_op(producer, graph_module)} (block {there.block}, {unit} "
-                    f"{key(there)}): data can only flow to the same or a later {unit}; {hint}"
-                )
+            if producer.op in OP_KINDS:
+                check_data_flow(placement.schedule_kind, describe_op(node, graph_module), node.meta["source"],
+                                placement[node.meta["block"]], describe_op(producer, graph_module),
+                                placement[producer.meta["block"]])
     return placement
 
 
