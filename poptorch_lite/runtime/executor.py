@@ -261,6 +261,9 @@ class PoplarExecutor:
         """Make a compiled (or cached) executable this model's: hooks, streams, weights."""
         opts = self._options
         self._executable = executable
+        # which micro-batch steps the call returns: fixed by the (frozen) options, so known once
+        self._output_plan = batching.output_plan(opts, self._training)
+        self._returned = set(self._output_plan.returned_steps)
         if self._training and opts.num_processes > 1:
             from .distributed import GradientAllReduce
             self._collective = GradientAllReduce(self)
@@ -388,8 +391,6 @@ class PoplarExecutor:
         if not self._training:
             self._sync_from_training_model()
         exe = self._executable
-        self._output_plan = batching.output_plan(self._options, self._training)
-        self._returned = set(self._output_plan.returned_steps)
         self._inputs = self._split_inputs(tensors)
         self._outputs.clear()
         for anchor in self._anchors:
