@@ -25,7 +25,7 @@ _ON_FIRST_USE = {
     **{name: ("poptorch_lite.api.strategies", name)
        for name in ("ParallelPhasedExecution", "Phase", "PipelinedExecution", "SerialPhasedExecution",
                     "ShardedExecution", "Stage", "StrategyError")},
-    "op_placement": ("poptorch_lite.compiler.capture", "op_placement"),
+    "op_placement": ("poptorch_lite.compiler.placement", "op_placement"),
     "UnsupportedOpError": ("poptorch_lite.compiler.aten", "UnsupportedOpError"),
     "CompileError": ("poptorch_lite.compiler.lowering", "CompileError"),
     **{name: ("poptorch_lite.runtime.executor", name) for name in ("PoplarExecutor", "inferenceModel", "trainingModel")},

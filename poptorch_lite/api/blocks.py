@@ -10,7 +10,7 @@ IPUs. Blocks are declared four ways, as in PopTorch:
   and lasts until the next block starts;
 - ``@BlockFunction("B1", ipu_id=0)`` -- each call of the function runs inside "B1".
 
-Blocks only act while a model is being captured (``poptorch_lite.compiler.capture``), through
+Blocks only act while a model is being captured (``poptorch_lite.compiler.export``), through
 the thread-local state opened by :func:`tracing_blocks`. Outside it they do nothing,
 so an annotated model runs in eager PyTorch exactly as before.
 

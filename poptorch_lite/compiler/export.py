@@ -98,7 +98,7 @@ class Annotation:
     closed: Optional[BlockRef] = None      # the block that had closed, when block is None
 
     def describe(self) -> str:
-        """The op for error messages, as the torch.fx capture names it."""
+        """The user's call for error messages: 'module layer1.conv (Conv2d)', 'function add()', 'method .view()'."""
         if self.leaf_module:
             return f"module {self.module}"
         if self.function.startswith("."):

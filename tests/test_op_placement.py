@@ -1,4 +1,5 @@
-"""Capture with block annotations, and op placement under execution strategies."""
+"""op_placement: every op of a captured model with its block, stage, IPU and phase, under each
+execution strategy, for every way of opening blocks."""
 
 import pathlib
 
@@ -7,17 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from poptorch_lite.api.blocks import (
-    DEFAULT_REGION,
-    BeginBlock,
-    Block,
-    BlockError,
-    BlockFunction,
-    BlockRef,
-    removeBlocks,
-)
+import poptorch_lite
+from poptorch_lite.api.blocks import BeginBlock, Block, BlockError, BlockFunction, BlockRef, removeBlocks
 from poptorch_lite.api.errors import Error
-from poptorch_lite.compiler.capture import capture, op_placement, place_graph, traced_blocks
 from poptorch_lite.api.strategies import (
     AutoStage,
     ParallelPhasedExecution,
@@ -27,6 +20,9 @@ from poptorch_lite.api.strategies import (
     Stage,
     StrategyError,
 )
+from poptorch_lite.compiler.aten import decompositions
+from poptorch_lite.compiler.export import annotation_of, capture_joint
+from poptorch_lite.compiler.placement import op_placement
 
 import tutorial_model
 from tutorial_model import Network, TrainingModelWithLoss  # the model of Graphcore's MNIST pipelining tutorial
@@ -45,91 +41,70 @@ def tutorial_strategy(kind=PipelinedExecution):
 
 IMAGES = torch.randn(8, 1, 28, 28)
 LABELS = torch.randint(0, 10, (8,))
-TUTORIAL_ROWS = [
-    ("model.layer1.conv (Conv2d)", "B1"),
-    ("model.layer1.pool (MaxPool2d)", "B1"),
-    ("model.layer1.relu (ReLU)", "B1"),
-    ("model.layer2.conv (Conv2d)", "B2"),
-    ("model.layer2.pool (MaxPool2d)", "B2"),
-    ("model.layer2.relu (ReLU)", "B2"),
-    (".view()", "B3"),
-    ("model.layer3 (Linear)", "B3"),
-    ("model.layer3_act (ReLU)", "B3"),
-    ("model.layer3_dropout (Dropout)", "B3"),
-    ("model.layer4 (Linear)", "B4"),
-    ("model.softmax (LogSoftmax)", "B4"),
+TUTORIAL_CALLS = [
+    ("module model.layer1.conv (Conv2d)", "B1"),
+    ("module model.layer1.pool (MaxPool2d)", "B1"),
+    ("module model.layer1.relu (ReLU)", "B1"),
+    ("module model.layer2.conv (Conv2d)", "B2"),
+    ("module model.layer2.pool (MaxPool2d)", "B2"),
+    ("module model.layer2.relu (ReLU)", "B2"),
+    ("method .view()", "B3"),
+    ("module model.layer3 (Linear)", "B3"),
+    ("module model.layer3_act (ReLU)", "B3"),
+    ("module model.layer3_dropout (Dropout)", "B3"),
+    ("module model.layer4 (Linear)", "B4"),
+    ("module model.softmax (LogSoftmax)", "B4"),
 ]
 
 
-def rows(table):
-    return [(r.op, r.block, r.stage, r.ipu) for r in table]
-
-
-def expected_tutorial_rows(with_loss):
-    listed = TUTORIAL_ROWS + ([("loss (NLLLoss)", "B4")] if with_loss else [])
-    return [(op, block, int(block[1]) - 1, int(block[1]) - 1) for op, block in listed]
+def expected_tutorial_calls(with_loss):
+    listed = TUTORIAL_CALLS + ([("module loss (NLLLoss)", "B4")] if with_loss else [])
+    return [(origin, block, int(block[1]) - 1, int(block[1]) - 1, None) for origin, block in listed]
 
 
 @pytest.mark.parametrize("kind", [PipelinedExecution, ShardedExecution])
 def test_tutorial_training_model_placement(kind):
     table = op_placement(TrainingModelWithLoss(Network()), tutorial_strategy(kind), IMAGES, LABELS)
-    assert rows(table) == expected_tutorial_rows(with_loss=True)
+    assert table.by_origin() == expected_tutorial_calls(with_loss=True)
     assert table.placement.schedule_kind == kind.schedule_kind
     assert table.placement.schedule_arguments() == {"num_stages": 4, "stage_ipus": (0, 1, 2, 3)}
+    ops = {r.op for r in table if r.origin == "module model.layer1.conv (Conv2d)"}
+    assert ops == {"aten.convolution"}  # the ATen ops the compiler lowers
 
 
 def test_tutorial_inference_model_has_no_loss():
     model = TrainingModelWithLoss(Network())
-    table = op_placement(model, tutorial_strategy(), IMAGES)
-    assert rows(table) == expected_tutorial_rows(with_loss=False)
+    table = op_placement(model, tutorial_strategy(), IMAGES)  # labels=None: the branch without a loss
+    assert table.by_origin() == expected_tutorial_calls(with_loss=False)
     network_alone = op_placement(model.model, tutorial_strategy(), IMAGES)
-    assert [r[1:] for r in rows(network_alone)] == [r[1:] for r in rows(table)]
+    assert [r[1:] for r in network_alone.by_origin()] == [r[1:] for r in table.by_origin()]
+    model.eval()  # dropout is no op in inference
+    assert "module model.layer3_dropout (Dropout)" not in [r[0] for r in op_placement(model, tutorial_strategy(), IMAGES).by_origin()]
 
 
 def test_tutorial_table_prints_every_op():
-    text = str(op_placement(TrainingModelWithLoss(Network()), tutorial_strategy(), IMAGES, LABELS))
-    lines = text.splitlines()
+    table = op_placement(TrainingModelWithLoss(Network()), tutorial_strategy(), IMAGES, LABELS)
+    lines = str(table).splitlines()
     assert lines[0] == repr(tutorial_strategy())
-    assert lines[1].split() == ["node", "op", "block", "stage", "ipu"]
-    assert lines[-1].split() == ["loss", "loss", "(NLLLoss)", "B4", "3", "3"]
-    assert len(lines) == 2 + len(TUTORIAL_ROWS) + 1
+    assert lines[1].split() == ["node", "op", "from", "block", "stage", "ipu"]
+    assert lines[-2].split()[1:] == ["aten.nll_loss_forward", "module", "loss", "(NLLLoss)", "B4", "3", "3"]
+    assert len(lines) == 2 + len(table)
+    assert all(r.source.startswith(tutorial_model.__file__ + ":") for r in table if r.origin != "module loss (NLLLoss)")
 
 
 def test_loss_outside_a_block_is_an_error_naming_the_op_line_and_block():
     source = pathlib.Path(__file__).read_text().splitlines()
     line = next(i + 1 for i, text in enumerate(source) if "# LOSS LINE" in text)
     with pytest.raises(BlockError) as error:
-        capture(LossOutsideBlocks(Network()), IMAGES, LABELS)
+        op_placement(LossOutsideBlocks(Network()), tutorial_strategy(), IMAGES, LABELS)
     message = str(error.value)
     assert "module loss (NLLLoss)" in message
     assert f"{__file__}:{line}" in message
     assert "with Block('B4')" in message
 
 
-def test_captured_graph_computes_like_the_model():
-    torch.manual_seed(0)
-    model = TrainingModelWithLoss(Network()).eval()
-    graph_module = capture(model, IMAGES, LABELS)
-    output, loss = model(IMAGES, LABELS)
-    captured_output, captured_loss = graph_module(IMAGES, LABELS)
-    assert torch.equal(output, captured_output) and torch.equal(loss, captured_loss)
-
-
-def test_nodes_carry_block_shape_and_source():
-    graph_module = capture(TrainingModelWithLoss(Network()), IMAGES, LABELS)
-    nodes = {n.name: n for n in graph_module.graph.nodes}
-    assert nodes["loss"].meta["block"] == BlockRef("B4")
-    assert nodes["view"].meta["tensor_meta"].shape == torch.Size([8, 320])
-    assert nodes["model_layer1_conv"].meta["source"].startswith(tutorial_model.__file__ + ":")  # the user's line
-    assert nodes["args"].meta["block"] == DEFAULT_REGION
-    assert traced_blocks(graph_module.graph) == [BlockRef(f"B{i}") for i in range(1, 5)]
-
-
-def test_inputs_that_are_not_tensors_are_fixed():
-    graph_module = capture(TrainingModelWithLoss(Network()), IMAGES)  # labels=None: no loss
-    ops = [n for n in graph_module.graph.nodes if n.op.startswith("call")]
-    assert all("assert" not in str(n.target) for n in ops)
-    assert [n.target for n in graph_module.graph.nodes if n.op == "placeholder"] == ["args"]
+def test_top_level_name_is_this_function():
+    assert poptorch_lite.op_placement is op_placement
 
 
 # Block styles
@@ -155,7 +130,8 @@ TARGET = torch.randn(3, 2)
 
 
 def blocks_of(model, *inputs, strategy=None):
-    return [(r.node, r.block, r.stage, r.ipu) for r in op_placement(model, strategy, *inputs)]
+    """(call, block, stage, ipu) per call of the model's code."""
+    return [row[:4] for row in op_placement(model, strategy, *inputs).by_origin()]
 
 
 def test_begin_block_on_leaf_modules_lasts_until_next_block():
@@ -163,10 +139,10 @@ def test_begin_block_on_leaf_modules_lasts_until_next_block():
     BeginBlock(model.l2, "second", ipu_id=1)
     BeginBlock(model.l3, ipu_id=2)
     assert blocks_of(model, X, TARGET) == [
-        ("l1", None, 0, 0),
-        ("l2", "second", 1, 1),
-        ("l3", "0", 2, 2),
-        ("loss", "0", 2, 2),
+        ("module l1 (Linear)", None, 0, 0),
+        ("module l2 (Linear)", "second", 1, 1),
+        ("module l3 (Linear)", "0", 2, 2),
+        ("module loss (MSELoss)", "0", 2, 2),
     ]
 
 
@@ -183,11 +159,11 @@ def test_begin_block_on_non_leaf_and_root_modules():
     model = BeginBlock(Outer(), "root", ipu_id=0)
     BeginBlock(model.chain, "chain", ipu_id=1)
     assert blocks_of(model, X) == [
-        ("pre", "root", 0, 0),
-        ("chain_l1", "chain", 1, 1),
-        ("chain_l2", "chain", 1, 1),
-        ("chain_l3", "chain", 1, 1),
-        ("mul", "chain", 1, 1),
+        ("module pre (ReLU)", "root", 0, 0),
+        ("module chain.l1 (Linear)", "chain", 1, 1),
+        ("module chain.l2 (Linear)", "chain", 1, 1),
+        ("module chain.l3 (Linear)", "chain", 1, 1),
+        ("method .mul()", "chain", 1, 1),
     ]
 
 
@@ -201,10 +177,9 @@ def test_begin_block_module_called_twice_is_one_block():
         def forward(self, x):
             return self.shared(self.other(self.shared(x)))
 
-    graph_module = capture(Twice(), X)
-    blocks = {n.name: n.meta["block"] for n in graph_module.graph.nodes}
-    assert blocks["shared"] == blocks["shared_1"] == BlockRef("0", 1)
-    assert blocks["other"] == BlockRef("other", 0)
+    joint = capture_joint(Twice(), (X,), {}, training=False, decompositions=decompositions())
+    addmms = [annotation_of(n).block for n in joint.graph_module.graph.nodes if n.name.startswith("addmm")]
+    assert addmms == [BlockRef("0", 1), BlockRef("other", 0), BlockRef("0", 1)]
     # Starting "0" again after "other" sends data back to an earlier stage.
     with pytest.raises(StrategyError, match="module shared .*uses the result of module other"):
         op_placement(Twice(), ShardedExecution(), X)
@@ -250,10 +225,10 @@ def test_block_function_and_auto_ids():
             return self.tail(x)
 
     assert blocks_of(Decorated(), X) == [
-        ("l1", None, 0, 0),
-        ("l2", "0", 0, 0),
-        ("relu", "named", 1, 1),
-        ("l3", "1", 1, 1),
+        ("module l1 (Linear)", None, 0, 0),
+        ("module l2 (Linear)", "0", 0, 0),
+        ("function relu()", "named", 1, 1),
+        ("module l3 (Linear)", "1", 1, 1),
     ]
 
 
@@ -264,8 +239,8 @@ def test_op_after_block_closed_is_an_error():
                 x = self.l1(x)
             return x + 1
 
-    with pytest.raises(BlockError, match=r"function add\(\) at .* outside any Block.*'A'"):
-        capture(Unplaced(), X)
+    with pytest.raises(BlockError, match=r"method .add\(\) at .* outside any Block.*'A'"):
+        op_placement(Unplaced(), None, X)
 
 
 def test_unpacking_a_multi_output_op_needs_no_block_but_slicing_does():
@@ -277,9 +252,7 @@ def test_unpacking_a_multi_output_op_needs_no_block_but_slicing_does():
             with Block("B", ipu_id=1):
                 return first * 2
 
-    graph_module = capture(Unpack(), X)
-    getitem = next(n for n in graph_module.graph.nodes if n.name == "getitem")
-    assert getitem.meta["block"] == BlockRef("A", 0)
+    assert blocks_of(Unpack(), X) == [("function split()", "A", 0, 0), ("method .mul()", "B", 1, 1)]
 
     class Slice(nn.Module):
         def forward(self, x):
@@ -290,7 +263,7 @@ def test_unpacking_a_multi_output_op_needs_no_block_but_slicing_does():
                 return first * 2
 
     with pytest.raises(BlockError, match=r"function getitem\(\) at .*outside any Block.*'A'"):
-        capture(Slice(), X)
+        op_placement(Slice(), None, X)
 
 
 def test_same_as_ipu_returning_to_an_ipu_breaks_the_pipeline_order():
@@ -358,34 +331,21 @@ def test_parallel_phased_model_from_poptorch_tests():
 
     strategy = ParallelPhasedExecution(*[f"{i}" for i in range(2 * n)])
     table = op_placement(Model(), strategy, torch.rand(size * 2, 1), torch.rand(size, 1))
-    matmuls = [(r.ipu, r.phase) for r in table if r.op == "matmul()"]
+    calls = table.by_origin()
+    matmuls = [(ipu, phase) for origin, _, _, ipu, phase in calls if origin == "function matmul()"]
     assert matmuls == [
         (0, 0), (2, 0), (1, 1), (3, 1), (1, 1), (3, 1),
         (0, 2), (2, 2), (1, 3), (3, 3), (1, 3), (3, 3),
         (0, 4), (2, 4), (1, 5), (3, 5), (1, 5), (3, 5),
     ]  # fmt: skip
-    assert [(r.op, r.ipu, r.phase) for r in table][-2:] == [("add()", 3, 5), ("l1_loss()", 3, 5)]
+    assert [(origin, ipu, phase) for origin, _, _, ipu, phase in calls][-2:] == [
+        ("method .add()", 3, 5), ("function l1_loss()", 3, 5)]
     assert table.placement.phase_ipus == ((0, 2), (1, 3)) * 3
     assert "phase" in str(table).splitlines()[1]
 
 
-def test_place_graph_matches_op_placement():
-    graph_module = capture(TrainingModelWithLoss(Network()), IMAGES, LABELS)
-    placement = place_graph(graph_module, tutorial_strategy())
-    assert placement.stage_ipus == (0, 1, 2, 3)
-
-
-def test_module_with_parameters_created_in_forward_is_an_error():
-    class Fresh(nn.Module):
-        def forward(self, x):
-            return nn.Linear(4, 4)(x)
-
-    with pytest.raises(TypeError, match="Linear is created inside forward.*create it in __init__"):
-        capture(Fresh(), X)
-
-
 def test_capture_input_errors():
     with pytest.raises(Error, match="Mandatory parameter x missing"):
-        capture(Chain())
+        op_placement(Chain())
     with pytest.raises(TypeError, match="ExecutionStrategy"):
         op_placement(Chain(), "pipelined", X)
