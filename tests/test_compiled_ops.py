@@ -178,6 +178,28 @@ def test_batch_norm_trains_and_updates_running_statistics():
     assert not torch.equal(model.bn.running_mean, torch.zeros(3))
 
 
+def test_batch_norm_on_a_later_pipeline_stage_updates_its_statistics_on_that_ipu():
+    """A buffer's update runs on the IPU of the op that makes the new value (BatchNorm's running
+    statistics on the BatchNorm's stage), not on the first IPU."""
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    poptorch.BeginBlock(model.bn, "bn", ipu_id=1)
+    ref = copy.deepcopy(model)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(3)
+    x, t = torch.randn(6, 2, 6, 6), torch.randn(6, 3, 4, 4)
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    training(x, t)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k in range(3):
+        (ref(x[2 * k:2 * k + 2], t[2 * k:2 * k + 2])[1] / 3).backward()
+    ropt.step()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    assigns = [n for n in training._executable.ir.nodes if n.op == "assign"]
+    assert assigns and {n.ipu for n in assigns} == {1}
+
+
 class DropoutNet(nn.Module):
     def __init__(self):
         super().__init__()

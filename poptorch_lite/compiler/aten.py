@@ -311,10 +311,11 @@ class Lowerer:
             old = self.ir.buffers[name]
             if new is old:
                 continue
+            # the update runs where the buffer's new value is made, or where the buffer is read
             producer = new.producer if isinstance(new, Value) else None
-            if producer is not None:
-                self.template = producer
-            self.ir.add("assign", [old, self.cast(new, old.dtype)], [])
+            readers = [node for node in self.ir.nodes if any(v is old for v in node.inputs)]
+            self.template = producer or (readers[0] if readers else self.template)
+            self.emit("assign", [old, self.cast(new, old.dtype)], [])
 
 
 def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Placement]:
