@@ -489,6 +489,22 @@ def test_a_table_of_vertices_is_checked_and_accounted_as_its_rows():
         g.addVertices(cs, ew.UNARY_VERTEX, [0, 0, 1, 2, 3, 9], fields, [0, 1.0, 0.0])
 
 
+def test_a_tile_runs_its_supervisor_vertices_one_after_another_and_its_worker_vertices_on_its_workers():
+    t = ip.Target.test(2)
+    g = ip.Graph(t)
+    x = g.addVariable("float32", (64,), "x")
+    g.setTileMapping(x, 0)
+    fixed = lambda c: (lambda sizes, params, dtype, target: np.full(len(params), c, np.int64))  # noqa: E731
+    worker = ip.VertexType("Worker", ("x",), (), ew.UNARY_VERTEX.kernel, fixed(100))
+    supervisor = ip.VertexType("Supervisor", ("x",), (), ew.UNARY_VERTEX.kernel, fixed(1000), supervisor=True)
+    cs = g.addComputeSet("mixed")
+    g.addVertices(cs, worker, [0] * 7, {"x": ip.Field.strided(x, np.arange(7) * 8, 1, 8)}, np.zeros((7, 0)))
+    g.addVertices(cs, supervisor, [0, 0], {"x": ip.Field.strided(x, [0, 32], 1, 32)}, np.zeros((2, 0)))
+    overhead = t.vertex_overhead_cycles
+    # seven workers' vertices on six workers: two rounds; two supervisor vertices: one after the other
+    assert cs.tile_cycles(t).tolist() == [2 * (100 + overhead) + 2 * (1000 + overhead), 0]
+
+
 def test_one_vertex_and_a_table_of_one_row_are_the_same():
     t = ip.Target.test(2)
     g = ip.Graph(t)

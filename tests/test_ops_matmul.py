@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ipusim as ip
-from ipusim.ops.matmul import (MATMUL_VERTEX, REDUCE_VERTEX, MatMulPlan, matmul, plan_matmul, split_candidates,
-                               split_grid)
+from ipusim.ops.matmul import (MATMUL_VERTEX, REDUCE_VERTEX, MatMulPlan, amp_partial_cycles, matmul, plan_matmul,
+                               split_candidates, split_grid)
 
 MODES = ["strict", "fast"]
 ROOMY = ip.Target.test(16, 1024 * 1024)
@@ -161,14 +161,14 @@ def test_a_matmul_too_big_for_the_target_is_an_out_of_memory_error():
 
 
 def test_k_split_is_taken_when_whole_k_blocks_do_not_fit():
-    small = ip.Target.test(16, 6 * 1024)
-    roomy_plan = plan_matmul(ROOMY, (32, 64), (64, 32))
-    small_plan = plan_matmul(small, (32, 64), (64, 32))
+    small = ip.Target.test(16, 12 * 1024)
+    roomy_plan = plan_matmul(ROOMY, (96, 64), (64, 32))
+    small_plan = plan_matmul(small, (96, 64), (64, 32))
     assert roomy_plan.k_split == 1 and roomy_plan.partials_dtype == "float32"
     assert small_plan.k_split > 1 and small_plan.fits and small_plan.partials_dtype == "float32"
     assert small_plan.bytes_per_tile <= 0.6 * small.bytes_per_tile < roomy_plan.bytes_per_tile
     # a tighter memory proportion forces the split on the roomy target too
-    assert plan_matmul(ROOMY, (32, 64), (64, 32), available_memory_proportion=0.003).k_split > 1
+    assert plan_matmul(ROOMY, (96, 64), (64, 32), available_memory_proportion=0.005).k_split > 1
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -236,11 +236,17 @@ def test_strict_mode_computes_from_exchanged_data_only():
 # ---- cycle estimators ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,amp", [("float32", 8), ("float16", 16)])
 def test_partial_product_estimator_formula(dtype, amp):
+    """The AMP supervisor vertex: supervisor fixed cost, per group, per further input group, and
+    per pass the weight loads and the slowest of the 6 workers sharing the rows."""
     t = ip.GC200
-    for m, n, k in [(1, 1, 1), (4, 8, 16), (7, 33, 65), (16, 16, 256)]:
-        passes = math.ceil(n / amp) * math.ceil(k / amp)
-        want = t.flop_cycles(2 * m * n * k, dtype) + t.thread_cycles(20 + passes * (6 + m))
-        assert MATMUL_VERTEX.cycles({}, np.array([[m, n, k]], float), np.dtype(dtype), t).tolist() == [want]
+    row = 2 * amp * amp // t.flops_per_cycle(dtype)  # thread cycles per row and pass at the AMP peak
+    loads = amp * amp * np.dtype(dtype).itemsize // 16
+    for g, m, n, k in [(1, 1, 1, 1), (1, 4, 8, 16), (3, 7, 33, 65), (2, 100, 16, 256)]:
+        in_groups, out_groups = math.ceil(k / amp), math.ceil(n / amp)
+        worker = 19 + row * max(math.ceil(m / 6), 3)
+        want = 50 + 6 * 7 + g * (24 + 15 * (in_groups - 1) + in_groups * out_groups * (25 + loads + 6 * worker))
+        assert MATMUL_VERTEX.cycles({}, np.array([[g, m, n, k]], float), np.dtype(dtype), t).tolist() == [want]
+    assert MATMUL_VERTEX.supervisor
 
 
 def test_reduce_estimator_formula():
@@ -252,22 +258,37 @@ def test_reduce_estimator_formula():
 
 
 def test_compute_set_cycles_follow_the_estimator():
-    """One tile: a single output row is split by columns over the 6 workers, one vertex each; the
-    compute superstep is one vertex's estimate + vertex overhead + sync."""
+    """One tile: the block is one supervisor vertex, which shares its rows among the workers
+    itself; the compute superstep is its estimate + vertex overhead + sync."""
     t = ip.Target.test(1, 64 * 1024)
     g, a, b, c, prog = build(t, (1, 40), (40, 24))
     (cs,) = g.compute_sets
     (table,) = cs.tables
-    assert table.params.tolist() == [[1, 4, 40]] * 6
+    assert table.params.tolist() == [[1, 1, 24, 40]]
     e = ip.Engine(g, prog)
     execute = next(p for p in prog.programs[0].body.programs if isinstance(p, ip.Execute))
-    expected = t.flop_cycles(2 * 4 * 40, "float32") + t.thread_cycles(20 + 1 * 5 * (6 + 1)) + t.vertex_overhead_cycles
+    expected = int(amp_partial_cycles(1, 1, 24, 40, "float32", t)) + t.vertex_overhead_cycles
     assert e.cost(execute).total == expected + t.sync_cycles
 
 
+def test_supervisor_vertices_of_a_tile_run_one_after_another():
+    """A batched matmul on one tile: one vertex loops over the batch entries (its groups); two such
+    matmuls in one compute set would add up, not share the workers."""
+    t = ip.Target.test(1, 256 * 1024)
+    g, a, b, c, prog = build(t, (5, 12, 16), (5, 16, 8))
+    (table,) = g.compute_sets[0].tables
+    assert table.params.tolist() == [[5, 12, 8, 16]]
+    one = int(amp_partial_cycles(5, 12, 8, 16, "float32", t)) + t.vertex_overhead_cycles
+    assert g.compute_sets[0].tile_cycles(t).tolist() == [one]
+    cs = g.addComputeSet("twice")
+    cs.add(table)
+    cs.add(table)
+    assert cs.tile_cycles(t).tolist() == [2 * one]
+
+
 def test_float16_runs_at_the_float16_amp_rate():
-    m, n, k = 16, 16, 512
-    params = np.array([[m, n, k]], float)
+    g, m, n, k = 1, 96, 16, 512
+    params = np.array([[g, m, n, k]], float)
     assert (MATMUL_VERTEX.cycles({}, params, np.dtype("float32"), ip.GC200)
             > 3 * MATMUL_VERTEX.cycles({}, params, np.dtype("float16"), ip.GC200)).all()
 

@@ -10,7 +10,11 @@ test per field.
 
 Estimators work on whole tables: `cycles(sizes, params, dtype, target)` gets, per field, the
 number of elements each vertex connects (an int64 array), the parameter matrix and the dtype of
-the type's first field, and returns the cycles of each vertex on one worker (an int64 array).
+the type's first field, and returns the cycles of each vertex (an int64 array): on one worker for
+a worker vertex; for a supervisor vertex (`VertexType.supervisor`, as PopLibs' AMP convolution
+partials), the tile cycles of the whole vertex, which hands its work to all the tile's workers
+itself. A tile runs its supervisor vertices one after another and its worker vertices on its
+workers (`tile_makespans`); its compute set takes the sum of the two.
 
 Codelet calling convention: the kernel is called once per compute set and vertex type, with,
 for every field in `VertexType.fields` order, the triple (arena, addresses, starts) followed by
@@ -39,9 +43,11 @@ class VertexType:
     outputs: tuple[str, ...]
     kernel: Callable
     # cycles(sizes: {field: int64 array}, params: (n, num_params) float64, dtype, target) -> int64 array (n,),
-    # the cycles of each vertex on one worker
+    # the cycles of each vertex on one worker, or of the whole tile for a supervisor vertex
     cycles: Callable
     num_params: int = 0
+    # A supervisor vertex occupies every worker of its tile: its estimate is tile cycles.
+    supervisor: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -198,7 +204,8 @@ class VertexTable:
         return [v for c in self.fields.values() for v in c.variables]
 
     def cycles(self, target) -> np.ndarray:
-        """Cycles of each vertex on one worker, with the target's fixed vertex overhead."""
+        """Cycles of each vertex (on one worker, or on its whole tile for a supervisor vertex), with
+        the target's fixed vertex overhead."""
         n = self.num_vertices
         c = np.asarray(self.type.cycles(self.sizes(), self.params, self.dtype, target))
         if c.shape != (n,):
@@ -261,14 +268,21 @@ class ComputeSet:
         return sum(t.num_vertices for parts in self._parts.values() for t in parts)
 
     def tile_cycles(self, target) -> np.ndarray:
-        """Cycles per tile (0 where no vertex runs): a tile's vertices spread over its workers
-        (longest first); the tile finishes when its busiest worker does."""
-        tables = self.tables
-        if not tables:
-            return np.zeros(target.num_tiles, np.int64)
-        tiles = np.concatenate([t.tiles for t in tables])
-        cycles = np.concatenate([t.cycles(target) for t in tables])
-        return tile_makespans(tiles, cycles, target.workers_per_tile, target.num_tiles)
+        """Cycles per tile (0 where no vertex runs): a tile's worker vertices spread over its
+        workers (longest first) and finish when its busiest worker does; its supervisor vertices
+        run one after another, each on the whole tile."""
+        out = np.zeros(target.num_tiles, np.int64)
+        for supervisor in (False, True):
+            tables = [t for t in self.tables if t.type.supervisor == supervisor]
+            if not tables:
+                continue
+            tiles = np.concatenate([t.tiles for t in tables])
+            cycles = np.concatenate([t.cycles(target) for t in tables])
+            if supervisor:
+                out += np.bincount(tiles, weights=cycles, minlength=target.num_tiles).astype(np.int64)
+            else:
+                out += tile_makespans(tiles, cycles, target.workers_per_tile, target.num_tiles)
+        return out
 
     def __repr__(self):
         return f"ComputeSet({self.name!r}, ipu={self.ipu}, vertices={self.num_vertices})"

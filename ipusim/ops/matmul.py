@@ -14,7 +14,7 @@ Candidate splits of a dimension of size d: the smallest part counts giving the b
 1, 2, 3, 4, 6, 8, 12, ... parts (powers of two and 1.5 times powers of two) and of min(d, tiles)
 parts, in every combination that needs at most the IPU's tiles. Cost of a candidate, on the
 busiest tile:
-  compute  = ceil(vertices / workers) * (cycles of the largest vertex + vertex overhead)
+  compute  = cycles of the block's supervisor vertex + vertex overhead
   exchange = ceil(max(bytes received, bytes sent) / exchange bytes per cycle); received = the
              operand blocks, sent = received * tiles used / tiles (operands assumed spread over
              the IPU, every element sent to each tile that needs it)
@@ -25,17 +25,29 @@ partials block + gathered partials + output piece; it must stay within
 `available_memory_proportion` of the tile memory (PopLibs' option of that name, default 0.6).
 The cheapest candidate that fits wins (ties: fewer tiles, then a smaller K-split); if none fits,
 the one with the smallest working set (the engine then reports the out-of-memory tiles).
-A tile's block is split into about `workers_per_tile` vertices: over batch entries, then output
-rows, then output columns.
 
-Cycle estimators (thread cycles = instructions x workers per tile; flop cycles use the AMP rate):
-  partial product, m x n outputs over k:
-      flop_cycles(2 m n k) + thread_cycles(20 + ceil(n / A) * ceil(k / A) * (6 + m))
-    A = AMP channels per pass (16 for float16, 8 for float32). Shaped like PopLibs' AMP
-    convolution partials (poplin PerformanceEstimation.hpp): every pass over an A x A block of
-    weights costs 6 instructions to load them and set up, plus one worklist entry per output
-    row; 20 is the worker's setup.
-  reduce of r float32 partials into n outputs:
+A tile's block is one supervisor vertex: the AMP partials vertex of PopLibs (ConvPartial1x1Out),
+whose batch entries are its convolution groups and whose output rows it shares among the tile's
+workers.
+
+Cycle estimators (thread cycles = instructions x workers per tile):
+  partial products, a supervisor vertex of g groups, each an m x n block of outputs over k, in
+  AMP passes of A input by A output channels (A = 16 for float16, 8 for float32): I = ceil(k / A)
+  input groups, O = ceil(n / A) output groups, each worker taking r = ceil(m / workers) rows:
+      tile cycles = 50 + 7 workers + g * (24 + 15 (I - 1) + I * O * pass)
+      pass        = 25 + weight loads + workers * (19 + c * max(r, 3))
+    which is the structure of PopLibs' estimator of that vertex (poplin PerformanceEstimation.hpp,
+    getConvPartial1x1SupervisorCycleEstimate, half-precision path): 50 cycles of supervisor code
+    outside the loops and 7 per worker context to set up the state the workers keep between
+    passes; per group and per further input group the supervisor's loop costs; per pass the
+    loop cost, the weight loads (A x A weights at 16 bytes per cycle) and the slowest worker, whose
+    loop costs a fixed 19 plus c per row, with at least 3 rows' worth (the worklist holds rows - 3:
+    the AMP pipeline is three rows deep). c = 2 A^2 / (FLOPs per cycle per tile): the AMP's peak,
+    4 for float16 on every target with 128 FLOPs per cycle. These constants are PopLibs', not
+    fitted; against tessellate-ipu's per-tile measurement on Bow (fp16 [N,16] @ [16,16], N = 16 to
+    2048, benchmarks/calibration.py) they are within 2.1% (ipusim.device.model_error). The float32
+    path has no published per-tile measurement here: it uses the same structure at the float32 peak.
+  reduce of r float32 partials into n outputs, a worker vertex:
       thread_cycles(17 + ceil(n / 2) * (r + 3))
     like PopLibs' reduce estimator (popops CycleEstimationFunctions.cpp): one load-and-add per
     partial and 64-bit vector (2 floats), 3 more per vector to convert and store, 17 non-loop.
@@ -79,11 +91,36 @@ def _flop_cycles(flops, dtype, target: Target):
 
 
 # ---- cycle estimators ------------------------------------------------------------------------
-def matmul_partial_cycles(m, n, k, dtype, target: Target):
-    """Cycles of one worker computing an m x n block of partial products over k (see module doc)."""
+# The AMP partials vertex (see the module doc; PopLibs' ConvPartial1x1Out estimator, half path).
+AMP_SUPERVISOR_CYCLES = 50          # supervisor code outside the loops
+AMP_RETENTION_CYCLES = 7            # per worker context: state the workers keep between passes
+AMP_GROUP_CYCLES = 24               # per group: the group loop and the first input group's setup
+AMP_INPUT_GROUP_CYCLES = 15         # per further input-channel group
+AMP_PASS_CYCLES = 25                # per pass: output-group loop and worker launch
+AMP_WORKER_CYCLES = 19              # per pass, the worker's loop outside its rows (thread cycles)
+AMP_PIPELINE_ROWS = 3               # the AMP pipeline's depth: a worker pays for at least this many rows
+AMP_WEIGHT_LOAD_BYTES_PER_CYCLE = 16  # weights load 128 bits per cycle
+
+
+def amp_row_cycles(dtype, target: Target) -> int:
+    """Thread cycles a worker spends per output row and pass: one A x A pass at the AMP's peak."""
     a = amp_channels(dtype)
-    passes = ceil_div(n, a) * ceil_div(k, a)
-    return _flop_cycles(2 * m * n * k, dtype, target) + target.workers_per_tile * (20 + passes * (6 + m))
+    return ceil_div(2 * a * a, target.flops_per_cycle(np.dtype(dtype).name))
+
+
+def amp_partial_cycles(groups, m, n, k, dtype, target: Target):
+    """Tile cycles of one AMP partials supervisor vertex: `groups` products of m x n outputs over
+    k (see the module doc); ints or integer arrays."""
+    a = amp_channels(dtype)
+    workers = target.workers_per_tile
+    in_groups, out_groups = ceil_div(k, a), ceil_div(n, a)
+    rows = np.maximum(ceil_div(m, workers), AMP_PIPELINE_ROWS)
+    worker = AMP_WORKER_CYCLES + amp_row_cycles(dtype, target) * rows
+    loads = ceil_div(a * a * np.dtype(dtype).itemsize, AMP_WEIGHT_LOAD_BYTES_PER_CYCLE)
+    one_pass = AMP_PASS_CYCLES + loads + workers * worker
+    return (AMP_SUPERVISOR_CYCLES + workers * AMP_RETENTION_CYCLES
+            + groups * (AMP_GROUP_CYCLES + AMP_INPUT_GROUP_CYCLES * (in_groups - 1)
+                        + in_groups * out_groups * one_pass))
 
 
 def reduce_cycles(n, r, target: Target):
@@ -94,16 +131,18 @@ def reduce_cycles(n, r, target: Target):
 # ---- codelets --------------------------------------------------------------------------------
 @njit(parallel=True, **JIT)
 def matmul_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start, params):
-    """out[m, n] = a[m, k] @ b[k, n], all fields row-major; params (m, n, k)."""
+    """out[e, m, n] = a[e, m, k] @ b[e, k, n] for every group e, all fields row-major;
+    params (groups, m, n, k)."""
     for v in prange(params.shape[0]):
-        m, n, k = int(params[v, 0]), int(params[v, 1]), int(params[v, 2])
-        ba, bb, bo = a_start[v], b_start[v], o_start[v]
-        for i in range(m):
-            for j in range(n):
-                acc = 0.0
-                for l in range(k):
-                    acc += ld(a, a_addr[ba + i * k + l]) * ld(b, b_addr[bb + l * n + j])
-                st(out, o_addr[bo + i * n + j], acc)
+        g, m, n, k = int(params[v, 0]), int(params[v, 1]), int(params[v, 2]), int(params[v, 3])
+        for e in range(g):
+            ba, bb, bo = a_start[v] + e * m * k, b_start[v] + e * k * n, o_start[v] + e * m * n
+            for i in range(m):
+                for j in range(n):
+                    acc = 0.0
+                    for l in range(k):
+                        acc += ld(a, a_addr[ba + i * k + l]) * ld(b, b_addr[bb + l * n + j])
+                    st(out, o_addr[bo + i * n + j], acc)
 
 
 @njit(parallel=True, **JIT)
@@ -121,8 +160,8 @@ def reduce_codelet(p, p_addr, p_start, out, o_addr, o_start, params):
 
 
 def _matmul_vertex_cycles(sizes, params, dtype, target):
-    m, n, k = params.T.astype(np.int64)
-    return matmul_partial_cycles(m, n, k, dtype, target)
+    g, m, n, k = params.T.astype(np.int64)
+    return amp_partial_cycles(g, m, n, k, dtype, target)
 
 
 def _reduce_vertex_cycles(sizes, params, dtype, target):
@@ -130,7 +169,7 @@ def _reduce_vertex_cycles(sizes, params, dtype, target):
 
 
 MATMUL_VERTEX = VertexType("poplin::MatMulPartial", ("a", "b"), ("out",), matmul_codelet,
-                           _matmul_vertex_cycles, num_params=3)
+                           _matmul_vertex_cycles, num_params=4, supervisor=True)
 REDUCE_VERTEX = VertexType("popops::ReducePartials", ("partials",), ("out",), reduce_codelet,
                            _reduce_vertex_cycles, num_params=1)
 
@@ -275,14 +314,6 @@ class MatMulPlan:
         return PARTIALS.name if self.k_split > 1 else self.out_dtype
 
 
-def worker_grid(bb, bm, bn, workers: int):
-    """(row chunks, column chunks) per batch entry that split a [bb, bm, bn] block over about
-    `workers` vertices (ints or arrays)."""
-    per = np.maximum(1, workers // bb)
-    rows = np.minimum(bm, per)
-    return rows, np.minimum(bn, np.maximum(1, per // rows))
-
-
 def matmul_dims(a_shape, b_shape, what: str = "matmul") -> tuple[int, int, int, int]:
     """(B, M, K, N) of a[.., M, K] @ b[.., K, N]; a clear error for anything else."""
     a_shape, b_shape = tuple(a_shape), tuple(b_shape)
@@ -309,9 +340,7 @@ def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype):
     isz, osz, psz = np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize, PARTIALS.itemsize
     workers, tiles, xb, sync = (target.workers_per_tile, target.num_tiles, target.exchange_bytes_per_cycle,
                                 target.sync_cycles)
-    rows, cols = worker_grid(bb, bm, bn, workers)
-    vertex = matmul_partial_cycles(ceil_div(bm, rows), ceil_div(bn, cols), bk, dtype, target)
-    compute = ceil_div(bb * rows * cols, workers) * (vertex + target.vertex_overhead_cycles)
+    compute = amp_partial_cycles(bb, bm, bn, bk, dtype, target) + target.vertex_overhead_cycles
     received = (bb * bm * bk + bb * bk * bn) * isz
     sent = ceil_div(received * (pb * pm * pn * pk), tiles)
     cycles = compute + ceil_div(np.maximum(received, sent), xb) + 2 * sync
@@ -379,25 +408,19 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
         positions = np.empty((pk, out.numel), dtype=np.int64)
         positions[np.repeat(np.arange(len(first)) % pk, bb * bm * bn), boxes] = np.arange(part.numel)
     cs = graph.addComputeSet(f"{name}/product")
-    # vertices: per block, per batch entry e, a grid of row chunks x column chunks
-    rows, cols = worker_grid(bb, bm, bn, graph.target.workers_per_tile)
-    row_step, col_step = ceil_div(bm, np.minimum(rows, bm)), ceil_div(bn, np.minimum(cols, bn))
-    nr, nc = ceil_div(bm, row_step), ceil_div(bn, col_step)
-    count = bb * nr * nc
-    blk = np.repeat(np.arange(len(first)), count)
-    e, rest = np.divmod(np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count), (nr * nc)[blk])
-    ri, ci = np.divmod(rest, nc[blk])
-    r0, c0 = ri * row_step[blk], ci * col_step[blk]
-    m, n = np.minimum(row_step[blk], bm[blk] - r0), np.minimum(col_step[blk], bn[blk] - c0)
-    k = bk[blk]
-    fields = {"a": Field.strided(lhs, lhs_at[blk] + (e * bm[blk] + r0) * k, 1, m * k),
-              "b": Field.strided(rhs, rhs_at[blk] + e * k * bn[blk] + c0, k, n, bn[blk])}
+    # one supervisor vertex per block: its batch entries are the vertex's groups, each operand block
+    # is contiguous where it was gathered, the output is bm rows of bn per entry
+    fields = {"a": Field.strided(lhs, lhs_at[:-1], 1, bb * bm * bk),
+              "b": Field.strided(rhs, rhs_at[:-1], 1, bb * bk * bn)}
     if pk == 1:
-        fields["out"] = Field.strided(out, ((first[blk, 0] + e) * M + first[blk, 1] + r0) * N + first[blk, 2] + c0,
-                                      m, n, N)
+        rows = bb * bm
+        blk = np.repeat(np.arange(len(first)), rows)
+        e, i = np.divmod(np.arange(rows.sum()) - np.repeat(np.cumsum(rows) - rows, rows), bm[blk])
+        starts = ((first[blk, 0] + e) * M + first[blk, 1] + i) * N + first[blk, 2]
+        fields["out"] = Field.from_runs([out.var], 0, starts, bn[blk], np.concatenate(([0], np.cumsum(rows))))
     else:
-        fields["out"] = Field.strided(part, part_at[blk] + (e * bm[blk] + r0) * bn[blk] + c0, m, n, bn[blk])
-    graph.addVertices(cs, MATMUL_VERTEX, tiles[blk], fields, np.stack([m, n, k], axis=1).astype(np.float64))
+        fields["out"] = Field.strided(part, part_at[:-1], 1, bb * bm * bn)
+    graph.addVertices(cs, MATMUL_VERTEX, tiles, fields, np.stack([bb, bm, bn, bk], axis=1).astype(np.float64))
     body.add(Execute(cs))
     if pk > 1:
         reduce_partials(graph, body, part, positions, out, name)
