@@ -359,6 +359,34 @@ def test_parallel_requires_disjoint_ipus():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_ipu_links_are_full_duplex(threads):
+    """Copies in opposite directions between two IPUs overlap in a Parallel; two copies leaving one
+    IPU, or a copy reading what another writes, do not run in parallel."""
+    dev = ip.Device(ip.Target.test(4), 2)
+    t = dev.target
+    a = [dev[i].addVariable("float32", (400,), f"a{i}") for i in range(2)]
+    b = [dev[i].addVariable("float32", (400,), f"b{i}") for i in range(2)]
+    for i in range(2):
+        dev[i].map_linearly(a[i])
+        dev[i].map_linearly(b[i])
+    both = ip.Parallel(ip.InterIpuCopy(a[0], b[1]), ip.InterIpuCopy(a[1][:100], b[0][:100]))
+    e = ip.Engine(dev, [both], threads=threads).load()
+    e.writeTensor(a[0], np.arange(400.0))
+    e.writeTensor(a[1], -np.arange(400.0))
+    one = t.inter_ipu_cycles(1600)
+    assert e.run() == one + t.global_sync_cycles(2)
+    assert {i: c.inter_ipu for i, c in e.last_run.per_ipu.items()} == {0: one, 1: one}
+    assert e.cost(both).inter_ipu_bytes == 2000
+    np.testing.assert_array_equal(e.readTensor(b[1]), np.arange(400.0))
+    np.testing.assert_array_equal(e.readTensor(b[0])[:100], -np.arange(100.0))
+    e.close()
+    with pytest.raises(ValueError, match="two inter-IPU copies from IPU 0"):
+        ip.Parallel(ip.InterIpuCopy(a[0], b[1]), ip.InterIpuCopy(b[0], a[1]))
+    with pytest.raises(ValueError, match="another copy of the same Parallel writes"):
+        ip.Parallel(ip.InterIpuCopy(a[0], b[1]), ip.InterIpuCopy(b[1], a[0]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_parallel_programs_take_the_slowest_ipu(threads):
     dev = ip.Device(ip.Target.test(4), 2)
     small = dev[0].addVariable("float32", (8,), "small")

@@ -175,16 +175,16 @@ def test_all_reduce_cycles_are_the_link_model_of_the_ring(num):
     compute = sum(e.cost(p).total for p in steps if any(isinstance(n, ip.Execute) for n in walk(p)))
     assert e.cost(op).total == links + compute
     chunk_bytes = n * 4 // num
-    rounds = 2 if num % 2 == 0 else 3  # copies of one ring step with disjoint IPUs per round
     gsync = TARGET.global_sync_cycles(num)
-    assert links == 2 * (num - 1) * rounds * (TARGET.inter_ipu_cycles(chunk_bytes) + gsync)
+    # full-duplex links: every IPU sends a chunk and receives one at once, one round per ring step
+    assert links == 2 * (num - 1) * (TARGET.inter_ipu_cycles(chunk_bytes) + gsync)
     # per round, the link time is the closed form of a ring all-reduce: 2(R-1)/R of the bytes over one link
     rate = TARGET.ipu_link_bytes_per_s * TARGET.ipu_link_efficiency * TARGET.links_per_ipu_pair
     closed_form = 2 * (num - 1) / num * n * 4 / rate * TARGET.clock_hz
     assert 2 * (num - 1) * TARGET.inter_ipu_cycles(chunk_bytes) == pytest.approx(closed_form, abs=2 * (num - 1))
-    # every IPU's links are busy sending and receiving its 2(R-1) chunks
+    # every IPU's links are busy for its 2(R-1) steps, sending and receiving at once
     for ipu in range(num):
-        assert e.cost(op).per_ipu[ipu].inter_ipu == 2 * 2 * (num - 1) * TARGET.inter_ipu_cycles(chunk_bytes)
+        assert e.cost(op).per_ipu[ipu].inter_ipu == 2 * (num - 1) * TARGET.inter_ipu_cycles(chunk_bytes)
 
 
 @pytest.mark.parametrize("scaled", [False, True])

@@ -5,7 +5,9 @@ The model, superstep by superstep (BSP):
   estimates come from each VertexType's estimator); then one internal sync.
 - `Copy`: exchange = ceil(max over tiles of bytes sent or received / exchange bytes per cycle),
   plus on-tile copies at the local copy rate; then one internal sync.
-- `InterIpuCopy`: link time at the IPU-Link rate (with PopLibs' efficiency) plus a global sync.
+- `InterIpuCopy`: link time at the IPU-Link rate (with PopLibs' efficiency) plus a global sync;
+  the links are full duplex, so copies in a `Parallel` where an IPU sends one and receives another
+  overlap (the IPU is busy as long as the longer).
 - `StreamCopy`: host link time (PCIe) plus latency and a global sync.
 - `RemoteCopy`: Streaming Memory time at the target's streaming bandwidth plus an internal sync
   (counted with host I/O).
@@ -66,6 +68,18 @@ class Cost:
         self.exchange_bytes += other.exchange_bytes * times
         self.inter_ipu_bytes += other.inter_ipu_bytes * times
         self.host_bytes += other.host_bytes * times
+
+
+def overlapped(parts: list[dict[int, Cycles]]) -> dict[int, Cycles]:
+    """Busy cycles per IPU of the branches of a `Parallel`, which run at the same time: an IPU in
+    several branches (sending one inter-IPU copy while receiving another, over full-duplex links)
+    is busy as long as its longest branch."""
+    out: dict[int, Cycles] = {}
+    for part in parts:
+        for ipu, c in part.items():
+            if ipu not in out or c.total > out[ipu].total:
+                out[ipu] = c
+    return out
 
 
 def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]:
@@ -141,10 +155,12 @@ def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
         a, b = (estimate(c, target, num_ipus, memo) for c in (p.then, p.else_))
         return a if a.total >= b.total else b
     if isinstance(p, Parallel):
-        out = Cost()
-        for c in p.programs:
-            out.add(estimate(c, target, num_ipus, memo))
-        out.total = max((estimate(c, target, num_ipus, memo).total for c in p.programs), default=0)
+        parts = [estimate(c, target, num_ipus, memo) for c in p.programs]
+        out = Cost(max((c.total for c in parts), default=0), overlapped([c.per_ipu for c in parts]))
+        for c in parts:
+            out.exchange_bytes += c.exchange_bytes
+            out.inter_ipu_bytes += c.inter_ipu_bytes
+            out.host_bytes += c.host_bytes
         return out
     if isinstance(p, (Sequence, OpProgram)):
         out = Cost()

@@ -28,7 +28,7 @@ import numba
 import numpy as np
 
 from .blas import blas_threads
-from .cost import Cost, Cycles, estimate
+from .cost import Cost, Cycles, estimate, overlapped
 from .graph import Device, Graph
 from .kernels import kernel_view
 from .memory import check_fits, memory_reports
@@ -305,9 +305,8 @@ class Engine:
         else:
             for c, r in zip(p.programs, parts):
                 self._run(c, r)
-        for r in parts:
-            for ipu, c in r.per_ipu.items():
-                report.per_ipu[ipu] = report.per_ipu.get(ipu, Cycles()) + c
+        for ipu, c in overlapped([r.per_ipu for r in parts]).items():
+            report.per_ipu[ipu] = report.per_ipu.get(ipu, Cycles()) + c
         report.total += max((r.total for r in parts), default=0)
         if report.nodes is not None:
             report.nodes.append(tuple(r.nodes for r in parts))

@@ -77,18 +77,46 @@ class Sequence(Program):
         return f"Sequence({self.name or len(self.programs)})"
 
 
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two views of one variable share an element (runs compare their bounds)."""
+    x, y = a.elements(), b.elements()
+    if isinstance(x, slice) and isinstance(y, slice):
+        return max(x.start, y.start) < min(x.stop, y.stop)
+    flat = lambda e: np.arange(e.start, e.stop) if isinstance(e, slice) else np.asarray(e).reshape(-1)  # noqa: E731
+    return bool(np.intersect1d(flat(x), flat(y)).size)
+
+
 class Parallel(Program):
-    """Programs on disjoint sets of IPUs that run at the same time (one superstep per IPU set)."""
+    """Programs that run at the same time (one superstep per IPU set): on disjoint sets of IPUs,
+    except that inter-IPU copies may share an IPU when it sends one of them and receives another.
+    IPU-Links are full duplex: a copy from IPU 0 to IPU 1 and one from 1 to 0 (or the copies of a
+    ring step, each IPU sending to the next) use opposite directions of their links at once."""
 
     def __init__(self, *programs: Program, name: str = ""):
         self.programs = list(programs)
         self.name = name
-        seen: set[int] = set()
+        claimed: dict[tuple[str, int], Program] = {}  # (role, IPU): "send" / "receive" by a copy, "all" by the rest
         for p in self.programs:
-            if seen & p.ipus():
-                raise ValueError(f"Parallel {name!r}: programs share IPUs {sorted(seen & p.ipus())}; "
-                                 "programs running in parallel must use disjoint IPUs")
-            seen |= p.ipus()
+            roles = ([("send", p.src.ipu), ("receive", p.dst.ipu)] if isinstance(p, InterIpuCopy)
+                     else [("all", i) for i in sorted(p.ipus())])
+            for role, ipu in roles:
+                clash = [claimed[(r, ipu)] for r in (("send", "receive", "all") if role == "all" else (role, "all"))
+                         if (r, ipu) in claimed]
+                if clash:
+                    copies = role != "all" and isinstance(clash[0], InterIpuCopy)
+                    what = (f"two inter-IPU copies {'from' if role == 'send' else 'to'} IPU {ipu}" if copies
+                            else f"programs share IPUs [{ipu}]")
+                    raise ValueError(f"Parallel {name!r}: {what}; programs running in parallel must use disjoint "
+                                     "IPUs, except inter-IPU copies in which each IPU sends at most one copy and "
+                                     "receives at most one")
+            for key in roles:
+                claimed[key] = p
+        copies = [p for p in self.programs if isinstance(p, InterIpuCopy)]
+        for c in copies:
+            for w in copies:
+                if w is not c and w.dst.var is c.src.var and _overlap(w.dst, c.src):
+                    raise ValueError(f"Parallel {name!r}: a copy reads elements of {c.src.name!r} that another copy "
+                                     "of the same Parallel writes; order them with a Sequence")
 
     def children(self):
         return self.programs

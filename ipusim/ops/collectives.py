@@ -16,11 +16,10 @@ Every chunk is summed once, in ring order x_c + x_(c+1) + ... + x_(c-1), and the
 replicas hold the same bits. Each directed link r -> r+1 carries 2(R-1) chunks, i.e. 2(R-1)/R of
 the tensor's bytes (the closed form of a ring all-reduce).
 
-Link schedule: the copies of one ring step are independent, but ipusim's program model lets an
-IPU take part in one inter-IPU copy per superstep (`Parallel` needs disjoint IPUs). A ring step
-therefore runs as rounds of copies with disjoint IPUs: 2 rounds for an even number of replicas,
-3 for an odd one (greedy colouring of the ring's edges). Each round costs the link time of one
-chunk (`Target.inter_ipu_cycles`) plus a global sync.
+Link schedule: the copies of one ring step are independent, and IPU-Links are full duplex: every
+IPU sends one chunk to the next while it receives one from the previous, so a ring step is one
+`Parallel` round costing the link time of one chunk (`Target.inter_ipu_cycles`) plus a global
+sync. `link_rounds` groups any list of independent copies into such rounds.
 
 All-gather (R tensors of shape S -> on every replica an (R, *S) tensor, row j from replica j) uses
 the same ring with whole tensors as chunks. Broadcast scatters the root's chunks to the replicas
@@ -110,17 +109,18 @@ def chunk_bounds(n: int, replicas: int) -> list[tuple[int, int]]:
 
 
 def link_rounds(copies: list[InterIpuCopy]) -> Program:
-    """Independent inter-IPU copies as rounds in which every IPU takes part in at most one copy
-    (greedy, in the given order)."""
+    """Independent inter-IPU copies as rounds in which every IPU sends at most one copy and
+    receives at most one (greedy, in the given order): the links are full duplex."""
     rounds: list[tuple[set, list]] = []
     for c in copies:
+        roles = {("send", c.src.ipu), ("receive", c.dst.ipu)}
         for used, members in rounds:
-            if not used & c.ipus():
-                used |= c.ipus()
+            if not used & roles:
+                used |= roles
                 members.append(c)
                 break
         else:
-            rounds.append((set(c.ipus()), [c]))
+            rounds.append((roles, [c]))
     return Sequence(*(Parallel(*members) for _, members in rounds))
 
 
