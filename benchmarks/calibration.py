@@ -4,7 +4,8 @@ For every measurement in `ipu_measurements.py` this builds the measured program 
 (graph, tile mapping, the op library, exchanges, inter-IPU copies, stream copies), compiles it
 with an `Engine` (which computes the program's static cycles, never running it) and turns the
 cycles into the published unit with the target's clock. A row that misses by more than 10% says
-what the model leaves out; those are findings for the estimator rework, not things to tune here.
+what the model leaves out. ipusim.device.model_error states each part's error for profiles and
+reports; tests/test_calibration.py keeps that table equal to what this benchmark measures.
 
     python benchmarks/calibration.py [--tiles 16] [--markdown] [--chart calibration.png] [--json rows.json]
 
@@ -36,23 +37,21 @@ TARGETS = {"Bow": ip.BOW, "GC200": ip.GC200, "GC200 (IPU-M2000)": ip.GC200, "GC2
 
 # What the model leaves out, per workload family: printed on a row that misses by more than 10%.
 MISSES = {
-    "amp_matmul": ("matmul partial estimator (ipusim/ops/matmul.py, matmul_partial_cycles): its per-row worklist "
-                   "term (the m of 6 + m per AMP pass, times 6 for the barrel) is charged on top of the AMP flop time, "
-                   "which alone gives the measured cost per row, and its fixed cost of starting the vertex is too "
-                   "small"),
+    "amp_matmul": ("matmul partial estimator (ipusim/ops/matmul.py, amp_partial_cycles): PopLibs' ConvPartial1x1Out "
+                   "structure no longer matches this size"),
     "exchange_all_tiles": ("exchange cost = busiest tile's bytes / 4 B per cycle plus one sync; a nominal all-pattern "
                            "figure leaves out whatever exchange code and sync cost on the chip"),
     "exchange_latency_full_over_no_load": ("the exchange model has no contention: a superstep costs its busiest "
                                            "tile's bytes whatever the other tiles send, so full load costs the same "
-                                           "as one message; the measured +24% comes from congestion on the fabric"),
-    "ipu_link_bidirectional": ("InterIpuCopy charges one copy at a time over one link (links_per_ipu_pair=1, "
-                               "efficiency 0.85) and two copies between the same IPUs cannot run in a Parallel, so "
-                               "the two directions are serialised, where the links carry both at once (the tool "
-                               "reports the sum of the two directions running simultaneously)"),
+                                           "as one message; the measured +24% comes from congestion on the fabric, "
+                                           "and the summary quoting it gives neither the message size nor the load "
+                                           "pattern, so a congestion term would be fitted to assumptions"),
+    "ipu_link_bidirectional": ("InterIpuCopy costs one direction at one link's rate (links_per_ipu_pair=1, "
+                               "efficiency 0.85) and overlaps the opposite direction in a Parallel"),
     "host_to_tiles": ("StreamCopy costs a fixed latency (host_copy_latency_cycles, a default, not published) plus "
-                      "bytes at the PCIe Gen4 x16 rate; on an IPU-M2000 host transfers are remotely buffered (the "
-                      "tool's manual says so), a path the model does not describe; "
-                      "the row also depends on how the published bytes split into transfers, which is not stated"),
+                      "bytes at the PCIe Gen4 x16 rate; on an IPU-M2000 host transfers are remotely buffered over the "
+                      "host's network link (the tool's manual says so), a path the model does not describe, and "
+                      "the row depends on how the published bytes split into transfers, which is not stated"),
 }
 
 FITTED = ("; per tile it costs {e_slope:.2f} cycles per output row + {e_fixed:.0f} fixed where the measurement "
@@ -164,7 +163,7 @@ def exchange_latency_full_over_no_load(target: ip.Target, bytes_per_message: int
 
 def ipu_link_workload(target: ip.Target, tiles_per_direction: int, bytes_per_tile: int, iterations: int) -> Workload:
     """Two IPUs send each other `bytes_per_tile` from each of `tiles_per_direction` tiles,
-    `iterations` times (IPU 0 to 1, then 1 to 0: ipusim has no way to say both at once)."""
+    `iterations` times, both directions at once (a Parallel: the links are full duplex)."""
     device = ip.Device(target, 2)
     words = bytes_per_tile // 4
     ends = {}
@@ -173,7 +172,7 @@ def ipu_link_workload(target: ip.Target, tiles_per_direction: int, bytes_per_til
             t = device[ipu].addVariable("float32", (tiles_per_direction, words), f"{name}{ipu}")
             _rows_on_tiles(device[ipu], t, range(tiles_per_direction))
             ends[f"{name}{ipu}"] = t
-    step = ip.Sequence(ip.InterIpuCopy(ends["out0"], ends["in1"]), ip.InterIpuCopy(ends["out1"], ends["in0"]))
+    step = ip.Parallel(ip.InterIpuCopy(ends["out0"], ends["in1"]), ip.InterIpuCopy(ends["out1"], ends["in0"]))
     return Workload(device, ip.Repeat(iterations, step), ends)
 
 

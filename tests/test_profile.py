@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import ipusim as ip
 import poptorch_lite as poptorch
+from ipusim.device.model_error import KNOWN_ERRORS, known_errors
 from ipusim.report import profile as prof
 from ipusim.ops.matmul import matmul
 from ipusim.schedules import pipelined_schedule
@@ -159,6 +160,12 @@ def test_engine_profile_files_schema_and_trace(tmp_path, capsys):
     assert lane_cycles(trace) == +busy
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"schedule", "IPU 0", "IPU 1"}
+    # the cycle model's known error comes from its one table, in the file and in the summary
+    assert doc["model_error"] == known_errors() and [e["part"] for e in doc["model_error"]] == \
+        [e.part for e in KNOWN_ERRORS]
+    for e in KNOWN_ERRORS:
+        assert e.statement() in out
+    assert "matmul partials (AMP, float16): within 2.1% of published" in out
     engine.close()      # finishing twice writes nothing more and prints nothing
     assert capsys.readouterr().out == ""
 
@@ -324,6 +331,8 @@ def test_model_summary_is_printed_once(profiled):
     for i in range(4):
         assert f"IPU {i}" in text
     assert "Balance advice" in text and "already the best" in text
+    assert "Cycle model against published IPU measurements" in text
+    assert all(e.statement() in text for e in KNOWN_ERRORS)
     assert profiled["model"]._profiler.finish() is None        # never twice
 
 

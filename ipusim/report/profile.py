@@ -28,6 +28,7 @@ import numpy as np
 
 from ..device.cost import Cost, Cycles
 from ..device.memory import MemoryReport, supersteps
+from ..device.model_error import known_errors
 from ..device.program import If, OpProgram, Parallel, Program, Repeat, Sequence
 from ..device.target import Target
 
@@ -465,6 +466,7 @@ def build_profile(static: StaticProfile, rec: Recording) -> dict:
         "target": target_dict(static.target), "num_ipus": static.num_ipus, "settings": dict(static.settings),
         "memory": _memory_section(static), "programs": _program_section(static),
         "execution": _execution_section(static, rec), "blocks": static.blocks,
+        "model_error": known_errors(),
     }
 
 
@@ -696,6 +698,9 @@ def summary(doc: dict) -> str:
     if ex["inter_ipu"]["bytes_per_call"] or ex["host_bytes_per_call"]:
         lines.append(f"Traffic per {'call' if doc['source'] != 'ipusim' else 'first run'}: inter-IPU "
                      f"{ex['inter_ipu']['bytes_per_call']:,} B, host I/O {ex['host_bytes_per_call']:,} B.")
+    if doc.get("model_error"):
+        lines.append("Cycle model against published IPU measurements (benchmarks/calibration.py):")
+        lines += [f"  {e['statement']}" for e in doc["model_error"]]
     for note in doc.get("notes", []):
         lines.append(f"Note: {note}")
     return "\n".join(lines)
@@ -886,6 +891,11 @@ PROFILE_SCHEMA = {
         "blocks": {"type": ["object", "null"],
                    "required": ["names", "forward_cycles", "backward_cycles", "update_cycles", "tile_bytes", "flows",
                                 "current_split", "source"]},
+        "model_error": {"type": "array", "items": {
+            "type": "object", "required": ["part", "what", "error", "over", "leaves_out", "statement"],
+            "properties": {"part": {"type": "string"}, "what": {"type": "string"},
+                           "error": {"type": ["number", "null"]}, "over": {"type": "string"},
+                           "leaves_out": {"type": "string"}, "statement": {"type": "string"}}}},
     },
 }
 
