@@ -178,8 +178,8 @@ class Advice:
         if c is not None:
             lines.append(f"  current  {describe(c)}")
             lines.append(f"           predicted {c.cycles:,} cycles per call"
-                         + (f" (measured {self.measured_cycles:,}; model error "
-                            f"{100 * (c.cycles - self.measured_cycles) / self.measured_cycles:+.1f}%)"
+                         + (f" (measured {self.measured_cycles:,}; the advice's block-by-block estimate is "
+                            f"{100 * (c.cycles - self.measured_cycles) / self.measured_cycles:+.1f}% off the run)"
                             if self.measured_cycles else ""))
         if c is not None and tuple(b.split) == tuple(c.split) and len(c.split) == self.num_ipus:
             lines.append("  the current split is already the best contiguous split under the model")
