@@ -1,10 +1,14 @@
-"""Options.Emulator.setPipelineSchedule: the tutorial network trained under GPipe, 1F1B and
-interleaved 1F1B ends with the parameters PopTorch's schedule gives; the zero-bubble kinds and
-placements a kind cannot run are refused with what to do."""
+"""Options.Emulator.setPipelineSchedule: the tutorial network trained under GPipe, 1F1B,
+interleaved 1F1B, ZB-H1 and ZB-H2 ends with the parameters PopTorch's schedule gives; the
+zero-bubble kinds run each stage's backward as an input-gradient program (B) and a
+weight-gradient program (W) in the schedule's order; placements a kind cannot run are refused
+with what to do."""
+import numpy as np
 import pytest
 import torch
 
 import poptorch_lite as poptorch
+from poptorch_lite.compiler.backward_split import WEIGHT_GRADIENT
 from tutorial_model import Network, TrainingModelWithLoss
 
 MICRO_BATCH, ACCUMULATION, CALLS = 4, 8, 2
@@ -19,6 +23,15 @@ def tutorial_model():
 
 def train(kind, ipus, strategy_cls=poptorch.PipelinedExecution):
     """Parameters after CALLS calls; blocks B1..B4 are stages 0..3, stage s on IPU ipus[s]."""
+    training, model = trained(kind, ipus, strategy_cls)
+    strategy = training._executable.schedule.strategy
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    training.destroy()
+    return strategy, params
+
+
+def trained(kind, ipus, strategy_cls=poptorch.PipelinedExecution):
+    """The training model (not destroyed) and the user's module after CALLS calls."""
     model = tutorial_model()
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(ACCUMULATION)
@@ -30,10 +43,7 @@ def train(kind, ipus, strategy_cls=poptorch.PipelinedExecution):
         x = torch.randn(MICRO_BATCH * ACCUMULATION, 1, 28, 28)
         y = torch.randint(0, 10, (MICRO_BATCH * ACCUMULATION,))
         training(x, y)
-    strategy = training._executable.schedule.strategy
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    training.destroy()
-    return strategy, params
+    return training, model
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +58,8 @@ def assert_same(params, reference):
 
 
 @pytest.mark.parametrize("kind,ipus", [("GPipe", [0, 1, 2, 3]), ("1F1B", [0, 1, 2, 3]),
-                                       ("Interleaved1F1B", [0, 1, 0, 1])])
+                                       ("Interleaved1F1B", [0, 1, 0, 1]), ("ZB-H1", [0, 1, 2, 3]),
+                                       ("ZB-H2", [0, 1, 2, 3])])
 def test_training_under_each_kind_matches_poptorchs_schedule(kind, ipus, poptorch_params):
     strategy, params = train(kind, ipus)
     assert strategy == kind
@@ -63,8 +74,7 @@ def test_option_validates_and_defaults_to_poptorch():
 
 
 @pytest.mark.parametrize("kind,ipus,message", [
-    ("ZB-H1", [0, 1, 2, 3], r"ZB-H1 runs the backward as separate input-gradient \(B\) and weight-gradient \(W\) "
-                            r"programs, which the compiler does not build yet"),
+    ("ZB-H1", [0, 1, 1, 0], r"runs stage s on IPU s; this model places its stages on IPUs \[0, 1, 0\]"),
     ("1F1B", [0, 1, 0, 1], r"runs stage s on IPU s; this model places its stages on IPUs \[0, 1, 0, 1\]"),
     # B2 and B3 on IPU 1 merge into one stage: 3 stages on 2 IPUs
     ("Interleaved1F1B", [0, 1, 1, 0], r"needs stage s on IPU s mod 2 \(3 stages on 2 IPUs, each IPU the same number "
@@ -73,3 +83,81 @@ def test_option_validates_and_defaults_to_poptorch():
 def test_kinds_the_runtime_cannot_run_are_refused(kind, ipus, message):
     with pytest.raises(ValueError, match=message):
         train(kind, ipus)
+
+
+@pytest.fixture(scope="module")
+def zb_h1():
+    training, _ = trained("ZB-H1", [0, 1, 2, 3])
+    yield training
+    training.destroy()
+
+
+def test_zero_bubble_runs_w_after_b_and_sends_b_without_waiting_for_w(zb_h1):
+    """The run record follows the schedule: each stage's W of micro-batch k computes in a step
+    after its B of k; B's input gradient is sent in B's own step and the stage before runs its B
+    of k before this stage's W of k whenever the schedule defers that W."""
+    exe = zb_h1._executable
+    schedule, record = exe.schedule, zb_h1.last_run
+    assert [s.ops for s in record.steps] == [list(s.ops) for s in schedule.steps]
+    computed, sent = {}, {}
+    for step in record.steps:
+        for e in step.events:
+            if e.op.kind in "BW" and e.part in ("compute", "send"):
+                (computed if e.part == "compute" else sent).setdefault(
+                    (e.op.kind, e.op.stage, e.op.global_micro_batch), []).append(step.index)
+    stages, micro_batches = schedule.num_stages, schedule.num_micro_batches
+    for s in range(stages):
+        for k in range(micro_batches):
+            assert len(computed[("W", s, k)]) == 1
+            if s > 0:   # stage 0 sends no input gradient: its backward is all weight gradient
+                assert computed[("B", s, k)][0] < computed[("W", s, k)][0]
+                assert set(sent[("B", s, k)]) == set(computed[("B", s, k)])
+    deferred = [(s, k) for s in range(2, stages) for k in range(micro_batches)
+                if computed[("B", s - 1, k)][0] < computed[("W", s, k)][0]]
+    assert len(deferred) >= micro_batches // 2, deferred
+
+
+def test_zero_bubble_partition_of_the_backward(zb_h1):
+    """B is what the gradients sent to the stage before need; W the rest of the stage's
+    backward: its results feed only W or are parameter gradients. Every stage of the tutorial
+    has a weight-gradient program, and only stage 0 has no input-gradient program."""
+    exe = zb_h1._executable
+    low = exe.lowering
+    keys = set(low.stage_programs)
+    assert {k for k in keys if k[0] == WEIGHT_GRADIENT} == {(WEIGHT_GRADIENT, s) for s in range(4)}
+    assert {k for k in keys if k[0] == "bwd"} == {("bwd", s) for s in range(1, 4)}
+    grads = {v.id for v in exe.ir.grads.values()}
+    for n in exe.ir.nodes:
+        if n.pass_ != WEIGHT_GRADIENT:
+            continue
+        for v in n.outputs:
+            users = [m for m in exe.ir.nodes if v in m.inputs]
+            assert all(m.pass_ == WEIGHT_GRADIENT and m.stage == n.stage for m in users), (n, users)
+            assert users or v.id in grads, n
+    for ch in low.channels:   # only B's input gradients go from a backward to another stage
+        if ch.src[0] == "bwd" and ch.dst[1] != ch.src[1]:
+            assert ch.dst == ("bwd", ch.src[1] - 1) or ch.dst == (WEIGHT_GRADIENT, ch.src[1] - 1)
+        assert ch.src[0] != WEIGHT_GRADIENT
+
+
+def test_zero_bubble_stash_is_accounted(zb_h1):
+    """What W needs from its B is kept on the stage's IPU in as many slots as the schedule keeps
+    micro-batches between B and W, counted as stashed activations."""
+    exe = zb_h1._executable
+    low = exe.lowering
+    reports = {r.ipu: r for r in exe.engine.memory}
+    b_to_w = [ch for ch in low.channels if ch.src[0] == "bwd" and ch.dst == (WEIGHT_GRADIENT, ch.src[1])]
+    assert {ch.src[1] for ch in b_to_w} == {1, 2, 3}
+    for ch in b_to_w:
+        t_b = {op.global_micro_batch: t for t, st in enumerate(exe.schedule.steps) for op in st.ops
+               if op.kind == "B" and op.stage == ch.src[1]}
+        t_w = {op.global_micro_batch: t for t, st in enumerate(exe.schedule.steps) for op in st.ops
+               if op.kind == "W" and op.stage == ch.src[1]}
+        in_flight = max(sum(t_b[k] <= t <= t_w[k] for k in t_b) for t in range(exe.schedule.num_steps))
+        assert ch.slots == in_flight > 1
+        report = reports[low.stage_programs[ch.dst].ipu]
+        for buffers in ch.buffers:
+            assert len(buffers) == ch.slots
+            for t in buffers:
+                assert t.var.category == "stashed_activations" and t.var.always_live
+                assert report.tensors[t.name].sum() == t.numel * np.dtype(t.dtype).itemsize

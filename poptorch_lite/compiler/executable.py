@@ -16,6 +16,7 @@ from ipusim import schedules
 
 from ..api.enums import Liveness
 from .aten import decompositions, to_ir
+from .backward_split import partition_backward
 from .export import capture_joint
 from .lowering import Locations, Lowering
 from .updates import UpdatePlan, build_updates
@@ -92,7 +93,10 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
 def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
                      *, check_memory: bool = True) -> Executable:
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
-    weight-update programs when training (`optimizer` given) and build the Engine (not loaded)."""
+    weight-update programs when training (`optimizer` given) and build the Engine (not loaded).
+    A schedule with separate weight-gradient ops gets its stages' backwards split in two
+    (`backward_split`)."""
+    partition_backward(ir, schedule.split_backward)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
     device = ip.Device(target, per_replica * replicas)
@@ -140,9 +144,6 @@ def target_of(options) -> ip.Target:
     return ip.GC2 if options.ipu_version == 1 else ip.GC200
 
 
-RUNNABLE_KINDS = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule}
-
-
 def build_schedule(placement, options, training: bool):
     """The schedule of this placement (ipusim.schedules): the runtime executes it step by step.
     A pipelined training model runs the kind of Options.Emulator.setPipelineSchedule, PopTorch's
@@ -152,17 +153,19 @@ def build_schedule(placement, options, training: bool):
         return placement.schedule(training=training,
                                   gradient_accumulation=options.gradient_accumulation if training else 1,
                                   device_iterations=options.device_iterations)
-    chosen = f"Emulator.setPipelineSchedule({kind!r})"
     if placement.schedule_kind != "pipelined":
-        raise ValueError(f"{chosen} schedules a PipelinedExecution; this model uses {placement.schedule_kind} "
-                         "execution. Use PipelinedExecution or leave the schedule as 'PopTorch'.")
-    if kind in ("ZB-H1", "ZB-H2"):
-        raise ValueError(f"{chosen}: {kind} runs the backward as separate input-gradient (B) and weight-gradient (W) "
-                         "programs, which the compiler does not build yet. Price it instead (ipusim.schedules.price, "
-                         "or python -m ipusim.report DIR --schedules on a profile), or run 'GPipe', '1F1B' or "
-                         "'Interleaved1F1B'.")
-    g, d = options.gradient_accumulation, options.device_iterations
-    stage_ipus = tuple(placement.stage_ipus)
+        raise ValueError(f"Emulator.setPipelineSchedule({kind!r}) schedules a PipelinedExecution; this model uses "
+                         f"{placement.schedule_kind} execution. Use PipelinedExecution or leave the schedule as "
+                         "'PopTorch'.")
+    return training_schedule(kind, placement.stage_ipus, options.gradient_accumulation, options.device_iterations)
+
+
+def training_schedule(kind: str, stage_ipus, gradient_accumulation: int, device_iterations: int):
+    """The training schedule of a kind of ipusim.schedules.TRAINING_KINDS for stages placed on
+    `stage_ipus`, or a ValueError saying which placement the kind needs."""
+    chosen = f"Emulator.setPipelineSchedule({kind!r})"
+    g, d = gradient_accumulation, device_iterations
+    stage_ipus = tuple(stage_ipus)
     n_ipus = 1 + max(stage_ipus)
     if kind == "Interleaved1F1B":
         if len(stage_ipus) % n_ipus or stage_ipus != tuple(s % n_ipus for s in range(len(stage_ipus))):
@@ -174,7 +177,11 @@ def build_schedule(placement, options, training: bool):
     if stage_ipus != tuple(range(len(stage_ipus))):
         raise ValueError(f"{chosen} runs stage s on IPU s; this model places its stages on IPUs {list(stage_ipus)}. "
                          "Place one stage per IPU in order, or use 'Interleaved1F1B' for stage s on IPU s mod N.")
-    return RUNNABLE_KINDS[kind](len(stage_ipus), gradient_accumulation=g, device_iterations=d)
+    return ONE_STAGE_PER_IPU[kind](len(stage_ipus), gradient_accumulation=g, device_iterations=d)
+
+
+ONE_STAGE_PER_IPU = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule,
+                     "ZB-H1": schedules.zb_h1_schedule, "ZB-H2": schedules.zb_h2_schedule}
 
 
 def model_out_of_memory(error: ip.OutOfMemoryError, placement, ipus_per_replica: int) -> ip.OutOfMemoryError:

@@ -1,13 +1,17 @@
 """Lower the IR to ipusim: one program per stage and pass, channels between them, host streams.
 
-The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s). Each runs
-on its stage's IPU for one micro-batch. A value made by one stage program and used by another
+The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s), and for
+the zero-bubble schedules ("wgrad", s), the weight-gradient half of the backward
+(`backward_split`). Each runs on its stage's IPU for one micro-batch. A value made by one stage program and used by another
 travels through a *channel*: after the producer runs for micro-batch k, a send program copies the
 values into slot k % S of the consumer's receive buffers (an `InterIpuCopy` between IPUs, an
-on-chip `Copy` on the same IPU: that is the activation stash of PopART); before the consumer
+on-chip `Copy` on the same IPU: that is the activation stash of PopART, and the stash of what a
+weight-gradient program needs from its input-gradient program); before the consumer
 runs for micro-batch k, a receive program copies slot k % S into its inputs. S, the number of
 slots, is the most micro-batches the schedule ever keeps in flight on that channel, so the
-stashed activations cost exactly what the schedule needs.
+stashed activations cost exactly what the schedule needs. A value the weight-gradient program
+needs that its input-gradient program also uses comes to it from there (one transfer between
+IPUs, kept on chip until W runs), other values from their producer.
 
 Model inputs enter by host streams in the stage programs that use them; model outputs leave by
 host streams in separate programs, run only for the micro-batches whose outputs are returned.
@@ -27,6 +31,7 @@ from ipusim.ops import reduce as reduce_ops
 from ipusim.ops import softmax as sm
 
 from ..api.errors import Error
+from .backward_split import WEIGHT_GRADIENT
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
 
 
@@ -46,7 +51,7 @@ class Channel:
 
 @dataclass
 class StageProgram:
-    key: tuple                      # ("fwd" | "bwd", stage)
+    key: tuple                      # ("fwd" | "bwd" | "wgrad", stage)
     ipu: int
     nodes: list[Node]
     body: int = -1                  # engine program index
@@ -61,6 +66,20 @@ class StageProgram:
 
 def stage_key(n: Node) -> tuple:
     return (n.pass_, n.stage)
+
+
+PASS_OF_KIND = {"F": "fwd", "B": "bwd", "W": WEIGHT_GRADIENT}
+"""The stage program a schedule's op runs: forward, backward (its input-gradient half when the
+backward is split) or weight gradient."""
+
+STASHES = {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT), ("bwd", WEIGHT_GRADIENT)}
+"""(producer pass, consumer pass) of the channels that keep values on a stage's IPU between the
+passes of one micro-batch: the stash."""
+
+
+def program_key(op) -> tuple:
+    """(pass, stage) of the stage program a schedule op of kind F, B or W runs."""
+    return (PASS_OF_KIND[op.kind], op.stage)
 
 
 @dataclass(frozen=True)
@@ -169,6 +188,7 @@ class Lowering:
                 self.stage_programs[key] = StageProgram(key, self.stage_ipus[n.stage], [])
             self.stage_programs[key].nodes.append(n)
         producer_key = {v.id: stage_key(n) for n in self.ir.nodes for v in n.outputs}
+        used_by = {(v.id, key) for key, sp in self.stage_programs.items() for n in sp.nodes for v in n.inputs}
         # channels: values crossing from one stage program to another
         crossing: dict[tuple, list[Value]] = {}
         for key, sp in self.stage_programs.items():
@@ -176,6 +196,8 @@ class Lowering:
             for n in sp.nodes:
                 for v in n.inputs:
                     src = producer_key.get(v.id)
+                    if key[0] == WEIGHT_GRADIENT and src is not None and (v.id, ("bwd", key[1])) in used_by:
+                        src = ("bwd", key[1])   # W takes what its B received from B's copy
                     if src is not None and src != key and v.id not in seen:
                         seen.add(v.id)
                         crossing.setdefault((src, key), []).append(v)
@@ -184,14 +206,16 @@ class Lowering:
             self.channels.append(Channel(src, dst, values, slots[(src, dst)]))
         for ch in self.channels:
             self._make_receive_buffers(ch)
-        for key in sorted(self.stage_programs, key=lambda k: (k[0] != "fwd", k[1] if k[0] == "fwd" else -k[1])):
+        rank = {"fwd": 0, "bwd": 1, WEIGHT_GRADIENT: 2}
+        for key in sorted(self.stage_programs, key=lambda k: (k[0] != "fwd", k[1] if k[0] == "fwd" else -k[1],
+                                                              rank[k[0]])):
             self._lower_stage(self.stage_programs[key], weight_ids, input_index)
         for ch in self.channels:
             self._make_send(ch)
 
     def _stash_off_chip(self, ch: Channel) -> bool:
         same_ipu = self.stage_programs[ch.src].ipu == self.stage_programs[ch.dst].ipu
-        return same_ipu and ch.src[0] == "fwd" and ch.dst[0] == "bwd" and \
+        return same_ipu and (ch.src[0], ch.dst[0]) in STASHES and \
             self.locations.off_chip("activations", sum(v.numel for v in ch.values))
 
     def _make_receive_buffers(self, ch: Channel) -> None:
@@ -280,7 +304,7 @@ class Lowering:
                     self.tensors[(v.id, key)] = t
         # gradient accumulation (accumulators in Streaming Memory are loaded and stored around it)
         for name, v in self.ir.grads.items():
-            if (v.id, key) in self.tensors:
+            if (v.id, key) in self.tensors and (v.producer is None or stage_key(v.producer) == key):
                 w = self.weights[name]
                 acc = g.clone(w, f"{w.name}/accumulator", category="accumulators", always_live=True)
                 self.accumulators[name] = acc
@@ -605,9 +629,8 @@ def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, 
     when: dict[tuple, dict[int, int]] = {}
     for t, step in enumerate(schedule.steps):
         for op in step.ops:
-            if op.kind in ("F", "B"):
-                key = ("fwd" if op.kind == "F" else "bwd", op.stage)
-                when.setdefault(key, {})[op.global_micro_batch] = t
+            if op.kind in PASS_OF_KIND:
+                when.setdefault(program_key(op), {})[op.global_micro_batch] = t
     out = {}
     for src, dst in channels:
         a, b = when.get(src, {}), when.get(dst, {})

@@ -32,6 +32,7 @@ from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
+from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
 from . import anchors, cache
 
@@ -447,7 +448,7 @@ class PoplarExecutor:
                 self._collective.reduce(exe, op.ipu)
             runs = [("update", i) for i in exe.updates.programs.get(op.ipu, [])]
         else:
-            key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+            key = program_key(op)
             k = op.global_micro_batch
             for r, low in enumerate(exe.lowerings):
                 sp = low.stage_programs.get(key)
@@ -472,9 +473,9 @@ class PoplarExecutor:
         return self._anchored[short_name]
 
     def _send(self, exe: Executable, op) -> list[Event]:
-        if op.kind not in ("F", "B"):
+        if op.kind == "U":
             return []
-        key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+        key = program_key(op)
         k = op.global_micro_batch
         return [Event(op, "send", index, exe.engine.execute(index).per_ipu)
                 for r in range(exe.replicas) for index in (ch.send[k % ch.slots] for ch in exe.out_channels[(r, key)])]
