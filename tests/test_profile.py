@@ -382,3 +382,38 @@ def test_what_if_estimates(profiled, tmp_path):
     assert "estimated without running" in mk1["notes"][0]
     assert "estimate, not run" in prof.summary(mk1)
     model.destroy()
+
+
+@pytest.mark.slow
+def test_profile_of_a_zero_bubble_run(tmp_path):
+    """A model trained under ZB-H1 is profiled and estimated under ZB-H1: the profile records its
+    schedule, each stage's backward is its B and W together, the what-if estimate on the same
+    target re-lowers with the split backward and reproduces the measured call, and the schedule
+    comparison prices the run's own kind with its B and W."""
+    from ipusim.report import pricing
+    from poptorch_lite.runtime.profiling import what_if
+    torch.manual_seed(0)
+    model = TrainingModelWithLoss(Network())
+    opts = poptorch.Options().setExecutionStrategy(TUTORIAL_STRATEGY)
+    opts.Emulator.setTarget(SMALL).setPipelineSchedule("ZB-H1")
+    opts.Training.gradientAccumulation(8)
+    opts.enableProfiling(str(tmp_path))
+    training = poptorch.trainingModel(model, opts)
+    training(*BATCH)
+    measured = training.last_run
+    same = what_if(training)
+    assert same["execution"]["schedule"]["strategy"] == "ZB-H1"
+    assert same["execution"]["cycles"] == measured.cycles
+    exe = training._executable
+    training.destroy()
+    doc = prof.load(str(tmp_path / "training"))
+    assert doc["execution"]["schedule"]["strategy"] == "ZB-H1"
+    low, costs = exe.lowering, exe.engine.costs
+    for st in doc["execution"]["stages"]:
+        bodies = [costs[sp.body].per_ipu[sp.ipu].total for key, sp in low.stage_programs.items()
+                  if key[0] != "fwd" and key[1] == st["stage"]]
+        assert len(bodies) == (1 if st["stage"] == 0 else 2)
+        assert st["backward"]["body_cycles"] == sum(bodies)
+    first = pricing.compare(doc).rows[0]
+    assert first.kind == "ZB-H1 (profiled)" and first.schedule.split_backward
+    assert first.price.event_driven.cycles > 0

@@ -121,7 +121,9 @@ def compare(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SH
         totals = tuple(int(b + p.peak_stash_bytes[i]) for i, b in enumerate(base))
         return Row(kind, s, p, tuple(t <= c for t, c in zip(totals, capacity)), totals)
 
-    rows = [row(f"PopTorch ({sched['strategy']})", lambda: profiled, whole),
+    ran = f"{sched['strategy']} (profiled)" if sched["strategy"] in schedules.TRAINING_KINDS \
+        else f"PopTorch ({sched['strategy']})"
+    rows = [row(ran, lambda: profiled, costs if profiled.split_backward else whole),
             row("GPipe", lambda: schedules.gpipe_schedule(n, gradient_accumulation=g, device_iterations=d), whole),
             row("1F1B", lambda: schedules.one_f_one_b_schedule(n, gradient_accumulation=g, device_iterations=d), whole),
             row(f"Interleaved1F1B (V={INTERLEAVED_CHUNKS})",
@@ -153,7 +155,8 @@ def _profiled_schedule(sched: dict, n: int, g: int, d: int) -> schedules.Schedul
                                             kind=kind or "grouped")
     if base == "sharded":
         return schedules.sharded_schedule(n, training=True, gradient_accumulation=g, device_iterations=d)
-    makers = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule}
+    makers = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule,
+              "ZB-H1": schedules.zb_h1_schedule, "ZB-H2": schedules.zb_h2_schedule}
     if strategy in makers:
         return makers[strategy](n, gradient_accumulation=g, device_iterations=d)
     raise ValueError(f"cannot rebuild the profiled schedule {strategy!r} to compare against")

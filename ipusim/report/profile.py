@@ -334,14 +334,15 @@ def _program_live_peaks(static: StaticProfile) -> np.ndarray:
 
 def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list[dict]]:
     """Per stage: forward/backward cycles per micro-batch (all its program runs on its IPU, and
-    the compute body alone); per IPU: the weight update. `steps` are (call, step) pairs."""
+    the compute body alone; the backward is B and W together when a schedule splits it); per
+    IPU: the weight update. `steps` are (call, step) pairs."""
     per_op: dict[tuple, dict[tuple, list[int]]] = {}
     for call, s in steps:
         for e in s.events:
             op = e.op
             if op is None or getattr(op, "kind", None) is None or op.ipu not in e.per_ipu:
                 continue
-            key = (op.kind, op.stage) if op.kind != "U" else ("U", op.ipu)
+            key = ("B" if op.kind == "W" else op.kind, op.stage) if op.kind != "U" else ("U", op.ipu)
             slot = per_op.setdefault(key, {})
             c = e.per_ipu[op.ipu].total
             mb = (call, getattr(op, "global_micro_batch", None), getattr(op, "group", None))

@@ -23,7 +23,9 @@ from ipusim.report import advisor
 from ipusim.report import profile as ipprofile
 
 from ..api import batching
-from ..compiler.executable import build_executable
+from ..compiler.backward_split import WEIGHT_GRADIENT
+from ..compiler.executable import build_executable, training_schedule
+from ..compiler.lowering import program_key
 
 
 class Profiler:
@@ -112,7 +114,9 @@ def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, repl
     g = max(opts.gradient_accumulation, 2 * num_stages - 1) if training else 1
     d = opts.device_iterations if training else max(opts.device_iterations, num_stages)
     kind = exe.schedule.strategy.partition("-")[2] or "grouped"
-    if exe.schedule.strategy.startswith("sharded"):
+    if training and exe.schedule.strategy in ip.schedules.TRAINING_KINDS:   # the kind that ran, one stage per IPU
+        schedule = training_schedule(exe.schedule.strategy, range(num_stages), g, d)
+    elif exe.schedule.strategy.startswith("sharded"):
         schedule = ip.schedules.sharded_schedule(num_stages, training=training, gradient_accumulation=g,
                                                  device_iterations=d)
     else:
@@ -128,9 +132,9 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
     low, engine = exe.lowering, exe.engine
     n = len(names)
 
-    def body(key) -> int:
-        sp = low.stage_programs.get(key)
-        return engine.costs[sp.body].per_ipu.get(sp.ipu, ip.Cycles()).total if sp is not None else 0
+    def body(*keys) -> int:
+        programs = [low.stage_programs[k] for k in keys if k in low.stage_programs]
+        return sum(engine.costs[sp.body].per_ipu.get(sp.ipu, ip.Cycles()).total for sp in programs)
 
     buffer_names = set()
     for ch in low.channels:
@@ -148,9 +152,13 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
         for name in buffer_names & set(r.tensors):
             own -= r.tensors[name]
         tile_bytes.append(own.clip(min=0))
-    flows = [advisor.Flow(v.id, v.nbytes, ch.src, ch.dst) for ch in low.channels for v in ch.values]
+    # the advisor knows whole backwards: a split backward's weight-gradient half counts as backward
+    whole = {"fwd": "fwd", "bwd": "bwd", WEIGHT_GRADIENT: "bwd"}
+    flows = [advisor.Flow(v.id, v.nbytes, (whole[ch.src[0]], ch.src[1]), (whole[ch.dst[0]], ch.dst[1]))
+             for ch in low.channels for v in ch.values if (whole[ch.src[0]], ch.src[1]) != (whole[ch.dst[0]], ch.dst[1])]
     update = [sum(engine.costs[i].total for i in exe.updates.programs.get(b, [])) for b in range(n)]
-    return advisor.BlockTable(names, [body(("fwd", b)) for b in range(n)], [body(("bwd", b)) for b in range(n)],
+    return advisor.BlockTable(names, [body(("fwd", b)) for b in range(n)],
+                              [body(("bwd", b), (WEIGHT_GRADIENT, b)) for b in range(n)],
                               update, tile_bytes, flows, current_split, source)
 
 
@@ -213,7 +221,7 @@ def _simulated_call(executor, exe) -> list[ipprofile.ExecutedStep]:
     def runs(op):
         if op.kind == "U":
             return [event(op, "update", i) for i in exe.updates.programs.get(op.ipu, [])]
-        key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+        key = program_key(op)
         k = op.global_micro_batch
         out = []
         for r, low in enumerate(exe.lowerings):
@@ -227,9 +235,9 @@ def _simulated_call(executor, exe) -> list[ipprofile.ExecutedStep]:
         return out
 
     def sends(op):
-        if op.kind not in ("F", "B"):
+        if op.kind == "U":
             return []
-        key = ("fwd" if op.kind == "F" else "bwd", op.stage)
+        key = program_key(op)
         k = op.global_micro_batch
         return [event(op, "send", ch.send[k % ch.slots]) for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
 
