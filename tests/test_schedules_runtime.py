@@ -161,3 +161,54 @@ def test_zero_bubble_stash_is_accounted(zb_h1):
             for t in buffers:
                 assert t.var.category == "stashed_activations" and t.var.always_live
                 assert report.tensors[t.name].sum() == t.numel * np.dtype(t.dtype).itemsize
+
+
+class Residual(torch.nn.Module):
+    """Three stages with a fused norm backward (input and weight gradients from one op, so in B)
+    and a skip connection from stage 0 to stage 2 (stage 2's B sends gradients to two stages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 5)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        with poptorch.Block("S0"):
+            h = torch.relu(self.inp(x))
+        with poptorch.Block("S1"):
+            g = self.mid(self.norm(h)).tanh()
+        with poptorch.Block("S2"):
+            logits = self.out(g + h)
+            loss = self.loss(logits, y)
+        return logits, loss
+
+
+def train_residual(kind):
+    torch.manual_seed(0)
+    model = Residual()
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(6)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution(*[poptorch.Stage(f"S{s}").ipu(s) for s in range(3)]))
+    opts.Emulator.setPipelineSchedule(kind)
+    training = poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
+    torch.manual_seed(1)
+    for _ in range(2):
+        training(torch.randn(12, 12), torch.randint(0, 5, (12,)))
+    low = training._executable.lowering
+    programs = {key: [n.op for n in sp.nodes] for key, sp in low.stage_programs.items()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    training.destroy()
+    return programs, params
+
+
+@pytest.mark.parametrize("kind", ["ZB-H1", "ZB-H2"])
+def test_zero_bubble_with_a_fused_norm_backward_and_a_skip_connection(kind):
+    reference = train_residual("PopTorch")[1]
+    programs, params = train_residual(kind)
+    assert_same(params, reference)
+    assert "layer_norm_backward" in programs[("bwd", 1)]
+    assert all(op != "layer_norm_backward" for op in programs[(WEIGHT_GRADIENT, 1)])
+    assert {s for p, s in programs if p == WEIGHT_GRADIENT} == {0, 1, 2}
