@@ -644,10 +644,10 @@ class _EmulatorOptions(_OptionGroup):
 
     def setPipelineSchedule(self, kind: str) -> "_EmulatorOptions":
         """Train a PipelinedExecution model under this schedule: "PopTorch" (the default,
-        PopTorch's own), "GPipe", "1F1B" or "Interleaved1F1B" (stage s on IPU s mod N);
-        "ZB-H1" and "ZB-H2" are accepted here and refused when the model is compiled, since
-        they need the backward split into input- and weight-gradient programs. Inference always
-        runs PopTorch's schedule. See docs/schedules.md."""
+        PopTorch's own), "GPipe", "1F1B", "ZB-H1", "ZB-H2" (stage s on IPU s) or
+        "Interleaved1F1B" (stage s on IPU s mod N). The zero-bubble kinds run each stage's
+        backward as an input-gradient and a weight-gradient program. Inference always runs
+        PopTorch's schedule. See docs/schedules.md."""
         from ipusim.schedules import TRAINING_KINDS  # pylint: disable=import-outside-toplevel
         kinds = ("PopTorch",) + TRAINING_KINDS
         if kind not in kinds:
