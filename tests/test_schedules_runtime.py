@@ -186,19 +186,21 @@ class Residual(torch.nn.Module):
         return logits, loss
 
 
-def train_residual(kind):
+def train_residual(kind, replicas=1, configure=lambda opts: None):
     torch.manual_seed(0)
     model = Residual()
-    opts = poptorch.Options()
+    opts = poptorch.Options().replicationFactor(replicas)
     opts.Training.gradientAccumulation(6)
     opts.setExecutionStrategy(poptorch.PipelinedExecution(*[poptorch.Stage(f"S{s}").ipu(s) for s in range(3)]))
     opts.Emulator.setPipelineSchedule(kind)
+    configure(opts)
     training = poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.1))
     torch.manual_seed(1)
     for _ in range(2):
-        training(torch.randn(12, 12), torch.randint(0, 5, (12,)))
+        training(torch.randn(12 * replicas, 12), torch.randint(0, 5, (12 * replicas,)))
     low = training._executable.lowering
     programs = {key: [n.op for n in sp.nodes] for key, sp in low.stage_programs.items()}
+    programs["off chip"] = [(ch.src, ch.dst) for ch in low.channels if ch.off_chip]
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     training.destroy()
     return programs, params
@@ -211,4 +213,19 @@ def test_zero_bubble_with_a_fused_norm_backward_and_a_skip_connection(kind):
     assert_same(params, reference)
     assert "layer_norm_backward" in programs[("bwd", 1)]
     assert all(op != "layer_norm_backward" for op in programs[(WEIGHT_GRADIENT, 1)])
-    assert {s for p, s in programs if p == WEIGHT_GRADIENT} == {0, 1, 2}
+    assert {key[1] for key in programs if key[0] == WEIGHT_GRADIENT} == {0, 1, 2}
+
+
+def test_zero_bubble_in_strict_mode_with_replicas_and_the_stash_off_chip():
+    """Strict mode moves every byte (a B-to-W channel that read the wrong tensor would give wrong
+    numbers); with two replicas and the activation stash in Streaming Memory, B-to-W stashes
+    included, ZB-H1 still trains to the parameters of PopTorch's schedule."""
+    def configure(opts):
+        opts.Emulator.setMode("strict")
+        opts.TensorLocations.setActivationLocation(poptorch.TensorLocationSettings().useOnChipStorage(False))
+
+    reference = train_residual("PopTorch", 2, configure)[1]
+    programs, params = train_residual("ZB-H1", 2, configure)
+    assert_same(params, reference)
+    assert {(src[0], dst[0]) for src, dst in programs["off chip"]} == {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT),
+                                                                        ("bwd", WEIGHT_GRADIENT)}
