@@ -263,6 +263,7 @@ def test_model_profile_files(profiled):
     doc = prof.load(str(profiled["dir"]))
     assert doc["source"] == "poptorch_lite" and doc["name"] == "training" and not doc["estimated"]
     assert doc["target"]["num_tiles"] == 64 and doc["num_ipus"] == 4
+    assert all(st["weight_gradient"] is None for st in doc["execution"]["stages"])   # PopTorch's whole backwards
     assert doc["settings"]["samples_per_call"] == 16 and doc["settings"]["gradient_accumulation"] == 8
 
 
@@ -387,9 +388,9 @@ def test_what_if_estimates(profiled, tmp_path):
 @pytest.mark.slow
 def test_profile_of_a_zero_bubble_run(tmp_path):
     """A model trained under ZB-H1 is profiled and estimated under ZB-H1: the profile records its
-    schedule, each stage's backward is its B and W together, the what-if estimate on the same
-    target re-lowers with the split backward and reproduces the measured call, and the schedule
-    comparison prices the run's own kind with its B and W."""
+    schedule, each stage's backward is its B and W together and its weight gradient W alone, the
+    what-if estimate on the same target re-lowers with the split backward and reproduces the
+    measured call, and the schedule comparison prices the split kinds with the measured W."""
     from ipusim.report import pricing
     from poptorch_lite.runtime.profiling import what_if
     torch.manual_seed(0)
@@ -409,11 +410,19 @@ def test_profile_of_a_zero_bubble_run(tmp_path):
     doc = prof.load(str(tmp_path / "training"))
     assert doc["execution"]["schedule"]["strategy"] == "ZB-H1"
     low, costs = exe.lowering, exe.engine.costs
-    for st in doc["execution"]["stages"]:
-        bodies = [costs[sp.body].per_ipu[sp.ipu].total for key, sp in low.stage_programs.items()
-                  if key[0] != "fwd" and key[1] == st["stage"]]
-        assert len(bodies) == (1 if st["stage"] == 0 else 2)
-        assert st["backward"]["body_cycles"] == sum(bodies)
-    first = pricing.compare(doc).rows[0]
+    priced = pricing.stage_costs(doc)
+    for st, stage_costs in zip(doc["execution"]["stages"], priced.stages):
+        body = {key[0]: costs[sp.body].per_ipu[sp.ipu].total for key, sp in low.stage_programs.items()
+                if key[1] == st["stage"]}
+        assert set(body) == ({"fwd", "wgrad"} if st["stage"] == 0 else {"fwd", "bwd", "wgrad"})
+        assert st["backward"]["body_cycles"] == body.get("bwd", 0) + body["wgrad"]
+        assert st["weight_gradient"]["body_cycles"] == body["wgrad"]
+        assert stage_costs.weight_gradient == st["weight_gradient"]["cycles_per_micro_batch"]
+        assert stage_costs.backward + stage_costs.weight_gradient == st["backward"]["cycles_per_micro_batch"]
+    comparison = pricing.compare(doc)
+    assert "B and W as measured" in pricing.text(comparison)
+    first = comparison.rows[0]
     assert first.kind == "ZB-H1 (profiled)" and first.schedule.split_backward
     assert first.price.event_driven.cycles > 0
+    assert "W = 0.5 x the profiled backward (an assumption: given instead of the measured W)" in \
+        pricing.text(pricing.compare(doc, 0.5))

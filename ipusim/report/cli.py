@@ -65,7 +65,7 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(out).rstrip()
 
 
-def compare_schedules(path: str, weight_gradient_share: float, charts: bool = True) -> str:
+def compare_schedules(path: str, weight_gradient_share: float | None, charts: bool = True) -> str:
     """Every schedule kind priced on each training profile in `path`, with one Gantt chart per
     kind next to its profile.json (when matplotlib is installed)."""
     from .charts import ChartsUnavailable
@@ -95,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", action="store_true",
                         help="price every pipeline schedule kind (PopTorch's, GPipe, 1F1B, interleaved 1F1B, ZB-H1, "
                              "ZB-H2) on the profiled model: time per call, bubble, peak stash per IPU, Gantt charts")
-    parser.add_argument("--weight-gradient-share", type=float, default=pricing.DEFAULT_WEIGHT_GRADIENT_SHARE,
+    parser.add_argument("--weight-gradient-share", type=float, default=None,
                         metavar="X", help="with --schedules: the share of the profiled backward taken as the weight "
-                                          "gradient W of the split kinds (default %(default)s)")
+                                          "gradient W of the split kinds (default: W as measured when the profiled "
+                                          f"run split its backwards, else {pricing.DEFAULT_WEIGHT_GRADIENT_SHARE})")
     args = parser.parse_args(argv)
     if args.schema:
         print(json.dumps(prof.PROFILE_SCHEMA, indent=2))

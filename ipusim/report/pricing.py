@@ -4,9 +4,11 @@ per call, bubble fraction, peak stash per IPU and whether it fits, and a Gantt c
 The stages' costs come from the profile: the forward and backward cycles per micro-batch of
 every stage as executed (its compute and its copies), the weight update per IPU, and the bytes
 a stage's backward needs from the forwards (the block table's flows into it), which its IPU
-stashes per micro-batch in flight. The profile does not separate a backward's input gradient
-from its weight gradient (a linear layer's two backward matmuls carry the same name), so the
-split kinds take W as a stated share of the profiled backward (one half unless told).
+stashes per micro-batch in flight. A profile of a run under ZB-H1 or ZB-H2 has each stage's
+weight gradient W measured apart, and the split kinds take it from there; other profiles do not
+separate a backward's input gradient from its weight gradient (a linear layer's two backward
+matmuls carry the same name), so the split kinds take W as a stated share of the profiled
+backward (one half unless told).
 """
 from __future__ import annotations
 
@@ -59,10 +61,19 @@ def _stash_bytes(doc: dict) -> list[int]:
     return out
 
 
-def stage_costs(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SHARE) -> Costs:
+def measured_weight_gradients(doc: dict) -> bool:
+    """Whether the profiled run measured every stage's weight gradient W apart (it ran a
+    schedule that splits the backward)."""
+    stages = doc["execution"]["stages"]
+    return bool(stages) and all(st.get("weight_gradient") is not None for st in stages)
+
+
+def stage_costs(doc: dict, weight_gradient_share: float | None = None) -> Costs:
     """The profiled stages' costs: F and B cycles per micro-batch as executed (copies included,
-    so `Costs.copy` is 0), B split into input gradient (1 - share) and weight gradient (share),
-    the weight update per IPU and the stash bytes per micro-batch."""
+    so `Costs.copy` is 0), the backward split into input gradient B and weight gradient W (W
+    as measured when the profile has it and no share is given, else `weight_gradient_share` of
+    the backward, one half by default), the weight update per IPU and the stash bytes per
+    micro-batch."""
     ex = doc["execution"]
     if not ex["stages"] or any(st["forward"] is None for st in ex["stages"]):
         raise ValueError(f"profile {doc.get('name')!r} has no per-stage forward cycles: pricing schedules needs a "
@@ -70,14 +81,16 @@ def stage_costs(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIEN
     if any(st["backward"] is None for st in ex["stages"]):
         raise ValueError(f"profile {doc.get('name')!r} is of inference: the schedule kinds differ in how they order "
                          "backward passes, so compare them on a training profile")
-    if not 0 <= weight_gradient_share <= 1:
-        raise ValueError(f"the weight-gradient share of the backward must be in [0, 1], got {weight_gradient_share}")
+    measured = weight_gradient_share is None and measured_weight_gradients(doc)
+    share = DEFAULT_WEIGHT_GRADIENT_SHARE if weight_gradient_share is None else weight_gradient_share
+    if not 0 <= share <= 1:
+        raise ValueError(f"the weight-gradient share of the backward must be in [0, 1], got {share}")
     stash = _stash_bytes(doc)
     per_stage = []
     for st, nbytes in zip(ex["stages"], stash):
         backward = st["backward"]["cycles_per_micro_batch"]
-        per_stage.append(StageCosts(st["forward"]["cycles_per_micro_batch"], backward * (1 - weight_gradient_share),
-                                    backward * weight_gradient_share, nbytes))
+        w = st["weight_gradient"]["cycles_per_micro_batch"] if measured else backward * share
+        per_stage.append(StageCosts(st["forward"]["cycles_per_micro_batch"], backward - w, w, nbytes))
     updates = {u["ipu"]: u["cycles"] for u in ex["updates"]}
     return Costs(tuple(per_stage), 0.0, tuple(updates.get(i, 0.0) for i in range(doc["num_ipus"])))
 
@@ -91,8 +104,9 @@ def _chunked(costs: Costs, v: int) -> Costs:
                        for _ in range(v) for s in range(n)), costs.copy, costs.update)
 
 
-def compare(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SHARE) -> Comparison:
-    """Price the profiled schedule and every training kind on the profiled model."""
+def compare(doc: dict, weight_gradient_share: float | None = None) -> Comparison:
+    """Price the profiled schedule and every training kind on the profiled model (W of the split
+    kinds as in `stage_costs`)."""
     ex = doc["execution"]
     sched = ex["schedule"]
     if not sched or not sched["training"]:
@@ -134,8 +148,7 @@ def compare(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SH
     header = (
         f"{n} stages on {n} IPUs, {g} micro-batches per weight update, {d} update(s) per call; per-stage F and B "
         "cycles per micro-batch as profiled (copies included), the weight update per IPU as profiled.",
-        f"ZB-H1/ZB-H2 split each backward into B and W with W = {weight_gradient_share:g} x the profiled backward "
-        "(an assumption: the profile does not tell the weight-gradient ops apart).",
+        _split_note(doc, weight_gradient_share),
         f"Interleaved1F1B cuts every stage into {INTERLEAVED_CHUNKS} chunks of equal cycles and stash (an assumption: "
         "the profile has one block table row per block, not per layer), chunk c of stage s on IPU s.",
         "lock-step: a step lasts as long as its slowest IPU (how PopTorch's runtime and this emulator run a "
@@ -145,6 +158,16 @@ def compare(doc: dict, weight_gradient_share: float = DEFAULT_WEIGHT_GRADIENT_SH
         "(bytes per micro-batch = the stage's fwd -> bwd flows); tile-level fit is not re-checked.")
     measured = ex["cycles_per_call"][0] if ex.get("cycles_per_call") else None
     return Comparison(doc.get("name", ""), tuple(rows), doc["target"]["clock_hz"], capacity, header, measured)
+
+
+def _split_note(doc: dict, weight_gradient_share: float | None) -> str:
+    """How the split kinds' W was found, for the table's header."""
+    if weight_gradient_share is None and measured_weight_gradients(doc):
+        return "ZB-H1/ZB-H2 split each backward into B and W as measured: the profiled run split its backwards."
+    share = DEFAULT_WEIGHT_GRADIENT_SHARE if weight_gradient_share is None else weight_gradient_share
+    why = "given instead of the measured W" if measured_weight_gradients(doc) else \
+        "the profile does not tell the weight-gradient ops apart"
+    return f"ZB-H1/ZB-H2 split each backward into B and W with W = {share:g} x the profiled backward (an assumption: {why})."
 
 
 def _profiled_schedule(sched: dict, n: int, g: int, d: int) -> schedules.Schedule:

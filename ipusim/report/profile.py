@@ -334,22 +334,22 @@ def _program_live_peaks(static: StaticProfile) -> np.ndarray:
 
 def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list[dict]]:
     """Per stage: forward/backward cycles per micro-batch (all its program runs on its IPU, and
-    the compute body alone; the backward is B and W together when a schedule splits it); per
-    IPU: the weight update. `steps` are (call, step) pairs."""
+    the compute body alone; the backward is B and W together when a schedule splits it, and
+    `weight_gradient` is then W alone); per IPU: the weight update. `steps` are (call, step) pairs."""
     per_op: dict[tuple, dict[tuple, list[int]]] = {}
     for call, s in steps:
         for e in s.events:
             op = e.op
             if op is None or getattr(op, "kind", None) is None or op.ipu not in e.per_ipu:
                 continue
-            key = ("B" if op.kind == "W" else op.kind, op.stage) if op.kind != "U" else ("U", op.ipu)
-            slot = per_op.setdefault(key, {})
+            key = (op.kind, op.stage) if op.kind != "U" else ("U", op.ipu)
             c = e.per_ipu[op.ipu].total
             mb = (call, getattr(op, "global_micro_batch", None), getattr(op, "group", None))
-            slot.setdefault(mb, [0, 0])
-            slot[mb][0] += c
-            if e.part in ("compute", "update"):
-                slot[mb][1] += c
+            for k in [key, ("B", op.stage)] if op.kind == "W" else [key]:   # W is also part of the backward
+                slot = per_op.setdefault(k, {}).setdefault(mb, [0, 0])
+                slot[0] += c
+                if e.part in ("compute", "update"):
+                    slot[1] += c
 
     def summary(key):
         runs = per_op.get(key)
@@ -360,7 +360,8 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
                 "body_cycles": sum(v[1] for v in runs.values()) / n, "runs": n}
 
     stages = [{"stage": st.stage, "ipu": st.ipu, "blocks": list(st.blocks),
-               "forward": summary(("F", st.stage)), "backward": summary(("B", st.stage))}
+               "forward": summary(("F", st.stage)), "backward": summary(("B", st.stage)),
+               "weight_gradient": summary(("W", st.stage))}
               for st in static.stages]
     updates = [{"ipu": ipu, "cycles": v["cycles_per_micro_batch"]}
                for ipu in range(static.num_ipus) if (v := summary(("U", ipu))) is not None]
@@ -877,7 +878,7 @@ PROFILE_SCHEMA = {
                 "stages": {"type": "array", "items": {
                     "type": "object", "required": ["stage", "ipu", "blocks", "forward", "backward"],
                     "properties": {"stage": _INT, "ipu": _INT, "blocks": {"type": "array", "items": {"type": "string"}},
-                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS}}},
+                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS, "weight_gradient": _STAGE_PASS}}},
                 "updates": {"type": "array", "items": {"type": "object", "required": ["ipu", "cycles"],
                                                        "properties": {"ipu": _INT, "cycles": _NUM}}},
                 "longest_stage": {"type": ["object", "null"],
