@@ -8,8 +8,9 @@ depend on shapes, not values). Emulated time per call and idle cycles come from 
 record (`executor.last_run`): the executor runs a schedule in lock-step, as PopTorch's runtime
 does, each step as long as its slowest IPU. The event-driven time (each IPU runs its next op as
 soon as what it needs is done, as GPipe, 1F1B and the zero-bubble schedules are meant to run) is
-`ipusim.schedules.price` of the same schedule on the cycles each op took in that call (F, B and,
-for the split kinds, W of every stage, the weight update of every IPU). The bubble (idle
+`ipusim.schedules.price` of the same schedule on the cycles each op took in the profiled calls
+(`ipusim.report.pricing.stage_costs` of the model's profile: F, B and, for the split kinds, W of
+every stage, the weight update of every IPU). The bubble (idle
 IPU-steps) and the stash depth (micro-batches in flight per IPU) come from the schedule, memory
 per IPU from the engine's reports.
 
@@ -19,12 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
 import poptorch_lite as poptorch
-from ipusim.schedules import Costs, StageCosts, price
+from ipusim.report import pricing
+from ipusim.report import profile as ipprofile
+from ipusim.schedules import price
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mnist_pipeline import Network, TrainingModelWithLoss  # noqa: E402
@@ -47,6 +52,8 @@ def measure(kind: str, ipus: tuple[int, ...], gradient_accumulation: int) -> str
         *[poptorch.Stage(f"B{b + 1}").ipu(i) for b, i in enumerate(ipus)]))
     opts.Training.gradientAccumulation(gradient_accumulation)
     opts.Emulator.setPipelineSchedule(kind)
+    profile_dir = tempfile.mkdtemp(prefix="schedules-")
+    opts.enableProfiling(profile_dir)
     training = poptorch.trainingModel(model, opts, optimizer=poptorch.optim.SGD(model.parameters(), lr=0.01))
     images = MICRO_BATCH * gradient_accumulation
     x, y = torch.randn(images, 1, 28, 28), torch.randint(0, 10, (images,))
@@ -56,37 +63,18 @@ def measure(kind: str, ipus: tuple[int, ...], gradient_accumulation: int) -> str
     schedule = exe.schedule
     n = schedule.num_ipus
     busy = sum(step.busy[i].total for step in record.steps for i in step.busy)
-    event_driven = price(schedule, executed_costs(record, schedule)).event_driven.cycles / record.clock_hz
+    training._profiler.session.echo = lambda text: None   # the summary is not wanted here
+    training.destroy()
+    costs = pricing.stage_costs(ipprofile.load(os.path.join(profile_dir, "training")))
+    shutil.rmtree(profile_dir)
+    event_driven = price(schedule, costs).event_driven.cycles / record.clock_hz
     name = f"PopTorch ({schedule.strategy.partition('-')[2]})" if kind == "PopTorch" else kind
     row = (f"| {name} | {', '.join(map(str, ipus))} | {schedule.num_steps} | {record.seconds * 1e6:,.1f} | "
            f"{event_driven * 1e6:,.1f} | {schedule.bubble_fraction():.0%} | {1 - busy / (n * record.cycles):.0%} | "
            f"{' / '.join(str(schedule.peak_in_flight(i)) for i in range(n))} | "
            f"{' / '.join(f'{m.total / 2**20:.2f}' for m in exe.engine.memory)} |")
-    training.destroy()
     print(row, flush=True)
     return row
-
-
-def executed_costs(record, schedule) -> Costs:
-    """Per stage, the mean cycles its F, B and W took per micro-batch on its IPU in the recorded
-    call (every program the op ran: receives, body, outputs, sends), and the weight update per IPU."""
-    took: dict[tuple, dict] = {}
-    for step in record.steps:
-        for e in step.events:
-            op = e.op
-            if op.ipu not in e.per_ipu:
-                continue
-            key = ("U", op.ipu) if op.kind == "U" else (op.kind, op.stage)
-            runs = took.setdefault(key, {})
-            mb = op.group if op.kind == "U" else op.global_micro_batch
-            runs[mb] = runs.get(mb, 0) + e.per_ipu[op.ipu].total
-
-    def mean(key) -> float:
-        runs = took.get(key, {})
-        return sum(runs.values()) / len(runs) if runs else 0.0
-
-    return Costs(tuple(StageCosts(mean(("F", s)), mean(("B", s)), mean(("W", s))) for s in range(schedule.num_stages)),
-                 0.0, tuple(mean(("U", i)) for i in range(schedule.num_ipus)))
 
 
 def main(argv=None) -> None:
