@@ -14,7 +14,7 @@ W needs from its forward and from its B, kept per micro-batch until W runs.
 """
 from __future__ import annotations
 
-from .ir import IRGraph, flatten_values
+from .ir import IRGraph
 
 WEIGHT_GRADIENT = "wgrad"
 """The pass of the weight-gradient nodes once the backward is split."""
@@ -38,8 +38,6 @@ def partition_backward(ir: IRGraph, split: bool) -> None:
             producer = made_by.get(v.id)
             if producer is not None and (n.pass_ != "bwd" or n.stage != producer.stage):
                 frontier.append(producer)
-    outputs = {v.id for v in flatten_values(ir.outputs)}
-    frontier += [made_by[i] for i in outputs if i in made_by]   # a model output made in a backward
     while frontier:
         n = frontier.pop()
         if id(n) in needed:
@@ -49,4 +47,3 @@ def partition_backward(ir: IRGraph, split: bool) -> None:
     for n in backward:
         if id(n) not in needed:
             n.pass_ = WEIGHT_GRADIENT
-

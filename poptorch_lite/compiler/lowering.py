@@ -2,8 +2,9 @@
 
 The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s), and for
 the zero-bubble schedules ("wgrad", s), the weight-gradient half of the backward
-(`backward_split`). Each runs on its stage's IPU for one micro-batch. A value made by one stage program and used by another
-travels through a *channel*: after the producer runs for micro-batch k, a send program copies the
+(`backward_split`). Each runs on its stage's IPU for one micro-batch. A value made by one stage
+program and used by another travels through a *channel*: after the producer runs for
+micro-batch k, a send program copies the
 values into slot k % S of the consumer's receive buffers (an `InterIpuCopy` between IPUs, an
 on-chip `Copy` on the same IPU: that is the activation stash of PopART, and the stash of what a
 weight-gradient program needs from its input-gradient program); before the consumer
@@ -197,7 +198,7 @@ class Lowering:
                 for v in n.inputs:
                     src = producer_key.get(v.id)
                     if key[0] == WEIGHT_GRADIENT and src is not None and (v.id, ("bwd", key[1])) in used_by:
-                        src = ("bwd", key[1])   # W takes what its B received from B's copy
+                        src = ("bwd", key[1])   # a value its B uses too reaches W from B
                     if src is not None and src != key and v.id not in seen:
                         seen.add(v.id)
                         crossing.setdefault((src, key), []).append(v)
