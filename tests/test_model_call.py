@@ -258,7 +258,6 @@ def test_training_a_float32_layer_on_float16_inputs_updates_float32_weights():
     assert net.lin.weight.dtype == torch.float32 and not torch.equal(net.lin.weight.detach(), before)
 
 
-@pytest.mark.xfail(strict=True, reason="a constant returned from forward: the ATen capture returns it once, not per micro-batch")
 def test_outputs_keep_their_containers_and_constants_are_returned():
     Pair = collections.namedtuple("Pair", "total constant")
 

@@ -25,14 +25,13 @@ import torch
 import torch.fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._decomp.decompositions import native_batch_norm_decomposition
-from torch.utils._pytree import tree_map
 
 from ..api.blocks import DEFAULT_REGION
 from ..api.errors import Error
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
-from .ir import IRGraph, Node, Value
+from .ir import IRGraph, Node, Value, map_values
 
 aten = torch.ops.aten
 
@@ -302,7 +301,7 @@ class Lowerer:
         values = [self.env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
         user = values[:j.num_outputs]
         rest = values[j.num_outputs:]
-        self.ir.outputs = tree_map(lambda leaf: user[leaf.index] if isinstance(leaf, Output) else leaf, j.output_tree)
+        self.ir.outputs = map_values(j.output_tree, lambda leaf: user[leaf.index], Output)
         if j.loss is not None:
             self.ir.loss, rest = rest[0], rest[1:]
             self.ir.grads = dict(zip(j.grads, rest[:len(j.grads)]))

@@ -39,6 +39,7 @@ Every node made inside ``torch.autograd.grad`` also carries ``pass="bwd"``.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import sys
 from dataclasses import dataclass, field
@@ -51,12 +52,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
 from ..api.ops import identity_loss
 from . import library
+from .ir import flatten_values, map_values
 
 aten = torch.ops.aten
 KEY = "poptorch"
@@ -309,9 +311,9 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             # kernel's backward has no decomposition
             with annotator, sdpa_kernel([SDPBackend.MATH]):
                 out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
-        leaves, tree = tree_flatten(out)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        found["tree"] = (leaves, tree)
+        # outputs in any nesting of tuples, namedtuples, lists and dicts (subclasses too)
+        tensors = flatten_values(out, torch.Tensor)
+        found["tree"] = out
         extra = []
         if training:
             loss, where = final_loss(annotator.losses, tensors)
@@ -343,10 +345,9 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         with torch.no_grad():
             gm = make_fx(functional, decomposition_table=table, tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*[t.detach() for t in flat])
-    leaves, tree = found["tree"]
-    index = iter(range(len(leaves)))
-    output_tree = tree.unflatten([Output(next(index)) if isinstance(t, torch.Tensor) else t for t in leaves])
-    num_outputs = sum(isinstance(t, torch.Tensor) for t in leaves)
+    index = itertools.count()
+    output_tree = map_values(found["tree"], lambda t: Output(next(index)), torch.Tensor)
+    num_outputs = next(index)
     joint_graph = JointGraph(gm, pnames, bnames, [n for n, _ in inputs], output_tree, num_outputs,
                              found.get("loss"), found.get("grads", []))
     check_blocks(joint_graph)

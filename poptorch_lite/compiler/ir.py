@@ -99,26 +99,27 @@ class IRGraph:
         return "\n".join(lines)
 
 
-def flatten_values(tree) -> list[Value]:
-    """Values of a pytree made of tuples, lists and dicts."""
-    if isinstance(tree, Value):
+def flatten_values(tree, kind: type = Value) -> list:
+    """The leaves of type `kind` (default Value) of a tree of tuples (namedtuples too), lists and
+    dicts (OrderedDict and other subclasses too), in order."""
+    if isinstance(tree, kind):
         return [tree]
     if isinstance(tree, (tuple, list)):
-        return [v for t in tree for v in flatten_values(t)]
+        return [v for t in tree for v in flatten_values(t, kind)]
     if isinstance(tree, dict):
-        return [v for t in tree.values() for v in flatten_values(t)]
+        return [v for t in tree.values() for v in flatten_values(t, kind)]
     return []
 
 
-def map_values(tree, fn):
-    """Rebuild a pytree with fn applied to every Value."""
-    if isinstance(tree, Value):
+def map_values(tree, fn, kind: type = Value):
+    """The tree rebuilt, containers of the same types, with fn applied to every leaf of type `kind`."""
+    if isinstance(tree, kind):
         return fn(tree)
     if isinstance(tree, tuple):
-        items = [map_values(t, fn) for t in tree]
+        items = [map_values(t, fn, kind) for t in tree]
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)  # namedtuples too
     if isinstance(tree, list):
-        return type(tree)(map_values(t, fn) for t in tree)
+        return type(tree)(map_values(t, fn, kind) for t in tree)
     if isinstance(tree, dict):
-        return type(tree)((k, map_values(t, fn)) for k, t in tree.items())  # OrderedDict and subclasses too
+        return type(tree)((k, map_values(t, fn, kind)) for k, t in tree.items())  # OrderedDict and subclasses too
     return tree
