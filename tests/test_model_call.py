@@ -223,7 +223,6 @@ class HalfThenFloat(torch.nn.Module):
         return self.last(self.conv(h).reshape(-1, 2, 4)).sum(dim=1)
 
 
-@pytest.mark.xfail(strict=True, reason="half semantics were applied by the fx frontend, which main replaced; the ATen capture does not cast float32 parameters for float16 inputs yet")
 def test_a_float16_input_runs_float32_layers_in_float16():
     torch.manual_seed(0)
     net = HalfThenFloat()
@@ -239,7 +238,6 @@ def test_a_float16_input_runs_float32_layers_in_float16():
     assert net.conv.weight.dtype == torch.float32
 
 
-@pytest.mark.xfail(strict=True, reason="half semantics were applied by the fx frontend, which main replaced; the ATen capture does not cast float32 parameters for float16 inputs yet")
 def test_training_a_float32_layer_on_float16_inputs_updates_float32_weights():
     class Model(torch.nn.Module):
         def __init__(self):
@@ -279,6 +277,47 @@ def test_outputs_keep_their_containers_and_constants_are_returned():
     torch.testing.assert_close(out["pair"].total, x + torch.tensor([1.0, 2.0]))
     torch.testing.assert_close(out["pair"].constant, torch.tensor([1.0, 2.0] * 3))
     torch.testing.assert_close(out["list"][0], x * 2)
+
+
+class Mixed(torch.nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+def test_an_op_mixing_float16_and_float32_runs_in_float16_unless_told_to_upcast():
+    x, y = torch.randn(2, 3).half(), torch.randn(2, 3)
+    out = poptorch.inferenceModel(Mixed())(x, y)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, x + y.half())
+    opts = poptorch.Options()
+    opts.Precision.halfFloatCasting(poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat)
+    out = poptorch.inferenceModel(Mixed(), opts)(x, y)
+    assert out.dtype == torch.float32  # PyTorch's promotion
+    torch.testing.assert_close(out, x.float() + y)
+
+
+def test_batch_norm_on_float16_activations_keeps_float32_running_statistics():
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.bn = torch.nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            y = self.bn(self.lin(x))
+            return y, poptorch.identity_loss((y.float() ** 2).mean(), reduction="none")
+
+    torch.manual_seed(0)
+    net = Model()
+    x = torch.randn(8, 3).half()
+    with torch.no_grad():  # the layer's float16 result, as the device computes it
+        h = torch.nn.functional.linear(x.float(), net.lin.weight.half().float(), net.lin.bias.half().float()).half()
+    before = net.lin.weight.detach().clone()
+    y, loss = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))(x)
+    assert y.dtype == torch.float16 and loss.dtype == torch.float32
+    assert net.bn.running_mean.dtype == torch.float32 and net.bn.weight.dtype == torch.float32
+    torch.testing.assert_close(net.bn.running_mean, 0.1 * h.float().mean(0), rtol=1e-2, atol=1e-3)
+    assert not torch.equal(net.lin.weight.detach(), before)
 
 
 def test_keyword_arguments_of_a_kwargs_wrapper_are_named_by_their_keys():

@@ -294,6 +294,12 @@ class _PrecisionOptions(_OptionGroup):
         "Whether batch-norm running statistics stay in float32.")
 
     @property
+    def downcasts_to_half(self) -> bool:
+        """Whether an op mixing float16 and float32 operands runs in float16 (PopTorch's default,
+        ``FloatDowncastToHalf``) rather than following PyTorch's promotion to float32."""
+        return self.half_float_casting != HalfFloatCastingBehavior.HalfUpcastToFloat
+
+    @property
     def partials_type(self) -> Optional[torch.dtype]:
         """The dtype of matmul/convolution partials, or None if unset."""
         name = self._popart.options.get("partialsTypeMatMuls")

@@ -951,7 +951,9 @@ def _batch_norm_inference(c, x, w, b, running_mean, running_var, momentum, eps):
 def _batch_norm_backward(c, grad, x, w, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
     if not train:
         raise c.error("batch norm with running statistics has no gradient here; train the model in training mode")
-    dx, dw, db = c.emit("batch_norm_backward", [_nchw(c, grad), _nchw(c, x), save_mean, save_invstd, w],
+    # ipusim's kernels take the statistics in float32 (a float16 input's may have been cast)
+    stats = [c.cast(save_mean, np.float32), c.cast(save_invstd, np.float32)]
+    dx, dw, db = c.emit("batch_norm_backward", [_nchw(c, grad), _nchw(c, x), *stats, w],
                         [(_nchw(c, x).shape, x.dtype), (w.shape, w.dtype), (w.shape, w.dtype)])
     return c.reshape(dx, x.shape), dw, db
 

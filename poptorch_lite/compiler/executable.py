@@ -81,7 +81,8 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
     try:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
-                              trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0)
+                              trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
+                              downcast_to_half=options.Precision.downcasts_to_half)
     finally:
         model.train(was_training)
     progress(15)

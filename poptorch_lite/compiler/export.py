@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
@@ -145,9 +145,12 @@ _NOT_OPS = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "require
 class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
-    def __init__(self, trace: BlockTrace, root: torch.nn.Module):
+    def __init__(self, trace: BlockTrace, root: torch.nn.Module, *, downcast_to_half: bool = True,
+                 buffers=()):
         super().__init__()
         self.trace = trace
+        self.downcast_to_half = downcast_to_half
+        self.buffers = {id(b) for b in buffers}    # running statistics keep their dtype
         self.modules = {id(m): (name, m) for name, m in root.named_modules()}
         self.losses: list[tuple[torch.Tensor, Annotation]] = []
         self.tagged: dict = {}          # autograd node -> annotation (keeps the nodes alive)
@@ -160,11 +163,26 @@ class BlockAnnotator(TorchFunctionMode):
             return func(*args, **kwargs)
         annotation = self.annotate(name)
         with fx_traceback.annotate({KEY: annotation}):
+            if self.downcast_to_half and not name.endswith("_"):   # in-place ops keep their operand's dtype
+                args, kwargs = self.half_operands(args, kwargs)
             out = FUNCTIONS.get(func, func)(*args, **kwargs)
         self.tag_backward(out, annotation)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             self.losses.append((out, annotation))
         return out
+
+    def half_operands(self, args, kwargs):
+        """PopTorch's half semantics (``HalfFloatCastingBehavior.FloatDowncastToHalf``, the
+        default): an op whose floating operands mix float16 and float32 runs in float16, its
+        float32 operands cast. A float32 layer given a float16 input so runs in float16 while its
+        parameters stay float32: the cast is part of the graph and its gradient brings theirs
+        back to float32, so they train in float32. Buffers (BatchNorm's running statistics) are
+        not cast: they are updated in place and stay float32."""
+        dtypes = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if torch.float16 not in dtypes or torch.float32 not in dtypes:
+            return args, kwargs
+        return tree_map_only(torch.Tensor, lambda t: t.half() if t.dtype == torch.float32 and id(t) not in self.buffers
+                             else t, (args, kwargs))
 
     def annotate(self, function: str) -> Annotation:
         source, module, leaf = "<unknown>", "", False
@@ -283,11 +301,13 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
 
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
-                  trainable=None, loss_scaling: float = 1.0) -> JointGraph:
+                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
-    (``aten.decompositions()``: down to the ops the compiler lowers)."""
+    (``aten.decompositions()``: down to the ops the compiler lowers). With `downcast_to_half`
+    (PopTorch's default) an op mixing float16 and float32 operands runs in float16
+    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
     params = dict(torch.nn.Module.named_parameters(model))
@@ -303,7 +323,7 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         b = dict(zip(bnames, flat[len(pnames):len(pnames) + len(bnames)]))
         call_args, call_kwargs = rebuild(flat[len(pnames) + len(bnames):])
         with tracing_blocks() as trace:
-            annotator = BlockAnnotator(trace, model)
+            annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values())
             root_hook = block_annotation(model)
             if root_hook is not None:
                 root_hook.start()

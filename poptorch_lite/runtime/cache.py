@@ -114,7 +114,7 @@ def key_contents(model: torch.nn.Module, example_args, options, target: ip.Targe
         "format": FORMAT_VERSION,
         "software": software_versions(),
         "training": bool(training),
-        "graph": graph_description(traced(model, training, example_args, example_kwargs)),
+        "graph": graph_description(traced(model, training, example_args, example_kwargs, options)),
         "weights": {name: [list(w.shape), str(w.dtype), bool(w.requires_grad)] for name, w in weights.items()},
         "inputs": {"args": [_describe_input(a) for a in example_args],
                    "kwargs": {k: _describe_input(v) for k, v in example_kwargs.items()}},
@@ -124,7 +124,7 @@ def key_contents(model: torch.nn.Module, example_args, options, target: ip.Targe
     }
 
 
-def traced(model: torch.nn.Module, training: bool, args, kwargs) -> JointGraph:
+def traced(model: torch.nn.Module, training: bool, args, kwargs, options) -> JointGraph:
     """The model captured as the compiler captures it, in train or eval mode as the executor
     runs it (the joint forward-backward ATen graph when training)."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
@@ -132,7 +132,7 @@ def traced(model: torch.nn.Module, training: bool, args, kwargs) -> JointGraph:
     try:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         return capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
-                             trainable=trainable)
+                             trainable=trainable, downcast_to_half=options.Precision.downcasts_to_half)
     finally:
         model.train(was_training)
 
