@@ -19,7 +19,6 @@ class Printed(torch.nn.Module):
         return poptorch.identity_loss(h * h, reduction="sum")
 
 
-@pytest.mark.xfail(strict=True, reason="ipu_print_tensor's stream is lowered, but the ATen capture (main) does not emit the op yet")
 def test_print_tensor_prints_each_micro_batch_and_its_gradient(capfd):
     torch.manual_seed(0)
     net = Printed()
@@ -79,14 +78,37 @@ def cycles(proportion):
     return model.last_run.cycles
 
 
-@pytest.mark.xfail(strict=True, reason="set_available_memory reached the planner through the fx frontend, which main replaced; the ATen capture does not carry the hint yet")
 def test_available_memory_reaches_the_matmul_planner():
     default = cycles(None)
     assert cycles(0.6) == default  # PopLibs' default proportion
     assert cycles(0.01) > default  # a smaller budget forces a slower plan (another split)
 
 
-@pytest.mark.xfail(strict=True, reason="set_available_memory reached the planner through the fx frontend, which main replaced; the ATen capture does not carry the hint yet")
+class Conv(torch.nn.Module):
+    def __init__(self, proportion=None):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.proportion = proportion
+
+    def forward(self, x):
+        y = self.conv(x).reshape(x.shape[0], -1)  # the hint reaches the convolution through its bias and a view
+        return y if self.proportion is None else poptorch.set_available_memory(y, self.proportion)
+
+
+def test_available_memory_reaches_the_convolution_planner():
+    def conv_cycles(proportion):
+        torch.manual_seed(0)
+        net = Conv(proportion)
+        model = poptorch.inferenceModel(net)
+        x = torch.randn(8, 16, 32, 32)
+        torch.testing.assert_close(model(x), net(x), rtol=1e-4, atol=1e-4)
+        return model.last_run.cycles
+
+    default = conv_cycles(None)
+    assert conv_cycles(0.6) == default
+    assert conv_cycles(0.01) > default
+
+
 def test_available_memory_on_other_ops_has_no_effect(caplog):
     class Relu(torch.nn.Module):
         def forward(self, x):

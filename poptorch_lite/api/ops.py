@@ -8,7 +8,6 @@ import numbers
 import torch
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from .blocks import active_trace
 from .errors import Error
 from .printing import PrintFormat
 
@@ -41,12 +40,9 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
         raise Error(f"ipu_print_tensor prints a torch.Tensor, got {type(tensor).__name__}")
     fmt = PrintFormat(summarise_threshold, edge_items, max_line_width, digits, float_format, separator,
                       open_bracket, close_bracket)  # checks the format now, in the user's call
-    if isinstance(tensor, torch.fx.Proxy):
-        return tensor.tracer.create_proxy("call_function", ipu_print_tensor, (tensor, str(title), bool(print_gradient),
-                                                                               *dataclasses.astuple(fmt)), {})
-    if active_trace() is not None:  # the ATen capture: printing is not lowered there yet
-        raise Error(f"ipu_print_tensor({title!r}): printing a tensor on the device is not supported by the "
-                    "compiler's ATen capture yet; remove the call (on the CPU it is an identity)")
+    if has_torch_function_unary(tensor):  # traced: one torch function of its own, arguments normalised
+        return handle_torch_function(ipu_print_tensor, (tensor,), tensor, str(title), bool(print_gradient),
+                                     *dataclasses.astuple(fmt))
     return tensor
 
 
@@ -61,7 +57,6 @@ def set_available_memory(tensor: torch.Tensor, available_memory_proportion: floa
             or not 0 < available_memory_proportion <= 1:
         raise ValueError(f"set_available_memory: available_memory_proportion must be a number in (0, 1], "
                          f"got {available_memory_proportion!r}")
-    if isinstance(tensor, torch.fx.Proxy):
-        return tensor.tracer.create_proxy("call_function", set_available_memory,
-                                          (tensor, float(available_memory_proportion)), {})
+    if has_torch_function_unary(tensor):  # traced: one torch function of its own
+        return handle_torch_function(set_available_memory, (tensor,), tensor, float(available_memory_proportion))
     return tensor

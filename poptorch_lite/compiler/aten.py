@@ -17,6 +17,7 @@ int64 tensors become int32 on the device, as PopTorch does; float64 becomes floa
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 
@@ -28,12 +29,14 @@ from torch._decomp.decompositions import native_batch_norm_decomposition
 
 from ..api.blocks import DEFAULT_REGION
 from ..api.errors import Error
+from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
-from .ir import IRGraph, Node, Value, map_values
+from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
 
 aten = torch.ops.aten
+logger = logging.getLogger("poptorch_lite")
 
 
 class UnsupportedOpError(Error, NotImplementedError):
@@ -1037,6 +1040,41 @@ def _ctc(c, log_probs, targets, input_lengths, target_lengths, blank, reduction,
 def _ctc_backward(c, log_probs, targets, input_lengths, target_lengths, grad, blank, reduction, zero_infinity):
     return c.one("ctc_loss_backward", [log_probs, targets, input_lengths, target_lengths, grad], log_probs.shape,
                  log_probs.dtype, blank=int(blank), reduction=reduction, zero_infinity=bool(zero_infinity))
+
+
+# ---- PopTorch's device ops ---------------------------------------------------------------------------
+@lowers(torch.ops.poptorch_lite.print_tensor, doc="print_tensor (ipu_print_tensor: a stream to the host, which prints)")
+def _print_tensor(c, x, title, print_gradient, *fmt):
+    return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
+
+
+PLANNED = frozenset({"matmul", "conv2d"})   # IR ops whose planner takes a temporary-memory budget
+
+
+def planned_producers(v: Value) -> list[Node]:
+    """The matmuls and convolutions whose result `v` is: through views, casts and the adds and
+    multiplies that apply a bias or a scale to it (a Linear layer is a matmul and an add)."""
+    node = v.producer
+    if node is None:
+        return []
+    if node.op in PLANNED:
+        return [node]
+    if node.op in VIEW_OPS or node.op == "cast" or (node.op == "binary" and node.attrs["fn"] in ("add", "mul")):
+        return [p for i in node.inputs for p in planned_producers(i)]
+    return []
+
+
+@lowers(torch.ops.poptorch_lite.available_memory,
+        doc="none: the memory budget of the matmul or convolution that made the tensor (set_available_memory)")
+def _available_memory(c, x, proportion):
+    planned = planned_producers(x)
+    if not planned:
+        a = annotation_of(c.node)
+        logger.warning("set_available_memory at %s: the tensor was not made by a matrix multiplication or a "
+                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>")
+    for node in planned:
+        node.attrs["available_memory_proportion"] = float(proportion)
+    return x
 
 
 @lowers(aten.embedding, doc="embedding")

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
-from ..api.ops import identity_loss
+from ..api.ops import identity_loss, ipu_print_tensor, set_available_memory
 from . import library
 from .ir import flatten_values, map_values
 
@@ -69,8 +69,10 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
     return aten.native_dropout.default(x, p, True)[0] if training and p > 0 else x
 
 
-# Torch functions traced as another (the annotator calls these instead).
-FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss}
+# Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
+# reach the annotator with their arguments normalised to the library ops' (see api.ops).
+FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
+             set_available_memory: library.available_memory}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).

@@ -6,6 +6,11 @@ target lengths' values, so fake tensors cannot trace it. PopTorch lowers CTC los
 (sum or mean reduction, padded 2-D targets); so do we: ``poptorch_lite::ctc_loss`` and its
 gradient ``poptorch_lite::ctc_loss_backward`` run PyTorch's CTC loss when called eagerly and are
 lowered to ipusim's CTC ops (:mod:`.aten`).
+
+PopTorch's device ops are identities on the CPU that the capture must keep:
+``poptorch_lite::print_tensor`` (``ipu_print_tensor``; its gradient is printed by another
+print_tensor in the backward) and ``poptorch_lite::available_memory`` (``set_available_memory``,
+read by the lowering of the matmul or convolution that made its input).
 """
 from __future__ import annotations
 
@@ -63,3 +68,41 @@ def functional_ctc_loss(log_probs, targets, input_lengths, target_lengths, blank
         raise ValueError("CTC loss needs 2-D padded targets [N, S], as in PopTorch")
     lengths = [torch.as_tensor(v, dtype=torch.int64) for v in (input_lengths, target_lengths)]
     return ctc_loss(log_probs, targets, *lengths, int(blank), reduction, bool(zero_infinity))
+
+
+@torch.library.custom_op("poptorch_lite::print_tensor", mutates_args=())
+def print_tensor(x: torch.Tensor, title: str, print_gradient: bool, summarise_threshold: int, edge_items: int,
+                 max_line_width: int, digits: int, float_format: str, separator: str, open_bracket: str,
+                 close_bracket: str) -> torch.Tensor:
+    return x.clone()
+
+
+@print_tensor.register_fake
+def _print_tensor_fake(x, *fmt):
+    return torch.empty_like(x)
+
+
+def _print_setup(ctx, inputs, output):
+    ctx.fmt = inputs[1:]
+
+
+def _print_backward(ctx, grad):
+    title, print_gradient, *fmt = ctx.fmt
+    shown = print_tensor(grad, f"{title}_gradient", False, *fmt) if print_gradient else grad
+    return (shown,) + (None,) * len(ctx.fmt)
+
+
+print_tensor.register_autograd(_print_backward, setup_context=_print_setup)
+
+
+@torch.library.custom_op("poptorch_lite::available_memory", mutates_args=())
+def available_memory(x: torch.Tensor, proportion: float) -> torch.Tensor:
+    return x.clone()
+
+
+@available_memory.register_fake
+def _available_memory_fake(x, proportion):
+    return torch.empty_like(x)
+
+
+available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
