@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from poptorch_lite.api.arguments import ICustomArgParser, registerCustomArgParser
 from poptorch_lite.api.data import (AsynchronousDataAccessor, DataLoader,
                                 process_shard)
 from poptorch_lite.api.enums import DataLoaderMode, SharingStrategy
@@ -185,6 +186,68 @@ def test_unbatched_items_pass_through():
                         batch_size=None)
     assert loader.combinedBatchSize is None
     assert [label.item() for _, label in loader] == list(range(5))
+
+
+UNEVEN = [[0], [1, 2], [3, 4, 5], [6], [7, 8]]   # a batch sampler's batches
+
+
+class Padded:
+    """A batch of rows padded to 3, with the number of real rows."""
+
+    def __init__(self, data, rows):
+        self.data, self.rows = data, rows
+
+
+class PaddedParser(ICustomArgParser):
+    def yieldTensors(self, struct):
+        yield struct.data
+        yield struct.rows
+
+    def reconstruct(self, original_structure, tensor_iterator):
+        return type(original_structure)(*tensor_iterator)
+
+
+registerCustomArgParser(Padded, PaddedParser())
+
+
+def pad_to_three(samples):
+    """collate_fn: the samples' data padded with -1 rows to 3 rows."""
+    data = torch.full((3, 2), -1)
+    data[:len(samples)] = torch.stack([d for d, _ in samples])
+    return Padded(data, torch.tensor([len(samples)]))
+
+
+@pytest.mark.parametrize("mode", [DataLoaderMode.Sync, DataLoaderMode.Async])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_batch_sampler_item_joins_the_batches_of_one_call(mode, drop_last):
+    loader = DataLoader(options(device_iterations=2), Numbered(9), batch_sampler=UNEVEN, collate_fn=pad_to_three,
+                        drop_last=drop_last, mode=mode, async_options=FORK)
+    groups = [UNEVEN[0:2], UNEVEN[2:4]] + ([] if drop_last else [UNEVEN[4:]])
+    assert len(loader) == len(groups)
+    items = list(loader)
+    assert len(items) == len(groups)
+    for item, group in zip(items, groups):
+        assert type(item) is Padded  # joined through its ICustomArgParser
+        expected = torch.cat([pad_to_three([(torch.tensor([i, i]), None) for i in batch]).data for batch in group])
+        assert torch.equal(item.data, expected)
+        assert item.rows.tolist() == [len(batch) for batch in group]
+
+
+def test_a_batch_sampler_with_the_default_collate_joins_tuples():
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(range(10)), batch_size=2,
+                                            drop_last=False)
+    loader = DataLoader(options(device_iterations=2, accumulation=2), Numbered(10), batch_sampler=sampler,
+                        drop_last=False)
+    assert labels(loader) == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"shuffle": True}, "mutually exclusive with shuffle and sampler"),
+    ({"mode": DataLoaderMode.AsyncRebatched}, "cannot keep a batch_sampler's batches"),
+])
+def test_a_batch_sampler_refuses_what_would_change_its_batches(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DataLoader(options(device_iterations=2), Numbered(9), batch_sampler=UNEVEN, **kwargs)
 
 
 def test_loader_freezes_its_options():

@@ -34,6 +34,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (tensors cross processes via shared memory)
 import torch.utils.data
 
+from .arguments import parser_for
 from .batching import combined_batch_size
 from .enums import DataLoaderMode, SharingStrategy
 from .options import Options
@@ -134,6 +135,85 @@ class _ShardDataset(torch.utils.data.Dataset):
         return self.dataset[position]
 
 
+class _GroupedBatches:
+    """A user's batch sampler read ``factor`` batches at a time: each item is
+    the indices of ``factor`` consecutive batches, tagged with the batch they
+    came from (``(part, index)``, read by ``_PartDataset``) so that
+    ``_GroupedCollate`` collates every batch on its own."""
+
+    def __init__(self, batch_sampler, factor: int, drop_last: bool):
+        self.batch_sampler = batch_sampler
+        self.factor = factor
+        self.drop_last = drop_last
+
+    def __iter__(self):
+        group = []
+        for batch in self.batch_sampler:
+            group.append(batch)
+            if len(group) == self.factor:
+                yield [(part, i) for part, b in enumerate(group) for i in b]
+                group = []
+        if group and not self.drop_last:
+            yield [(part, i) for part, b in enumerate(group) for i in b]
+
+    def __len__(self):
+        items, rest = divmod(len(self.batch_sampler), self.factor)
+        return items + (1 if rest and not self.drop_last else 0)
+
+
+class _PartDataset(torch.utils.data.Dataset):
+    """A map-style dataset read with ``(part, index)`` keys: the sample and
+    the batch it belongs to."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        part, index = key
+        return part, self.dataset[index]
+
+
+class _GroupedCollate:
+    """Collates each batch of a group with the user's ``collate_fn`` and
+    joins the results along their first dimension (``concatenate``)."""
+
+    def __init__(self, collate_fn):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples):
+        parts = collections.defaultdict(list)
+        for part, sample in samples:
+            parts[part].append(sample)
+        return concatenate([self.collate_fn(parts[p]) for p in sorted(parts)])
+
+
+def concatenate(batches: list):
+    """Collated batches of one structure joined into one: tensors along their
+    first dimension (0-d tensors stacked), tuples, namedtuples, lists and
+    dicts element by element, types with a registered ``ICustomArgParser``
+    through it; lists of other values are chained."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches) if first.dim() else torch.stack(batches)
+    parser = parser_for(first)
+    if parser is not None:
+        columns = zip(*(list(parser.yieldTensors(b)) for b in batches))
+        return parser.reconstruct(first, iter([concatenate(list(c)) for c in columns]))
+    if isinstance(first, dict):
+        return type(first)((k, concatenate([b[k] for b in batches])) for k in first)
+    if isinstance(first, (tuple, list)) and any(isinstance(v, (torch.Tensor, tuple, list, dict)) for v in first):
+        items = [concatenate(list(c)) for c in zip(*batches)]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    if isinstance(first, (tuple, list)):
+        return type(first)(v for b in batches for v in b)
+    raise TypeError(f"DataLoader: cannot join batches of type {type(first).__name__} from a batch_sampler; "
+                    "return tensors (in tuples, lists or dicts) from collate_fn, or register an "
+                    "ICustomArgParser for the type.")
+
+
 # --- DataLoader -----------------------------------------------------------
 
 
@@ -196,8 +276,17 @@ class DataLoader(torch.utils.data.DataLoader):
             batch_size, options, training=True)
         num_processes = options.Distributed.numProcesses
         self._global_order = None
+        batch_sampler = kwargs.pop("batch_sampler", None)
 
-        if isinstance(dataset, torch.utils.data.IterableDataset):
+        if batch_sampler is not None:
+            # each item is the batches of one model call: deviceIterations *
+            # replicationFactor * gradientAccumulation batches of the sampler
+            dataset, kwargs = self._grouped(dataset, batch_sampler, options,
+                                            shuffle, drop_last, mode,
+                                            auto_distributed_partitioning,
+                                            kwargs)
+            combined = None
+        elif isinstance(dataset, torch.utils.data.IterableDataset):
             if auto_distributed_partitioning and num_processes > 1:
                 raise ValueError(
                     "DataLoader: auto_distributed_partitioning cannot split "
@@ -226,9 +315,13 @@ class DataLoader(torch.utils.data.DataLoader):
                     "gradientAccumulation. Use drop_last=True to avoid it.",
                     len(dataset), combined, leftover)
 
-        # Without batching there is no incomplete batch to drop.
-        loader_batch_size, loader_drop_last, rebatched_size = \
-            combined, drop_last and combined is not None, None
+        rebatched_size = None
+        if batch_sampler is not None:
+            loader_batch_size, loader_drop_last = 1, False  # torch's defaults
+        else:
+            # Without batching there is no incomplete batch to drop.
+            loader_batch_size = combined
+            loader_drop_last = drop_last and combined is not None
         if mode == DataLoaderMode.AsyncRebatched:
             if combined is None:
                 raise ValueError("DataLoader: DataLoaderMode.AsyncRebatched "
@@ -269,6 +362,40 @@ class DataLoader(torch.utils.data.DataLoader):
             self._accessor = AsynchronousDataAccessor(
                 self, rebatched_size=rebatched_size, **async_options)
             self._accessor._hold_source_weakly()  # pylint: disable=protected-access
+
+    @staticmethod
+    def _grouped(dataset, batch_sampler, options, shuffle, drop_last, mode,
+                 auto_distributed_partitioning, kwargs):
+        """The dataset and torch loader arguments that read a user's
+        ``batch_sampler`` a model call's worth of batches at a time: each
+        batch collated on its own, then joined (``concatenate``). With
+        drop_last=False the last item may hold fewer batches."""
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise ValueError("DataLoader: batch_sampler needs a map-style "
+                             "dataset (an IterableDataset has no indices).")
+        if shuffle or kwargs.get("sampler") is not None:
+            raise ValueError("DataLoader: batch_sampler is mutually exclusive "
+                             "with shuffle and sampler: the batch sampler "
+                             "chooses the samples.")
+        if mode == DataLoaderMode.AsyncRebatched:
+            raise ValueError("DataLoader: DataLoaderMode.AsyncRebatched "
+                             "rebatches samples and so cannot keep a "
+                             "batch_sampler's batches; use "
+                             "DataLoaderMode.Async.")
+        if options.Distributed.numProcesses > 1 and \
+                auto_distributed_partitioning:
+            raise ValueError("DataLoader: auto_distributed_partitioning "
+                             "cannot split a batch_sampler's batches between "
+                             "processes; give each process a batch sampler "
+                             "of its own share and pass "
+                             "auto_distributed_partitioning=False.")
+        factor = combined_batch_size(1, options, training=True)
+        collate_fn = kwargs.pop("collate_fn", None) or \
+            torch.utils.data.default_collate
+        return _PartDataset(dataset), dict(
+            kwargs, batch_sampler=_GroupedBatches(batch_sampler, factor,
+                                                  drop_last),
+            collate_fn=_GroupedCollate(collate_fn))
 
     def _shard(self, dataset, options, combined, shuffle, drop_last):
         if combined is None:
