@@ -122,6 +122,28 @@ def test_custom_argument_types_are_split_into_micro_batches():
         poptorch.registerCustomArgParser(Batch, object())
 
 
+def test_outputs_of_custom_argument_types_are_rebuilt_by_their_parser(tmp_path):
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return [Batch(x * 2, x + 1)], x.sum(1)
+
+    poptorch.registerCustomArgParser(Batch, BatchParser())
+    try:
+        x = torch.randn(6, 2)
+        for run in range(2):  # compiled, then loaded from the executable cache
+            opts = poptorch.Options().deviceIterations(3).enableExecutableCaching(str(tmp_path))
+            model = poptorch.inferenceModel(Model(), opts)
+            [batch], total = model(x)
+            assert type(batch) is Batch  # with the device's results, every micro-batch
+            torch.testing.assert_close(batch.data, x * 2)
+            torch.testing.assert_close(batch.label, x + 1)
+            torch.testing.assert_close(total, x.sum(1))
+        entries = [p for p in tmp_path.iterdir() if p.suffix != ".lock"]
+        assert len(entries) == 1  # the second model's key is the first's
+    finally:
+        poptorch.registerCustomArgParser(Batch, None)
+
+
 def test_a_call_without_tensor_inputs():
     class Constant(torch.nn.Module):
         def __init__(self):

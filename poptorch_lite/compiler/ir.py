@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from ..api.arguments import parser_for
 
 _ids = itertools.count()
 
@@ -99,11 +102,28 @@ class IRGraph:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Custom:
+    """A value of a type with a registered ``ICustomArgParser`` in a tree of outputs: its tensors
+    (one subtree each, in the parser's order) and the template the parser rebuilds it from."""
+    parser: Any
+    template: Any
+    items: tuple
+
+    def __repr__(self):  # no object addresses: the executable cache keys on it
+        return f"{type(self.template).__name__}{self.items!r}"
+
+
 def flatten_values(tree, kind: type = Value) -> list:
-    """The leaves of type `kind` (default Value) of a tree of tuples (namedtuples too), lists and
-    dicts (OrderedDict and other subclasses too), in order."""
+    """The leaves of type `kind` (default Value) of a tree of tuples (namedtuples too), lists,
+    dicts (OrderedDict and other subclasses too) and custom types, in order."""
     if isinstance(tree, kind):
         return [tree]
+    if isinstance(tree, Custom):
+        return flatten_values(tree.items, kind)
+    parser = parser_for(tree)
+    if parser is not None:
+        return flatten_values(list(parser.yieldTensors(tree)), kind)
     if isinstance(tree, (tuple, list)):
         return [v for t in tree for v in flatten_values(t, kind)]
     if isinstance(tree, dict):
@@ -111,15 +131,26 @@ def flatten_values(tree, kind: type = Value) -> list:
     return []
 
 
-def map_values(tree, fn, kind: type = Value):
-    """The tree rebuilt, containers of the same types, with fn applied to every leaf of type `kind`."""
+def map_values(tree, fn, kind: type = Value, *, rebuild: bool = False):
+    """The tree rebuilt, containers of the same types, with fn applied to every leaf of type `kind`.
+    A value of a custom type becomes a :class:`Custom` of its mapped tensors; with `rebuild`, its
+    parser makes it a value of its type again."""
     if isinstance(tree, kind):
         return fn(tree)
+    parser = parser_for(tree)
+    if parser is not None:
+        items = list(parser.yieldTensors(tree))
+        tree = Custom(parser, parser.reconstruct(tree, iter([None] * len(items))), tuple(items))
+    if isinstance(tree, Custom):
+        items = tuple(map_values(t, fn, kind, rebuild=rebuild) for t in tree.items)
+        return tree.parser.reconstruct(tree.template, iter(items)) if rebuild else \
+            Custom(tree.parser, tree.template, items)
     if isinstance(tree, tuple):
-        items = [map_values(t, fn, kind) for t in tree]
+        items = [map_values(t, fn, kind, rebuild=rebuild) for t in tree]
         return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)  # namedtuples too
     if isinstance(tree, list):
-        return type(tree)(map_values(t, fn, kind) for t in tree)
+        return type(tree)(map_values(t, fn, kind, rebuild=rebuild) for t in tree)
     if isinstance(tree, dict):
-        return type(tree)((k, map_values(t, fn, kind)) for k, t in tree.items())  # OrderedDict and subclasses too
+        # OrderedDict and subclasses too
+        return type(tree)((k, map_values(t, fn, kind, rebuild=rebuild)) for k, t in tree.items())
     return tree

@@ -539,7 +539,7 @@ class PoplarExecutor:
             if missing:
                 raise RuntimeError(f"output {i} of micro-batch steps {missing} was not produced by the device")
             results[v.id] = plan.gather(per_step)
-        return map_values(exe.ir.outputs, lambda v: results[v.id])
+        return map_values(exe.ir.outputs, lambda v: results[v.id], rebuild=True)
 
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
