@@ -214,3 +214,77 @@ def test_pipelined_steps_follow_the_schedule_and_cost_the_slowest_ipu():
     sharded = poptorch.trainingModel(tutorial_model(), options("sharded", 1, 8))
     sharded(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
     assert record.cycles < sharded.last_run.cycles  # pipelining overlaps the stages
+
+
+# ---- mean reduction over accumulation and replicas ---------------------------------------------
+class Scaled(torch.nn.Module):
+    """loss = sum(w * x): the gradient of w is the sum of x's rows."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+
+    def forward(self, x):
+        return poptorch.identity_loss(self.w * x, reduction="sum")
+
+
+def mean_reduction_options(strategy, accumulation=4, replicas=1):
+    opts = poptorch.Options().replicationFactor(replicas)
+    opts.Training.gradientAccumulation(accumulation)
+    if strategy is not None:
+        opts.Training.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+    return opts
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_running_and_post_mean_reduction_train_the_same_weights(replicas):
+    x = torch.randn(8 * replicas, 3, generator=torch.Generator().manual_seed(0))
+    trained = {}
+    for strategy in (poptorch.MeanReductionStrategy.Post, poptorch.MeanReductionStrategy.Running):
+        net = Scaled()
+        model = poptorch.trainingModel(net, mean_reduction_options(strategy, replicas=replicas),
+                                       optimizer=torch.optim.SGD(net.parameters(), lr=0.5))
+        for _ in range(2):
+            model(x)
+        trained[strategy] = net.w.detach().clone()
+    mean_grad = x.reshape(4 * replicas, 2, 3).sum(1).mean(0)
+    torch.testing.assert_close(trained[poptorch.MeanReductionStrategy.Post], 1 - 2 * 0.5 * mean_grad)
+    torch.testing.assert_close(trained[poptorch.MeanReductionStrategy.Running],
+                               trained[poptorch.MeanReductionStrategy.Post], rtol=1e-6, atol=1e-6)
+
+
+def test_running_mean_keeps_float16_accumulators_finite_where_their_sum_overflows():
+    x = torch.full((8, 3), 20000.0, dtype=torch.float16)  # a gradient of 40000 per micro-batch: 4 sum to inf
+    results = {}
+    for strategy in (poptorch.MeanReductionStrategy.Post, poptorch.MeanReductionStrategy.Running):
+        net = Scaled(torch.float16)
+        model = poptorch.trainingModel(net, mean_reduction_options(strategy),
+                                       optimizer=torch.optim.SGD(net.parameters(), lr=1e-5))
+        model(x)
+        results[strategy] = net.w.detach().float()
+    assert not torch.isfinite(results[poptorch.MeanReductionStrategy.Post]).any()
+    torch.testing.assert_close(results[poptorch.MeanReductionStrategy.Running], torch.full((3,), 1 - 0.4),
+                               rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("training, accum_type, combined, expected", [
+    (True, None, False, "Post"),
+    (True, torch.float32, False, "Post"),
+    (True, torch.float16, False, "Running"),   # float16 accumulators keep a running mean...
+    (True, torch.float16, True, "Post"),       # ...unless SGD combines them with its velocity
+    (False, None, False, "Post"),
+])
+def test_the_mean_reduction_strategy_follows_the_accumulation_type(training, accum_type, combined, expected):
+    net = Scaled()
+    opts = mean_reduction_options(None, accumulation=1)
+    if training:
+        optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1, accum_type=accum_type, use_combined_accum=combined)
+        model = poptorch.trainingModel(net, opts, optimizer)
+    else:
+        model = poptorch.inferenceModel(net, opts)
+    assert model.options.Training.meanAccumulationAndReplicationReductionStrategy == \
+        poptorch.MeanReductionStrategy[expected]
+    assert opts.Training.meanAccumulationAndReplicationReductionStrategy is None  # the user's options: unchanged
+    explicit = mean_reduction_options(poptorch.MeanReductionStrategy.Running, accumulation=1)
+    assert poptorch.inferenceModel(net, explicit).options.Training.meanAccumulationAndReplicationReductionStrategy \
+        == poptorch.MeanReductionStrategy.Running

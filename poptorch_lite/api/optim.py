@@ -21,6 +21,21 @@ def state_dtype(accum_type) -> str:
     raise ValueError(f"accum_type must be torch.float32 or torch.float16, got {accum_type}")
 
 
+def mean_reduction_strategy(options, optimizer, training: bool):
+    """The MeanReductionStrategy a model runs with: the one set in `options`, else PopTorch's
+    choice: ``Running`` when training accumulates in float16 (``accum_type=torch.float16``) without
+    SGD's combined accumulator, ``Post`` otherwise."""
+    from .enums import MeanReductionStrategy
+    chosen = options.Training.mean_accumulation_and_replication_reduction_strategy
+    if chosen is not None:
+        return chosen
+    if not training or optimizer is None:
+        return MeanReductionStrategy.Post
+    half = any(g.get("accum_type") == torch.float16 for g in optimizer.param_groups)
+    combined = bool(optimizer.defaults.get("use_combined_accum"))
+    return MeanReductionStrategy.Running if half and not combined else MeanReductionStrategy.Post
+
+
 class _PoptorchOptimizer:
     """Mixin: records PopTorch's extra arguments on every parameter group."""
 
@@ -45,7 +60,8 @@ class SGD(_PoptorchOptimizer, torch.optim.SGD):
         torch.optim.SGD.__init__(self, params, lr=lr, momentum=momentum, dampening=dampening,
                                  weight_decay=weight_decay, nesterov=nesterov)
         self._poptorch_defaults(loss_scaling, accum_type, velocity_scaling=velocity_scaling,
-                                velocity_accum_type=velocity_accum_type, max_grad_norm=max_grad_norm)
+                                velocity_accum_type=velocity_accum_type, max_grad_norm=max_grad_norm,
+                                use_combined_accum=use_combined_accum)
 
 
 class Adam(_PoptorchOptimizer, torch.optim.Adam):

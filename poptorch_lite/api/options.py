@@ -355,8 +355,8 @@ class _TrainingOptions(_OptionGroup):
         super().__init__(
             gradient_accumulation=1,
             accumulation_and_replication_reduction_type=ReductionType.Mean,
-            mean_accumulation_and_replication_reduction_strategy=(
-                MeanReductionStrategy.Post))
+            # None: chosen when a model is built (poptorch_lite.api.optim.mean_reduction_strategy)
+            mean_accumulation_and_replication_reduction_strategy=None)
         self._popart = popart
 
     gradient_accumulation = _value(
@@ -368,7 +368,15 @@ class _TrainingOptions(_OptionGroup):
         "replicas.")
     mean_accumulation_and_replication_reduction_strategy = _value(
         "mean_accumulation_and_replication_reduction_strategy",
-        "MeanReductionStrategy used when the reduction type is Mean.")
+        "MeanReductionStrategy used when the reduction type is Mean (None: "
+        "Running for float16 accumulation, else Post, chosen by the model).")
+
+    @property
+    def meanAccumulationAndReplicationReductionStrategy(
+            self) -> Optional[MeanReductionStrategy]:
+        """PopTorch's name of ``mean_accumulation_and_replication_reduction_
+        strategy``."""
+        return self.mean_accumulation_and_replication_reduction_strategy
 
     def gradientAccumulation(self, gradient_accumulation: int
                              ) -> "_TrainingOptions":

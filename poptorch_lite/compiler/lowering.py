@@ -102,8 +102,9 @@ class Lowering:
     device; programs are appended to a list shared by all replicas (one Engine runs them all)."""
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
-                 replica: int = 0, prefix: str = "", locations: Locations = Locations()):
+                 replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False):
         self.ir = ir
+        self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.device = device
         self.target = device.target
         self.programs = programs
@@ -122,6 +123,7 @@ class Lowering:
         self.channels: list[Channel] = []
         self._consts: dict[tuple, ip.Tensor] = {}
         self.seeds: dict[int, ip.Tensor] = {}
+        self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
 
     def seed(self, ipu: int) -> ip.Tensor:
@@ -134,6 +136,16 @@ class Lowering:
     def add_program(self, p: ip.Program) -> int:
         self.programs.append(p)
         return len(self.programs) - 1
+
+    def _running_share(self, g: ip.Graph, sp, body: ip.Sequence) -> ip.Tensor:
+        """1/k for the k-th micro-batch this stage program accumulates since the last weight update
+        (its counter, cleared by the update, is advanced here)."""
+        count = g.addVariable("float32", (1,), f"{self.prefix}{sp.name}/accumulated", category="accumulators",
+                              always_live=True)
+        g.setTileMapping(count, 0)
+        self.counters.append(count)
+        ew.unary(g, "scale", count, body, f"{count.name}/advance", out=count, bias=1.0)
+        return ew.unary(g, "reciprocal", count, body, f"{count.name}/share")
 
     def graph(self, ipu: int) -> ip.Graph:
         return self.device.graph(ipu)
@@ -304,6 +316,8 @@ class Lowering:
                 if t is not None:
                     self.tensors[(v.id, key)] = t
         # gradient accumulation (accumulators in Streaming Memory are loaded and stored around it)
+        share = self._running_share(g, sp, body) if self.running_mean and any(
+            (v.id, key) in self.tensors for v in self.ir.grads.values()) else None
         for name, v in self.ir.grads.items():
             if (v.id, key) in self.tensors and (v.producer is None or stage_key(v.producer) == key):
                 w = self.weights[name]
@@ -317,7 +331,13 @@ class Lowering:
                 if self.locations.off_chip("accumulators", acc.numel):
                     buf = self.accumulator_buffers[name] = self.remote(g, acc)
                     body.add(ip.RemoteCopy(buf, acc))
-                ew.binary(g, "add", acc, grad, body, f"{acc.name}/accumulate", out=acc)
+                if share is None:
+                    ew.binary(g, "add", acc, grad, body, f"{acc.name}/accumulate", out=acc)
+                else:  # the running mean of k gradients: acc + (grad - acc) / k
+                    step = ew.binary(g, "sub", grad, acc, body, f"{acc.name}/deviation")
+                    step = ew.binary(g, "mul", step, ew.cast(g, share, acc.dtype, body, f"{acc.name}/share"), body,
+                                     f"{acc.name}/step")
+                    ew.binary(g, "add", acc, step, body, f"{acc.name}/accumulate", out=acc)
                 if buf is not None:
                     body.add(ip.RemoteCopy(acc, buf))
         if ctx.random_ops:

@@ -20,7 +20,7 @@ from ipusim.ops import collectives
 from ipusim.ops import elementwise as ew
 from ipusim.ops import optim as dev
 
-from ..api.enums import ReductionType
+from ..api.enums import MeanReductionStrategy, ReductionType
 from ..api.optim import LAMB, state_dtype
 
 
@@ -55,11 +55,21 @@ def device_config(optimizer: torch.optim.Optimizer, group: dict, divisor: float)
                     "(torch.optim or poptorch.optim) or poptorch.optim.LAMB")
 
 
+def running_mean(options) -> bool:
+    """Whether accumulators keep the running mean of their gradients (MeanReductionStrategy.Running
+    with a Mean reduction) instead of their sum."""
+    return options.Training.accumulation_and_replication_reduction_type == ReductionType.Mean and \
+        options.Training.mean_accumulation_and_replication_reduction_strategy == MeanReductionStrategy.Running
+
+
 def reduction_divisor(options, replicas: int = 1) -> float:
-    """What the accumulated gradient sum is divided by before the update: with Mean, the number
-    of micro-batches each replica accumulates times every replica of every process."""
-    mean = options.Training.accumulation_and_replication_reduction_type == ReductionType.Mean
-    return float(options.gradient_accumulation * replicas * options.num_processes) if mean else 1.0
+    """What the accumulated gradients are divided by before the update: with Mean, every replica
+    of every process, and the micro-batches each replica accumulates unless its accumulators
+    already hold their running mean."""
+    if options.Training.accumulation_and_replication_reduction_type != ReductionType.Mean:
+        return 1.0
+    accumulated = 1 if running_mean(options) else options.gradient_accumulation
+    return float(accumulated * replicas * options.num_processes)
 
 
 class UpdatePlan:
@@ -139,6 +149,10 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                     for q, other in enumerate(lowerings):
                         if q != r:
                             gathers.add(ip.InterIpuCopy(w.flatten()[lo:hi], other.weights[name].flatten()[lo:hi]))
+            ipus = {low.weights[name].ipu for name in weight_names}
+            for count in low.counters:  # Running: the next group's mean starts again
+                if count.ipu in ipus:
+                    ew.unary(low.graph(count.ipu), "fill", count, seq, f"{count.name}/clear", out=count, scale=0.0)
             indices.append(first.add_program(seq))
         if gathers.programs:
             indices.append(first.add_program(gathers))

@@ -28,6 +28,7 @@ from ..api import arguments, batching
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api.errors import Error
+from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..compiler.executable import Executable, compile_model, target_of
@@ -102,6 +103,7 @@ class PoplarExecutor:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             self._optimizer = optimizer
+            self._resolve_mean_strategy()
             self._hook_optimizer_state()
             self._install_weight_sync()
         else:
@@ -109,6 +111,15 @@ class PoplarExecutor:
                 raise ValueError("an inference model takes no optimizer")
             batching.check_inference_options(options)
             self._optimizer = None
+            self._resolve_mean_strategy()
+
+    def _resolve_mean_strategy(self) -> None:
+        """The model's options name the mean-reduction strategy it runs with (PopTorch chooses it
+        from the optimiser's accumulation type when the user did not)."""
+        strategy = mean_reduction_strategy(self._options, self._optimizer, self._training)
+        self._options._set_frozen(False)
+        self._options.Training.setMeanAccumulationAndReplicationReductionStrategy(strategy)
+        self._options._freeze()
 
     # ---- PopTorch's implicit weight sync -------------------------------------------------------
     def _install_weight_sync(self) -> None:
