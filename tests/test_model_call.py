@@ -303,17 +303,20 @@ def test_outputs_keep_their_containers_and_constants_are_returned():
 
 class Mixed(torch.nn.Module):
     def forward(self, x, y):
-        return x + y
+        z = y * 1.0
+        z += x  # in place: the float32 operand is updated, as in PyTorch
+        return x + y, z
 
 
 def test_an_op_mixing_float16_and_float32_runs_in_float16_unless_told_to_upcast():
     x, y = torch.randn(2, 3).half(), torch.randn(2, 3)
-    out = poptorch.inferenceModel(Mixed())(x, y)
-    assert out.dtype == torch.float16
+    out, updated = poptorch.inferenceModel(Mixed())(x, y)
+    assert out.dtype == torch.float16 and updated.dtype == torch.float32
     torch.testing.assert_close(out, x + y.half())
+    torch.testing.assert_close(updated, y + x.float())
     opts = poptorch.Options()
     opts.Precision.halfFloatCasting(poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat)
-    out = poptorch.inferenceModel(Mixed(), opts)(x, y)
+    out, _ = poptorch.inferenceModel(Mixed(), opts)(x, y)
     assert out.dtype == torch.float32  # PyTorch's promotion
     torch.testing.assert_close(out, x.float() + y)
 

@@ -136,6 +136,12 @@ def _function_name(func) -> str:
     return name
 
 
+def _in_place(func) -> bool:
+    """Whether the torch function updates its first operand in place (``add_``, ``+=``)."""
+    name = getattr(func, "__name__", "")
+    return name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
+
+
 _REFLECTED = {"add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "mod", "and", "or", "xor"}
 # Tensor attributes read through __torch_function__ that compute nothing.
 _NOT_OPS = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "requires_grad", "is_floating_point",
@@ -165,7 +171,7 @@ class BlockAnnotator(TorchFunctionMode):
             return func(*args, **kwargs)
         annotation = self.annotate(name)
         with fx_traceback.annotate({KEY: annotation}):
-            if self.downcast_to_half and not name.endswith("_"):   # in-place ops keep their operand's dtype
+            if self.downcast_to_half and not _in_place(func):   # in-place ops keep their operand's dtype
                 args, kwargs = self.half_operands(args, kwargs)
             out = FUNCTIONS.get(func, func)(*args, **kwargs)
         self.tag_backward(out, annotation)
