@@ -39,6 +39,12 @@ def test_print_tensor_prints_each_micro_batch_and_its_gradient(capfd):
     assert err.endswith(expected), err
 
 
+def test_device_ops_are_ops_of_their_own_in_the_placement_table():
+    rows = poptorch.op_placement(Printed(), None, torch.ones(2, 2))
+    assert [(r.op, r.origin) for r in rows if r.op.startswith("poptorch_lite.")] == \
+        [("poptorch_lite.print_tensor", "function ipu_print_tensor()")]
+
+
 def test_print_tensor_is_an_identity_on_the_cpu_and_checks_its_format():
     x = torch.ones(2)
     assert poptorch.ipu_print_tensor(x) is x

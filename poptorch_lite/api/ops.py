@@ -18,7 +18,7 @@ def identity_loss(x: torch.Tensor, reduction: str) -> torch.Tensor:
     """Mark `x` as the model's loss; `reduction` ('sum', 'mean' or 'none') reduces it first."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"identity_loss reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if has_torch_function_unary(x):  # traced (fx proxies, capture modes): one torch function of its own
+    if has_torch_function_unary(x):  # captured: one torch function of its own
         return handle_torch_function(identity_loss, (x,), x, reduction)
     if reduction == "sum":
         return x.sum()
@@ -36,7 +36,7 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = "", print_gradient: bool
     `print_gradient` is False. Returns the same tensor: use the result in place of `tensor`, so
     that the print is part of the graph. The format arguments are described in
     `poptorch_lite.api.printing`."""
-    if not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
+    if not isinstance(tensor, torch.Tensor):
         raise Error(f"ipu_print_tensor prints a torch.Tensor, got {type(tensor).__name__}")
     fmt = PrintFormat(summarise_threshold, edge_items, max_line_width, digits, float_format, separator,
                       open_bracket, close_bracket)  # checks the format now, in the user's call
@@ -51,7 +51,7 @@ def set_available_memory(tensor: torch.Tensor, available_memory_proportion: floa
     (0 < p <= 1) of tile memory for temporary data: its planner picks the fastest plan within it
     (PopLibs' `availableMemoryProportion`, 0.6 by default). Returns the same tensor; for a tensor
     made by another op the hint has no effect (a warning says so at compile time)."""
-    if not isinstance(tensor, (torch.Tensor, torch.fx.Proxy)):
+    if not isinstance(tensor, torch.Tensor):
         raise Error(f"set_available_memory applies to torch.Tensor values, got {type(tensor).__name__}")
     if isinstance(available_memory_proportion, bool) or not isinstance(available_memory_proportion, numbers.Real) \
             or not 0 < available_memory_proportion <= 1:

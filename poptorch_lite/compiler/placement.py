@@ -28,7 +28,7 @@ class OpPlacement:
 
     node: str                  # the fx node's name
     call: int                  # which call of the user's code made it (0, 1, ... in call order)
-    op: str                    # the ATen op, "aten.convolution"
+    op: str                    # the op, "aten.convolution" (ops of our own: "poptorch_lite.print_tensor")
     origin: str                # the user's call it came from: "module layer1.conv (Conv2d)", "function add()"
     block: Optional[str]       # the block's user id; None for ops before the first block
     stage: int
@@ -73,7 +73,9 @@ class PlacementTable:
 
 def aten_name(node: torch.fx.Node) -> str:
     packet = getattr(node.target, "overloadpacket", None)
-    return f"aten.{packet.__name__}" if packet is not None else getattr(node.target, "__name__", str(node.target))
+    if packet is None:
+        return getattr(node.target, "__name__", str(node.target))
+    return packet._qualified_op_name.replace("::", ".")  # "aten.addmm", "poptorch_lite.print_tensor"
 
 
 def op_placement(model: torch.nn.Module, strategy: Optional[ExecutionStrategy] = None, *example_inputs,
