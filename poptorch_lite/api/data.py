@@ -281,8 +281,12 @@ class DataLoader(torch.utils.data.DataLoader):
         if batch_sampler is not None:
             # each item is the batches of one model call: deviceIterations *
             # replicationFactor * gradientAccumulation batches of the sampler
+            if rebatched_worker_size is not None:
+                raise ValueError("DataLoader: rebatched_worker_size cannot be "
+                                 "used with a batch_sampler, whose batches "
+                                 "are kept as they are.")
             dataset, kwargs = self._grouped(dataset, batch_sampler, options,
-                                            shuffle, drop_last, mode,
+                                            shuffle, drop_last,
                                             auto_distributed_partitioning,
                                             kwargs)
             combined = None
@@ -322,7 +326,7 @@ class DataLoader(torch.utils.data.DataLoader):
             # Without batching there is no incomplete batch to drop.
             loader_batch_size = combined
             loader_drop_last = drop_last and combined is not None
-        if mode == DataLoaderMode.AsyncRebatched:
+        if mode == DataLoaderMode.AsyncRebatched and batch_sampler is None:
             if combined is None:
                 raise ValueError("DataLoader: DataLoaderMode.AsyncRebatched "
                                  "needs a batch_size.")
@@ -364,12 +368,14 @@ class DataLoader(torch.utils.data.DataLoader):
             self._accessor._hold_source_weakly()  # pylint: disable=protected-access
 
     @staticmethod
-    def _grouped(dataset, batch_sampler, options, shuffle, drop_last, mode,
+    def _grouped(dataset, batch_sampler, options, shuffle, drop_last,
                  auto_distributed_partitioning, kwargs):
         """The dataset and torch loader arguments that read a user's
         ``batch_sampler`` a model call's worth of batches at a time: each
         batch collated on its own, then joined (``concatenate``). With
-        drop_last=False the last item may hold fewer batches."""
+        drop_last=False the last item may hold fewer batches. The items are
+        whole model calls already, so AsyncRebatched loads them ahead as
+        Async does."""
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise ValueError("DataLoader: batch_sampler needs a map-style "
                              "dataset (an IterableDataset has no indices).")
@@ -377,11 +383,6 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError("DataLoader: batch_sampler is mutually exclusive "
                              "with shuffle and sampler: the batch sampler "
                              "chooses the samples.")
-        if mode == DataLoaderMode.AsyncRebatched:
-            raise ValueError("DataLoader: DataLoaderMode.AsyncRebatched "
-                             "rebatches samples and so cannot keep a "
-                             "batch_sampler's batches; use "
-                             "DataLoaderMode.Async.")
         if options.Distributed.numProcesses > 1 and \
                 auto_distributed_partitioning:
             raise ValueError("DataLoader: auto_distributed_partitioning "
