@@ -278,7 +278,8 @@ class OpProgram(Program):
     """An op's program plus its whole-tensor implementation for the fast mode.
 
     `fast(io)` reads the op's inputs with `io.read(tensor)` and writes outputs with
-    `io.write(tensor, array)`. The body's internal exchanges only feed the op's own vertices,
+    `io.write(tensor, array)`, or computes them in place into `io.output(tensor)` when that
+    gives the storage (not None). The body's internal exchanges only feed the op's own vertices,
     so the fast mode accounts for them without moving the bytes.
     """
     name: str

@@ -35,6 +35,10 @@ class IpuMemory:
         self.tile_segments: dict[str, np.ndarray] = {}  # strict: dtype -> start address of each tile (+ end)
         # fast layout: variables internal to an op (variable id -> op name) have no storage
         self.internal = (internal or {}) if layout == "fast" else {}
+        # fast layout: (variable id, offset, shape, strides) -> (NumPy view of the arena, whether
+        # it may be written: no element twice); a program reads and writes the same views on
+        # every run, and making a view costs more than looking it up
+        self._views: dict[tuple, tuple[np.ndarray, bool]] = {}
         # Streaming Memory: one host array per remote buffer, outside the tile arenas
         self.remote = {b.name: np.zeros((b.repeats, int(np.prod(b.shape, dtype=np.int64))), dtype=b.dtype)
                        for b in graph.remote_buffers.values()}
@@ -88,9 +92,19 @@ class IpuMemory:
 
     def view(self, t: Tensor) -> np.ndarray | None:
         """The view's storage as a NumPy view of its arena (fast layout, strided view), else None."""
+        strided = self._strided(t)
+        return None if strided is None else strided[0]
+
+    def _strided(self, t: Tensor) -> tuple[np.ndarray, bool] | None:
+        """(NumPy view of the arena, whether writes through it are well defined) of a strided
+        view in the fast layout, else None."""
         if self.layout != "fast" or t._index is not None:
             return None
-        return t.on(self.arenas[t.var.dtype], self._offset(t.var))
+        key = (t.var.id, t.offset, t.shape, t.strides)
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = (t.on(self.arenas[t.var.dtype], self._offset(t.var)), t.distinct)
+        return found
 
     def field_addresses(self, f: Field) -> np.ndarray:
         """Arena address of every element a vertex field connects, in vertex order."""
@@ -128,6 +142,12 @@ class IpuMemory:
             return view
         return self.arenas[t.var.dtype][self.addresses(t)].reshape(t.shape)
 
+    def output(self, t: Tensor) -> np.ndarray | None:
+        """A writeable NumPy view of the view's storage (fast layout, strided, no element twice),
+        for a kernel to compute into (`out=`) instead of writing a result; else None."""
+        strided = self._strided(t)
+        return strided[0] if strided is not None and strided[1] else None
+
     def write(self, t: Tensor, values) -> None:
         arena = self.arenas[t.var.dtype]
         values = np.asarray(values)
@@ -137,7 +157,7 @@ class IpuMemory:
             except ValueError:
                 raise ValueError(f"cannot write values of shape {values.shape} to tensor {t.name!r} "
                                  f"of shape {t.shape}") from None
-        view = self.view(t) if t.distinct else None
+        view = self.output(t)
         if view is not None:
             view[...] = values
         else:
@@ -156,6 +176,9 @@ class DeviceMemory:
 
     def read(self, t: Tensor) -> np.ndarray:
         return self.ipus[t.ipu].read(t)
+
+    def output(self, t: Tensor) -> np.ndarray | None:
+        return self.ipus[t.ipu].output(t)
 
     def write(self, t: Tensor, values) -> None:
         self.ipus[t.ipu].write(t, values)

@@ -44,10 +44,12 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "logical_or": (18, 1, True),
           "abs_grad": (19, 2, True)}       # (x, dy) -> dy * sign(x)
 # Fast-mode NumPy equivalents of the correctly rounded ops (same bits as `apply_*`).
-NUMPY_UNARY = {"neg": lambda x, p0, p1: np.negative(x), "abs": lambda x, p0, p1: np.abs(x),
-               "relu": lambda x, p0, p1: np.maximum(x, x.dtype.type(0)),
-               "square": lambda x, p0, p1: np.square(x), "cast": lambda x, p0, p1: x,
-               "fill": lambda x, p0, p1: np.full(x.shape, p0)}
+# Each computes into `out` (the output's dtype).
+NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lambda x, p0, p1, out: np.abs(x, out=out),
+               "relu": lambda x, p0, p1, out: np.maximum(x, x.dtype.type(0), out=out),
+               "square": lambda x, p0, p1, out: np.square(x, out=out),
+               "cast": lambda x, p0, p1, out: np.copyto(out, x, casting="unsafe"),
+               "fill": lambda x, p0, p1, out: out.fill(p0)}
 NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 SQRT1_2 = 0.7071067811865476
@@ -181,6 +183,14 @@ UNARY_VERTEX = VertexType("popops::UnaryOp", ("x",), ("out",), unary_codelet, _c
 BINARY_VERTEX = VertexType("popops::BinaryOp", ("a", "b"), ("out",), binary_codelet, _cycles(BINARY), num_params=1)
 
 
+def _kernel_output(target: np.ndarray | None, out: Tensor, *inputs: np.ndarray) -> np.ndarray:
+    """Where a whole-tensor kernel writes `out`: its storage when that is contiguous and apart
+    from the inputs (the kernels read element i after writing element j < i), else a new array."""
+    if target is not None and target.flags.c_contiguous and not any(np.may_share_memory(target, x) for x in inputs):
+        return target
+    return np.empty(out.shape, out.dtype)
+
+
 def _vertices(graph: Graph, cs, vertex_type, out: Tensor, operands: dict[str, Tensor], params: tuple) -> None:
     """One vertex per worker on every tile holding output elements."""
     work = region_work(out.tiles(), graph.target.workers_per_tile, grain=4)
@@ -210,13 +220,16 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
     exact = NUMPY_UNARY.get(op) if x.dtype.kind == "f" and out.dtype.kind == "f" else None
 
     def fast(io):
+        target = io.output(out)
         if exact is not None:
-            io.write(out, exact(io.read(x), scale, bias).astype(out.dtype, copy=False))
-            return
-        res = np.empty(out.shape, dtype=out.dtype)
-        unary_whole(kernel_view(np.ascontiguousarray(io.read(x)).reshape(-1)), kernel_view(res.reshape(-1)),
-                    code, float(scale), float(bias))
-        io.write(out, res)
+            res = target if target is not None else np.empty(out.shape, dtype=out.dtype)
+            exact(io.read(x), scale, bias, res)
+        else:
+            values = np.ascontiguousarray(io.read(x)).reshape(-1)
+            res = _kernel_output(target, out, values)
+            unary_whole(kernel_view(values), kernel_view(res.reshape(-1)), code, float(scale), float(bias))
+        if res is not target:
+            io.write(out, res)
 
     prog.add(OpProgram(name, body, fast, (x,), (out,)))
     return out
@@ -252,14 +265,16 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
     exact = NUMPY_BINARY.get(op) if a.dtype.kind == "f" else None
 
     def fast(io):
+        target = io.output(out)
         if exact is not None:
-            io.write(out, exact(io.read(a), io.read(b)))
-            return
-        x = np.ascontiguousarray(np.broadcast_to(io.read(a), shape)).reshape(-1)
-        y = np.ascontiguousarray(np.broadcast_to(io.read(b), shape)).reshape(-1)
-        res = np.empty(shape, dtype=out.dtype)
-        binary_whole(kernel_view(x), kernel_view(y), kernel_view(res.reshape(-1)), code)
-        io.write(out, res)
+            res = exact(io.read(a), io.read(b), out=target)
+        else:
+            x = np.ascontiguousarray(np.broadcast_to(io.read(a), shape)).reshape(-1)
+            y = np.ascontiguousarray(np.broadcast_to(io.read(b), shape)).reshape(-1)
+            res = _kernel_output(target, out, x, y)
+            binary_whole(kernel_view(x), kernel_view(y), kernel_view(res.reshape(-1)), code)
+        if res is not target:
+            io.write(out, res)
 
     prog.add(OpProgram(name, body, fast, (a, b), (out,)))
     return out

@@ -429,7 +429,11 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
         x, y = io.read(a), io.read(b)
         if dtype != np.float32:
             x, y = x.astype(np.float32), y.astype(np.float32)
-        io.write(out, np.matmul(x, y))
+        res = io.output(out) if odt == np.float32 else None
+        if res is None:
+            io.write(out, np.matmul(x, y))
+        else:
+            np.matmul(x, y, out=res)
 
     prog.add(OpProgram(name, body, fast, (a, b), (out,)))
     return out

@@ -571,15 +571,22 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
     empty = np.zeros(0, dtype=np.float32)
 
     def fast(io):
-        arrays = {f: np.array(io.read(c.tensor), dtype=c.tensor.dtype, order="C", copy=True).reshape(-1)
-                  for f, c in connected.items()}
+        # the codelet updates contiguous storage in place, as it does tile memory in strict mode;
+        # other views are copied in and, when written, back
+        arrays, copied = {}, []
+        for f, c in connected.items():
+            values = io.output(c.tensor) if c.written else io.read(c.tensor)
+            if values is None or not values.flags.c_contiguous:
+                values = np.array(io.read(c.tensor), order="C", copy=True)
+                if c.written:
+                    copied.append((f, c.tensor))
+            arrays[f] = values.reshape(-1)
         args = []
         for f in FIELDS:
             args += [kernel_view(arrays[f]) if f in arrays else empty, *addresses[f]]
         update_codelet(*args, param_rows)
-        for f, c in connected.items():
-            if c.written:
-                io.write(c.tensor, arrays[f].reshape(c.tensor.shape))
+        for f, t in copied:
+            io.write(t, arrays[f].reshape(t.shape))
 
     reads = tuple(dict.fromkeys(c.tensor for c in connected.values()))
     writes = tuple(c.tensor for c in connected.values() if c.written)

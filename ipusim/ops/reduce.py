@@ -1055,10 +1055,8 @@ def output_storage(io, t: Tensor) -> np.ndarray | None:
     gives a copy."""
     if t.dtype != np.float32:
         return None
-    view = io.read(t)
-    memory = io if hasattr(io, "arena") else io[t.ipu]  # one IPU's memory, or a device's
-    flat = view.reshape(-1)  # a copy unless the view is contiguous
-    return flat if np.shares_memory(flat, memory.arena(t.dtype)) else None
+    view = io.output(t)
+    return view.reshape(-1) if view is not None and view.flags.c_contiguous else None
 
 
 def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tensor, axes: tuple,
