@@ -18,7 +18,7 @@ import numpy as np
 
 from .program import Copy, Execute, InterIpuCopy, Program, RemoteCopy, StreamCopy, walk
 from .target import Target
-from .tensor import Variable
+from .tensor import Variable, tile_counts, tile_runs
 
 CODELET_BYTES = 256
 FIELD_BYTES = 8
@@ -85,8 +85,12 @@ class OutOfMemoryError(MemoryError):
 
 
 def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
-    mapped = var.mapping[var.mapping >= 0]
-    return np.bincount(mapped, minlength=num_tiles).astype(np.int64) * var.dtype.itemsize
+    """Bytes of the variable on each tile (unmapped elements on none), from the runs of its
+    mapping: a mapping is mostly long runs, and its per-element work is one comparison."""
+    tiles, lengths = tile_runs(var.mapping)
+    mapped = tiles >= 0
+    counts = np.bincount(tiles[mapped].astype(np.intp), weights=lengths[mapped], minlength=num_tiles)
+    return counts.astype(np.int64) * var.dtype.itemsize
 
 
 def supersteps(program: Program) -> list[Program]:
@@ -149,7 +153,7 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         for cs in g.compute_sets:
             for table in cs.tables:
                 vt = table.type
-                count = np.bincount(table.tiles, minlength=n)
+                count = tile_counts(table.tiles, n)
                 state += count * (FIELD_BYTES * len(vt.fields) + PARAM_BYTES * vt.num_params)
                 on_tiles[id(vt)] = on_tiles.get(id(vt), np.zeros(n, bool)) | (count > 0)
         for used in on_tiles.values():

@@ -29,6 +29,21 @@ _ids = itertools.count()
 TILE_DTYPE = np.int16
 
 
+def tile_counts(tiles: np.ndarray, num_tiles: int) -> np.ndarray:
+    """How many entries of `tiles` (tile numbers as stored: int16, int32; none negative) name
+    each tile, as np.bincount(tiles, minlength=num_tiles): on the numbers widened to intp first,
+    since NumPy's bincount of narrower integers takes over ten times as long as the widening."""
+    return np.bincount(np.asarray(tiles).reshape(-1).astype(np.intp, copy=False), minlength=num_tiles)
+
+
+def tile_runs(mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A tile mapping as runs of elements on one tile: (tile of each run, its length), in order."""
+    if not mapping.size:
+        return mapping[:0], np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], mapping[1:] != mapping[:-1])))
+    return mapping[starts], np.diff(np.append(starts, mapping.size))
+
+
 def index_dtype(numel: int) -> type:
     """Element indices are int32 when they fit (half the memory of int64 for the index arrays of
     every view of a large graph), else int64."""

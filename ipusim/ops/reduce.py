@@ -72,7 +72,7 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.program import Copy, Execute, OpProgram, Sequence
 from ..device.target import Target
-from ..device.tensor import Tensor, as_dtype
+from ..device.tensor import Tensor, as_dtype, tile_counts
 from ..device.vertex import Field, VertexType, tile_makespans
 from .common import GRAIN, flat, lookup, placed
 
@@ -596,8 +596,8 @@ def _gather_cycles(src_tiles: np.ndarray, dst_tiles: np.ndarray, itemsize: int, 
     if not moved.any():
         return 0
     n = target.num_tiles
-    worst = max(np.bincount(src_tiles[moved], minlength=n).max(), np.bincount(dst_tiles[moved], minlength=n).max())
-    local = np.bincount(dst_tiles[~moved], minlength=n).max(initial=0)
+    worst = max(tile_counts(src_tiles[moved], n).max(), tile_counts(dst_tiles[moved], n).max())
+    local = tile_counts(dst_tiles[~moved], n).max(initial=0)
     return (math.ceil(int(worst) * itemsize / target.exchange_bytes_per_cycle)
             + math.ceil(int(local) * itemsize / target.local_copy_bytes_per_cycle) + target.sync_cycles)
 
@@ -621,7 +621,7 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
                        ("spread", linear_tiles(num_out, target.num_tiles, min_elements_per_tile=GRAIN))]
     n = target.num_tiles
     part_size, out_size = np.dtype(partial_dtype).itemsize, np.dtype(out_dtype).itemsize
-    input_bytes = np.bincount(np.asarray(tiles, dtype=np.int64).reshape(-1), minlength=n) * np.dtype(in_dtype).itemsize
+    input_bytes = tile_counts(tiles, n) * np.dtype(in_dtype).itemsize
     best, best_key = None, None
     for seg_name, segs in segment_options:
         for map_name, out_tiles in mapping_options:
@@ -640,9 +640,9 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
                           + _stage_cycles(final, width_part, final_op, scaled,
                                           np.dtype(partial_dtype) != np.dtype(out_dtype), target)
                           + 2 * target.sync_cycles)
-                working = input_bytes + (np.bincount(segs.seg_tile, minlength=n)
-                                         + np.bincount(final.element_tiles(), minlength=n)) * part_size
-            working = working + np.bincount(out_tiles, minlength=n) * out_size
+                working = input_bytes + (tile_counts(segs.seg_tile, n)
+                                         + tile_counts(final.element_tiles(), n)) * part_size
+            working = working + tile_counts(out_tiles, n) * out_size
             key = (bool((working > target.bytes_per_tile).any()), cycles)
             if best_key is None or key < best_key:
                 best_key = key
