@@ -174,7 +174,7 @@ class Engine:
         if isinstance(p, Execute):
             return [functools.partial(kernel, *args) for kernel, args in self._plans[id(p)]]
         if isinstance(p, (Copy, InterIpuCopy)):
-            return [_copy(*self._plans[id(p)])]
+            return [_copy(*part) for part in self._plans[id(p)]]
         if isinstance(p, StreamCopy):
             return [functools.partial(self._stream_copy, p)]
         if isinstance(p, RemoteCopy):
@@ -278,7 +278,8 @@ class Engine:
                 kernel(*args)
             report.charge(self.cost(p), p)
         elif isinstance(p, (Copy, InterIpuCopy)):
-            _copy(*self._plans[id(p)])()
+            for part in self._plans[id(p)]:
+                _copy(*part)()
             report.charge(self.cost(p), p)
         elif isinstance(p, StreamCopy):
             self._stream_copy(p)
@@ -358,15 +359,36 @@ def _repeat(steps: list, count: int):
     return run
 
 
-def _copy_plan(src_mem, src: Tensor, dst_mem, dst: Tensor) -> tuple:
-    """(source array, its index, destination array, its index) of a copy: the two views of
-    storage themselves when both are strided (fast layout), else arenas and addresses."""
+def _copy_plan(src_mem, src: Tensor, dst_mem, dst: Tensor) -> list[tuple]:
+    """The (source array, its index, destination array, its index) assignments of a copy: blocks
+    of the two views of storage when both are strided (fast layout), else arenas and addresses."""
     src_view = src_mem.view(src)
-    dst_view = dst_mem.view(dst) if dst.distinct else None
+    dst_view = dst_mem.output(dst)
     if src_view is not None and dst_view is not None and src_view.shape == dst_view.shape:
-        return src_view, ..., dst_view, ...
-    return (src_mem.arena(src.dtype), _as_index(src_mem.addresses(src)),
-            dst_mem.arena(dst.dtype), _as_index(dst_mem.addresses(dst)))
+        return [(s, ..., d, ...) for s, d in _blocks(src_view, dst_view)]
+    return [(src_mem.arena(src.dtype), _as_index(src_mem.addresses(src)),
+             dst_mem.arena(dst.dtype), _as_index(dst_mem.addresses(dst)))]
+
+
+def _blocks(src: np.ndarray, dst: np.ndarray, block: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Pairs of sub-views whose copies, in turn, copy `src` to `dst`: block x block tiles of the
+    axes along which each is contiguous when these differ (a transposing copy, which NumPy makes
+    along the destination's rows across the whole array, missing the cache on every read), else
+    the whole views."""
+    def fastest(a: np.ndarray) -> int | None:
+        axes = [d for d in range(a.ndim) if a.shape[d] > 1 and a.strides[d] != 0]
+        return min(axes, key=lambda d: abs(a.strides[d])) if axes else None
+
+    i, j = fastest(src), fastest(dst)
+    if i is None or j is None or i == j or src.shape[i] * src.shape[j] <= block * block:
+        return [(src, dst)]
+    pairs = []
+    for a in range(0, src.shape[i], block):
+        for b in range(0, src.shape[j], block):
+            index = [slice(None)] * src.ndim
+            index[i], index[j] = slice(a, a + block), slice(b, b + block)
+            pairs.append((src[tuple(index)], dst[tuple(index)]))
+    return pairs
 
 
 def _as_index(addr: np.ndarray):
