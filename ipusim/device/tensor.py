@@ -107,10 +107,11 @@ class Tensor:
             layout = strides_of(index)
             if layout is not None:
                 shape, (offset, strides), index = index.shape, layout, None
-        self._index = index
-        if index is not None:
+        if index is not None:  # kept in the compact dtype: a large graph holds many gathers
+            self._index = index.astype(index_dtype(var.numel), copy=False)
             self.shape, self.offset, self.strides = tuple(index.shape), None, None
             return
+        self._index = None
         self.shape = tuple(var.shape if shape is None else shape)
         self.offset = int(offset)
         self.strides = c_strides(self.shape) if strides is None else tuple(int(s) for s in strides)
@@ -159,7 +160,7 @@ class Tensor:
         storage from `base`): a NumPy view of `array`, never a copy, when the view is strided
         (writeable unless it repeats elements); a gather's values otherwise."""
         if self._index is not None:
-            return array[self._index + base] if base else array[self._index]
+            return array[np.add(self._index, base, dtype=np.int64)] if base else array[self._index]
         step = array.itemsize
         writeable = 0 not in (s for n, s in zip(self.shape, self.strides) if n > 1)
         return as_strided(array[base + self.offset:], self.shape, tuple(s * step for s in self.strides),
