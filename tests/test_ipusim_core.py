@@ -347,6 +347,28 @@ def test_inter_ipu_copy_moves_data_between_separate_memories(mode):
     assert e.last_run.per_ipu[1].inter_ipu == t.inter_ipu_cycles(24)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_transposing_copies_of_large_views(mode):
+    """A copy between views that run along different axes (fast mode: in blocks) moves every
+    element to its place: a transposed matrix and a 3-d view with two axes swapped, whose
+    extents are not multiples of a block."""
+    g = ip.Graph(ip.Target.test(128))
+    w = g.addVariable("float32", (300, 700), "w")
+    x = g.addVariable("float32", (3, 400, 290), "x")
+    wt = g.addVariable("float32", (700, 300), "wt")
+    xt = g.addVariable("float32", (290, 400, 3), "xt")
+    for t in (w, x, wt, xt):
+        g.map_linearly(t)
+    e = ip.Engine(g, ip.Sequence(ip.Copy(w.transpose(), wt), ip.Copy(x.transpose((2, 1, 0)), xt)), mode=mode).load()
+    values_w = np.arange(w.numel, dtype=np.float32).reshape(w.shape)
+    values_x = -np.arange(x.numel, dtype=np.float32).reshape(x.shape)
+    e.writeTensor(w, values_w)
+    e.writeTensor(x, values_x)
+    e.run()
+    assert np.array_equal(e.readTensor(wt), values_w.T)
+    assert np.array_equal(e.readTensor(xt), values_x.transpose(2, 1, 0))
+
+
 def test_parallel_requires_disjoint_ipus():
     dev = ip.Device(ip.Target.test(4), 2)
     x = dev[0].addVariable("float32", (4,), "x")
