@@ -463,14 +463,15 @@ def _as_float32(a: np.ndarray) -> np.ndarray:
 
 
 def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
-    """y = conv2d(x, w) on whole arrays (float32 result)."""
+    """y = conv2d(x, w) on whole arrays (float32 result: a transposed view of the product, which
+    its one copy, into the output's storage, puts in order)."""
     s, p, d = conv_params(stride, padding, dilation, "conv2d")
     x, w = _as_float32(np.asarray(x)), _as_float32(np.asarray(w))
     n, o, oh, ow = conv2d_output_shape(x.shape, w.shape, s, p, d, groups)
     _, cg, kh, kw = w.shape
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
     y = np.matmul(w.reshape(groups, o // groups, cg * kh * kw), cols)  # [G, O/G, N*OH*OW]
-    return np.ascontiguousarray(y.reshape(o, n, oh, ow).transpose(1, 0, 2, 3))
+    return y.reshape(o, n, oh, ow).transpose(1, 0, 2, 3)
 
 
 def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
