@@ -272,8 +272,9 @@ class _JitOptions(_OptionGroup):
     trace_model = _value("trace_model", "Whether the model is traced.")
 
     def traceModel(self, trace_model: bool) -> "_JitOptions":
-        """PopTorch chooses between ``torch.jit.trace`` and its dispatcher;
-        this emulator always captures with ``torch.fx`` and records the flag."""
+        """PopTorch chooses between ``torch.jit.trace`` and its dispatcher; this emulator always
+        captures through PyTorch 2's dispatcher (``make_fx``, as PopTorch's dispatcher path sees
+        the ATen ops) and records the flag."""
         self._set(trace_model=_bool_arg("Jit.traceModel", trace_model))
         return self
 
