@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import poptorch_lite as poptorch
+from poptorch_lite.compiler import lowering
 from poptorch_lite.compiler.backward_split import WEIGHT_GRADIENT
 from tutorial_model import Network, TrainingModelWithLoss
 
@@ -229,3 +230,22 @@ def test_zero_bubble_in_strict_mode_with_replicas_and_the_stash_off_chip():
     assert_same(params, reference)
     assert {(src[0], dst[0]) for src, dst in programs["off chip"]} == {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT),
                                                                         ("bwd", WEIGHT_GRADIENT)}
+
+
+@pytest.mark.parametrize("kind", ["PopTorch", "ZB-H1"])
+def test_views_of_weights_are_taken_again_not_stashed(kind, zb_h1):
+    """A weight does not change between a micro-batch's forward and its backward, so a view of it
+    the backward reads (the linear layers' transposed weights) is taken again from the weight on
+    the stage's IPU, never copied into a stash slot per micro-batch."""
+    training = zb_h1 if kind == "ZB-H1" else trained(kind, [0, 1, 2, 3])[0]
+    exe = training._executable
+    low = exe.lowering
+    weight_ids = {v.id for v in exe.ir.params.values()}
+    producer = {v.id: n for n in exe.ir.nodes for v in n.outputs}
+    for ch in low.channels:
+        for v in ch.values:
+            assert lowering.weight_view(v, producer, weight_ids) is None, (ch.src, ch.dst, v)
+    taken_again = [(sp.key, n.op) for sp in low.stage_programs.values() for chain in sp.weight_views.values()
+                   for n in chain]
+    assert ("bwd", 2) in {key for key, _ in taken_again} or (WEIGHT_GRADIENT, 2) in {key for key, _ in taken_again}
+    assert {op for _, op in taken_again} == {"transpose"}

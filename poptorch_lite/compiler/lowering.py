@@ -59,6 +59,7 @@ class StageProgram:
     outputs: int = -1               # engine program index of the output streams (or -1)
     inputs: list[tuple[str, int]] = field(default_factory=list)   # (stream name, model input index)
     output_streams: list[tuple[str, int]] = field(default_factory=list)  # (stream name, output index)
+    weight_views: dict[int, list[Node]] = field(default_factory=dict)    # value id -> views of a weight taken here
 
     @property
     def name(self) -> str:
@@ -119,6 +120,7 @@ class Lowering:
         self.accumulators: dict[str, ip.Tensor] = {}
         self.accumulator_buffers: dict[str, ip.RemoteBuffer] = {}
         self.weight_stage: dict[str, int] = {}
+        self.weight_ipu: dict[str, int] = {}
         self.stage_programs: dict[tuple, StageProgram] = {}
         self.channels: list[Channel] = []
         self._consts: dict[tuple, ip.Tensor] = {}
@@ -186,6 +188,7 @@ class Lowering:
             t = g.addVariable(v.dtype, v.shape, f"{self.prefix}{name}", category=category)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
             self.weights[name] = t
+            self.weight_ipu[name] = ipu
             self.weight_stage[name] = min(stages)
             if v.kind == "param" and self.locations.off_chip("weights", t.numel):
                 self.weight_buffers[name] = self.remote(g, t)
@@ -201,14 +204,22 @@ class Lowering:
                 self.stage_programs[key] = StageProgram(key, self.stage_ipus[n.stage], [])
             self.stage_programs[key].nodes.append(n)
         producer_key = {v.id: stage_key(n) for n in self.ir.nodes for v in n.outputs}
+        producer = {v.id: n for n in self.ir.nodes for v in n.outputs}
         used_by = {(v.id, key) for key, sp in self.stage_programs.items() for n in sp.nodes for v in n.inputs}
-        # channels: values crossing from one stage program to another
+        # channels: values crossing from one stage program to another, except views of a weight on
+        # the consumer's IPU (a transposed weight the backward reads): the weight does not change
+        # between a micro-batch's forward and backward, so the consumer takes the same view of it
         crossing: dict[tuple, list[Value]] = {}
         for key, sp in self.stage_programs.items():
             seen = set()
             for n in sp.nodes:
                 for v in n.inputs:
                     src = producer_key.get(v.id)
+                    if src is not None and src != key and v.id not in seen:
+                        chain = weight_view(v, producer, weight_ids)
+                        if chain is not None and self.weight_ipu[weight_ids[chain[0].inputs[0].id]] == sp.ipu:
+                            sp.weight_views[v.id] = chain
+                            continue
                     if key[0] == WEIGHT_GRADIENT and src is not None and (v.id, ("bwd", key[1])) in used_by:
                         src = ("bwd", key[1])   # a value its B uses too reaches W from B
                     if src is not None and src != key and v.id not in seen:
@@ -284,6 +295,7 @@ class Lowering:
         ctx = Context(self, g, body)
         # off-chip weights used here come in from Streaming Memory first
         used = {weight_ids[v.id] for n in sp.nodes for v in n.inputs if v.id in weight_ids}
+        used |= {weight_ids[chain[0].inputs[0].id] for chain in sp.weight_views.values()}
         for name in sorted(used & set(self.weight_buffers)):
             body.add(ip.RemoteCopy(self.weight_buffers[name], self.weights[name]))
         # host inputs used by this stage program
@@ -304,6 +316,12 @@ class Lowering:
                     ins.append(self.const(v, key, sp.ipu))
                 elif (v.id, key) in self.tensors:
                     ins.append(self.tensors[(v.id, key)])
+                elif v.id in sp.weight_views:
+                    t = self.weights[weight_ids[sp.weight_views[v.id][0].inputs[0].id]]
+                    for view in sp.weight_views[v.id]:
+                        t = _view(ctx, view, [t])[0]
+                    self.tensors[(v.id, key)] = t
+                    ins.append(t)
                 else:
                     raise CompileError(f"value {v} used by {n.op} at {n.source} is not available on stage "
                                        f"program {key}")
@@ -643,6 +661,19 @@ def _embedding(ctx, n, ins):
 def _embedding_bwd(ctx, n, ins):
     return [gather.embedding_backward(ctx.graph, ins[0], ins[1], n.outputs[0].shape[0], ctx.prog, name=ctx.name,
                                       padding_idx=n.attrs["padding_idx"])]
+
+
+def weight_view(v: Value, producer: dict, weight_ids: dict) -> list[Node] | None:
+    """The view ops (reshape, transpose, expand, slice) deriving `v` from a weight, the weight's
+    first; None when `v` is not a view of a weight."""
+    chain = []
+    while v.id not in weight_ids:
+        n = producer.get(v.id)
+        if n is None or n.op not in VIEW_OPS:
+            return None
+        chain.append(n)
+        v = n.inputs[0]
+    return chain[::-1] or None
 
 
 def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, int]:
