@@ -32,7 +32,15 @@ UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu":
          "tanh": (4, 20, False), "sigmoid": (5, 20, False), "exp": (6, 15, False), "log": (7, 15, False),
          "sqrt": (8, 10, False), "rsqrt": (9, 10, False), "square": (10, 1, True),
          "reciprocal": (11, 10, False), "cast": (12, 1, True), "scale": (13, 2, True),
-         "logical_not": (14, 1, True), "fill": (15, 1, True)}
+         "logical_not": (14, 1, True), "fill": (15, 1, True),
+         "log1p": (16, 20, False), "expm1": (17, 20, False), "sin": (18, 20, False), "cos": (19, 20, False),
+         "tan": (20, 25, False), "asin": (21, 25, False), "acos": (22, 25, False), "atan": (23, 25, False),
+         "sinh": (24, 25, False), "cosh": (25, 25, False), "asinh": (26, 30, False), "acosh": (27, 30, False),
+         "atanh": (28, 30, False), "erf": (29, 25, False), "erfinv": (30, 60, False), "log2": (31, 15, False),
+         "log10": (32, 15, False), "exp2": (33, 15, False), "floor": (34, 2, True), "ceil": (35, 2, True),
+         "round": (36, 3, True), "trunc": (37, 2, True), "lgamma": (38, 60, False), "isnan": (39, 1, True),
+         "digamma": (40, 60, False)}
+BOOL_UNARY = {"logical_not", "isnan"}
 BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": (3, 10, False),
           "max": (4, 1, True), "min": (5, 1, True), "pow": (6, 30, False),
           "relu_grad": (7, 2, True),       # (x, dy) -> dy where x > 0
@@ -42,7 +50,10 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "eq": (11, 1, True), "gt": (12, 1, True), "lt": (13, 1, True), "ge": (14, 1, True),
           "le": (15, 1, True), "ne": (16, 1, True), "logical_and": (17, 1, True),
           "logical_or": (18, 1, True),
-          "abs_grad": (19, 2, True)}       # (x, dy) -> dy * sign(x)
+          "abs_grad": (19, 2, True),       # (x, dy) -> dy * sign(x)
+          "atan2": (20, 30, False), "fmod": (21, 15, False),
+          "remainder": (22, 15, False),    # x - floor(x / y) * y (Python's %, torch.remainder)
+          "hypot": (23, 15, False)}
 # Fast-mode NumPy equivalents of the correctly rounded ops (same bits as `apply_*`).
 # Each computes into `out` (the output's dtype).
 NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lambda x, p0, p1, out: np.abs(x, out=out),
@@ -54,6 +65,64 @@ NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np
 COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 SQRT1_2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
+TWO_OVER_SQRT_PI = 1.1283791670955126
+
+
+@njit(**JIT)
+def erfinv(x):
+    """The inverse error function: Giles' single-precision polynomial ("Approximating the erfinv
+    function", GPU Computing Gems, 2011) as a first guess, then two Newton steps on erf in float64."""
+    if x != x or x < -1.0 or x > 1.0:
+        return np.nan
+    if x == 1.0 or x == -1.0:
+        return math.copysign(np.inf, x)
+    w = -math.log((1.0 - x) * (1.0 + x))
+    if w < 5.0:
+        w -= 2.5
+        p = 2.81022636e-08
+        for c in (3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+                  -0.00417768164, 0.246640727, 1.50140941):
+            p = c + p * w
+    else:
+        w = math.sqrt(w) - 3.0
+        p = -0.000200214257
+        for c in (0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+                  0.00943887047, 1.00167406, 2.83297682):
+            p = c + p * w
+    y = p * x
+    for _ in range(2):
+        y -= (math.erf(y) - x) / (TWO_OVER_SQRT_PI * math.exp(-y * y))
+    return y
+
+
+@njit(**JIT)
+def digamma(x):
+    """psi(x): reflection below 1/2, the recurrence up to 6, then the asymptotic series; -inf at 0
+    and nan at the negative integers, as torch."""
+    if x == 0.0:
+        return math.copysign(np.inf, -x)
+    reflect = 0.0
+    if x < 0.5:
+        if x == math.floor(x):
+            return np.nan
+        reflect = -math.pi / math.tan(math.pi * x)
+        x = 1.0 - x
+    acc = 0.0
+    while x < 6.0:
+        acc -= 1.0 / x
+        x += 1.0
+    f = 1.0 / (x * x)
+    series = f * (-1.0 / 12 + f * (1.0 / 120 + f * (-1.0 / 252 + f * (1.0 / 240 + f * (-1.0 / 132)))))
+    return reflect + acc + math.log(x) - 0.5 / x + series
+
+
+@njit(**JIT)
+def round_half_even(x):
+    r = math.floor(x)
+    d = x - r
+    if d > 0.5 or (d == 0.5 and r % 2.0 != 0.0):
+        r += 1.0
+    return r
 
 
 @njit(**JIT)
@@ -88,7 +157,68 @@ def apply_unary(op, x, p0, p1):
         return x * p0 + p1
     if op == 14:
         return 1.0 if x == 0 else 0.0
-    return p0
+    if op == 15:
+        return p0
+    return apply_math(op, x)
+
+
+@njit(**JIT)
+def apply_math(op, x):
+    """The unary maths of codes 16 and up, in float64 (the domain's edges as in C's libm: nan
+    outside it, +-inf at its poles)."""
+    if x != x:
+        return 1.0 if op == 39 else x
+    if op == 16:
+        return math.log1p(x) if x > -1.0 else (-np.inf if x == -1.0 else np.nan)
+    if op == 17:
+        return math.expm1(x)
+    if op == 18:
+        return math.sin(x) if abs(x) != np.inf else np.nan
+    if op == 19:
+        return math.cos(x) if abs(x) != np.inf else np.nan
+    if op == 20:
+        return math.tan(x) if abs(x) != np.inf else np.nan
+    if op == 21:
+        return math.asin(x) if abs(x) <= 1.0 else np.nan
+    if op == 22:
+        return math.acos(x) if abs(x) <= 1.0 else np.nan
+    if op == 23:
+        return math.atan(x)
+    if op == 24:
+        return math.sinh(x) if abs(x) < 710.0 else math.copysign(np.inf, x)
+    if op == 25:
+        return math.cosh(x) if abs(x) < 710.0 else np.inf
+    if op == 26:
+        return math.asinh(x)
+    if op == 27:
+        return math.acosh(x) if x >= 1.0 else np.nan
+    if op == 28:
+        return math.atanh(x) if abs(x) < 1.0 else (math.copysign(np.inf, x) if abs(x) == 1.0 else np.nan)
+    if op == 29:
+        return math.erf(x)
+    if op == 30:
+        return erfinv(x)
+    if op == 31:
+        return math.log2(x) if x > 0 else (-np.inf if x == 0 else np.nan)
+    if op == 32:
+        return math.log10(x) if x > 0 else (-np.inf if x == 0 else np.nan)
+    if op == 33:
+        return 2.0 ** x if x < 1024.0 else np.inf
+    if op == 40:
+        return digamma(x) if x != -np.inf else np.nan
+    if abs(x) == np.inf:
+        return np.inf if op == 38 else (0.0 if op == 39 else x)
+    if op == 34:
+        return math.floor(x)
+    if op == 35:
+        return math.ceil(x)
+    if op == 36:
+        return round_half_even(x)
+    if op == 37:
+        return math.trunc(x)
+    if op == 38:
+        return math.lgamma(x) if not (x <= 0 and x == math.floor(x)) else np.inf
+    return 0.0
 
 
 @njit(**JIT)
@@ -134,7 +264,18 @@ def apply_binary(op, x, y):
         return 1.0 if (x != 0 and y != 0) else 0.0
     if op == 18:
         return 1.0 if (x != 0 or y != 0) else 0.0
-    return y if x > 0 else (-y if x < 0 else 0.0 * y)
+    if op == 19:
+        return y if x > 0 else (-y if x < 0 else 0.0 * y)
+    if op == 20:
+        return math.atan2(x, y)
+    if op == 21:
+        return np.fmod(x, y) if y != 0 and abs(x) != np.inf else np.nan
+    if op == 22:
+        if y == 0 or abs(x) == np.inf or x != x or y != y:
+            return np.nan
+        r = np.fmod(x, y)
+        return r + y if r != 0 and (r < 0) != (y < 0) else (math.copysign(0.0, y) if r == 0 else r)
+    return math.hypot(x, y)
 
 
 @njit(parallel=True, **JIT)
@@ -205,7 +346,7 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
     if op not in UNARY:
         raise ValueError(f"unknown unary op {op!r}; known: {sorted(UNARY)}")
     name = name or op
-    dtype = np.dtype(out_dtype) if out_dtype is not None else (np.dtype(np.bool_) if op == "logical_not" else x.dtype)
+    dtype = np.dtype(out_dtype) if out_dtype is not None else (np.dtype(np.bool_) if op in BOOL_UNARY else x.dtype)
     if out is None:
         out = new_output(graph, dtype, x.shape, name, like=x)
     elif out.shape != x.shape or out.dtype != dtype:

@@ -406,6 +406,14 @@ def _slice_key(x: Value, dim: int, start, end, step) -> tuple:
     return (slice(None),) * dim + (slice(start, end, int(step)),)
 
 
+@lowers(aten.flip, doc="view (negative strides)")
+def _flip(c, x, dims):
+    rank = len(x.shape)
+    flipped = {int(d) % rank for d in dims}
+    key = tuple(slice(None, None, -1) if d in flipped and x.shape[d] > 1 else slice(None) for d in range(rank))
+    return x if all(k == slice(None) for k in key) else c.one("slice", [x], x.shape, x.dtype, key=key)
+
+
 @lowers(aten.slice, aten.slice_copy, doc="view")
 def _slice(c, x, dim=0, start=None, end=None, step=1):
     key = _slice_key(x, dim, start, end, step)
@@ -536,8 +544,37 @@ def _unary(fn):
 
 for _packet, _fn in [(aten.neg, "neg"), (aten.abs, "abs"), (aten.relu, "relu"), (aten.exp, "exp"),
                      (aten.log, "log"), (aten.sqrt, "sqrt"), (aten.rsqrt, "rsqrt"), (aten.reciprocal, "reciprocal"),
-                     (aten.tanh, "tanh"), (aten.sigmoid, "sigmoid")]:
+                     (aten.tanh, "tanh"), (aten.sigmoid, "sigmoid"), (aten.log1p, "log1p"), (aten.expm1, "expm1"),
+                     (aten.sin, "sin"), (aten.cos, "cos"), (aten.tan, "tan"), (aten.asin, "asin"), (aten.acos, "acos"),
+                     (aten.atan, "atan"), (aten.sinh, "sinh"), (aten.cosh, "cosh"), (aten.asinh, "asinh"),
+                     (aten.acosh, "acosh"), (aten.atanh, "atanh"), (aten.erf, "erf"), (aten.erfinv, "erfinv"),
+                     (aten.log2, "log2"), (aten.log10, "log10"), (aten.exp2, "exp2"), (aten.floor, "floor"),
+                     (aten.ceil, "ceil"), (aten.round, "round"), (aten.trunc, "trunc"), (aten.lgamma, "lgamma"),
+                     (aten.digamma, "digamma")]:
     LOWERINGS[_packet] = _unary(_fn)
+
+
+@lowers(aten.isnan, doc="unary isnan (bool)")
+def _isnan(c, x):
+    return c.one("unary", [x], x.shape, np.bool_, fn="isnan")
+
+
+@lowers(aten.elu, doc="where(x > 0, scale * x, scale * alpha * expm1(input_scale * x))")
+def _elu(c, x, alpha=1.0, scale=1.0, input_scale=1.0):
+    negative = c.binary("mul", c.unary("expm1", c.binary("mul", x, float(input_scale))), float(alpha) * float(scale))
+    return c.where(c.binary("gt", x, 0.0, dtype=x.dtype), c.binary("mul", x, float(scale)), negative)
+
+
+@lowers(aten.elu_backward, doc="where(positive, grad * scale, grad * input_scale * (y + alpha * scale) or "
+                               "grad * input_scale * alpha * scale * exp(input_scale * x))")
+def _elu_backward(c, grad, alpha, scale, input_scale, is_result, x_or_y):
+    alpha, scale, input_scale = float(alpha), float(scale), float(input_scale)
+    if is_result:   # x_or_y is the forward's result: alpha * scale * exp(..) = y + alpha * scale
+        slope = c.binary("mul", c.binary("add", x_or_y, alpha * scale), input_scale)
+    else:
+        slope = c.binary("mul", c.unary("exp", c.binary("mul", x_or_y, input_scale)), input_scale * alpha * scale)
+    positive = c.binary("gt", x_or_y, 0.0, dtype=x_or_y.dtype)
+    return c.where(positive, c.binary("mul", grad, scale), c.binary("mul", grad, slope))
 
 
 GELU_BETA, GELU_KAPPA = float(np.sqrt(2 / np.pi)), 0.044715
@@ -582,7 +619,9 @@ def _arith(fn):
 
 
 LOWERINGS.update({aten.add: _arith("add"), aten.sub: _arith("sub"), aten.mul: _arith("mul"),
-                  aten.div: _arith("div"), aten.maximum: _arith("max"), aten.minimum: _arith("min")})
+                  aten.div: _arith("div"), aten.maximum: _arith("max"), aten.minimum: _arith("min"),
+                  aten.atan2: _arith("atan2"), aten.fmod: _arith("fmod"), aten.remainder: _arith("remainder"),
+                  aten.hypot: _arith("hypot")})
 
 
 @lowers(aten.rsub, doc="binary sub")

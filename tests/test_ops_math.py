@@ -1,0 +1,102 @@
+"""ipusim.ops.elementwise: the unary and binary maths (log1p, atan, erf, erfinv, rounding, ...)
+against PyTorch's float32 results, strict and fast modes bit for bit."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ipusim as ip
+from ipusim.ops import elementwise as ew
+
+TARGET = ip.Target.test(8, 64 * 1024)
+
+UNARY = {
+    "log1p": (torch.log1p, (-0.99, 5)), "expm1": (torch.expm1, (-5, 5)), "sin": (torch.sin, (-10, 10)),
+    "cos": (torch.cos, (-10, 10)), "tan": (torch.tan, (-1.4, 1.4)), "asin": (torch.asin, (-1, 1)),
+    "acos": (torch.acos, (-1, 1)), "atan": (torch.atan, (-20, 20)), "sinh": (torch.sinh, (-5, 5)),
+    "cosh": (torch.cosh, (-5, 5)), "asinh": (torch.asinh, (-20, 20)), "acosh": (torch.acosh, (1, 20)),
+    "atanh": (torch.atanh, (-0.99, 0.99)), "erf": (torch.erf, (-4, 4)), "erfinv": (torch.erfinv, (-0.999, 0.999)),
+    "log2": (torch.log2, (0.01, 50)), "log10": (torch.log10, (0.01, 50)), "exp2": (torch.exp2, (-20, 20)),
+    "floor": (torch.floor, (-5, 5)), "ceil": (torch.ceil, (-5, 5)), "round": (torch.round, (-5, 5)),
+    "trunc": (torch.trunc, (-5, 5)), "lgamma": (torch.lgamma, (0.05, 20)), "isnan": (torch.isnan, (-1, 1)),
+    "digamma": (torch.digamma, (-4.9, 20)),
+}
+BINARY = {"atan2": torch.atan2, "fmod": torch.fmod, "remainder": torch.remainder, "hypot": torch.hypot}
+
+
+def run_unary(op, x, mode, dtype="float32"):
+    g = ip.Graph(TARGET)
+    t = g.addVariable(dtype, x.shape, "x")
+    g.map_linearly(t)
+    prog = ip.Sequence()
+    out = ew.unary(g, op, t, prog)
+    e = ip.Engine(g, prog, mode=mode).load()
+    e.writeTensor(t, x)
+    e.run()
+    return e.readTensor(out)
+
+
+def run_binary(op, a, b, mode):
+    g = ip.Graph(TARGET)
+    ta, tb = (g.addVariable("float32", v.shape, n) for v, n in ((a, "a"), (b, "b")))
+    g.map_linearly(ta)
+    g.map_linearly(tb)
+    prog = ip.Sequence()
+    out = ew.binary(g, op, ta, tb, prog)
+    e = ip.Engine(g, prog, mode=mode).load()
+    e.writeTensor(ta, a)
+    e.writeTensor(tb, b)
+    e.run()
+    return e.readTensor(out)
+
+
+@pytest.mark.parametrize("op", sorted(UNARY))
+@given(n=st.integers(1, 300), seed=st.integers(0, 2**16))
+@settings(max_examples=4, deadline=None)
+def test_unary_maths_match_pytorch_in_both_modes(op, n, seed):
+    fn, (lo, hi) = UNARY[op]
+    x = np.random.default_rng(seed).uniform(lo, hi, n).astype(np.float32)
+    if op == "round":
+        x[: n // 2] = np.round(x[: n // 2] * 2) / 2   # halves round to even
+    if op == "isnan":
+        x[::3] = np.nan
+    strict, fast = run_unary(op, x, "strict"), run_unary(op, x, "fast")
+    np.testing.assert_array_equal(strict, fast)
+    expected = fn(torch.from_numpy(x)).numpy()
+    assert strict.dtype == expected.dtype
+    np.testing.assert_allclose(strict, expected, rtol=3e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", sorted(BINARY))
+@given(n=st.integers(1, 200), seed=st.integers(0, 2**16))
+@settings(max_examples=4, deadline=None)
+def test_binary_maths_match_pytorch_in_both_modes(op, n, seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.uniform(-5, 5, (2, n)).astype(np.float32)
+    b[np.abs(b) < 0.1] = 0.5
+    strict, fast = run_binary(op, a, b, "strict"), run_binary(op, a, b, "fast")
+    np.testing.assert_array_equal(strict, fast)
+    np.testing.assert_allclose(strict, BINARY[op](torch.from_numpy(a), torch.from_numpy(b)).numpy(),
+                               rtol=3e-6, atol=2e-6)
+
+
+def test_edges_of_the_domains_follow_pytorch():
+    x = np.array([-1.0, 1.0, 2.0, -2.0, 0.0, np.inf, -np.inf, np.nan], np.float32)
+    for op in ("digamma", "log1p", "atanh", "erfinv", "asin", "acosh", "floor", "lgamma", "expm1", "erf", "atan"):
+        got = run_unary(op, x, "strict")
+        np.testing.assert_allclose(got, UNARY[op][0](torch.from_numpy(x)).numpy(), rtol=1e-6, err_msg=op)
+    half = run_unary("erfinv", np.linspace(-0.9, 0.9, 7).astype(np.float16), "fast", "float16")
+    np.testing.assert_allclose(half, torch.erfinv(torch.linspace(-0.9, 0.9, 7).half().float()).numpy(),
+                               rtol=1e-3)
+
+
+def test_transcendental_maths_cost_more_than_rounding():
+    def cycles(op):
+        g = ip.Graph(TARGET)
+        t = g.addVariable("float32", (4096,), "x")
+        g.map_linearly(t)
+        prog = ip.Sequence()
+        ew.unary(g, op, t, prog)
+        return ip.Engine(g, prog, mode="fast").load().run()
+    assert cycles("floor") < cycles("log1p") < cycles("erfinv")
