@@ -489,6 +489,163 @@ def _pad(c, x, pad, value=0.0):
     return c.one("scatter_slice", [base, x], tuple(shape), x.dtype, key=tuple(key))
 
 
+@lowers(aten.repeat, doc="view (broadcast)")
+def _repeat(c, x, repeats):
+    repeats = [int(r) for r in repeats]
+    x = c.reshape(x, (1,) * (len(repeats) - len(x.shape)) + x.shape)
+    pairs = [v for r, s in zip(repeats, x.shape) for v in (r, s)]
+    spread = c.expand(c.reshape(x, tuple(v for s in x.shape for v in (1, s))), pairs)
+    return c.reshape(spread, tuple(r * s for r, s in zip(repeats, x.shape)))
+
+
+# ---- gather, scatter, indexing ---------------------------------------------------------------------
+INT32_MAX = 2**31 - 1
+
+
+def _indices(c, idx: Value) -> Value:
+    if idx.dtype == np.bool_:
+        raise c.error("indexing with a boolean mask has a shape that depends on the data; use torch.where or "
+                      "multiply by the mask")
+    if idx.dtype.kind == "f":
+        raise c.error(f"indices must be integers, got {idx.dtype.name}")
+    return c.cast(idx, np.int32)
+
+
+def _check_int32(c, size: int, what: str) -> None:
+    if size > INT32_MAX:
+        raise c.error(f"{what} has {size} positions; the IPU has no int64 and int32 indices reach {INT32_MAX}: "
+                      "index fewer elements at once")
+
+
+def _gather_along(c, x: Value, idx: Value, axis: int) -> Value:
+    return c.one("gather", [x, idx], idx.shape, x.dtype, axis=axis)
+
+
+def _scatter_along(c, base: Value, idx: Value, src: Value, axis: int, accumulate: bool) -> Value:
+    return c.one("scatter", [base, idx, c.cast(src, base.dtype)], base.shape, base.dtype, axis=axis,
+                 accumulate=bool(accumulate))
+
+
+def _crop(c, x: Value, shape, skip: int) -> Value:
+    """x sliced to `shape` on every axis but `skip` (torch.gather's index may be smaller)."""
+    for d, n in enumerate(shape):
+        if d != skip and n < x.shape[d]:
+            x = _slice(c, x, d, 0, n, 1)
+    return x
+
+
+@lowers(aten.gather, doc="gather along an axis")
+def _gather(c, x, dim, index, sparse_grad=False):
+    if not len(x.shape):
+        return _gather(c, c.reshape(x, (1,)), 0, c.reshape(index, (1,)))
+    dim = dim % len(x.shape)
+    _check_int32(c, x.shape[dim], f"axis {dim}")
+    idx = _indices(c, index)
+    return _gather_along(c, _crop(c, x, idx.shape, dim), idx, dim)
+
+
+@lowers(aten.scatter, aten.scatter_add, aten.scatter_reduce,
+        doc="scatter along an axis (writes, or adds for scatter_add and reduce='sum'/'add')")
+def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
+    dim = dim % max(len(x.shape), 1)
+    add = c.node.target.overloadpacket is aten.scatter_add
+    if reduce is not None:
+        if reduce not in ("sum", "add") or not include_self:
+            raise c.error(f"scatter with reduce={reduce!r}{'' if include_self else ', include_self=False'} is not "
+                          "supported (writes and sums are)")
+        add = True
+    _check_int32(c, x.shape[dim] if x.shape else 1, f"axis {dim}")
+    idx = _indices(c, index)
+    src = _crop(c, src, idx.shape, -1) if isinstance(src, Value) else c.const(np.full(idx.shape, src), x.dtype)
+    part = _crop(c, x, idx.shape, dim)
+    y = _scatter_along(c, part, idx, src, dim, add)
+    if part is x:
+        return y
+    key = tuple(slice(0, n) for n in part.shape)   # an index smaller than x on other axes: the rest is x
+    return c.one("scatter_slice", [x, y], x.shape, x.dtype, key=key)
+
+
+@lowers(aten.index_select, doc="gather along an axis (the index broadcast)")
+def _index_select(c, x, dim, index):
+    dim = dim % max(len(x.shape), 1)
+    idx = c.reshape(_indices(c, index), (-1,))
+    shape = x.shape[:dim] + idx.shape + x.shape[dim + 1:]
+    idx = c.expand(c.reshape(idx, (1,) * dim + idx.shape + (1,) * (len(x.shape) - dim - 1)), shape)
+    return _gather_along(c, x, idx, dim)
+
+
+def _advanced(c, x: Value, indices: list):
+    """torch's advanced indexing x[indices] as a gather along axis 1 of x seen as [P, N, Q]: the
+    indexed axes moved together (to the front when they are not adjacent, as torch does) and
+    merged, the index tensors broadcast and made one linear index (each wrapped first). Returns
+    x as [P, N, Q], the index as [P, L, Q], the result's shape and the permutation of x."""
+    rank = len(x.shape)
+    indices = list(indices) + [None] * (rank - len(indices))
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    idx = {d: _indices(c, indices[d]) for d in dims}
+    bshape = tuple(np.broadcast_shapes(*(idx[d].shape for d in dims)))
+    p = dims[0] if dims == list(range(dims[0], dims[-1] + 1)) else 0
+    rest = [d for d in range(rank) if d not in dims]
+    perm = rest[:p] + dims + rest[p:]
+    pre, post = [x.shape[d] for d in rest[:p]], [x.shape[d] for d in rest[p:]]
+    N = int(np.prod([x.shape[d] for d in dims]))
+    _check_int32(c, N, "the indexed axes")
+    if len(dims) == 1:
+        lin = idx[dims[0]]
+    else:
+        lin, stride = None, 1
+        for d in reversed(dims):
+            term = c.binary("remainder", idx[d], x.shape[d], dtype=np.int32)
+            term = term if stride == 1 else c.binary("mul", term, stride, dtype=np.int32)
+            lin = term if lin is None else c.binary("add", lin, term, dtype=np.int32)
+            stride *= x.shape[d]
+    P, L, Q = int(np.prod(pre)), int(np.prod(bshape)), int(np.prod(post))
+    lin = c.expand(c.reshape(c.expand(lin, bshape), (1, L, 1)), (P, L, Q))
+    x3 = c.reshape(c.transpose(x, perm), (P, N, Q))
+    return x3, lin, tuple(pre) + bshape + tuple(post), perm
+
+
+@lowers(aten.index, aten._unsafe_index, doc="gather along an axis (advanced indexing: the indexed axes merged)")
+def _index(c, x, indices):
+    x3, lin, shape, _ = _advanced(c, x, indices)
+    return c.reshape(_gather_along(c, x3, lin, 1), shape)
+
+
+@lowers(aten.index_put, aten._unsafe_index_put, doc="scatter along an axis (advanced indexing: the indexed axes "
+                                                    "merged; accumulate adds)")
+def _index_put(c, x, indices, values, accumulate=False):
+    x3, lin, shape, perm = _advanced(c, x, indices)
+    src = c.reshape(c.expand(c.cast(values, x.dtype), shape), lin.shape)
+    y = _scatter_along(c, x3, lin, src, 1, accumulate)
+    y = c.reshape(y, tuple(x.shape[d] for d in perm))
+    return c.transpose(y, tuple(int(i) for i in np.argsort(perm)))
+
+
+def _diagonal_indices(c, x, offset, dim1, dim2):
+    rank = len(x.shape)
+    dim1, dim2 = dim1 % rank, dim2 % rank
+    n = max(0, min(x.shape[dim1] - max(-offset, 0), x.shape[dim2] - max(offset, 0)))
+    indices = [None] * rank
+    indices[dim1] = c.const(np.arange(n) + max(-offset, 0), np.int32)
+    indices[dim2] = c.const(np.arange(n) + max(offset, 0), np.int32)
+    # the diagonal's axis lands where advanced indexing puts it; torch puts it last
+    where = min(dim1, dim2) if abs(dim1 - dim2) == 1 else 0
+    perm = [d for d in range(rank - 1) if d != where] + [where]
+    return indices, perm
+
+
+@lowers(aten.diagonal, aten.diagonal_copy, doc="gather along an axis (advanced indexing)")
+def _diagonal(c, x, offset=0, dim1=0, dim2=1):
+    indices, perm = _diagonal_indices(c, x, offset, dim1, dim2)
+    return c.transpose(_index(c, x, indices), perm)
+
+
+@lowers(aten.diagonal_scatter, doc="scatter along an axis (advanced indexing)")
+def _diagonal_scatter(c, x, src, offset=0, dim1=0, dim2=1):
+    indices, perm = _diagonal_indices(c, x, offset, dim1, dim2)
+    return _index_put(c, x, indices, c.transpose(src, tuple(int(i) for i in np.argsort(perm))))
+
+
 # ---- constants -------------------------------------------------------------------------------------
 def _full(c, shape, value):
     return c.const(np.full(tuple(int(s) for s in shape), value), c.out_dtype())

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
+from ipusim.ops import index as index_ops
 from ipusim.ops import elementwise as ew
 from ipusim.ops import matmul as mm
 from ipusim.ops import random as rnd
@@ -661,6 +662,17 @@ def _embedding(ctx, n, ins):
 def _embedding_bwd(ctx, n, ins):
     return [gather.embedding_backward(ctx.graph, ins[0], ins[1], n.outputs[0].shape[0], ctx.prog, name=ctx.name,
                                       padding_idx=n.attrs["padding_idx"])]
+
+
+@lowers("gather")
+def _gather(ctx, n, ins):
+    return [index_ops.gather(ctx.graph, ins[0], ins[1], n.attrs["axis"], ctx.prog, name=ctx.name)]
+
+
+@lowers("scatter")
+def _scatter(ctx, n, ins):
+    return [index_ops.scatter(ctx.graph, ins[0], ins[1], ins[2], n.attrs["axis"], ctx.prog, name=ctx.name,
+                              accumulate=n.attrs["accumulate"])]
 
 
 def weight_view(v: Value, producer: dict, weight_ids: dict) -> list[Node] | None:
