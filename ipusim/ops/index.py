@@ -31,6 +31,7 @@ from ..device.kernels import JIT, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
+from .reduce import stored
 from .rows import along, plan_rows
 
 INT32_MAX = 2**31 - 1
@@ -192,7 +193,7 @@ def scatter(graph: Graph, base: Tensor, indices: Tensor, src: Tensor, axis: int,
             last = key.size - 1 - last
             rows[r[last], c[last]] = values[last]
         shape = np.moveaxis(np.empty(base.shape, bool), axis, -1).shape
-        io.write(out, np.moveaxis(rows.reshape(shape), -1, axis).astype(base.dtype))
+        io.write(out, stored(np.moveaxis(rows.reshape(shape), -1, axis), base.dtype))
 
     prog.add(OpProgram(name, body, fast, (base, indices, src), (out,)))
     return out

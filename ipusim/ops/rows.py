@@ -31,7 +31,8 @@ def along(t: Tensor, axis: int) -> Tensor:
     if t.rank == 0:
         return t.reshape(1, 1)
     perm = [d for d in range(t.rank) if d != axis] + [axis]
-    return t.transpose(perm).reshape(-1, t.shape[axis])
+    rows = int(np.prod([t.shape[d] for d in perm[:-1]], dtype=np.int64))
+    return t.transpose(perm).reshape(rows, t.shape[axis])
 
 
 @dataclass(frozen=True)

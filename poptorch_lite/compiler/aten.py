@@ -908,14 +908,58 @@ LOWERINGS.update({aten.sum: _reduction("sum"), aten.mean: _reduction("mean"), at
                   aten.amin: _reduction("min")})
 
 
-def _values_only(fn):
+def _topk_along(c, x: Value, k: int, dim: int, largest: bool) -> tuple[Value, Value]:
+    """The k largest (smallest) along `dim` in order, stable, and their int32 positions."""
+    if not x.shape:
+        x = c.reshape(x, (1,))
+    dim = dim % len(x.shape)
+    _check_int32(c, x.shape[dim], f"axis {dim}")
+    shape = x.shape[:dim] + (int(k),) + x.shape[dim + 1:]
+    values, positions = c.emit("topk", [x], [(shape, x.dtype), (shape, np.int32)], k=int(k), axis=dim,
+                               largest=bool(largest))
+    return values, positions
+
+
+def _extreme(fn):
     def lower(c, x, dim=None, keepdim=False):
-        return c.reduce(fn, x, dim, keepdim), Only(f"the indices of {fn}")
-    lower.doc = f"reduce {fn} (values; indices unsupported)"
+        if dim is None:   # max(x): the value only
+            return c.reduce(fn, x, None, False)
+        values, positions = _topk_along(c, x, 1, dim, fn == "max")
+        shape = tuple(c.out_meta(0).shape)
+        return c.reshape(values, shape), c.reshape(positions, shape)
+    lower.doc = f"topk k=1 along the axis (values and first positions); without an axis reduce {fn}"
     return lower
 
 
-LOWERINGS.update({aten.max: _values_only("max"), aten.min: _values_only("min")})
+LOWERINGS.update({aten.max: _extreme("max"), aten.min: _extreme("min")})
+
+
+def _arg(fn):
+    def lower(c, x, dim=None, keepdim=False):
+        flat = c.reshape(x, (-1,)) if dim is None else x
+        _, positions = _topk_along(c, flat, 1, 0 if dim is None else dim, fn == "max")
+        return c.reshape(positions, tuple(c.out_meta().shape))
+    lower.doc = f"topk k=1 along the axis (the first position of the {fn})"
+    return lower
+
+
+LOWERINGS.update({aten.argmax: _arg("max"), aten.argmin: _arg("min")})
+
+
+@lowers(aten.sort, doc="topk k=n (stable; NaN as the largest)")
+def _sort(c, x, *args, **kwargs):
+    if c.node.target == aten.sort.stable:
+        dim, descending = kwargs.get("dim", -1), kwargs.get("descending", False)
+    else:
+        dim, descending = (tuple(args) + (-1, False)[len(args):])[:2]
+        dim, descending = kwargs.get("dim", dim), kwargs.get("descending", descending)
+    n = x.shape[dim % len(x.shape)] if x.shape else 1
+    return _topk_along(c, x, n, dim, descending)
+
+
+@lowers(aten.topk, doc="topk (stable: of equal values the first positions)")
+def _topk(c, x, k, dim=-1, largest=True, sorted=True):
+    return _topk_along(c, x, k, dim, largest)
 
 
 def _any_all(fn):
@@ -945,6 +989,19 @@ def _var_mean(c, x, dims=None, correction=None, keepdim=False, **kwargs):
     if correction:
         var = c.binary("mul", var, n / max(n - correction, 0))
     return var, mean if keepdim else c.reduce("mean", x, dims, False)
+
+
+def _scan(fn):
+    def lower(c, x, dim, dtype=None):
+        x = c.cast(x, c.out_dtype())
+        if not x.shape:
+            return x
+        return c.one("scan", [x], x.shape, x.dtype, fn=fn, axis=dim % len(x.shape))
+    lower.doc = f"scan {fn} (cumulative, along an axis)"
+    return lower
+
+
+LOWERINGS.update({aten.cumsum: _scan("sum"), aten.cumprod: _scan("prod")})
 
 
 # ---- matmul ----------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
 from ipusim.ops import index as index_ops
+from ipusim.ops import scan as scan_ops
+from ipusim.ops import sort as sort_ops
 from ipusim.ops import elementwise as ew
 from ipusim.ops import matmul as mm
 from ipusim.ops import random as rnd
@@ -673,6 +675,17 @@ def _gather(ctx, n, ins):
 def _scatter(ctx, n, ins):
     return [index_ops.scatter(ctx.graph, ins[0], ins[1], ins[2], n.attrs["axis"], ctx.prog, name=ctx.name,
                               accumulate=n.attrs["accumulate"])]
+
+
+@lowers("scan")
+def _scan(ctx, n, ins):
+    return [scan_ops.scan(ctx.graph, ins[0], n.attrs["axis"], n.attrs["fn"], ctx.prog, name=ctx.name)]
+
+
+@lowers("topk")
+def _topk(ctx, n, ins):
+    a = n.attrs
+    return list(sort_ops.topk(ctx.graph, ins[0], a["k"], a["axis"], ctx.prog, name=ctx.name, largest=a["largest"]))
 
 
 def weight_view(v: Value, producer: dict, weight_ids: dict) -> list[Node] | None:
