@@ -39,7 +39,7 @@ def run_unary(op, x, mode, dtype="float32"):
 
 def run_binary(op, a, b, mode):
     g = ip.Graph(TARGET)
-    ta, tb = (g.addVariable("float32", v.shape, n) for v, n in ((a, "a"), (b, "b")))
+    ta, tb = (g.addVariable(v.dtype, v.shape, n) for v, n in ((a, "a"), (b, "b")))
     g.map_linearly(ta)
     g.map_linearly(tb)
     prog = ip.Sequence()
@@ -79,6 +79,14 @@ def test_binary_maths_match_pytorch_in_both_modes(op, n, seed):
     np.testing.assert_array_equal(strict, fast)
     np.testing.assert_allclose(strict, BINARY[op](torch.from_numpy(a), torch.from_numpy(b)).numpy(),
                                rtol=3e-6, atol=2e-6)
+
+
+def test_integer_remainder_and_fmod_follow_pytorch():
+    a = np.array([-7, -3, -1, 0, 2, 5, 7], np.int32)
+    for mode in ("strict", "fast"):
+        for op in ("remainder", "fmod"):
+            got = run_binary(op, a, np.full_like(a, 3), mode)
+            np.testing.assert_array_equal(got, BINARY[op](torch.from_numpy(a), 3).numpy(), err_msg=f"{op} {mode}")
 
 
 def test_edges_of_the_domains_follow_pytorch():

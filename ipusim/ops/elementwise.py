@@ -269,11 +269,11 @@ def apply_binary(op, x, y):
     if op == 20:
         return math.atan2(x, y)
     if op == 21:
-        return np.fmod(x, y) if y != 0 and abs(x) != np.inf else np.nan
+        return np.fmod(np.float64(x), np.float64(y)) if y != 0 and abs(x) != np.inf else np.nan
     if op == 22:
         if y == 0 or abs(x) == np.inf or x != x or y != y:
             return np.nan
-        r = np.fmod(x, y)
+        r = np.fmod(np.float64(x), np.float64(y))
         return r + y if r != 0 and (r < 0) != (y < 0) else (math.copysign(0.0, y) if r == 0 else r)
     return math.hypot(x, y)
 

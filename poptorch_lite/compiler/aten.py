@@ -766,12 +766,13 @@ def _sign(c, x):
 
 def _arith(fn):
     def lower(c, a, b, alpha=1, rounding_mode=None):
-        if rounding_mode is not None:
-            raise c.error(f"division with rounding_mode={rounding_mode!r} is not supported")
+        if rounding_mode is not None:   # the quotient in float, rounded, in the result's dtype
+            quotient = c.binary("div", a, b, dtype=np.float32 if c.out_dtype().kind != "f" else None)
+            return c.cast(c.unary(rounding_mode, quotient), c.out_dtype())
         if alpha != 1:
             b = c.binary("mul", b, alpha) if isinstance(b, Value) else b * alpha
         return c.binary(fn, a, b)
-    lower.doc = f"binary {fn}"
+    lower.doc = f"binary {fn}" + (" (rounding_mode: unary floor or trunc of the quotient)" if fn == "div" else "")
     return lower
 
 
