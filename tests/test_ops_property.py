@@ -186,9 +186,15 @@ def conv(draw):
     stride, padding, dilation = draw(st.integers(1, 2)), draw(st.integers(0, 1)), draw(st.integers(1, 2))
     size = draw(st.integers(dilation * (kernel - 1) + 1, 7))
     spatial = (size,) * nd
+    batch = draw(st.integers(1, 2))
+    if draw(st.booleans(), label="transposed"):
+        fn = F.conv_transpose1d if nd == 1 else F.conv_transpose2d
+        extra = draw(st.integers(0, stride - 1))
+        return (lambda x, w, b: fn(x, w, b, stride, padding, extra, groups, dilation),
+                [(batch, cin) + spatial, (cin, cout // groups) + (kernel,) * nd, (cout,)])
     conv_fn = F.conv1d if nd == 1 else F.conv2d
     return (lambda x, w, b: conv_fn(x, w, b, stride, padding, dilation, groups),
-            [(draw(st.integers(1, 2)), cin) + spatial, (cout, cin // groups) + (kernel,) * nd, (cout,)])
+            [(batch, cin) + spatial, (cout, cin // groups) + (kernel,) * nd, (cout,)])
 
 
 @case("matmul")
@@ -290,10 +296,12 @@ def loss(draw):
     labels = index_array(draw, c, (n,), negative=False)
     target = torch.rand(n, c)
     reduction = draw(st.sampled_from(["mean", "sum"]))
-    kind = draw(st.sampled_from(["cross_entropy", "nll", "smoothing", "mse", "l1", "smooth_l1", "bce_logits",
-                                 "kl_div"]), label="kind")
+    weight = torch.rand(c) + 0.5
+    kind = draw(st.sampled_from(["cross_entropy", "nll", "weighted", "smoothing", "mse", "l1", "smooth_l1",
+                                 "bce_logits", "kl_div"]), label="kind")
     fns = {"cross_entropy": lambda x: F.cross_entropy(x, labels, reduction=reduction),
            "nll": lambda x: F.nll_loss(torch.log_softmax(x, 1), labels, reduction=reduction),
+           "weighted": lambda x: F.cross_entropy(x, labels, weight=weight, reduction=reduction),
            "smoothing": lambda x: F.cross_entropy(x, labels, label_smoothing=0.1, reduction=reduction),
            "mse": lambda x: F.mse_loss(x, target, reduction=reduction),
            "l1": lambda x: F.l1_loss(x, target, reduction=reduction),

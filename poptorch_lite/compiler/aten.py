@@ -1024,10 +1024,13 @@ def _addmm(c, bias, a, b, beta=1, alpha=1):
 
 # ---- convolution ------------------------------------------------------------------------------------
 def _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd):
-    if transposed:
-        raise c.error("transposed convolution is not supported")
+    """The conv2d attributes (1-D lifted to 2-D). A transposed convolution is the input gradient of
+    the convolution it transposes (its output_padding only lengthens the output, which the shape says)."""
     if nd not in (1, 2):
         raise c.error(f"{nd}-D convolution is not supported (1-D and 2-D are)")
+    if transposed and any(o >= st for o, st in zip(_int_list(output_padding, nd), _int_list(stride, nd))):
+        raise c.error(f"transposed convolution with output_padding {list(output_padding)} not below the stride "
+                      f"{list(stride)} is not supported (the rows past the last window's reach)")
     lift = (lambda v: (1,) + _int_list(v, 1)) if nd == 1 else (lambda v: _int_list(v, 2))
     pad = (0,) + _int_list(padding, 1) if nd == 1 else _int_list(padding, 2)
     return dict(stride=lift(stride), padding=pad, dilation=lift(dilation), groups=int(groups))
@@ -1037,28 +1040,35 @@ def _to_2d(c, x, nd):
     return c.reshape(x, x.shape[:2] + (1,) + x.shape[2:]) if nd == 1 else x
 
 
-@lowers(aten.convolution, doc="conv2d (1-D as 2-D), add")
+@lowers(aten.convolution, doc="conv2d (1-D as 2-D), add; transposed: conv2d_backward_input, add")
 def _convolution(c, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
     nd = len(x.shape) - 2
     attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
     out = c.out_meta().shape
     x2, w2 = _to_2d(c, x, nd), _to_2d(c, w, nd)
-    y = c.one("conv2d", [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs)
+    op = "conv2d_backward_input" if transposed else "conv2d"
+    y = c.one(op, [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs)
     if b is not None:
         y = c.binary("add", y, c.reshape(b, (1, -1, 1, 1)))
     return c.reshape(y, tuple(out))
 
 
-@lowers(aten.convolution_backward, doc="conv2d_backward_input, conv2d_backward_weights, reduce sum")
+@lowers(aten.convolution_backward, doc="conv2d_backward_input, conv2d_backward_weights, reduce sum; transposed: "
+                                       "conv2d, conv2d_backward_weights, reduce sum")
 def _convolution_backward(c, grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding,
                           groups, output_mask):
     nd = len(x.shape) - 2
     attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
     g2, x2, w2 = _to_2d(c, grad, nd), _to_2d(c, x, nd), _to_2d(c, w, nd)
-    gx = c.reshape(c.one("conv2d_backward_input", [g2, w2], x2.shape, grad.dtype, **attrs), x.shape) \
-        if output_mask[0] else None
-    gw = c.reshape(c.one("conv2d_backward_weights", [g2, x2], w2.shape, grad.dtype, **attrs), w.shape) \
-        if output_mask[1] else None
+    if transposed:   # x went through the input gradient of a conv of w: its gradient is that conv
+        gx = c.reshape(c.one("conv2d", [g2, w2], x2.shape, grad.dtype, **attrs), x.shape) if output_mask[0] else None
+        gw = c.reshape(c.one("conv2d_backward_weights", [x2, g2], w2.shape, grad.dtype, **attrs), w.shape) \
+            if output_mask[1] else None
+    else:
+        gx = c.reshape(c.one("conv2d_backward_input", [g2, w2], x2.shape, grad.dtype, **attrs), x.shape) \
+            if output_mask[0] else None
+        gw = c.reshape(c.one("conv2d_backward_weights", [g2, x2], w2.shape, grad.dtype, **attrs), w.shape) \
+            if output_mask[1] else None
     gb = c.reduce("sum", grad, [0] + list(range(2, len(grad.shape))), False) if output_mask[2] else None
     return gx, gw, gb
 
@@ -1255,31 +1265,63 @@ def _normal(c, x, mean=0.0, std=1.0, generator=None):
     return _draw(c, "normal", mean, std)
 
 
-@lowers(aten.bernoulli, doc="random bernoulli with a constant probability (the IPU's generator)")
+@lowers(aten.bernoulli, doc="random bernoulli (the IPU's generator): a constant probability, or per element "
+                            "uniform < p")
 def _bernoulli(c, x, p=None, generator=None):
-    if isinstance(p, Value) or p is None:
-        raise c.error("bernoulli with a probability per element is not supported (a constant p is)")
-    return _draw(c, "bernoulli", p, 0.0)
+    if p is not None and not isinstance(p, Value):
+        return _draw(c, "bernoulli", p, 0.0)
+    probs = x if p is None else p     # torch.bernoulli(probs), or x.bernoulli_(p) with a tensor p
+    uniform = c.one("random", [], tuple(c.out_meta().shape), np.dtype(np.float32), kind="uniform", a=0.0, b=1.0)
+    return c.cast(c.binary("lt", uniform, probs, dtype=np.float32), c.out_dtype())
 
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
-@lowers(aten.nll_loss_forward, doc="nll_loss")
+@lowers(aten.nll_loss_forward, doc="nll_loss; with class weights: gather the picked log-probabilities and the "
+                                    "weights, mul, reduce sum, div")
 def _nll(c, x, target, weight, reduction, ignore_index):
-    if weight is not None:
-        raise c.error("class weights in NLL loss are not supported")
     if len(x.shape) != 2:
         raise c.error("NLL loss needs [N, C] log-probabilities")
     r = REDUCTIONS[reduction]
+    if weight is not None:
+        return _weighted_nll(c, x, target, weight, r, int(ignore_index))
     y = c.one("nll_loss", [x, target], x.shape[:1] if r == "none" else (), x.dtype, reduction=r,
               ignore_index=int(ignore_index))
     return y, Only("NLL loss's total weight")
 
 
-@lowers(aten.nll_loss_backward, doc="nll_loss_backward", raw=True)
+def _sample_weights(c, x, target, weight, ignore_index) -> tuple[Value, Value]:
+    """The targets as [N, 1] indices and each sample's class weight, 0 where ignored."""
+    target = _indices(c, target)
+    w = c.binary("mul", _gather_along(c, c.cast(weight, x.dtype), target, 0),
+                 c.cast(c.binary("ne", target, ignore_index, dtype=np.int32), x.dtype), x.dtype)
+    return c.reshape(target, target.shape + (1,)), w
+
+
+def _weighted_nll(c, x, target, weight, reduction, ignore_index):
+    idx, w = _sample_weights(c, x, target, weight, ignore_index)
+    picked = c.reshape(_gather_along(c, x, idx, 1), w.shape)
+    losses = c.unary("neg", c.binary("mul", picked, w, x.dtype))
+    total = c.reduce("sum", w, None, False)
+    if reduction == "none":
+        return losses, total
+    summed = c.reduce("sum", losses, None, False)
+    return (summed if reduction == "sum" else c.binary("div", summed, total, x.dtype)), total
+
+
+@lowers(aten.nll_loss_backward, doc="nll_loss_backward; with class weights: gather the weights, mul, scatter "
+                                    "into zeros", raw=True)
 def _nll_backward(c, n):
     grad, x, target, weight, reduction, ignore_index = (c.load(a) for a in n.args[:6])
+    if weight is not None:
+        idx, w = _sample_weights(c, x, target, weight, int(ignore_index))
+        r = REDUCTIONS[reduction]
+        scale = c.binary("mul", w, c.reshape(grad, grad.shape if r == "none" else ()), x.dtype)
+        if r == "mean":
+            scale = c.binary("div", scale, c.load(n.args[6]), x.dtype)
+        coefficient = c.reshape(c.unary("neg", scale), idx.shape)
+        return _scatter_along(c, c.const(np.zeros(x.shape), x.dtype), idx, coefficient, 1, False)
     return c.one("nll_loss_backward", [x, target, grad], x.shape, x.dtype, reduction=REDUCTIONS[reduction],
                  ignore_index=int(ignore_index))
 

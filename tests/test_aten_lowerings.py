@@ -1,0 +1,77 @@
+"""ATen lowerings composed from other ops, checked through the whole compiler against PyTorch:
+transposed convolution, NLL loss with class weights, bernoulli with a probability per element;
+and the errors of index ops (boolean masks, int32 positions)."""
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import poptorch_lite as poptorch
+from poptorch_lite.api.strategies import PipelinedExecution
+from poptorch_lite.compiler.aten import UnsupportedOpError, decompositions, to_ir
+from poptorch_lite.compiler.export import capture_joint
+
+from test_compiled_ops import run_op
+
+
+@pytest.mark.parametrize("nd,stride,padding,output_padding,dilation,groups", [
+    (2, 1, 0, 0, 1, 1), (2, 2, 1, 1, 1, 1), (2, 2, 0, 0, 2, 2), (1, 3, 1, 2, 1, 1), (1, 1, 0, 0, 1, 2)])
+def test_transposed_convolution(nd, stride, padding, output_padding, dilation, groups):
+    fn = F.conv_transpose1d if nd == 1 else F.conv_transpose2d
+    run_op(lambda x, w, b: fn(x, w, b, stride, padding, output_padding, groups, dilation),
+           (2, 4) + (5,) * nd, (4, 6 // groups) + (3,) * nd, (6,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_nll_loss_with_class_weights(reduction, ignore_index):
+    labels = torch.tensor([1, 0, 3, 2, 2])
+    weight = torch.tensor([0.5, 2.0, 1.0, 3.0])
+    run_op(lambda x: F.cross_entropy(x, labels, weight=weight, reduction=reduction, ignore_index=ignore_index),
+           (5, 4), rtol=1e-4)
+
+
+def test_bernoulli_draws_each_element_with_its_own_probability():
+    class Coins(nn.Module):
+        def forward(self, p):
+            return torch.bernoulli(p), torch.empty_like(p).bernoulli_(p.flip(1))
+
+    model = poptorch.inferenceModel(Coins(), poptorch.Options().randomSeed(5))
+    p = torch.linspace(0, 1, 11).repeat(10000, 1)
+    coins, flipped = model(p)
+    assert set(coins.unique().tolist()) == {0.0, 1.0}
+    np.testing.assert_allclose(coins.mean(0).numpy(), p[0].numpy(), atol=0.025)
+    np.testing.assert_allclose(flipped.mean(0).numpy(), p[0].flip(0).numpy(), atol=0.025)
+    assert (coins[:, 0] == 0).all() and (coins[:, -1] == 1).all()
+
+
+def lower(fn, *shapes):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ps = nn.ParameterList([nn.Parameter(torch.randn(*s)) for s in shapes])
+
+        def forward(self, r):
+            return poptorch.identity_loss((fn(*self.ps) * r).sum(), reduction="sum")
+    joint = capture_joint(Model().train(), (torch.ones(()),), {}, training=True, decompositions=decompositions())
+    return to_ir(joint, PipelinedExecution())[0]
+
+
+def test_index_ops_become_int32_gathers_and_scatters():
+    ir = lower(lambda x: x[torch.tensor([2, 0]), :, torch.tensor([1, -1])], (3, 2, 4))
+    ops = [n.op for n in ir.nodes]
+    assert "gather" in ops and "scatter" in ops   # the backward of indexing is index_put with accumulate
+    gather = next(n for n in ir.nodes if n.op == "gather")
+    assert gather.inputs[1].dtype == np.int32 and gather.attrs["axis"] == 1
+
+
+def test_indices_beyond_int32_are_refused_naming_the_limit():
+    class Huge(nn.Module):
+        def forward(self, x, i):
+            return x[i, i]
+
+    x = torch.zeros(1).expand(2**16, 2**16)   # 2^32 elements, one stored
+    joint = capture_joint(Huge(), (x, torch.tensor([1])), {}, training=False, decompositions=decompositions())
+    with pytest.raises(UnsupportedOpError, match=r"2147483647: index fewer elements"):
+        to_ir(joint, PipelinedExecution())
