@@ -75,3 +75,13 @@ def test_indices_beyond_int32_are_refused_naming_the_limit():
     joint = capture_joint(Huge(), (x, torch.tensor([1])), {}, training=False, decompositions=decompositions())
     with pytest.raises(UnsupportedOpError, match=r"2147483647: index fewer elements"):
         to_ir(joint, PipelinedExecution())
+
+
+def test_int64_constants_beyond_int32_are_refused():
+    class Big(nn.Module):
+        def forward(self, x):
+            return x + torch.tensor([2**40])
+
+    joint = capture_joint(Big(), (torch.tensor([1]),), {}, training=False, decompositions=decompositions())
+    with pytest.raises(UnsupportedOpError, match="values beyond int32, and the IPU has no int64"):
+        to_ir(joint, PipelinedExecution())

@@ -13,7 +13,8 @@ copies, the sum of two gradients of one value, the gradient seed) goes where its
 forward nodes with their latest input, backward nodes with their earliest (the backward runs
 the stages in reverse), or, without placed inputs, with their first consumer.
 
-int64 tensors become int32 on the device, as PopTorch does; float64 becomes float32.
+int64 tensors become int32 on the device, as PopTorch does (an int64 constant beyond int32, or an
+index op whose positions exceed int32, is an error); float64 becomes float32.
 """
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ logger = logging.getLogger("poptorch_lite")
 
 class UnsupportedOpError(Error, NotImplementedError):
     """The model uses an op the compiler cannot lower."""
+
+
+INT32_MAX = 2**31 - 1   # the IPU's largest integer (it has no int64)
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -263,6 +267,9 @@ class Lowerer:
             self.node = n
             if n.op == "get_attr":
                 t = getattr(self.gm, n.target)
+                if t.dtype == torch.int64 and t.numel() and (t.max() > INT32_MAX or t.min() < -INT32_MAX - 1):
+                    raise self.error(f"the int64 constant {n.target} holds values beyond int32, and the IPU has no "
+                                     "int64: keep its values within +-2^31")
                 self.env[n] = self.const(t.detach().cpu().numpy(), np_dtype(t.dtype))
             elif n.op == "call_function":
                 self.template = self.sites[n].template()
@@ -499,8 +506,6 @@ def _repeat(c, x, repeats):
 
 
 # ---- gather, scatter, indexing ---------------------------------------------------------------------
-INT32_MAX = 2**31 - 1
-
 
 def _indices(c, idx: Value) -> Value:
     if idx.dtype == np.bool_:
