@@ -23,6 +23,10 @@ def test_transposed_convolution(nd, stride, padding, output_padding, dilation, g
            (2, 4) + (5,) * nd, (4, 6 // groups) + (3,) * nd, (6,), rtol=1e-4)
 
 
+def test_instance_norm_without_affine_parameters():
+    run_op(lambda x: F.instance_norm(x) * 1.0, (2, 3, 4, 4), rtol=1e-4)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("ignore_index", [-100, 2])
 def test_nll_loss_with_class_weights(reduction, ignore_index):

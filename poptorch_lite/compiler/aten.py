@@ -1225,9 +1225,11 @@ def _batch_norm_backward(c, grad, x, w, running_mean, running_var, save_mean, sa
         raise c.error("batch norm with running statistics has no gradient here; train the model in training mode")
     # ipusim's kernels take the statistics in float32 (a float16 input's may have been cast)
     stats = [c.cast(save_mean, np.float32), c.cast(save_invstd, np.float32)]
+    affine = w is not None   # instance norm's batch norm has no weight: a weight of ones, no gradient for it
+    w = w if affine else c.const(np.ones(x.shape[1]), x.dtype)
     dx, dw, db = c.emit("batch_norm_backward", [_nchw(c, grad), _nchw(c, x), *stats, w],
                         [(_nchw(c, x).shape, x.dtype), (w.shape, w.dtype), (w.shape, w.dtype)])
-    return c.reshape(dx, x.shape), dw, db
+    return c.reshape(dx, x.shape), dw if affine else None, db if affine else None
 
 
 @lowers(aten.native_dropout, doc="dropout")
