@@ -89,3 +89,8 @@ def test_int64_constants_beyond_int32_are_refused():
     joint = capture_joint(Big(), (torch.tensor([1]),), {}, training=False, decompositions=decompositions())
     with pytest.raises(UnsupportedOpError, match="values beyond int32, and the IPU has no int64"):
         to_ir(joint, PipelinedExecution())
+
+
+@pytest.mark.parametrize("kernel,stride,padding,size", [(2, 2, 0, 5), (3, 2, 1, 6), (3, 3, 1, 7), (2, 1, 0, 4)])
+def test_max_pooling_in_ceil_mode(kernel, stride, padding, size):
+    run_op(lambda x: F.max_pool2d(x, kernel, stride, padding, ceil_mode=True), (2, 3, size, size + 1))

@@ -1079,27 +1079,51 @@ def _convolution_backward(c, grad, x, w, bias_sizes, stride, padding, dilation, 
 
 
 # ---- pooling ----------------------------------------------------------------------------------------
-def _pool_attrs(c, kernel, stride, padding, dilation=1, ceil_mode=False):
-    if _int_list(dilation) != (1, 1) or ceil_mode:
-        raise c.error("pooling with dilation or ceil_mode is not supported")
+def _pool_attrs(c, kernel, stride, padding, dilation=1, ceil_mode=False, ceil_ok=False):
+    if _int_list(dilation) != (1, 1):
+        raise c.error("pooling with dilation is not supported")
+    if ceil_mode and not ceil_ok:
+        raise c.error("average pooling with ceil_mode is not supported (max pooling's is)")
     k = _int_list(kernel)
     s = _int_list(stride) if stride not in (None, []) else k
     return dict(kernel=k, stride=s, padding=_int_list(padding))
 
 
-@lowers(aten.max_pool2d_with_indices, doc="max_pool2d")
+def _ceil_padded(c, x, attrs, out_hw):
+    """x padded with -inf for a max pooling in ceil_mode: its padding on every side, and below and
+    right of it the rows and columns the last windows reach; a pooling without padding of that
+    gives ceil_mode's windows."""
+    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
+    eh, ew = ((o - 1) * st + k - (n + 2 * p) for o, st, k, n, p in zip(out_hw, (sh, sw), (kh, kw), x.shape[-2:],
+                                                                       (ph, pw)))
+    return _pad(c, x, [pw, pw + max(ew, 0), ph, ph + max(eh, 0)], -np.inf)
+
+
+@lowers(aten.max_pool2d_with_indices, doc="max_pool2d (ceil_mode: -inf padding copied in, then max_pool2d)")
 def _max_pool(c, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
-    y = c.one("max_pool2d", [x], tuple(c.out_meta(0).shape), x.dtype, **_pool_attrs(c, kernel, stride, padding,
-                                                                                   dilation, ceil_mode))
+    attrs = _pool_attrs(c, kernel, stride, padding, dilation, ceil_mode, ceil_ok=True)
+    out = tuple(c.out_meta(0).shape)
+    if ceil_mode:
+        x = _ceil_padded(c, x, attrs, out[-2:])
+        attrs["padding"] = (0, 0)
+    y = c.one("max_pool2d", [x], out, x.dtype, **attrs)
     return y, Only("max pooling's indices", y)
 
 
-@lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward", raw=True)
+@lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward (ceil_mode: of the padded input, sliced)",
+        raw=True)
 def _max_pool_backward(c, n):
     grad, x = c.load(n.args[0]), c.load(n.args[1])
     indices = c.env[n.args[7]]
-    attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]])
-    return c.one("max_pool2d_backward", [x, indices.value, grad], x.shape, grad.dtype, **attrs)
+    ceil_mode = bool(c.load(n.args[6]))
+    attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]], ceil_ok=True)
+    if not ceil_mode:
+        return c.one("max_pool2d_backward", [x, indices.value, grad], x.shape, grad.dtype, **attrs)
+    padded = _ceil_padded(c, x, attrs, grad.shape[-2:])
+    (ph, pw), attrs["padding"] = attrs["padding"], (0, 0)
+    g = c.one("max_pool2d_backward", [padded, indices.value, grad], padded.shape, grad.dtype, **attrs)
+    h, w = x.shape[-2:]
+    return _slice(c, _slice(c, g, -2, ph, ph + h, 1), -1, pw, pw + w, 1)
 
 
 @lowers(aten.avg_pool2d, doc="avg_pool2d")
