@@ -90,7 +90,7 @@ def pow_scalar(draw):
 
 # ---- reductions and normalisation ---------------------------------------------------------------------
 REDUCE = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin, "logsumexp": torch.logsumexp,
-          "var": torch.var, "std": torch.std, "norm": lambda x, d, keepdim: torch.linalg.vector_norm(x, 2, d, keepdim)}
+          "var": torch.var, "std": torch.std, "prod": torch.prod, "norm": lambda x, d, keepdim: torch.linalg.vector_norm(x, 2, d, keepdim)}
 
 
 @case("reduce")
@@ -146,7 +146,7 @@ def sort_topk(draw):
     shape = draw(shapes)
     dim = axis_of(draw, shape)
     k = draw(st.integers(1, shape[dim]))
-    kind = draw(st.sampled_from(["sort", "topk", "max", "argsort"]), label="kind")
+    kind = draw(st.sampled_from(["sort", "topk", "max", "argsort", "median", "kthvalue"]), label="kind")
     largest = draw(st.booleans())
     if kind == "sort":
         return lambda x: torch.sort(x, dim, descending=largest)[0], [shape]
@@ -154,6 +154,10 @@ def sort_topk(draw):
         return lambda x: torch.topk(x, k, dim, largest=largest)[0], [shape]
     if kind == "max":
         return lambda x: (torch.max if largest else torch.min)(x, dim)[0], [shape]
+    if kind == "median":
+        return lambda x: torch.median(x, dim, keepdim=largest)[0], [shape]
+    if kind == "kthvalue":
+        return lambda x: torch.kthvalue(x, k, dim)[0], [shape]
     return lambda x: x * torch.argsort(x, dim, descending=largest), [shape]
 
 

@@ -963,6 +963,28 @@ def _sort(c, x, *args, **kwargs):
     return _topk_along(c, x, n, dim, descending)
 
 
+def _kth_smallest(c, x, k: int, dim, keepdim):
+    """The k-th smallest (1-based) along `dim` and its position: the last of topk's k smallest."""
+    dim = dim % max(len(x.shape), 1)
+    values, positions = _topk_along(c, x, k, dim, False)
+    shape = tuple(c.out_meta(0).shape)
+    return tuple(c.reshape(_select(c, v, dim, k - 1) if v.shape else v, shape) for v in (values, positions))
+
+
+@lowers(aten.kthvalue, doc="topk k smallest, the last (stable)")
+def _kthvalue(c, x, k, dim=-1, keepdim=False):
+    return _kth_smallest(c, x, int(k), dim, keepdim)
+
+
+@lowers(aten.median, doc="topk: the lower median along the axis (stable); without an axis of the flattened tensor")
+def _median(c, x, dim=None, keepdim=False):
+    if dim is None:
+        flat = c.reshape(x, (-1,))
+        return _kth_smallest(c, flat, (flat.shape[0] + 1) // 2, 0, False)[0]
+    n = x.shape[dim % len(x.shape)] if x.shape else 1
+    return _kth_smallest(c, x, (n + 1) // 2, dim, keepdim)
+
+
 @lowers(aten.topk, doc="topk (stable: of equal values the first positions)")
 def _topk(c, x, k, dim=-1, largest=True, sorted=True):
     return _topk_along(c, x, k, dim, largest)
@@ -1008,6 +1030,18 @@ def _scan(fn):
 
 
 LOWERINGS.update({aten.cumsum: _scan("sum"), aten.cumprod: _scan("prod")})
+
+
+@lowers(aten.prod, doc="scan prod along the axis, the last (of the flattened tensor without an axis)")
+def _prod(c, x, dim=None, keepdim=False, dtype=None):
+    x = c.cast(x, c.out_dtype())
+    if dim is None:
+        x, dim = c.reshape(x, (-1,)), 0
+    if not x.shape:
+        return x
+    dim = dim % len(x.shape)
+    products = c.one("scan", [x], x.shape, x.dtype, fn="prod", axis=dim)
+    return c.reshape(_select(c, products, dim, -1), tuple(c.out_meta().shape))
 
 
 # ---- matmul ----------------------------------------------------------------------------------------
