@@ -94,3 +94,8 @@ def test_int64_constants_beyond_int32_are_refused():
 @pytest.mark.parametrize("kernel,stride,padding,size", [(2, 2, 0, 5), (3, 2, 1, 6), (3, 3, 1, 7), (2, 1, 0, 4)])
 def test_max_pooling_in_ceil_mode(kernel, stride, padding, size):
     run_op(lambda x: F.max_pool2d(x, kernel, stride, padding, ceil_mode=True), (2, 3, size, size + 1))
+
+
+@pytest.mark.parametrize("size,scale", [(None, 2), ((5, 7), None), (None, 0.5), (None, 1.5)])
+def test_nearest_interpolation_and_its_gradient(size, scale):
+    run_op(lambda x: F.interpolate(x, size=size, scale_factor=scale), (2, 3, 6, 4))

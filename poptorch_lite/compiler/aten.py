@@ -626,6 +626,19 @@ def _index_put(c, x, indices, values, accumulate=False):
     return c.transpose(y, tuple(int(i) for i in np.argsort(perm)))
 
 
+@lowers(aten.upsample_nearest2d_backward, doc="scatter along an axis (the nearest source positions, accumulated)")
+def _upsample_nearest2d_backward(c, grad, output_size, input_size, scales_h=None, scales_w=None):
+    """Each output position's gradient added to the input position it copied: the positions as the
+    forward's decomposition computes them (float32 index times scale, truncated)."""
+    sources = []
+    for o, i, s in zip(output_size, input_size[2:], (scales_h, scales_w)):
+        scale = np.float32(i / (i * s) if s else i / o)
+        sources.append(np.minimum((np.arange(o, dtype=np.float32) * scale).astype(np.int64), i - 1))
+    rows, cols = c.const(sources[0].reshape(-1, 1), np.int32), c.const(sources[1].reshape(1, -1), np.int32)
+    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
+    return _index_put(c, zeros, [None, None, rows, cols], grad, True)
+
+
 def _diagonal_indices(c, x, offset, dim1, dim2):
     rank = len(x.shape)
     dim1, dim2 = dim1 % rank, dim2 % rank
