@@ -12,7 +12,6 @@ import poptorch_lite
 from poptorch_lite.api.blocks import BeginBlock, Block, BlockError, BlockFunction, BlockRef, removeBlocks
 from poptorch_lite.api.errors import Error
 from poptorch_lite.api.strategies import (
-    AutoStage,
     ParallelPhasedExecution,
     PipelinedExecution,
     SerialPhasedExecution,
@@ -264,24 +263,6 @@ def test_unpacking_a_multi_output_op_needs_no_block_but_slicing_does():
 
     with pytest.raises(BlockError, match=r"function getitem\(\) at .*outside any Block.*'A'"):
         op_placement(Slice(), None, X)
-
-
-def test_same_as_ipu_returning_to_an_ipu_breaks_the_pipeline_order():
-    class Back(nn.Module):
-        def forward(self, x):
-            Block.useAutoId()
-            with Block(ipu_id=0):
-                x = x * 2
-            with Block(ipu_id=1):
-                x = x * 3
-            with Block(ipu_id=0):
-                x = x * 4
-            return x
-
-    with pytest.raises(StrategyError, match=r"uses the result of .*stage 1.*AutoIncrement"):
-        op_placement(Back(), PipelinedExecution(), X)
-    table = op_placement(Back(), PipelinedExecution(AutoStage.AutoIncrement), X)
-    assert [(r.stage, r.ipu) for r in table] == [(0, 0), (1, 1), (2, 0)]
 
 
 def test_phases_must_follow_the_data():
