@@ -322,8 +322,8 @@ class Lowerer:
                 continue
             # the update runs where the buffer's new value is made, or where the buffer is read
             producer = new.producer if isinstance(new, Value) else None
-            readers = [node for node in self.ir.nodes if any(v is old for v in node.inputs)]
-            self.template = producer or (readers[0] if readers else self.template)
+            reader = producer or next((node for node in self.ir.nodes if any(v is old for v in node.inputs)), None)
+            self.template = reader or self.template
             self.emit("assign", [old, self.cast(new, old.dtype)], [])
 
 
