@@ -309,7 +309,7 @@ class Lowerer:
     def finish(self, outs: list) -> None:
         j = self.joint
         values = [self.env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
-        user = values[:j.num_outputs]
+        user = [self.copy_of_state(v) for v in values[:j.num_outputs]]
         rest = values[j.num_outputs:]
         self.ir.outputs = map_values(j.output_tree, lambda leaf: user[leaf.index], Output)
         if j.loss is not None:
@@ -325,6 +325,16 @@ class Lowerer:
             reader = producer or next((node for node in self.ir.nodes if any(v is old for v in node.inputs)), None)
             self.template = reader or self.template
             self.emit("assign", [old, self.cast(new, old.dtype)], [])
+
+    def copy_of_state(self, v):
+        """A parameter or buffer the model returns as it is, copied where its first reader runs
+        (the IPU that holds it, in the forward): the output is its value as that micro-batch's
+        forward saw it, as PopTorch returns it."""
+        if not (isinstance(v, Value) and v.kind in ("param", "buffer")):
+            return v
+        reader = next((node for node in self.ir.nodes if any(x is v for x in node.inputs)), None)
+        self.template = reader or (self.ir.nodes[0] if self.ir.nodes else self.template)
+        return self.one("copy", [v], v.shape, v.dtype)
 
 
 def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Placement]:

@@ -442,6 +442,14 @@ def _scatter_slice(ctx, n, ins):
     return [out]
 
 
+@lowers("copy")
+def _copy(ctx, n, ins):
+    """A fresh activation holding the input's values (a parameter returned as an output)."""
+    out = _new_activation(ctx, n, ins[0].dtype)
+    ctx.prog.add(ip.Copy(ins[0], out))
+    return [out]
+
+
 @lowers("assign")
 def _assign(ctx, n, ins):
     """A buffer's new value (functionalised in-place update) copied into the buffer."""
