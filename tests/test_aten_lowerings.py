@@ -99,3 +99,34 @@ def test_max_pooling_in_ceil_mode(kernel, stride, padding, size):
 @pytest.mark.parametrize("size,scale", [(None, 2), ((5, 7), None), (None, 0.5), (None, 1.5)])
 def test_nearest_interpolation_and_its_gradient(size, scale):
     run_op(lambda x: F.interpolate(x, size=size, scale_factor=scale), (2, 3, 6, 4))
+
+
+@pytest.mark.parametrize("kernel,stride,padding,size,include_pad,divisor", [
+    (2, 2, 0, 5, True, None), (3, 2, 1, 6, True, None), (3, 2, 1, 6, False, None), (3, 3, 1, 7, True, None),
+    (3, 2, 1, 8, False, 4), (2, 1, 0, 4, True, 3)])
+def test_average_pooling_in_ceil_mode_and_with_a_divisor(kernel, stride, padding, size, include_pad, divisor):
+    run_op(lambda x: F.avg_pool2d(x, kernel, stride, padding, True, include_pad, divisor), (2, 3, size, size + 1))
+    run_op(lambda x: F.avg_pool1d(x, kernel, stride, padding, True, include_pad), (2, 3, size))
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,ceil", [
+    (3, 1, 1, 2, False), (2, 2, 0, 2, True), ((3, 2), (2, 1), (1, 0), (2, 3), False), (3, 2, 1, 2, True)])
+def test_dilated_max_pooling(kernel, stride, padding, dilation, ceil):
+    run_op(lambda x: F.max_pool2d(x, kernel, stride, padding, dilation, ceil), (2, 3, 9, 8))
+    k, s, p, d = (v if isinstance(v, int) else v[0] for v in (kernel, stride, padding, dilation))
+    run_op(lambda x: F.max_pool1d(x, k, s, p, d, ceil), (2, 3, 9))
+
+
+@pytest.mark.parametrize("size", [(2, 3), 1, (5, 4), (None, 2)])
+def test_adaptive_max_pooling(size):
+    run_op(lambda x: F.adaptive_max_pool2d(x, size), (2, 3, 5, 7))
+
+
+def test_adaptive_max_pooling_1d_and_unbatched_pooling():
+    run_op(lambda x: F.adaptive_max_pool1d(x, 3), (2, 3, 7))
+    run_op(lambda x: F.max_pool2d(x, 2, 1) + F.avg_pool2d(x, 2, 1, ceil_mode=True), (3, 5, 4))
+
+
+def test_three_dimensional_pooling_stays_unsupported():
+    with pytest.raises(UnsupportedOpError, match="max_pool3d"):
+        lower(lambda x: F.max_pool3d(x, 2), (1, 2, 4, 4, 4))

@@ -90,6 +90,8 @@ def run(target, mode, kind, x_shape, dtype="float32", seed=0, x_values=None, **k
     elif kind == "avg":
         y = P.avg_pool2d(g, x, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("ceil", False),
                          kw.get("include_pad", True), kw.get("divisor"))
+    elif kind == "adaptive_max":
+        y = P.adaptive_max_pool2d(g, x, kw["out"], prog)
     else:
         y = P.adaptive_avg_pool2d(g, x, kw["out"], prog)
     dy = g.addVariable(dtype, y.shape, "dy")
@@ -100,6 +102,8 @@ def run(target, mode, kind, x_shape, dtype="float32", seed=0, x_values=None, **k
     elif kind == "avg":
         dx = P.avg_pool2d_backward(g, dy, x_shape, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("ceil", False),
                                    kw.get("include_pad", True), kw.get("divisor"))
+    elif kind == "adaptive_max":
+        dx = P.adaptive_max_pool2d_backward(g, x, y, dy, prog)
     else:
         dx = P.adaptive_avg_pool2d_backward(g, dy, x_shape, prog)
     X = (rng.standard_normal(x_shape) if x_values is None else x_values).astype(dtype)
@@ -124,16 +128,22 @@ CASES = [  # kind, input shape, arguments
     ("adaptive", (2, 3, 9, 7), dict(out=(4, 5))),
     ("adaptive", (1, 2, 3, 5), dict(out=(5, 7))),    # more outputs than inputs: windows repeat
     ("adaptive", (2, 3, 7, 7), dict(out=1)),         # global average pooling
+    ("adaptive_max", (2, 3, 9, 7), dict(out=(4, 5))),
+    ("adaptive_max", (1, 2, 3, 5), dict(out=(5, 7))),
+    ("adaptive_max", (2, 1, 6, 5), dict(out=1)),     # global max pooling
 ]
+
+
+def ref_kind(kind):
+    return {"adaptive": "avg", "adaptive_max": "max"}.get(kind, kind)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind,shape,args", CASES)
 def test_pooling_and_gradients_match_the_reference(mode, kind, shape, args):
     (y, dx), (X, DY), _, _ = run(SMALL, mode, kind, shape, **args)
-    ref_kind = "avg" if kind == "adaptive" else kind
-    want_y, want_dx = reference(X, DY.astype(np.float64), ref_kind, **{k: v for k, v in args.items()})
-    if kind == "max":
+    want_y, want_dx = reference(X, DY.astype(np.float64), ref_kind(kind), **{k: v for k, v in args.items()})
+    if ref_kind(kind) == "max":
         assert (y == want_y).all()  # a maximum is exact
     else:
         np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-7)
@@ -149,6 +159,8 @@ def test_reference_agrees_with_torch():
         xt = torch.tensor(X, requires_grad=True)
         if kind == "max":
             yt = F.max_pool2d(xt, args["k"], args.get("s"), args.get("p", 0), args.get("d", 1), args.get("ceil", False))
+        elif kind == "adaptive_max":
+            yt = F.adaptive_max_pool2d(xt, args["out"])
         elif kind == "avg":
             yt = F.avg_pool2d(xt, args["k"], args.get("s"), args.get("p", 0), args.get("ceil", False),
                               args.get("include_pad", True), args.get("divisor"))
@@ -156,7 +168,7 @@ def test_reference_agrees_with_torch():
             yt = F.adaptive_avg_pool2d(xt, args["out"])
         DY = rng.standard_normal(tuple(yt.shape))
         yt.backward(torch.tensor(DY))
-        y, dx = reference(X, DY, "avg" if kind == "adaptive" else kind, **args)
+        y, dx = reference(X, DY, ref_kind(kind), **args)
         np.testing.assert_allclose(y, yt.detach().numpy(), atol=1e-12)
         np.testing.assert_allclose(dx, xt.grad.numpy(), atol=1e-12)
 
@@ -198,10 +210,10 @@ def test_window_of_padding_only_is_minus_infinity_like_torch(mode):
 
 @st.composite
 def pool_problems(draw):
-    kind = draw(st.sampled_from(["max", "avg", "adaptive"]))
+    kind = draw(st.sampled_from(["max", "avg", "adaptive", "adaptive_max"]))
     n, c = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     h, w = draw(st.integers(1, 9)), draw(st.integers(1, 9))
-    if kind == "adaptive":
+    if kind.startswith("adaptive"):
         return kind, (n, c, h, w), dict(out=(draw(st.integers(1, 6)), draw(st.integers(1, 6))))
     k = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
     args = dict(k=k, s=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
@@ -222,7 +234,7 @@ def test_pool_property_both_modes(problem, tiles):
     target = ip.Target.test(tiles, 256 * 1024)
     strict, (X, DY), e1, _ = run(target, "strict", kind, shape, **args)
     fast, _, e2, _ = run(target, "fast", kind, shape, **args)
-    want_y, want_dx = reference(X, DY.astype(np.float64), "avg" if kind == "adaptive" else kind, **args)
+    want_y, want_dx = reference(X, DY.astype(np.float64), ref_kind(kind), **args)
     for got in (strict, fast):
         np.testing.assert_allclose(got[0], want_y, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(got[1], want_dx, rtol=1e-6, atol=1e-6)
@@ -232,12 +244,12 @@ def test_pool_property_both_modes(problem, tiles):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind,shape,args", [CASES[0], CASES[5], CASES[9]])
+@pytest.mark.parametrize("kind,shape,args", [CASES[0], CASES[5], CASES[9], CASES[12]])
 def test_float16(mode, kind, shape, args):
     """Sums accumulate in float64 and round once, passing through float32 (as the device does):
     within one float16 ulp of the exact value, rounded or not."""
     (y, dx), (X, DY), _, _ = run(SMALL, mode, kind, shape, "float16", **args)
-    want_y, want_dx = reference(X, DY.astype(np.float64), "avg" if kind == "adaptive" else kind, **args)
+    want_y, want_dx = reference(X, DY.astype(np.float64), ref_kind(kind), **args)
     assert y.dtype == dx.dtype == np.float16
     for got, want in ((y, want_y), (dx, want_dx)):
         ulp = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
@@ -350,3 +362,6 @@ def test_bad_arguments_are_clear_errors():
     dy = g.addVariable("float32", (1, 2, 3, 3), "dy")
     with pytest.raises(ValueError, match="gives \\[1, 2, 2, 2\\]"):
         P.avg_pool2d_backward(g, dy, (1, 2, 5, 5), 2, ip.Sequence())
+    y = P.adaptive_max_pool2d(g, x, 2, ip.Sequence())
+    with pytest.raises(ValueError, match="differ in shape"):
+        P.adaptive_max_pool2d_backward(g, x, y, dy, ip.Sequence())

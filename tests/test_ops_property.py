@@ -208,14 +208,19 @@ def pool(draw):
     kernel = draw(st.integers(1, 3))
     stride = draw(st.integers(1, 3))
     padding = draw(st.integers(0, kernel // 2))
-    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(kernel, 6)), draw(st.integers(kernel, 6)))
-    kind = draw(st.sampled_from(["max", "avg", "adaptive"]), label="kind")
+    kind = draw(st.sampled_from(["max", "avg", "adaptive", "adaptive_max"]), label="kind")
+    dilation = draw(st.integers(1, 2)) if kind == "max" else 1
+    ceil = draw(st.booleans(), label="ceil_mode")
+    reach = dilation * (kernel - 1) + 1
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(reach, 6)), draw(st.integers(reach, 6)))
     if kind == "max":
-        return lambda x: F.max_pool2d(x, kernel, stride, padding), [shape]
+        return lambda x: F.max_pool2d(x, kernel, stride, padding, dilation, ceil), [shape]
     if kind == "avg":
-        return lambda x: F.avg_pool2d(x, kernel, stride, padding), [shape]
+        include_pad = draw(st.booleans(), label="count_include_pad")
+        return lambda x: F.avg_pool2d(x, kernel, stride, padding, ceil, include_pad), [shape]
     out = (draw(st.integers(1, shape[2])), draw(st.integers(1, shape[3])))
-    return lambda x: F.adaptive_avg_pool2d(x, out), [shape]
+    fn = F.adaptive_avg_pool2d if kind == "adaptive" else F.adaptive_max_pool2d
+    return lambda x: fn(x, out), [shape]
 
 
 # ---- views, copies and indexing ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """2-D pooling in PyTorch's conventions (NCHW): max and average pooling with kernel, stride,
 padding (and dilation for max, `count_include_pad` and `divisor_override` for average),
-`ceil_mode`, adaptive average pooling, and the gradients of all three.
+`ceil_mode`, adaptive average and max pooling, and the gradients of all four.
 
 Windows, along each spatial dimension (`PoolDim`): output o reads the input positions
 start + t * step for t in [0, count), positions outside [0, in_size) being padding:
@@ -181,8 +181,9 @@ def pool_geometry(kind: str, x_shape, kernel_size, stride=None, padding=0, dilat
                         bool(count_include_pad), int(divisor_override or 0))
 
 
-def adaptive_geometry(x_shape, output_size, what: str = "adaptive_avg_pool2d") -> PoolGeometry:
-    """Geometry of adaptive_avg_pool2d; None in output_size keeps that input size (torch)."""
+def adaptive_geometry(x_shape, output_size, what: str = "adaptive_avg_pool2d", kind: str = "avg") -> PoolGeometry:
+    """Geometry of adaptive_avg_pool2d (kind "avg") or adaptive_max_pool2d (kind "max"); None in
+    output_size keeps that input size (torch)."""
     n, c, h, w = _input_shape(x_shape, what)
     sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size, output_size)
     if len(sizes) != 2:
@@ -190,7 +191,7 @@ def adaptive_geometry(x_shape, output_size, what: str = "adaptive_avg_pool2d") -
     oh, ow = (h if sizes[0] is None else int(sizes[0])), (w if sizes[1] is None else int(sizes[1]))
     if oh < 1 or ow < 1:
         raise ValueError(f"{what}: output_size must be positive, got {output_size!r}")
-    return PoolGeometry("avg", PoolDim(h, oh, adaptive=True), PoolDim(w, ow, adaptive=True), False, 0)
+    return PoolGeometry(kind, PoolDim(h, oh, adaptive=True), PoolDim(w, ow, adaptive=True), False, 0)
 
 
 # ---- cycle estimators ------------------------------------------------------------------------
@@ -687,6 +688,14 @@ def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.n
     return dx.reshape(n, c, hh, ww)
 
 
+def _max_grad_checks(x: Tensor, y: Tensor, dy: Tensor, name: str) -> None:
+    if tuple(y.shape) != tuple(dy.shape):
+        raise ValueError(f"{name}: pooled output {y.name!r} {list(y.shape)} and its gradient {dy.name!r} "
+                         f"{list(dy.shape)} differ in shape")
+    if not x.dtype == y.dtype == dy.dtype:
+        raise TypeError(f"{name}: x, y and dy must share a dtype, got {x.dtype.name}, {y.dtype.name}, {dy.dtype.name}")
+
+
 # ---- the ops ---------------------------------------------------------------------------------
 def max_pool2d(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0, dilation=1,
                ceil_mode: bool = False, name: str = "max_pool2d") -> Tensor:
@@ -714,11 +723,7 @@ def max_pool2d_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, kernel_s
                         padding=0, dilation=1, ceil_mode: bool = False, name: str = "max_pool2d_backward") -> Tensor:
     """dx of max_pool2d: each window's dy goes to its first maximum (y = max_pool2d(x) with the same arguments)."""
     geom = pool_geometry("max", x.shape, kernel_size, stride, padding, dilation, ceil_mode, what=name)
-    if tuple(y.shape) != tuple(dy.shape):
-        raise ValueError(f"{name}: pooled output {y.name!r} {list(y.shape)} and its gradient {dy.name!r} "
-                         f"{list(dy.shape)} differ in shape")
-    if not x.dtype == y.dtype == dy.dtype:
-        raise TypeError(f"{name}: x, y and dy must share a dtype, got {x.dtype.name}, {y.dtype.name}, {dy.dtype.name}")
+    _max_grad_checks(x, y, dy, name)
     return _backward(graph, geom, dy, x.shape, prog, name, x, y)
 
 
@@ -738,3 +743,21 @@ def adaptive_avg_pool2d_backward(graph: Graph, dy: Tensor, input_shape, prog: Se
         raise ValueError(f"{name}: expected a 4-D output gradient [N, C, OH, OW], got shape {list(dy.shape)}")
     geom = adaptive_geometry(input_shape, tuple(dy.shape[2:]), name)
     return _backward(graph, geom, dy, tuple(int(v) for v in input_shape), prog, name)
+
+
+def adaptive_max_pool2d(graph: Graph, x: Tensor, output_size, prog: Sequence,
+                        name: str = "adaptive_max_pool2d") -> Tensor:
+    """y = adaptive_max_pool2d(x[N, C, H, W], output_size) like torch (the values; the gradient
+    finds each window's first maximum again, as max_pool2d_backward does)."""
+    return _forward(graph, x, adaptive_geometry(x.shape, output_size, name, "max"), prog, name)
+
+
+def adaptive_max_pool2d_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, prog: Sequence,
+                                 name: str = "adaptive_max_pool2d_backward") -> Tensor:
+    """dx of adaptive_max_pool2d: each window's dy goes to its first maximum (y =
+    adaptive_max_pool2d(x) with dy's output size)."""
+    if dy.rank != 4:
+        raise ValueError(f"{name}: expected a 4-D output gradient [N, C, OH, OW], got shape {list(dy.shape)}")
+    _max_grad_checks(x, y, dy, name)
+    geom = adaptive_geometry(x.shape, tuple(dy.shape[2:]), name, "max")
+    return _backward(graph, geom, dy, x.shape, prog, name, x, y)

@@ -1136,78 +1136,81 @@ def _convolution_backward(c, grad, x, w, bias_sizes, stride, padding, dilation, 
 
 
 # ---- pooling ----------------------------------------------------------------------------------------
-def _pool_attrs(c, kernel, stride, padding, dilation=1, ceil_mode=False, ceil_ok=False):
-    if _int_list(dilation) != (1, 1):
-        raise c.error("pooling with dilation is not supported")
-    if ceil_mode and not ceil_ok:
-        raise c.error("average pooling with ceil_mode is not supported (max pooling's is)")
+def _pool_attrs(c, kernel, stride, padding, dilation=1, ceil_mode=False):
     k = _int_list(kernel)
     s = _int_list(stride) if stride not in (None, []) else k
-    return dict(kernel=k, stride=s, padding=_int_list(padding))
+    return dict(kernel=k, stride=s, padding=_int_list(padding), dilation=_int_list(dilation),
+                ceil_mode=bool(ceil_mode))
 
 
-def _ceil_padded(c, x, attrs, out_hw):
-    """x padded with -inf for a max pooling in ceil_mode: its padding on every side, and below and
-    right of it the rows and columns the last windows reach; a pooling without padding of that
-    gives ceil_mode's windows."""
-    (kh, kw), (sh, sw), (ph, pw) = attrs["kernel"], attrs["stride"], attrs["padding"]
-    eh, ew = ((o - 1) * st + k - (n + 2 * p) for o, st, k, n, p in zip(out_hw, (sh, sw), (kh, kw), x.shape[-2:],
-                                                                       (ph, pw)))
-    return _pad(c, x, [pw, pw + max(ew, 0), ph, ph + max(eh, 0)], -np.inf)
+def _planes4(c, *xs):
+    """The operands of a 2-D pooling as [N, C, H, W] (an unbatched [C, H, W] gets N = 1)."""
+    return [x if x is None or len(x.shape) == 4 else c.reshape(x, (1,) + x.shape) for x in xs]
 
 
-@lowers(aten.max_pool2d_with_indices, doc="max_pool2d (ceil_mode: -inf padding copied in, then max_pool2d)")
+def _pooled(c, op, inputs, shape, dtype, **attrs) -> Value:
+    """op of [N, C, H, W] inputs, the result reshaped to `shape` (the node's, maybe unbatched)."""
+    shape = tuple(shape)
+    y = c.one(op, _planes4(c, *inputs), shape if len(shape) == 4 else (1,) + shape, dtype, **attrs)
+    return c.reshape(y, shape)
+
+
+@lowers(aten.max_pool2d_with_indices, doc="max_pool2d (the indices stand for the pooled values)")
 def _max_pool(c, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
-    attrs = _pool_attrs(c, kernel, stride, padding, dilation, ceil_mode, ceil_ok=True)
-    out = tuple(c.out_meta(0).shape)
-    if ceil_mode:
-        x = _ceil_padded(c, x, attrs, out[-2:])
-        attrs["padding"] = (0, 0)
-    y = c.one("max_pool2d", [x], out, x.dtype, **attrs)
+    y = _pooled(c, "max_pool2d", [x], c.out_meta(0).shape, x.dtype,
+                **_pool_attrs(c, kernel, stride, padding, dilation, ceil_mode))
     return y, Only("max pooling's indices", y)
 
 
-@lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward (ceil_mode: of the padded input, sliced)",
-        raw=True)
+@lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward (each window's gradient to its first "
+                                                   "maximum)", raw=True)
 def _max_pool_backward(c, n):
     grad, x = c.load(n.args[0]), c.load(n.args[1])
-    indices = c.env[n.args[7]]
-    ceil_mode = bool(c.load(n.args[6]))
-    attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]], ceil_ok=True)
-    if not ceil_mode:
-        return c.one("max_pool2d_backward", [x, indices.value, grad], x.shape, grad.dtype, **attrs)
-    padded = _ceil_padded(c, x, attrs, grad.shape[-2:])
-    (ph, pw), attrs["padding"] = attrs["padding"], (0, 0)
-    g = c.one("max_pool2d_backward", [padded, indices.value, grad], padded.shape, grad.dtype, **attrs)
-    h, w = x.shape[-2:]
-    return _slice(c, _slice(c, g, -2, ph, ph + h, 1), -1, pw, pw + w, 1)
+    attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]])
+    return _pooled(c, "max_pool2d_backward", [x, c.env[n.args[7]].value, grad], x.shape, grad.dtype, **attrs)
+
+
+def _avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return dict(_pool_attrs(c, kernel, stride, padding, 1, ceil_mode), count_include_pad=bool(count_include_pad),
+                divisor_override=None if divisor_override is None else int(divisor_override))
 
 
 @lowers(aten.avg_pool2d, doc="avg_pool2d")
 def _avg_pool(c, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    if divisor_override is not None:
-        raise c.error("average pooling with divisor_override is not supported")
-    return c.one("avg_pool2d", [x], tuple(c.out_meta().shape), x.dtype, count_include_pad=bool(count_include_pad),
-                 **_pool_attrs(c, kernel, stride, padding, 1, ceil_mode))
+    return _pooled(c, "avg_pool2d", [x], c.out_meta().shape, x.dtype,
+                   **_avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
 
 
 @lowers(aten.avg_pool2d_backward, doc="avg_pool2d_backward")
 def _avg_pool_backward(c, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    if divisor_override is not None:
-        raise c.error("average pooling with divisor_override is not supported")
-    return c.one("avg_pool2d_backward", [grad], x.shape, grad.dtype, count_include_pad=bool(count_include_pad),
-                 **_pool_attrs(c, kernel, stride, padding, 1, ceil_mode))
+    return _pooled(c, "avg_pool2d_backward", [grad], x.shape, grad.dtype,
+                   **_avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
 
 
 @lowers(aten._adaptive_avg_pool2d, doc="adaptive_avg_pool2d")
 def _adaptive(c, x, output_size):
     out = tuple(c.out_meta().shape)
-    return c.one("adaptive_avg_pool2d", [x], out, x.dtype, output_size=out[-2:])
+    return _pooled(c, "adaptive_avg_pool2d", [x], out, x.dtype, output_size=out[-2:])
 
 
 @lowers(aten._adaptive_avg_pool2d_backward, doc="adaptive_avg_pool2d_backward")
 def _adaptive_backward(c, grad, x):
-    return c.one("adaptive_avg_pool2d_backward", [grad], x.shape, grad.dtype, output_size=grad.shape[-2:])
+    return _pooled(c, "adaptive_avg_pool2d_backward", [grad], x.shape, grad.dtype, output_size=grad.shape[-2:])
+
+
+@lowers(aten.adaptive_max_pool2d, doc="adaptive_max_pool2d (the indices stand for the pooled values)")
+def _adaptive_max(c, x, output_size):
+    out = tuple(c.out_meta(0).shape)
+    y = _pooled(c, "adaptive_max_pool2d", [x], out, x.dtype, output_size=out[-2:])
+    return y, Only("adaptive max pooling's indices", y)
+
+
+@lowers(aten.adaptive_max_pool2d_backward, doc="adaptive_max_pool2d_backward (each window's gradient to its first "
+                                               "maximum)", raw=True)
+def _adaptive_max_backward(c, n):
+    grad, x = c.load(n.args[0]), c.load(n.args[1])
+    return _pooled(c, "adaptive_max_pool2d_backward", [x, c.env[n.args[2]].value, grad], x.shape, grad.dtype,
+                   output_size=grad.shape[-2:])
 
 
 # ---- softmax, norms, dropout, losses, embedding --------------------------------------------------------

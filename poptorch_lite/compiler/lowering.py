@@ -523,31 +523,37 @@ def _conv2d_bwd_weights(ctx, n, ins):
                                          **_conv_args(n.attrs))]
 
 
+def _pool_args(a):
+    return dict(stride=a["stride"], padding=a["padding"], ceil_mode=a.get("ceil_mode", False))
+
+
+def _avg_args(a):
+    return dict(_pool_args(a), count_include_pad=a["count_include_pad"], divisor_override=a.get("divisor_override"))
+
+
 @lowers("max_pool2d")
 def _max_pool(ctx, n, ins):
     a = n.attrs
-    return [pool.max_pool2d(ctx.graph, ins[0], a["kernel"], ctx.prog, a["stride"], a["padding"], name=ctx.name)]
+    return [pool.max_pool2d(ctx.graph, ins[0], a["kernel"], ctx.prog, dilation=a.get("dilation", 1), name=ctx.name,
+                            **_pool_args(a))]
 
 
 @lowers("max_pool2d_backward")
 def _max_pool_bwd(ctx, n, ins):
     a = n.attrs
-    return [pool.max_pool2d_backward(ctx.graph, ins[0], ins[1], ins[2], a["kernel"], ctx.prog, a["stride"],
-                                     a["padding"], name=ctx.name)]
+    return [pool.max_pool2d_backward(ctx.graph, ins[0], ins[1], ins[2], a["kernel"], ctx.prog,
+                                     dilation=a.get("dilation", 1), name=ctx.name, **_pool_args(a))]
 
 
 @lowers("avg_pool2d")
 def _avg_pool(ctx, n, ins):
-    a = n.attrs
-    return [pool.avg_pool2d(ctx.graph, ins[0], a["kernel"], ctx.prog, a["stride"], a["padding"],
-                            count_include_pad=a["count_include_pad"], name=ctx.name)]
+    return [pool.avg_pool2d(ctx.graph, ins[0], n.attrs["kernel"], ctx.prog, name=ctx.name, **_avg_args(n.attrs))]
 
 
 @lowers("avg_pool2d_backward")
 def _avg_pool_bwd(ctx, n, ins):
-    a = n.attrs
-    return [pool.avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, a["kernel"], ctx.prog, a["stride"],
-                                     a["padding"], count_include_pad=a["count_include_pad"], name=ctx.name)]
+    return [pool.avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, n.attrs["kernel"], ctx.prog,
+                                     name=ctx.name, **_avg_args(n.attrs))]
 
 
 @lowers("adaptive_avg_pool2d")
@@ -558,6 +564,16 @@ def _adaptive(ctx, n, ins):
 @lowers("adaptive_avg_pool2d_backward")
 def _adaptive_bwd(ctx, n, ins):
     return [pool.adaptive_avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, ctx.prog, name=ctx.name)]
+
+
+@lowers("adaptive_max_pool2d")
+def _adaptive_max(ctx, n, ins):
+    return [pool.adaptive_max_pool2d(ctx.graph, ins[0], n.attrs["output_size"], ctx.prog, name=ctx.name)]
+
+
+@lowers("adaptive_max_pool2d_backward")
+def _adaptive_max_bwd(ctx, n, ins):
+    return [pool.adaptive_max_pool2d_backward(ctx.graph, ins[0], ins[1], ins[2], ctx.prog, name=ctx.name)]
 
 
 @lowers("softmax", "log_softmax")
