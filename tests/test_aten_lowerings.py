@@ -130,3 +130,30 @@ def test_adaptive_max_pooling_1d_and_unbatched_pooling():
 def test_three_dimensional_pooling_stays_unsupported():
     with pytest.raises(UnsupportedOpError, match="max_pool3d"):
         lower(lambda x: F.max_pool3d(x, 2), (1, 2, 4, 4, 4))
+
+
+@pytest.mark.parametrize("fn", [torch.cummax, torch.cummin])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_cummax_and_cummin_values_positions_and_gradient(fn, dim):
+    def op(x):
+        values, indices = fn(x, dim)
+        return values * 2.0 + indices.float()
+    run_op(op, (4, 5, 3))
+    run_op(lambda x: fn(x.round(), dim).values, (4, 5, 3))   # ties: the gradient goes to the last equal position
+
+
+def test_cummax_of_integers_and_booleans():
+    class Running(nn.Module):
+        def forward(self, i, b):
+            return torch.cummax(i, 1), torch.cummin(b, 0)
+
+    i, b = torch.randint(-3, 4, (3, 6)), torch.rand(5, 2) > 0.5
+    (vi, pi), (vb, pb) = poptorch.inferenceModel(Running())(i, b)
+    (wi, qi), (wb, qb) = Running()(i, b)
+    assert torch.equal(vi, wi.int()) and torch.equal(pi, qi.int()) and torch.equal(vb, wb) and torch.equal(pb, qb.int())
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_logcumsumexp_and_its_gradient(dim):
+    run_op(lambda x: torch.logcumsumexp(x, dim), (5, 4), rtol=1e-4)
+    run_op(lambda x: torch.logcumsumexp(x * 100.0, dim), (5, 4), rtol=1e-4)   # exp would overflow float32

@@ -137,7 +137,8 @@ def batch_norm(draw):
 def cumulative(draw):
     shape = draw(shapes)
     dim = axis_of(draw, shape)
-    fn = draw(st.sampled_from([torch.cumsum, lambda x, d: torch.cumprod(positive(x), d)]))
+    fn = draw(st.sampled_from([torch.cumsum, lambda x, d: torch.cumprod(positive(x), d), torch.logcumsumexp,
+                               lambda x, d: torch.cummax(x, d).values, lambda x, d: torch.cummin(x, d).values]))
     return lambda x: fn(x, dim), [shape]
 
 

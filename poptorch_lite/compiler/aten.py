@@ -1055,6 +1055,27 @@ def _scan(fn):
 LOWERINGS.update({aten.cumsum: _scan("sum"), aten.cumprod: _scan("prod")})
 
 
+@lowers(aten.logcumsumexp, doc="scan logsumexp (cumulative, along an axis: log1p(exp(min - max)) + max, no overflow)")
+def _logcumsumexp(c, x, dim):
+    return _scan("logsumexp")(c, x, dim)
+
+
+def _cumulative_extreme(fn):
+    def lower(c, x, dim):
+        dtype = c.out_dtype(0)
+        if not x.shape:
+            return x, c.const(np.zeros(()), np.int32)
+        x = c.cast(x, np.int32 if dtype == np.bool_ else dtype)
+        values, positions = c.emit("scan", [x], [(x.shape, x.dtype), (x.shape, np.dtype(np.int32))], fn=fn,
+                                   axis=dim % len(x.shape))
+        return c.cast(values, dtype), positions
+    lower.doc = f"scan {fn} with positions (cumulative, along an axis: of equal values the last position)"
+    return lower
+
+
+LOWERINGS.update({aten.cummax: _cumulative_extreme("max"), aten.cummin: _cumulative_extreme("min")})
+
+
 @lowers(aten.prod, doc="scan prod along the axis, the last (of the flattened tensor without an axis)")
 def _prod(c, x, dim=None, keepdim=False, dtype=None):
     x = c.cast(x, c.out_dtype())

@@ -703,7 +703,10 @@ def _scatter(ctx, n, ins):
 
 @lowers("scan")
 def _scan(ctx, n, ins):
-    return [scan_ops.scan(ctx.graph, ins[0], n.attrs["axis"], n.attrs["fn"], ctx.prog, name=ctx.name)]
+    a = n.attrs
+    if a["fn"] in scan_ops.EXTREMES:
+        return list(scan_ops.scan_with_positions(ctx.graph, ins[0], a["axis"], a["fn"], ctx.prog, name=ctx.name))
+    return [scan_ops.scan(ctx.graph, ins[0], a["axis"], a["fn"], ctx.prog, name=ctx.name)]
 
 
 @lowers("topk")
