@@ -157,3 +157,18 @@ def test_cummax_of_integers_and_booleans():
 def test_logcumsumexp_and_its_gradient(dim):
     run_op(lambda x: torch.logcumsumexp(x, dim), (5, 4), rtol=1e-4)
     run_op(lambda x: torch.logcumsumexp(x * 100.0, dim), (5, 4), rtol=1e-4)   # exp would overflow float32
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("size,scale", [(None, 2), ((7, 9), None), (None, 0.5), (None, 1.7), ((4, 3), None),
+                                        ((1, 6), None)])
+def test_bilinear_interpolation_and_its_gradient(size, scale, align_corners):
+    run_op(lambda x: F.interpolate(x, size=size, scale_factor=scale, mode="bilinear", align_corners=align_corners),
+           (2, 3, 4, 5), rtol=1e-4)
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_linear_interpolation_and_its_gradient(align_corners):
+    run_op(lambda x: F.interpolate(x, size=11, mode="linear", align_corners=align_corners), (2, 3, 5), rtol=1e-4)
+    run_op(lambda x: F.interpolate(x, scale_factor=0.6, mode="linear", align_corners=align_corners), (2, 3, 5),
+           rtol=1e-4)

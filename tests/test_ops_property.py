@@ -209,7 +209,7 @@ def pool(draw):
     kernel = draw(st.integers(1, 3))
     stride = draw(st.integers(1, 3))
     padding = draw(st.integers(0, kernel // 2))
-    kind = draw(st.sampled_from(["max", "avg", "adaptive", "adaptive_max"]), label="kind")
+    kind = draw(st.sampled_from(["max", "avg", "adaptive", "adaptive_max", "bilinear"]), label="kind")
     dilation = draw(st.integers(1, 2)) if kind == "max" else 1
     ceil = draw(st.booleans(), label="ceil_mode")
     reach = dilation * (kernel - 1) + 1
@@ -219,6 +219,9 @@ def pool(draw):
     if kind == "avg":
         include_pad = draw(st.booleans(), label="count_include_pad")
         return lambda x: F.avg_pool2d(x, kernel, stride, padding, ceil, include_pad), [shape]
+    if kind == "bilinear":
+        size, align = (draw(st.integers(1, 8)), draw(st.integers(1, 8))), draw(st.booleans(), label="align_corners")
+        return lambda x: F.interpolate(x, size, mode="bilinear", align_corners=align), [shape]
     out = (draw(st.integers(1, shape[2])), draw(st.integers(1, shape[3])))
     fn = F.adaptive_avg_pool2d if kind == "adaptive" else F.adaptive_max_pool2d
     return lambda x: fn(x, out), [shape]

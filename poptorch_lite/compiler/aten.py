@@ -18,6 +18,7 @@ index op whose positions exceed int32, is an error); float64 becomes float32.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from dataclasses import dataclass
@@ -647,6 +648,55 @@ def _upsample_nearest2d_backward(c, grad, output_size, input_size, scales_h=None
     rows, cols = c.const(sources[0].reshape(-1, 1), np.int32), c.const(sources[1].reshape(1, -1), np.int32)
     zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
     return _index_put(c, zeros, [None, None, rows, cols], grad, True)
+
+
+def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
+    """(first, second, weight of first, weight of second) input positions of each output position of
+    a linear interpolation, in float32 as PyTorch's CPU kernels compute them."""
+    o = np.arange(out)
+    if out == size:
+        return o, o, np.ones(out, np.float32), np.zeros(out, np.float32)
+    f32 = np.float32
+    if align_corners:
+        src = (f32(size - 1) / f32(out - 1) if out > 1 else f32(0)) * o.astype(f32)
+    else:
+        ratio = f32(1.0 / scale) if scale is not None and scale > 0 else f32(size) / f32(out)
+        src = np.maximum(ratio * (o.astype(f32) + f32(0.5)) - f32(0.5), f32(0))
+    first = np.minimum(np.floor(src).astype(np.int64), size - 1)
+    w1 = np.clip(src - first.astype(f32), f32(0), f32(1)).astype(f32)
+    return first, first + (first < size - 1), f32(1) - w1, w1
+
+
+def _upsample_linear_backward(c, grad, output_size, input_size, align_corners, scales):
+    """Each output position's gradient added, times its weight, into the 2^d input positions it
+    interpolated (one accumulating index_put over every corner): the positions and weights (their
+    products in float32) as PyTorch's CPU backward computes them."""
+    nd = len(output_size)
+    dims = [_linear_sources(int(o), int(i), bool(align_corners), s)
+            for o, i, s in zip(output_size, input_size[2:], scales)]
+    corners = list(itertools.product((0, 1), repeat=nd))
+    indices, weight = [], np.ones((len(corners),) + (1,) * nd, np.float32)
+    for d, (first, second, w0, w1) in enumerate(dims):
+        shape = [len(corners)] + [1] * nd
+        shape[1 + d] = len(first)
+        indices.append(c.const(np.stack([(first, second)[b[d]] for b in corners]).reshape(shape), np.int32))
+        weight = weight * np.stack([(w0, w1)[b[d]] for b in corners]).reshape(shape)
+    spread = c.binary("mul", c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:]), c.const(weight, grad.dtype),
+                      grad.dtype)
+    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
+    return _index_put(c, zeros, [None, None] + indices, spread, True)
+
+
+@lowers(aten.upsample_bilinear2d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
+                                               "four source positions, accumulated)")
+def _upsample_bilinear2d_backward(c, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_linear_backward(c, grad, output_size, input_size, align_corners, (scales_h, scales_w))
+
+
+@lowers(aten.upsample_linear1d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
+                                             "two source positions, accumulated)")
+def _upsample_linear1d_backward(c, grad, output_size, input_size, align_corners, scales=None):
+    return _upsample_linear_backward(c, grad, output_size, input_size, align_corners, (scales,))
 
 
 def _diagonal_indices(c, x, offset, dim1, dim2):
