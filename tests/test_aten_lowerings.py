@@ -132,6 +132,11 @@ def test_three_dimensional_pooling_stays_unsupported():
         lower(lambda x: F.max_pool3d(x, 2), (1, 2, 4, 4, 4))
 
 
+def rounded(t):
+    """t rounded to integers (many equal values), with t's gradient (round's own is zero)."""
+    return t + (t.round() - t).detach()
+
+
 @pytest.mark.parametrize("fn", [torch.cummax, torch.cummin])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_cummax_and_cummin_values_positions_and_gradient(fn, dim):
@@ -139,7 +144,7 @@ def test_cummax_and_cummin_values_positions_and_gradient(fn, dim):
         values, indices = fn(x, dim)
         return values * 2.0 + indices.float()
     run_op(op, (4, 5, 3))
-    run_op(lambda x: fn(x.round(), dim).values, (4, 5, 3))   # ties: the gradient goes to the last equal position
+    run_op(lambda x: fn(rounded(x), dim).values, (4, 5, 3))   # ties: the gradient goes to the last equal position
 
 
 def test_cummax_of_integers_and_booleans():
@@ -172,3 +177,22 @@ def test_linear_interpolation_and_its_gradient(align_corners):
     run_op(lambda x: F.interpolate(x, size=11, mode="linear", align_corners=align_corners), (2, 3, 5), rtol=1e-4)
     run_op(lambda x: F.interpolate(x, scale_factor=0.6, mode="linear", align_corners=align_corners), (2, 3, 5),
            rtol=1e-4)
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin", "sum"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_scatter_reduce_and_its_gradient(reduce, include_self, dim):
+    index = torch.tensor([[0, 1, 1, 3], [2, 2, 0, 0], [1, 1, 1, 1]])
+    index = index if dim == 1 else index[:, :3].T.contiguous()   # some positions receive nothing
+    shape = (3, 5) if dim == 1 else (4, 3)
+
+    def op(x, s):   # rounded: ties between the base and the sources, which share the gradient
+        return rounded(x).scatter_reduce(dim, index, rounded(s), reduce, include_self=include_self)
+    run_op(op, shape, tuple(index.shape))
+
+
+def test_scatter_reduce_with_unsupported_reductions_is_refused():
+    for reduce in ("prod", "mean"):
+        with pytest.raises(UnsupportedOpError, match=f"reduce='{reduce}' is not supported"):
+            lower(lambda x: x.scatter_reduce(0, torch.tensor([0, 0]), x[:2] * 1.0, reduce), (3,))

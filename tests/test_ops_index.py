@@ -1,5 +1,5 @@
-"""ipusim.ops.index: gather and scatter along an axis against torch, strict and fast modes bit for
-bit; ipusim.ops.rows: the row plan."""
+"""ipusim.ops.index: gather and scatter (writes, sums, maxima and minima) along an axis against
+torch, strict and fast modes bit for bit; ipusim.ops.rows: the row plan."""
 import numpy as np
 import pytest
 import torch
@@ -73,6 +73,33 @@ def test_scatter_is_torch_scatter_in_both_modes(shape, m, axis, accumulate, seed
     np.testing.assert_allclose(results[0][0], expected, rtol=1e-6, atol=1e-6)
 
 
+@given(shape=shapes, m=st.integers(1, 7), axis=st.integers(0, 2), reduce=st.sampled_from(["max", "min"]),
+       dtype=st.sampled_from(["float32", "float16", "int32"]), nans=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None)
+def test_scatter_max_and_min_are_torch_scatter_reduce_in_both_modes(shape, m, axis, reduce, dtype, nans, seed):
+    rng = np.random.default_rng(seed)
+    axis %= len(shape)
+    ishape = list(shape)
+    ishape[axis] = m
+    n = shape[axis]
+    base = rng.integers(-3, 4, shape).astype(dtype)   # ties between base and src and among src
+    src = rng.integers(-3, 4, ishape).astype(dtype)
+    if nans and dtype != "int32":
+        base[rng.random(shape) < 0.1] = np.nan
+        src[rng.random(ishape) < 0.1] = np.nan
+    idx = rng.integers(-n, n, ishape).astype(np.int32)
+    values = {"base": base, "idx": idx, "src": src}
+    results = [engine(lambda g, p, t: I.scatter(g, t["base"], t["idx"], t["src"], axis, p, reduce=reduce),
+                      values, mode) for mode in ("strict", "fast")]
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+    b, i, s = torch.from_numpy(base), torch.from_numpy(idx % n).long(), torch.from_numpy(src)
+    if dtype == "float16":
+        b, s = b.double(), s.double()
+    expected = b.scatter_reduce(axis, i, s, "amax" if reduce == "max" else "amin").numpy().astype(dtype)
+    np.testing.assert_array_equal(results[0][0], expected)
+
+
 def test_out_of_range_indices_gather_zero_and_scatter_nothing():
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     idx = np.array([[4, -5, 1], [0, 9, -1], [2, 2, -4]], np.int32)
@@ -105,6 +132,11 @@ def test_bad_indices_are_named():
     i = g.addVariable("int32", (2, 2), "j")
     with pytest.raises(ValueError, match="must match 'x'"):
         I.gather(g, x, i, 1, ip.Sequence())
+    j, s = g.addVariable("int32", (3, 2), "k"), g.addVariable("float32", (3, 2), "s")
+    with pytest.raises(ValueError, match="unknown reduction 'mean'"):
+        I.scatter(g, x, j, s, 1, ip.Sequence(), reduce="mean")
+    with pytest.raises(ValueError, match="cannot be combined with reduce='max'"):
+        I.scatter(g, x, j, s, 1, ip.Sequence(), accumulate=True, reduce="max")
 
 
 def test_row_plan_spreads_rows_and_cuts_columns_only_when_rows_are_few():

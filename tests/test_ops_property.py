@@ -262,7 +262,8 @@ def gather_scatter(draw):
     m = draw(small)
     ishape = tuple(m if d == dim else draw(st.integers(1, s)) for d, s in enumerate(shape))
     idx = index_array(draw, shape[dim], ishape, negative=False)
-    kind = draw(st.sampled_from(["gather", "scatter_add", "take_along_dim", "index_add"]), label="kind")
+    kind = draw(st.sampled_from(["gather", "scatter_add", "scatter_reduce", "take_along_dim", "index_add"]),
+                label="kind")
     if kind == "gather":
         return lambda x: torch.gather(x, dim, idx), [shape]
     if kind == "take_along_dim":   # the index broadcasts against x on the other axes
@@ -270,6 +271,10 @@ def gather_scatter(draw):
         return lambda x: torch.take_along_dim(x, full, dim), [shape]
     if kind == "scatter_add":
         return lambda x, s: torch.scatter_add(x, dim, idx, s), [shape, ishape]
+    if kind == "scatter_reduce":
+        reduce = draw(st.sampled_from(["amax", "amin", "sum"]), label="reduce")
+        include_self = draw(st.booleans(), label="include_self")
+        return lambda x, s: torch.scatter_reduce(x, dim, idx, s, reduce, include_self=include_self), [shape, ishape]
     rows = index_array(draw, shape[dim], (m,), negative=False)
     src = tuple(m if d == dim else s for d, s in enumerate(shape))
     return lambda x, s: torch.index_add(x, dim, rows, s), [shape, src]

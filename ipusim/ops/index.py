@@ -1,9 +1,11 @@
 """Gather and scatter along an axis (PopLibs' dynamic slices, torch.gather / scatter / index ops).
 
 `gather(x, indices, axis)`: out[.., m, ..] = x[.., indices[.., m, ..], ..], indices shaped like
-the output (a broadcast view for index_select). `scatter(base, indices, src, axis, accumulate)`:
-a copy of base with src[.., m, ..] written to (or added into) position indices[.., m, ..] along
-the axis. Indices are int32 on the device; a negative index counts from the end of the axis (as in
+the output (a broadcast view for index_select). `scatter(base, indices, src, axis, reduce)`:
+a copy of base with src[.., m, ..] written to position indices[.., m, ..] along the axis, or
+combined with what is there (reduce "add", "max" or "min"; torch's scatter_reduce "sum", "amax",
+"amin" with include_self). A maximum takes a NaN from src and keeps a NaN already there (torch's
+rule); of equal values it keeps the one there. Indices are int32 on the device; a negative index counts from the end of the axis (as in
 torch); an index still outside the axis gathers zero and scatters nothing (PopLibs' dynamic
 slices; torch raises).
 
@@ -17,9 +19,9 @@ Vertices (worker instructions; cycles = `target.thread_cycles`):
 - gather, k rows of m outputs: 12 + k * (6 + 5 * m): per output an index load, the bounds check
   and wrap, a load and a store;
 - scatter, k rows of n elements and m updates: 12 + k * (6 + 2 * n + 6 * m): the row copied in
-  and out, per update an index load, the check, a load, the add or write.
+  and out, per update an index load, the check, a load, the add, compare (maxima, minima) or write.
 A scatter adds in float64 in update order and rounds once; the fast mode adds in the same order
-(`np.add.at`), so both modes agree bit for bit.
+(`np.add.at`; maxima and minima in a Numba loop in update order), so both modes agree bit for bit.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from .reduce import stored
 from .rows import along, plan_rows
 
 INT32_MAX = 2**31 - 1
+REDUCTIONS = {None: 0, "add": 1, "max": 2, "min": 3}
 
 
 # ---- codelets and estimators ------------------------------------------------------------------
@@ -55,12 +58,33 @@ def gather_codelet(x, x_addr, x_start, idx, i_addr, i_start, out, o_addr, o_star
                     st(out, o_addr[ob + k * m + j], 0)
 
 
+@njit(**JIT)
+def _combined(op, there, value):
+    """What a scatter leaves at a position holding `there` when `value` arrives (op as REDUCTIONS)."""
+    if op == 0:
+        return value
+    if op == 1:
+        return there + value
+    if value != value:
+        return value
+    if op == 2:
+        return value if value > there else there
+    return value if value < there else there
+
+
+@njit(**JIT)
+def scatter_rows(rows, r, c, values, op):
+    """rows[r[j], c[j]] combined with values[j], update after update (the fast mode's max and min)."""
+    for j in range(r.size):
+        rows[r[j], c[j]] = _combined(op, rows[r[j], c[j]], values[j])
+
+
 @njit(parallel=True, **JIT)
 def scatter_codelet(base, b_addr, b_start, idx, i_addr, i_start, src, s_addr, s_start, out, o_addr, o_start,
                     params):
-    """params: row length n, updates per row m, accumulate (1) or write (0)."""
+    """params: row length n, updates per row m, reduction (0 write, 1 add, 2 max, 3 min)."""
     for v in prange(params.shape[0]):
-        n, m, add = int(params[v, 0]), int(params[v, 1]), params[v, 2] != 0
+        n, m, op = int(params[v, 0]), int(params[v, 1]), int(params[v, 2])
         bb, ib, sb, ob = b_start[v], i_start[v], s_start[v], o_start[v]
         row = np.empty(n)
         for k in range((o_start[v + 1] - ob) // max(n, 1)):
@@ -72,7 +96,7 @@ def scatter_codelet(base, b_addr, b_start, idx, i_addr, i_start, src, s_addr, s_
                     r += n
                 if r >= 0 and r < n:
                     value = ld(src, s_addr[sb + k * m + j])
-                    row[r] = row[r] + value if add else value
+                    row[r] = _combined(op, row[r], value)
             for e in range(n):
                 st(out, o_addr[ob + k * n + e], row[e])
 
@@ -152,9 +176,16 @@ def gather(graph: Graph, x: Tensor, indices: Tensor, axis: int, prog: Sequence, 
 
 
 def scatter(graph: Graph, base: Tensor, indices: Tensor, src: Tensor, axis: int, prog: Sequence,
-            name: str = "scatter", accumulate: bool = False) -> Tensor:
-    """A copy of `base` with `src` (shaped like indices) written, or added when `accumulate`, at
-    `indices` along `axis` (updates in order: of two writes to one element the later stays)."""
+            name: str = "scatter", accumulate: bool = False, reduce: str | None = None) -> Tensor:
+    """A copy of `base` with `src` (shaped like indices) written at `indices` along `axis` (updates
+    in order: of two writes to one element the later stays), or combined with what is there:
+    added when `accumulate` or reduce="add", the larger kept for "max", the smaller for "min"."""
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"{name}: unknown reduction {reduce!r}; use one of {sorted(r for r in REDUCTIONS if r)} "
+                         "or None to write")
+    if accumulate and reduce not in (None, "add"):
+        raise ValueError(f"{name}: accumulate=True adds; it cannot be combined with reduce={reduce!r}")
+    op = REDUCTIONS["add" if accumulate else reduce]
     axis = _check(name, base, indices, axis)
     if src.shape != indices.shape or src.dtype != base.dtype:
         raise ValueError(f"{name}: src {src.name!r} is {src.dtype.name}{src.shape}; it must be "
@@ -174,7 +205,7 @@ def scatter(graph: Graph, base: Tensor, indices: Tensor, src: Tensor, axis: int,
                   "indices": blocks.local_rows(i_local, i_at, k, a, b, M),
                   "src": blocks.local_rows(s_local, s_at, k, a, b, M),
                   "out": blocks.rows_of(ov, k, a, b)}
-        params = np.array([[N, M, float(accumulate)]], np.float64).repeat(k.size, 0)
+        params = np.array([[N, M, op]], np.float64).repeat(k.size, 0)
         cs = graph.addComputeSet(name)
         graph.addVertices(cs, SCATTER, blocks.tile[k], fields, params)
         body.add(Execute(cs))
@@ -185,8 +216,10 @@ def scatter(graph: Graph, base: Tensor, indices: Tensor, src: Tensor, axis: int,
         values = np.moveaxis(io.read(src), axis, -1).reshape(R, M).astype(np.float64)
         r = np.broadcast_to(np.arange(R)[:, None], (R, M))[valid]
         c, values = idx[valid], values[valid]
-        if accumulate:
+        if op == REDUCTIONS["add"]:
             np.add.at(rows, (r, c), values)
+        elif op:
+            scatter_rows(rows, r, c, values, op)
         else:   # the last update of an element stays
             key = r * N + c
             _, last = np.unique(key[::-1], return_index=True)

@@ -537,9 +537,10 @@ def _gather_along(c, x: Value, idx: Value, axis: int) -> Value:
     return c.one("gather", [x, idx], idx.shape, x.dtype, axis=axis)
 
 
-def _scatter_along(c, base: Value, idx: Value, src: Value, axis: int, accumulate: bool) -> Value:
+def _scatter_along(c, base: Value, idx: Value, src: Value, axis: int, accumulate: bool, reduce=None) -> Value:
+    attrs = {"reduce": reduce} if reduce else {}
     return c.one("scatter", [base, idx, c.cast(src, base.dtype)], base.shape, base.dtype, axis=axis,
-                 accumulate=bool(accumulate))
+                 accumulate=bool(accumulate), **attrs)
 
 
 def _crop(c, x: Value, shape, skip: int) -> Value:
@@ -560,21 +561,38 @@ def _gather(c, x, dim, index, sparse_grad=False):
     return _gather_along(c, _crop(c, x, idx.shape, dim), idx, dim)
 
 
+SCATTER_REDUCTIONS = {"sum": "add", "add": "add", "amax": "max", "amin": "min"}
+
+
+def _identity(how: str, dtype) -> float:
+    """The value a scatter's reduction starts from where include_self=False leaves out the base."""
+    if how == "add":
+        return 0
+    if np.dtype(dtype).kind == "f":
+        return -np.inf if how == "max" else np.inf
+    info = np.iinfo(np.int32)
+    return info.min if how == "max" else info.max
+
+
 @lowers(aten.scatter, aten.scatter_add, aten.scatter_reduce,
-        doc="scatter along an axis (writes, or adds for scatter_add and reduce='sum'/'add')")
+        doc="scatter along an axis (writes; adds for scatter_add and reduce='sum'/'add'; keeps the larger or "
+            "smaller for 'amax'/'amin'; include_self=False: a scatter of the reduction's identity first)")
 def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     dim = dim % max(len(x.shape), 1)
-    add = c.node.target.overloadpacket is aten.scatter_add
+    how = "add" if c.node.target.overloadpacket is aten.scatter_add else None
     if reduce is not None:
-        if reduce not in ("sum", "add") or not include_self:
-            raise c.error(f"scatter with reduce={reduce!r}{'' if include_self else ', include_self=False'} is not "
-                          "supported (writes and sums are)")
-        add = True
+        if reduce not in SCATTER_REDUCTIONS:
+            raise c.error(f"scatter with reduce={reduce!r} is not supported (writes, and the reductions "
+                          f"{sorted(SCATTER_REDUCTIONS)} are)")
+        how = SCATTER_REDUCTIONS[reduce]
     _check_int32(c, x.shape[dim] if x.shape else 1, f"axis {dim}")
     idx = _indices(c, index)
     src = _crop(c, src, idx.shape, -1) if isinstance(src, Value) else c.const(np.full(idx.shape, src), x.dtype)
     part = _crop(c, x, idx.shape, dim)
-    y = _scatter_along(c, part, idx, src, dim, add)
+    base = part
+    if how is not None and not include_self:
+        base = _scatter_along(c, part, idx, c.const(np.full(idx.shape, _identity(how, x.dtype)), x.dtype), dim, False)
+    y = _scatter_along(c, base, idx, src, dim, how == "add", how if how in ("max", "min") else None)
     if part is x:
         return y
     key = tuple(slice(0, n) for n in part.shape)   # an index smaller than x on other axes: the rest is x

@@ -698,7 +698,7 @@ def _gather(ctx, n, ins):
 @lowers("scatter")
 def _scatter(ctx, n, ins):
     return [index_ops.scatter(ctx.graph, ins[0], ins[1], ins[2], n.attrs["axis"], ctx.prog, name=ctx.name,
-                              accumulate=n.attrs["accumulate"])]
+                              accumulate=n.attrs["accumulate"], reduce=n.attrs.get("reduce"))]
 
 
 @lowers("scan")
