@@ -196,3 +196,27 @@ def test_scatter_reduce_with_unsupported_reductions_is_refused():
     for reduce in ("prod", "mean"):
         with pytest.raises(UnsupportedOpError, match=f"reduce='{reduce}' is not supported"):
             lower(lambda x: x.scatter_reduce(0, torch.tensor([0, 0]), x[:2] * 1.0, reduce), (3,))
+
+
+@pytest.mark.parametrize("pool", [
+    lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True),
+    lambda x: F.max_pool2d(x, (3, 2), 1, (1, 0), 2, True, return_indices=True),
+    lambda x: F.max_pool1d(x[0], 3, 2, 1, 2, True, return_indices=True),
+    lambda x: F.adaptive_max_pool2d(x, (2, 3), return_indices=True),
+    lambda x: F.adaptive_max_pool1d(x[0], 4, return_indices=True)])
+def test_max_pooling_indices_are_torch_indices(pool):
+    def op(x):
+        values, indices = pool(rounded(x))   # ties: the first maximum of the window
+        return values + indices.float()
+    run_op(op, (2, 3, 7, 6))
+
+
+def test_max_pooling_indices_of_windows_of_padding_only():
+    class Pool(nn.Module):
+        def forward(self, x):
+            return F.max_pool2d(x, (2, 1), 1, (1, 0), (3, 1), return_indices=True)
+
+    x = torch.tensor([[[[0.5], [-1.0]]]])
+    values, indices = poptorch.inferenceModel(Pool())(x)
+    want_values, want_indices = Pool()(x)
+    assert torch.equal(values, want_values) and torch.equal(indices.long(), want_indices)

@@ -204,6 +204,11 @@ def conv(draw):
             [(batch, cin) + spatial, (cout, cin // groups) + (kernel,) * nd, (cout,)])
 
 
+def sum_of(pooled):
+    values, indices = pooled
+    return values + indices.float()
+
+
 @case("matmul")
 def pool(draw):
     kernel = draw(st.integers(1, 3))
@@ -215,6 +220,9 @@ def pool(draw):
     reach = dilation * (kernel - 1) + 1
     shape = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(reach, 6)), draw(st.integers(reach, 6)))
     if kind == "max":
+        if draw(st.booleans(), label="return_indices"):
+            return lambda x: sum_of(F.max_pool2d(x, kernel, stride, padding, dilation, ceil, return_indices=True)), \
+                [shape]
         return lambda x: F.max_pool2d(x, kernel, stride, padding, dilation, ceil), [shape]
     if kind == "avg":
         include_pad = draw(st.booleans(), label="count_include_pad")

@@ -1244,11 +1244,85 @@ def _pooled(c, op, inputs, shape, dtype, **attrs) -> Value:
     return c.reshape(y, shape)
 
 
-@lowers(aten.max_pool2d_with_indices, doc="max_pool2d (the indices stand for the pooled values)")
+MAX_POOL_BACKWARDS = (aten.max_pool2d_with_indices_backward, aten.adaptive_max_pool2d_backward)
+
+
+def _indices_read(c) -> bool:
+    """Whether anything but its backward reads the indices output of the max pooling being lowered."""
+    for user in c.node.users:
+        if user.target is not operator.getitem:
+            return True
+        if user.args[1] == 1 and any(getattr(u.target, "overloadpacket", None) not in MAX_POOL_BACKWARDS
+                                     for u in user.users):
+            return True
+    return False
+
+
+def _window_table(geom) -> tuple[np.ndarray, np.ndarray]:
+    """Per output of a max pooling (row-major) and window position (row-major): the input position
+    to gather (a padding position takes the window's first real one, which leaves the maximum and
+    its first position as they are) and the flat position h * W + w it stands for."""
+    w = geom.w.in_size
+    rows = geom.h.positions(np.arange(geom.h.out_size))[:, None, :, None]
+    cols = geom.w.positions(np.arange(geom.w.out_size))[None, :, None, :]
+    flat = np.where((rows < 0) | (cols < 0), -1, rows * w + cols).reshape(geom.h.out_size * geom.w.out_size, -1)
+    real = flat >= 0
+    first = flat[np.arange(flat.shape[0]), real.argmax(axis=1)]
+    empty = ~real.any(axis=1)   # dilation can leave a window with padding only: torch points at its start
+    if empty.any():
+        oh, ow = np.divmod(np.flatnonzero(empty), geom.w.out_size)
+        starts = []
+        for o, d in ((oh, geom.h), (ow, geom.w)):
+            s0 = o * d.stride - d.padding
+            starts.append(np.where(s0 < 0, s0 + -(-(-s0) // d.dilation) * d.dilation, s0))
+        first[empty] = starts[0] * w + starts[1]
+    table = np.where(real, flat, first[:, None])
+    return np.where(real, flat, np.where(empty, 0, first)[:, None]), table
+
+
+def _pool_indices(c, x: Value, geom) -> Value:
+    """PyTorch's indices of a max pooling of x [N, C, H, W]: per window the flat position h * W + w
+    of its first maximum in row-major window order (every window's values gathered, topk k=1 along
+    the window, the position looked up in the window's table)."""
+    n, ch, h, w = x.shape
+    gather, table = _window_table(geom)
+    P, (O, K) = n * ch, gather.shape
+    taps = c.expand(c.const(gather.reshape(1, O * K), np.int32), (P, O * K))
+    values = c.reshape(_gather_along(c, c.reshape(x, (P, h * w)), taps, 1), (P, O, K))
+    first = _topk_along(c, values, 1, 2, True)[1]
+    where = _gather_along(c, c.expand(c.const(table.reshape(1, O, K), np.int32), (P, O, K)), first, 2)
+    return c.reshape(where, (n, ch, geom.h.out_size, geom.w.out_size))
+
+
+def _max_pooled(c, op, x, attrs, geom_of, what):
+    """A max pooling's values, and its indices: computed when something other than the backward
+    reads them, else an Only standing for the values."""
+    out = tuple(c.out_meta(0).shape)
+    y = _pooled(c, op, [x], out, x.dtype, **attrs)
+    if not _indices_read(c):
+        return y, Only(what, y)
+    x4 = _planes4(c, x)[0]
+    return y, c.reshape(_pool_indices(c, x4, geom_of(x4.shape)), out)
+
+
+def _pooled_values(c, indices: torch.fx.Node) -> Value:
+    """The pooled values a max pooling backward reads (its indices argument stands for them)."""
+    v = c.env[indices]
+    if isinstance(v, Only):
+        return v.value
+    if indices.target is operator.getitem:   # indices computed for another reader: the values are output 0
+        return c.env[indices.args[0]][0]
+    raise c.error("the indices of a max pooling backward must come from its max pooling")
+
+
+@lowers(aten.max_pool2d_with_indices, doc="max_pool2d; indices read by other ops than the backward: a gather of "
+                                          "every window, topk k=1 along it, a gather of the window's positions")
 def _max_pool(c, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
-    y = _pooled(c, "max_pool2d", [x], c.out_meta(0).shape, x.dtype,
-                **_pool_attrs(c, kernel, stride, padding, dilation, ceil_mode))
-    return y, Only("max pooling's indices", y)
+    from ipusim.ops.pool import pool_geometry
+    attrs = _pool_attrs(c, kernel, stride, padding, dilation, ceil_mode)
+    return _max_pooled(c, "max_pool2d", x, attrs, lambda shape: pool_geometry(
+        "max", shape, attrs["kernel"], attrs["stride"], attrs["padding"], attrs["dilation"], attrs["ceil_mode"]),
+        "max pooling's indices")
 
 
 @lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward (each window's gradient to its first "
@@ -1256,7 +1330,7 @@ def _max_pool(c, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False)
 def _max_pool_backward(c, n):
     grad, x = c.load(n.args[0]), c.load(n.args[1])
     attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]])
-    return _pooled(c, "max_pool2d_backward", [x, c.env[n.args[7]].value, grad], x.shape, grad.dtype, **attrs)
+    return _pooled(c, "max_pool2d_backward", [x, _pooled_values(c, n.args[7]), grad], x.shape, grad.dtype, **attrs)
 
 
 def _avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
@@ -1287,18 +1361,20 @@ def _adaptive_backward(c, grad, x):
     return _pooled(c, "adaptive_avg_pool2d_backward", [grad], x.shape, grad.dtype, output_size=grad.shape[-2:])
 
 
-@lowers(aten.adaptive_max_pool2d, doc="adaptive_max_pool2d (the indices stand for the pooled values)")
+@lowers(aten.adaptive_max_pool2d, doc="adaptive_max_pool2d; indices read by other ops than the backward: as "
+                                     "max_pool2d's")
 def _adaptive_max(c, x, output_size):
-    out = tuple(c.out_meta(0).shape)
-    y = _pooled(c, "adaptive_max_pool2d", [x], out, x.dtype, output_size=out[-2:])
-    return y, Only("adaptive max pooling's indices", y)
+    from ipusim.ops.pool import adaptive_geometry
+    out = tuple(c.out_meta(0).shape)[-2:]
+    return _max_pooled(c, "adaptive_max_pool2d", x, dict(output_size=out),
+                       lambda shape: adaptive_geometry(shape, out, kind="max"), "adaptive max pooling's indices")
 
 
 @lowers(aten.adaptive_max_pool2d_backward, doc="adaptive_max_pool2d_backward (each window's gradient to its first "
                                                "maximum)", raw=True)
 def _adaptive_max_backward(c, n):
     grad, x = c.load(n.args[0]), c.load(n.args[1])
-    return _pooled(c, "adaptive_max_pool2d_backward", [x, c.env[n.args[2]].value, grad], x.shape, grad.dtype,
+    return _pooled(c, "adaptive_max_pool2d_backward", [x, _pooled_values(c, n.args[2]), grad], x.shape, grad.dtype,
                    output_size=grad.shape[-2:])
 
 
