@@ -158,6 +158,12 @@ def test_cummax_of_integers_and_booleans():
     assert torch.equal(vi, wi.int()) and torch.equal(pi, qi.int()) and torch.equal(vb, wb) and torch.equal(pb, qb.int())
 
 
+def test_cumulative_ops_and_scatters_of_a_zero_dim_tensor():
+    # cummax's gradient is a scatter_add into a 0-d tensor
+    run_op(lambda x: torch.cummax(x[0], 0).values * 2 + torch.logcumsumexp(x[0], 0), (1,))
+    run_op(lambda x, s: x[0].scatter_reduce(0, torch.tensor(0), s[0], "amax", include_self=False), (1,), (1,))
+
+
 @pytest.mark.parametrize("dim", [0, -1])
 def test_logcumsumexp_and_its_gradient(dim):
     run_op(lambda x: torch.logcumsumexp(x, dim), (5, 4), rtol=1e-4)

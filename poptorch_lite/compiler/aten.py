@@ -554,7 +554,7 @@ def _crop(c, x: Value, shape, skip: int) -> Value:
 @lowers(aten.gather, doc="gather along an axis")
 def _gather(c, x, dim, index, sparse_grad=False):
     if not len(x.shape):
-        return _gather(c, c.reshape(x, (1,)), 0, c.reshape(index, (1,)))
+        return c.reshape(_gather(c, c.reshape(x, (1,)), 0, c.reshape(index, (1,))), index.shape)
     dim = dim % len(x.shape)
     _check_int32(c, x.shape[dim], f"axis {dim}")
     idx = _indices(c, index)
@@ -578,7 +578,11 @@ def _identity(how: str, dtype) -> float:
         doc="scatter along an axis (writes; adds for scatter_add and reduce='sum'/'add'; keeps the larger or "
             "smaller for 'amax'/'amin'; include_self=False: a scatter of the reduction's identity first)")
 def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
-    dim = dim % max(len(x.shape), 1)
+    if not len(x.shape):   # a 0-d tensor as one element
+        one = c.reshape(src, (1,)) if isinstance(src, Value) else src
+        y = _scatter(c, c.reshape(x, (1,)), 0, c.reshape(index, (1,)), one, reduce, include_self)
+        return c.reshape(y, ())
+    dim = dim % len(x.shape)
     how = "add" if c.node.target.overloadpacket is aten.scatter_add else None
     if reduce is not None:
         if reduce not in SCATTER_REDUCTIONS:
