@@ -260,12 +260,44 @@ def test_running_mean_keeps_float16_accumulators_finite_where_their_sum_overflow
     for strategy in (poptorch.MeanReductionStrategy.Post, poptorch.MeanReductionStrategy.Running):
         net = Scaled(torch.float16)
         model = poptorch.trainingModel(net, mean_reduction_options(strategy),
-                                       optimizer=torch.optim.SGD(net.parameters(), lr=1e-5))
+                                       optimizer=poptorch.optim.SGD(net.parameters(), lr=1e-5,
+                                                                    accum_type=torch.float16))
         model(x)
         results[strategy] = net.w.detach().float()
     assert not torch.isfinite(results[poptorch.MeanReductionStrategy.Post]).any()
     torch.testing.assert_close(results[poptorch.MeanReductionStrategy.Running], torch.full((3,), 1 - 0.4),
                                rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the float16 loss value itself
+def test_float16_weights_accumulate_gradients_in_accum_type():
+    """PopTorch's accum_type is the dtype of the gradient accumulators, float32 unless given (for
+    float16 weights too): the float16 sum that overflows above is finite in float32."""
+    x = torch.full((8, 3), 20000.0, dtype=torch.float16)
+    net = Scaled(torch.float16)
+    model = poptorch.trainingModel(net, mean_reduction_options(poptorch.MeanReductionStrategy.Post),
+                                   optimizer=poptorch.optim.SGD(net.parameters(), lr=1e-5))
+    model(x)
+    torch.testing.assert_close(net.w.detach().float(), torch.full((3,), 1 - 0.4), rtol=1e-3, atol=1e-3)
+    accumulators = [v for g in model._executable.engine.device.graphs for v in g.variables
+                    if v.category == "accumulators" and v.name.endswith("/accumulator")]
+    assert accumulators and all(v.dtype == np.float32 for v in accumulators)
+
+
+def test_adam_moments_take_poptorch_s_first_and_second_order_types():
+    """accum_type=float16 alone leaves both moments in float32 (Graphcore's mixed-precision
+    tutorial's AdamW: a float16 second moment would underflow and the update blow up); each
+    moment takes its own type when given."""
+    for kwargs, expected in (({"accum_type": torch.float16}, ("float32", "float32")),
+                             ({"first_order_momentum_accum_type": torch.float16}, ("float16", "float32")),
+                             ({"second_order_momentum_accum_type": torch.float16}, ("float32", "float16"))):
+        net = Scaled()
+        model = poptorch.trainingModel(net, mean_reduction_options(poptorch.MeanReductionStrategy.Post),
+                                       optimizer=poptorch.optim.AdamW(net.parameters(), lr=1e-3, **kwargs))
+        model(torch.randn(8, 3))
+        moments = {v.name.rsplit("/", 1)[1]: v.dtype.name for g in model._executable.engine.device.graphs
+                   for v in g.variables if v.category == "optimiser_state" and v.name.endswith(("exp_avg", "exp_avg_sq"))}
+        assert (moments["exp_avg"], moments["exp_avg_sq"]) == expected, kwargs
 
 
 @pytest.mark.parametrize("training, accum_type, combined, expected", [

@@ -17,7 +17,8 @@ Device state. Every optimiser keeps, per IPU graph, one always-live float32 "hyp
 reads its hyperparameters from its own tile, and the host changes them with `Optimiser.set(engine,
 lr=...)` (an `engine.writeTensor`, no graph rebuild). Per weight, a `WeightState` holds the state
 tensors (torch's names: momentum_buffer, exp_avg, exp_avg_sq, square_avg, grad_avg), mapped
-exactly like the weight, in `state_dtype` (float32 by default, also for float16 weights), and a
+exactly like the weight, in `state_dtype` (float32 by default, also for float16 weights; a dict
+gives each slot its own, as PopTorch's first- and second-order momentum types do), and a
 float32 step counter per update vertex that the vertex increments itself, so bias correction and
 SGD's first-step buffer work across any number of steps inside one engine run.
 
@@ -273,8 +274,23 @@ class Optimiser:
             raise ValueError(f"{type(self).__name__}: invalid weight_decay {self.weight_decay}; it must be >= 0")
         if not self.loss_scaling > 0.0:
             raise ValueError(f"{type(self).__name__}: invalid loss_scaling {self.loss_scaling}; it must be > 0")
-        if np.dtype(self.state_dtype).name not in FLOAT_DTYPES:
-            raise TypeError(f"{type(self).__name__}: state_dtype must be float32 or float16, got {self.state_dtype!r}")
+        dtypes = self.state_dtype.values() if isinstance(self.state_dtype, dict) else (self.state_dtype,)
+        if any(np.dtype(d).name not in FLOAT_DTYPES for d in dtypes):
+            raise TypeError(f"{type(self).__name__}: state_dtype must be float32 or float16 (or a dict of them by "
+                            f"state slot), got {self.state_dtype!r}")
+        if isinstance(self.state_dtype, dict):
+            known = {s for s in self.layout().slots if s is not None}
+            unknown = sorted(set(self.state_dtype) - known)
+            if unknown:
+                raise ValueError(f"{type(self).__name__}: state_dtype names slots {unknown} this configuration does "
+                                 f"not keep; its state slots are {sorted(known)}")
+
+    def slot_dtype(self, slot: str) -> str:
+        """The dtype of state `slot`: `state_dtype` itself, or its entry for the slot (float32 when a
+        dict leaves the slot out)."""
+        if isinstance(self.state_dtype, dict):
+            return self.state_dtype.get(slot, "float32")
+        return self.state_dtype
 
     def hyper_values(self) -> dict[str, float]:
         raise NotImplementedError
@@ -315,7 +331,7 @@ class Optimiser:
         tensors = {}
         for slot in layout.slots:
             if slot is not None:
-                t = graph.addVariable(self.state_dtype, weight.shape, f"{weight.name}/{slot}",
+                t = graph.addVariable(self.slot_dtype(slot), weight.shape, f"{weight.name}/{slot}",
                                       category="optimiser_state")
                 t.var.mapping[:] = tiles
                 tensors[slot] = t
@@ -378,7 +394,7 @@ class SGD(Optimiser):
     weight_decay: float = 0.0
     nesterov: bool = False
     loss_scaling: float = 1.0
-    state_dtype: str = "float32"
+    state_dtype: str | dict = "float32"
     KIND: ClassVar[int] = SGD_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "momentum", "dampening")
     STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "nesterov")
@@ -408,7 +424,7 @@ class Adam(Optimiser):
     eps: float = 1e-8
     weight_decay: float = 0.0
     loss_scaling: float = 1.0
-    state_dtype: str = "float32"
+    state_dtype: str | dict = "float32"
     KIND: ClassVar[int] = ADAM_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "beta1", "beta2", "eps")
     DECOUPLED: ClassVar[bool] = False
@@ -442,7 +458,7 @@ class RMSprop(Optimiser):
     momentum: float = 0.0
     centered: bool = False
     loss_scaling: float = 1.0
-    state_dtype: str = "float32"
+    state_dtype: str | dict = "float32"
     KIND: ClassVar[int] = RMSPROP_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "alpha", "momentum", "eps")
     STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "centered")
@@ -475,7 +491,7 @@ class LAMB(Optimiser):
     bias_correction: bool = True
     loss_scaling: float = 1.0
     max_weight_norm: float | None = None
-    state_dtype: str = "float32"
+    state_dtype: str | dict = "float32"
     KIND: ClassVar[int] = LAMB_DIRECTION
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "beta1", "beta2", "eps",
                                         "max_weight_norm")
@@ -624,7 +640,7 @@ def weight_update(graph: Graph, weight: Tensor, grad: Tensor, optimiser: Optimis
     if weight.numel == 0:
         prog.add(OpProgram(name, Sequence(name=name), lambda io: None, (weight, grad), ()))
         return state
-    width = _width(weight.dtype, grad.dtype, optimiser.state_dtype)
+    width = _width(weight.dtype, grad.dtype, *(optimiser.slot_dtype(s) for s in layout.slots if s is not None))
     common = {"g": _Field(grad, ELEMENTS), "h": _Field(hyper.tensor, HYPER_ROW)}
     if state.step is not None:
         common["step"] = _Field(state.step, STEP, written=True)

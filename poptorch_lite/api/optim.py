@@ -12,13 +12,38 @@ POPTORCH_EXTRAS = ("loss_scaling", "accum_type", "first_order_momentum_accum_typ
                    "max_grad_norm", "max_weight_norm", "bias_correction")
 
 
-def state_dtype(accum_type) -> str:
-    """The device dtype of optimiser state for PopTorch's `accum_type`."""
-    if accum_type in (None, torch.float32):
+def dtype_name(dtype, what: str) -> str:
+    """The device dtype of one of PopTorch's accumulation types (None: float32)."""
+    if dtype in (None, torch.float32):
         return "float32"
-    if accum_type == torch.float16:
+    if dtype == torch.float16:
         return "float16"
-    raise ValueError(f"accum_type must be torch.float32 or torch.float16, got {accum_type}")
+    raise ValueError(f"{what} must be torch.float32 or torch.float16, got {dtype}")
+
+
+# Which of PopTorch's types each optimiser state slot is kept in: the first-order momentum (Adam's
+# and LAMB's exp_avg, RMSprop's momentum buffer and centred gradient average), the second-order
+# (exp_avg_sq, square_avg) and SGD's velocity. Each defaults to float32, whatever `accum_type`.
+SLOT_TYPES = {"exp_avg": "first_order_momentum_accum_type", "grad_avg": "first_order_momentum_accum_type",
+              "exp_avg_sq": "second_order_momentum_accum_type", "square_avg": "second_order_momentum_accum_type"}
+
+
+def state_dtypes(group: dict, slots) -> dict[str, str]:
+    """The dtype of each optimiser state slot of a parameter group, from PopTorch's types."""
+    out = {}
+    for slot in slots:
+        if slot == "momentum_buffer":  # SGD's velocity, RMSprop's momentum buffer
+            key = "velocity_accum_type" if "velocity_accum_type" in group else "first_order_momentum_accum_type"
+        else:
+            key = SLOT_TYPES[slot]
+        out[slot] = dtype_name(group.get(key), key)
+    return out
+
+
+def accumulator_dtype(group: dict) -> str:
+    """PopTorch's `accum_type`: the dtype gradients are accumulated in (float32 unless given, for
+    float16 weights too)."""
+    return dtype_name(group.get("accum_type"), "accum_type")
 
 
 def mean_reduction_strategy(options, optimizer, training: bool):

@@ -19,7 +19,7 @@ from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
 from .lowering import Locations, Lowering
-from .updates import UpdatePlan, build_updates, running_mean
+from .updates import UpdatePlan, accumulator_dtypes, build_updates, running_mean
 
 
 class Executable:
@@ -105,7 +105,8 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     locations = tensor_locations(options, placement)
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
-                          running_mean=optimizer is not None and running_mean(options))
+                          running_mean=optimizer is not None and running_mean(options),
+                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {})
                  for r in range(replicas)]
     for low in lowerings:
         low.build()

@@ -106,9 +106,11 @@ class Lowering:
     device; programs are appended to a list shared by all replicas (one Engine runs them all)."""
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
-                 replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False):
+                 replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
+                 accumulator_dtypes: dict[str, str] | None = None):
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
+        self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
         self.device = device
         self.target = device.target
         self.programs = programs
@@ -342,12 +344,15 @@ class Lowering:
         for name, v in self.ir.grads.items():
             if (v.id, key) in self.tensors and (v.producer is None or stage_key(v.producer) == key):
                 w = self.weights[name]
-                acc = g.clone(w, f"{w.name}/accumulator", category="accumulators", always_live=True)
+                acc = g.clone(w, f"{w.name}/accumulator", dtype=self.accumulator_dtypes.get(name, w.dtype),
+                              category="accumulators", always_live=True)
                 self.accumulators[name] = acc
                 grad = self.tensors[(v.id, key)]
                 if grad.ipu != w.ipu:
                     raise CompileError(f"the gradient of {name!r} is computed on IPU {grad.ipu}, its weight lives on "
                                        f"IPU {w.ipu}")
+                if grad.dtype != acc.dtype:
+                    grad = ew.cast(g, grad, acc.dtype, body, f"{acc.name}/gradient")
                 buf = None
                 if self.locations.off_chip("accumulators", acc.numel):
                     buf = self.accumulator_buffers[name] = self.remote(g, acc)

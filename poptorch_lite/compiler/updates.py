@@ -10,6 +10,7 @@ optimiser's loss-scaling divisor, so no extra pass over the gradients is needed.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -21,36 +22,39 @@ from ipusim.ops import elementwise as ew
 from ipusim.ops import optim as dev
 
 from ..api.enums import MeanReductionStrategy, ReductionType
-from ..api.optim import LAMB, state_dtype
+from ..api.optim import LAMB, accumulator_dtype, state_dtypes
 
 
 def device_config(optimizer: torch.optim.Optimizer, group: dict, divisor: float) -> dev.Optimiser:
     """The ipusim optimiser configuration of one parameter group; `divisor` folds the gradient
     reduction (e.g. 1/G for Mean) into the loss-scaling divisor."""
-    ls = float(group.get("loss_scaling", 1.0)) * divisor
-    state = state_dtype(group.get("accum_type"))
+    config = _device_optimiser(optimizer, group, float(group.get("loss_scaling", 1.0)) * divisor)
+    slots = [s for s in config.layout().slots if s is not None]
+    return dataclasses.replace(config, state_dtype=state_dtypes(group, slots))
+
+
+def _device_optimiser(optimizer: torch.optim.Optimizer, group: dict, ls: float) -> dev.Optimiser:
     if group.get("max_grad_norm") not in (None, math.inf):
         raise ValueError("max_grad_norm (gradient clipping) is not supported by the emulated optimisers")
     if isinstance(optimizer, torch.optim.AdamW):
         return dev.AdamW(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                         weight_decay=group["weight_decay"], loss_scaling=ls, state_dtype=state)
+                         weight_decay=group["weight_decay"], loss_scaling=ls)
     if isinstance(optimizer, torch.optim.Adam):
         if group.get("amsgrad"):
             raise ValueError("Adam(amsgrad=True) is not supported on the IPU")
         return dev.Adam(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                        weight_decay=group["weight_decay"], loss_scaling=ls, state_dtype=state)
+                        weight_decay=group["weight_decay"], loss_scaling=ls)
     if isinstance(optimizer, torch.optim.SGD):
         return dev.SGD(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                       weight_decay=group["weight_decay"], nesterov=group["nesterov"], loss_scaling=ls,
-                       state_dtype=state)
+                       weight_decay=group["weight_decay"], nesterov=group["nesterov"], loss_scaling=ls)
     if isinstance(optimizer, torch.optim.RMSprop):
         return dev.RMSprop(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
                            weight_decay=group["weight_decay"], momentum=group["momentum"],
-                           centered=group["centered"], loss_scaling=ls, state_dtype=state)
+                           centered=group["centered"], loss_scaling=ls)
     if isinstance(optimizer, LAMB):
         return dev.LAMB(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                         weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
-                        max_weight_norm=group["max_weight_norm"], loss_scaling=ls, state_dtype=state)
+                        max_weight_norm=group["max_weight_norm"], loss_scaling=ls)
     raise TypeError(f"optimizer {type(optimizer).__name__} is not supported: use SGD, Adam, AdamW, RMSprop "
                     "(torch.optim or poptorch.optim) or poptorch.optim.LAMB")
 
@@ -92,6 +96,12 @@ def _param_groups(optimizer, named_params: dict) -> dict[str, int]:
                 raise ValueError("the optimizer holds a parameter that is not part of the model")
             group_of[name_of[id(p)]] = gi
     return group_of
+
+
+def accumulator_dtypes(optimizer: torch.optim.Optimizer, named_params: dict) -> dict[str, str]:
+    """The dtype each parameter's gradients accumulate in: its group's `accum_type`."""
+    groups = optimizer.param_groups
+    return {name: accumulator_dtype(groups[gi]) for name, gi in _param_groups(optimizer, named_params).items()}
 
 
 def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict) -> UpdatePlan:
