@@ -86,7 +86,7 @@ BASICS = MODEL + """
     loader = poptorch.DataLoader(opts, train, batch_size=16, shuffle=True, num_workers=4)
     training = poptorch.trainingModel(model, options=opts,
                                       optimizer=poptorch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    for epoch in range(4):
+    for epoch in range(3):
         for data, labels in loader:
             output, loss = training(data, labels)
     training.detachFromDevice()
@@ -114,7 +114,7 @@ MIXED_PRECISION = MODEL + """
     opts.Precision.setPartialsType(torch.half)
     loader = poptorch.DataLoader(opts, train, batch_size=12, shuffle=True, num_workers=4)
     training = poptorch.trainingModel(model.train(), options=opts, optimizer=optimizer)
-    for epoch in range(4):
+    for epoch in range(3):
         for data, labels in loader:
             output, loss = training(data, labels)
     training.detachFromDevice()
