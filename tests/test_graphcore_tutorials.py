@@ -20,7 +20,7 @@ FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
          "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 
-def write_banded_fashion_mnist(root, n_train=192, n_test=64) -> None:
+def write_banded_fashion_mnist(root, n_train=128, n_test=64) -> None:
     """root/FashionMNIST/raw/ as torchvision looks for it (so nothing is downloaded)."""
     raw = os.path.join(root, "FashionMNIST", "raw")
     os.makedirs(raw)
@@ -129,8 +129,8 @@ DATA_LOADING = MODEL + """
         opts.replicationFactor(2)
         model = ClassificationModel(log_softmax_dim=0).train()
         training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9))
-        features = torch.randn([256, 1, 28, 28])
-        labels = torch.empty([256], dtype=torch.long).random_(10)
+        features = torch.randn([128, 1, 28, 28])
+        labels = torch.empty([128], dtype=torch.long).random_(10)
         dataset = torch.utils.data.TensorDataset(features, labels)
         loader = poptorch.DataLoader(opts, dataset=dataset, batch_size=8, shuffle=True, drop_last=True, num_workers=4,
                                      mode=poptorch.DataLoaderMode.Async, async_options={"early_preload": True})
@@ -174,5 +174,5 @@ def test_mixed_precision_trains_in_half_with_loss_scaling_and_stochastic_roundin
 
 def test_data_loading_with_replicas_and_early_preload(tmp_path):
     done = run_tutorial(tmp_path, DATA_LOADING)
-    # 256 samples, 8 per micro-batch, 4 device iterations, 2 replicas: 4 calls of 64 items
-    assert printed(done, "steps") == "4 calls 4 items per call 64"
+    # 128 samples, 8 per micro-batch, 4 device iterations, 2 replicas: 2 calls of 64 items
+    assert printed(done, "steps") == "2 calls 2 items per call 64"
