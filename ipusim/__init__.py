@@ -2,6 +2,7 @@
 from .device.cost import Cost, Cycles
 from .device.engine import Engine, RunReport
 from .device.graph import Device, Graph
+from .device.mapping import TileMap
 from .device.memory import MemoryReport, OutOfMemoryError
 from .device.program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteBuffer,
                       RemoteCopy, Repeat, Sequence, StreamCopy, Sync)
@@ -13,4 +14,4 @@ from .device.vertex import ComputeSet, Field, LocalityError, VertexTable, Vertex
 __all__ = ["BOW", "GC2", "GC200", "ComputeSet", "Copy", "Cost", "Cycles", "DataStream", "Device", "Engine",
            "Execute", "Field", "Graph", "If", "InterIpuCopy", "LocalityError", "MappingError", "MemoryReport", "OpProgram",
            "OutOfMemoryError", "Parallel", "Program", "RemoteBuffer", "RemoteCopy", "Repeat", "RunReport", "Sequence", "StreamCopy", "Sync",
-           "Target", "Tensor", "Variable", "VertexTable", "VertexType", "get_target"]
+           "Target", "Tensor", "TileMap", "Variable", "VertexTable", "VertexType", "get_target"]

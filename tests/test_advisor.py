@@ -149,7 +149,7 @@ def test_linear_spread_matches_map_linearly():
         g = ip.Graph(TARGET)
         t = g.addVariable("float32", (numel,), "x")
         g.map_linearly(t, grain=4, min_elements_per_tile=64)
-        expected = np.bincount(t.var.mapping, minlength=TARGET.num_tiles) * 4
+        expected = t.var.mapping.counts(TARGET.num_tiles) * 4
         assert np.array_equal(adv.linear_tile_bytes(numel * 4, TARGET.num_tiles), expected), numel
 
 

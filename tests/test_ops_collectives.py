@@ -23,7 +23,7 @@ def replicas(num, shape=(6, 10), dtype="float32", mappings=None):
         if mappings is None:
             g.map_linearly(x, grain=4)
         else:
-            x.var.mapping[:] = mappings[r]
+            x.var.mapping = ip.TileMap.from_tiles(mappings[r])
         xs.append(x)
     return dev, xs
 
@@ -209,7 +209,7 @@ def test_received_chunks_are_temporaries_on_the_chunk_tiles():
         if isinstance(node, InterIpuCopy) and node.dst.var.category == "temporaries":
             assert not node.dst.var.always_live
             src_positions = node.src.index.reshape(-1)
-            np.testing.assert_array_equal(node.dst.tiles().reshape(-1), xs[node.dst.ipu].var.mapping[src_positions])
+            np.testing.assert_array_equal(node.dst.tiles().reshape(-1), xs[node.dst.ipu].var.mapping.at(src_positions))
     for report in e.memory:  # one received chunk (30 floats) is live at a time on each IPU
         assert report.liveness.max() == 30 * 4
 

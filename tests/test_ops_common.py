@@ -3,6 +3,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
+from ipusim import TileMap
 from ipusim.ops.common import box_positions, by_distinct_rows, region_work, split_ranges
 
 
@@ -27,12 +28,13 @@ def test_split_ranges_splits_every_range_like_one_at_a_time(sizes, parts, grain)
 @given(hs.lists(hs.integers(0, 5), max_size=80), hs.integers(1, 7), hs.sampled_from([1, 4]))
 def test_region_work_gives_each_tile_its_elements_split_over_the_workers(tiles, workers, grain):
     tiles = np.asarray(tiles, dtype=np.int64)
-    work = region_work(tiles, workers, grain)
+    work = region_work(TileMap.from_tiles(tiles), workers, grain)
     want = []
     for tile in sorted(set(tiles.tolist())):
         positions = np.flatnonzero(tiles == tile)
         want += [(tile, positions[b:e].tolist()) for b, e in split_reference(positions.size, workers, grain)]
-    got = [(int(t), work.positions[a:b].tolist()) for t, a, b in zip(work.tiles, work.offsets[:-1], work.offsets[1:])]
+    at = work.element_offsets
+    got = [(int(t), work.positions[a:b].tolist()) for t, a, b in zip(work.tiles, at[:-1], at[1:])]
     assert got == want
 
 

@@ -249,9 +249,9 @@ def test_any_shape_and_mapping_agrees_across_modes_and_with_the_reference(rows, 
     for mode in MODES:
         g = ip.Graph(TARGET)
         w = g.addVariable("float32", shape, "w")
-        w.var.mapping[:] = tiles
+        w.var.mapping = ip.TileMap.from_tiles(tiles)
         grad = g.addVariable("float32", shape, "grad")
-        grad.var.mapping[:] = rng.permutation(tiles)
+        grad.var.mapping = ip.TileMap.from_tiles(rng.permutation(tiles))
         prog = ip.Sequence()
         opt = optim.LAMB(lr=0.05) if lamb else optim.Adam(lr=0.05)
         optim.weight_update(g, w, grad, opt, prog)

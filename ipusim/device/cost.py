@@ -25,6 +25,7 @@ import numpy as np
 from .program import (Copy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteCopy, Repeat,
                       Sequence, StreamCopy, Sync)
 from .target import Target
+from .mapping import TileMap, union_length
 from .tensor import Tensor
 
 KINDS = ("compute", "exchange", "sync", "inter_ipu", "host")
@@ -88,24 +89,99 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     The exchange takes as long as its busiest tile: the most bytes a tile receives, or sends.
     A tile sends each element once even when several tiles receive it (exchange broadcast), so a
     source element counts once per sender however many copies of it the destination holds.
+    Work is per run of the source's elements and per run of its mapping, once for every distinct
+    run however many destinations receive it (`routes`).
     """
-    s = src.on(src.var.mapping).reshape(-1)  # int16 tiles: no widening copy
-    d = dst.on(dst.var.mapping).reshape(-1)
-    size = src.dtype.itemsize
-    moved = s != d
     n = target.num_tiles
-    if src.distinct:  # every source element once: its tile is s
-        sent = np.bincount(s[moved], minlength=n)
-    else:  # a source element sent to several tiles is sent once
-        mask = np.zeros(src.var.numel, dtype=bool)
-        mask[src.elements()[moved]] = True
-        sent = np.bincount(src.var.mapping[mask], minlength=n)
-    recv = np.bincount(d[moved], minlength=n)
-    local = np.bincount(d[~moved], minlength=n)
+    r = routes(src, dst.tile_map())
+    moved = r.lengths - r.local
+    recv = np.bincount(r.dst_tile, weights=moved, minlength=n)
+    local = np.bincount(r.dst_tile, weights=r.local, minlength=n)
+    sent = union_length(r.piece_first[r.piece_moved], r.piece_length[r.piece_moved], r.piece_tile[r.piece_moved], n)
+    size = src.dtype.itemsize
     worst = int(max(sent.max(initial=0), recv.max(initial=0))) * size
     cycles = math.ceil(worst / target.exchange_bytes_per_cycle)
     cycles += math.ceil(int(local.max(initial=0)) * size / target.local_copy_bytes_per_cycle)
     return cycles, int(moved.sum()) * size
+
+
+@dataclass
+class Routes:
+    """Where the elements of a copy go. The copy is cut into *deliveries*: a run of consecutive
+    source elements all received by one tile (`dst_tile`), `local` of them already there. The
+    distinct runs delivered are cut into *pieces* on one source tile each (`piece_tile`), with
+    `piece_moved` when some delivery takes the piece's elements off their tile."""
+    lengths: np.ndarray
+    dst_tile: np.ndarray
+    local: np.ndarray
+    piece_first: np.ndarray
+    piece_length: np.ndarray
+    piece_tile: np.ndarray
+    piece_moved: np.ndarray
+
+
+def routes(src: Tensor, dst: TileMap) -> Routes:
+    """The deliveries and pieces of a copy from `src` to a tensor whose positions live on `dst`
+    (see `Routes`)."""
+    _, element, length, dst_tile = src.deliveries(dst)
+    if src.distinct:  # every delivery its own run
+        which = np.arange(element.size)
+        runs_first, runs_length = element, length
+    else:  # one distinct run for all deliveries of the same elements (an operand block sent to many tiles)
+        which, first = _groups(element, length)
+        runs_first, runs_length = element[first], length[first]
+    run, piece_first, piece_length, piece_tile = src.var.mapping.pieces(runs_first, runs_length)
+    num_runs = runs_first.size
+    # runs whose elements all live on one tile (most): that tile, else -2
+    tile_of_run = np.full(num_runs, -2, np.int64)
+    one = np.bincount(run, minlength=num_runs) == 1
+    tile_of_run[run[one[run]]] = piece_tile[one[run]]
+    local = np.where(tile_of_run[which] == dst_tile, length, 0)
+    mixed = np.flatnonzero(tile_of_run[which] == -2)  # deliveries of runs spread over tiles
+    if mixed.size:
+        key_tiles = int(max(piece_tile.max(initial=0), dst_tile.max(initial=0))) + 2  # tile + 1 as a digit
+        on_tile, sums = _sum_by(run * key_tiles + piece_tile + 1, piece_length)  # elements of a run on a tile
+        key = which[mixed] * key_tiles + dst_tile[mixed] + 1
+        hit = np.searchsorted(on_tile, key).clip(max=on_tile.size - 1)
+        local[mixed] = np.where(on_tile[hit] == key, sums[hit], 0)
+    # a piece is moved when some delivery of its run goes to another tile
+    if src.distinct:
+        piece_moved = piece_tile != dst_tile[run]
+    else:
+        pair, first = _groups(which, dst_tile)  # distinct (run, destination) pairs
+        destinations = np.bincount(which[first], minlength=num_runs)
+        only = np.full(num_runs, -2, np.int64)
+        only[which[first]] = dst_tile[first]  # meaningful where a run has one destination
+        piece_moved = (destinations[run] > 1) | (only[run] != piece_tile)
+    return Routes(length, dst_tile, local, piece_first, piece_length, piece_tile, piece_moved)
+
+
+def _groups(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Equal (a[i], b[i]) pairs grouped: (group of each i, the first i of each group), groups in
+    order of their pairs; by one stable sort (fast on the nearly sorted arrays copies make)."""
+    low, span = int(b.min(initial=0)), int(b.max(initial=0)) - int(b.min(initial=0)) + 1
+    if a.size and int(a.max()) < np.iinfo(np.int64).max // span - 1 and int(a.min()) >= 0:
+        key = a * span + (b - low)  # one key: a stable sort of it is the lexicographic order
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        new = np.ones(order.size, bool)
+        new[1:] = key[1:] != key[:-1]
+    else:
+        order = np.lexsort((b, a))
+        a, b = a[order], b[order]
+        new = np.ones(order.size, bool)
+        new[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    group = np.empty(order.size, np.int64)
+    group[order] = np.cumsum(new) - 1
+    return group, order[new]
+
+
+def _sum_by(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct keys in increasing order, the sum of `values` for each)."""
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    first = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if keys.size else np.zeros(0, np.int64)
+    return keys[first], np.add.reduceat(values[order], first).astype(np.int64) if first.size else np.zeros(0, np.int64)
 
 
 def estimate(program: Program, target: Target, num_ipus: int, memo: dict | None = None) -> Cost:

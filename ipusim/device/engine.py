@@ -145,7 +145,7 @@ class Engine:
                     column = table.fields[f]
                     starts = np.concatenate(([0], np.cumsum(column.sizes()))).astype(np.int64)
                     args += [kernel_view(ipu_mem.arena(column.dtype)), ipu_mem.field_addresses(column), starts]
-                plan.append((table.type.kernel, args + [table.params]))
+                plan.append((table.type.kernel, args + [table.params, *table.type.template]))
             self._plans[id(node)] = plan
         elif isinstance(node, (Copy, InterIpuCopy)):
             self._plans[id(node)] = _copy_plan(mem[node.src.ipu], node.src, mem[node.dst.ipu], node.dst)

@@ -5,6 +5,8 @@ The Poplar-style names (`addVariable`, `setTileMapping`, ...) are the API; snake
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .program import DataStream, RemoteBuffer
@@ -47,7 +49,7 @@ class Graph:
         c = self.addVariable(dtype or t.dtype, t.shape, name or f"{t.name}/clone",
                              category=category or t.var.category,
                              always_live=t.var.always_live if always_live is None else always_live)
-        c.var.mapping[:] = t.tiles().reshape(-1)
+        c.var.mapping = t.tile_map()
         return c
 
     def addConstant(self, dtype, shape, value, name: str = "const") -> Tensor:
@@ -70,35 +72,35 @@ class Graph:
         """Map every element of the view to one tile."""
         self._own(t)
         tile = self._check_tile(tile)
-        if t.distinct:
-            t.on(t.var.mapping)[...] = tile
-        else:
-            t.var.mapping[t.elements()] = tile
+        self.map_positions(t, [0], [t.numel], [tile])
 
     def setTileMappingIntervals(self, t: Tensor, intervals) -> None:
         """Map flat element intervals of the view: `[(tile, begin, end), ...]`, end exclusive."""
+        intervals = np.asarray(list(intervals), np.int64).reshape(-1, 3)
+        tiles, begin, end = intervals.T
+        n = t.numel
+        bad = np.flatnonzero((begin < 0) | (begin > end) | (end > n))
+        if bad.size:
+            raise ValueError(f"interval [{begin[bad[0]]}, {end[bad[0]]}) is outside tensor {t.name!r} of {n} elements")
+        self.map_positions(t, begin, end - begin, tiles)
+
+    def map_positions(self, t: Tensor, starts, lengths, tiles) -> None:
+        """Map runs of the view's flat positions: positions `starts[k] .. starts[k] + lengths[k] - 1`
+        to `tiles[k]`, in work proportional to the runs (and the view's own runs)."""
         self._own(t)
-        n, span = t.numel, t.span
-        for tile, begin, end in intervals:
-            if not 0 <= begin <= end <= n:
-                raise ValueError(f"interval [{begin}, {end}) is outside tensor {t.name!r} of {n} elements")
-            if span is not None:
-                t.var.mapping[span + begin:span + end] = self._check_tile(tile)
-            else:
-                t.var.mapping[t.elements_at(np.arange(begin, end))] = self._check_tile(tile)
+        tiles = np.asarray(tiles)
+        wrong = np.flatnonzero((tiles < 0) | (tiles >= self.target.num_tiles))
+        if wrong.size:
+            self._check_tile(int(tiles.reshape(-1)[wrong[0]]))
+        t.map_positions(starts, lengths, tiles)
 
     def getTileMapping(self, t: Tensor) -> list[list[tuple[int, int]]]:
         """Per tile, the list of [begin, end) intervals of the view's flat elements on it."""
-        tiles = t.tiles().reshape(-1)
+        m = t.tile_map()
         out: list[list[tuple[int, int]]] = [[] for _ in range(self.target.num_tiles)]
-        if tiles.size == 0:
-            return out
-        cuts = np.flatnonzero(np.diff(tiles)) + 1
-        starts = np.concatenate([[0], cuts])
-        ends = np.concatenate([cuts, [tiles.size]])
-        for b, e in zip(starts, ends):
-            if tiles[b] >= 0:
-                out[tiles[b]].append((int(b), int(e)))
+        for b, n, tile in zip(m.starts.tolist(), m.lengths.tolist(), m.tiles.tolist()):
+            if tile >= 0:
+                out[tile].append((b, b + n))
         return out
 
     def map_linearly(self, t: Tensor, grain: int = 1, min_elements_per_tile: int = 1,
@@ -111,15 +113,19 @@ class Graph:
         grains = -(-n // grain)
         per_tile = max(-(-grains // len(tiles)), -(-min_elements_per_tile // grain))
         chunk = per_tile * grain
-        self.setTileMappingIntervals(t, [(tiles[i // chunk], i, min(i + chunk, n)) for i in range(0, n, chunk)])
+        starts = np.arange(0, n, chunk, dtype=np.int64)
+        self.map_positions(t, starts, np.minimum(chunk, n - starts), np.asarray(tiles)[:starts.size])
 
     def map_by_dimension(self, t: Tensor, dim: int, tiles: range | None = None) -> None:
         """Give every slice along `dim` to one tile, spreading the slices evenly over tiles."""
-        tiles = tiles if tiles is not None else range(self.target.num_tiles)
+        tiles = np.asarray(tiles if tiles is not None else range(self.target.num_tiles))
         size = t.shape[dim]
-        per = -(-size // len(tiles)) if size else 1
-        for i in range(size):
-            self.setTileMapping(t.slice(i, i + 1, dim), tiles[i // per])
+        if not t.numel:
+            return
+        per = -(-size // len(tiles))
+        inner = t.numel // math.prod(t.shape[:dim + 1])
+        slices = np.arange(t.numel // inner, dtype=np.int64)  # runs of `inner` positions, each in one slice
+        self.map_positions(t, slices * inner, inner, tiles[(slices % size) // per])
 
     # ---- compute sets, vertices, streams ---------------------------------------------------
     def addComputeSet(self, name: str = "cs") -> ComputeSet:

@@ -8,7 +8,8 @@ to the last, except that a `RemoteCopy` loading it from Streaming Memory starts 
 its load and its last use. The peak of a tile is the most bytes live on it at any superstep.
 Remote buffers are reported as off-chip bytes per IPU, outside tile memory.
 Estimates not published by Graphcore: vertex state = 8 bytes per field (pointer and size) +
-4 bytes per parameter; code = CODELET_BYTES per distinct vertex type on a tile.
+4 bytes per parameter; code = CODELET_BYTES per distinct codelet on a tile (the instantiations of
+a templated codelet, such as the matmul partials vertex for its operand layouts, count once).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import numpy as np
 
 from .program import Copy, Execute, InterIpuCopy, Program, RemoteCopy, StreamCopy, walk
 from .target import Target
-from .tensor import Variable, tile_counts, tile_runs
+from .mapping import tile_counts
+from .tensor import Variable
 
 CODELET_BYTES = 256
 FIELD_BYTES = 8
@@ -85,12 +87,8 @@ class OutOfMemoryError(MemoryError):
 
 
 def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
-    """Bytes of the variable on each tile (unmapped elements on none), from the runs of its
-    mapping: a mapping is mostly long runs, and its per-element work is one comparison."""
-    tiles, lengths = tile_runs(var.mapping)
-    mapped = tiles >= 0
-    counts = np.bincount(tiles[mapped].astype(np.intp), weights=lengths[mapped], minlength=num_tiles)
-    return counts.astype(np.int64) * var.dtype.itemsize
+    """Bytes of the variable on each tile (unmapped elements on none), from the runs of its mapping."""
+    return var.mapping.counts(num_tiles) * var.dtype.itemsize
 
 
 def supersteps(program: Program) -> list[Program]:
@@ -149,13 +147,13 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
             for b in ends.get(i, ()):
                 live -= b
         state, code = zero(), zero()
-        on_tiles: dict[int, np.ndarray] = {}  # vertex type -> tiles running at least one
+        on_tiles: dict[int, np.ndarray] = {}  # codelet -> tiles running at least one of its vertices
         for cs in g.compute_sets:
             for table in cs.tables:
                 vt = table.type
                 count = tile_counts(table.tiles, n)
                 state += count * (FIELD_BYTES * len(vt.fields) + PARAM_BYTES * vt.num_params)
-                on_tiles[id(vt)] = on_tiles.get(id(vt), np.zeros(n, bool)) | (count > 0)
+                on_tiles[id(vt.kernel)] = on_tiles.get(id(vt.kernel), np.zeros(n, bool)) | (count > 0)
         for used in on_tiles.values():
             code += CODELET_BYTES * used
         by_cat["vertex_state"], by_cat["code"] = state, code

@@ -44,8 +44,8 @@ class IpuMemory:
                        for b in graph.remote_buffers.values()}
         by_dtype: dict[np.dtype, list[Variable]] = {}
         for v in graph.variables:
-            if v.numel and (v.mapping < 0).any():
-                n = int((v.mapping < 0).sum())
+            n = v.mapping.unmapped()
+            if n:
                 raise MappingError(f"tensor {v.name!r} on IPU {v.ipu} has {n} of {v.numel} elements without a "
                                    "tile mapping: call setTileMapping (or a mapping helper) for all of it")
             by_dtype.setdefault(v.dtype, []).append(v)
@@ -65,7 +65,7 @@ class IpuMemory:
                 self.write(Tensor(v), v.constant)
 
     def _strict_addresses(self, dt: np.dtype, vars_: list[Variable], num_tiles: int) -> None:
-        tiles = np.concatenate([v.mapping for v in vars_]).astype(np.int64)
+        tiles = np.concatenate([v.mapping.dense(np.int64) for v in vars_])
         owner = np.concatenate([np.full(v.numel, k, dtype=np.int64) for k, v in enumerate(vars_)])
         flat = np.concatenate([np.arange(v.numel, dtype=np.int64) for v in vars_])
         order = np.lexsort((flat, owner, tiles))  # tile-major, then variable, then element
@@ -98,7 +98,7 @@ class IpuMemory:
     def _strided(self, t: Tensor) -> tuple[np.ndarray, bool] | None:
         """(NumPy view of the arena, whether writes through it are well defined) of a strided
         view in the fast layout, else None."""
-        if self.layout != "fast" or t._index is not None:
+        if self.layout != "fast" or not t.strided:
             return None
         key = (t.var.id, t.offset, t.shape, t.strides)
         found = self._views.get(key)

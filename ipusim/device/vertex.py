@@ -18,7 +18,7 @@ workers (`tile_makespans`); its compute set takes the sum of the two.
 
 Codelet calling convention: the kernel is called once per compute set and vertex type, with,
 for every field in `VertexType.fields` order, the triple (arena, addresses, starts) followed by
-a float64 `params` array of shape (num_vertices, num_params). Vertex v's field f occupies
+a float64 `params` array of shape (num_vertices, num_params) and the type's `template` values. Vertex v's field f occupies
 `addresses[starts[v]:starts[v+1]]`, positions in that field's arena (the memory of the IPU in the
 dtype of the field). Kernels iterate `for v in prange(params.shape[0])`.
 """
@@ -29,6 +29,7 @@ from typing import Callable
 
 import numpy as np
 
+from .mapping import expand_runs
 from .tensor import Tensor, Variable
 
 
@@ -48,6 +49,10 @@ class VertexType:
     num_params: int = 0
     # A supervisor vertex occupies every worker of its tile: its estimate is tile cycles.
     supervisor: bool = False
+    # Compile-time arguments of a templated codelet (a Poplar vertex class template), passed to
+    # the kernel after the parameters: each instantiation is a vertex type of its own, with its
+    # own code on a tile, and costs no vertex state.
+    template: tuple = ()
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -55,13 +60,6 @@ class VertexType:
 
     def __repr__(self):
         return f"VertexType({self.name})"
-
-
-def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """starts[k], starts[k] + 1, ..., starts[k] + lengths[k] - 1 for every run k, run after run."""
-    lengths = np.asarray(lengths, np.int64)
-    return np.repeat(np.asarray(starts, np.int64) - (np.cumsum(lengths) - lengths), lengths) + \
-        np.arange(lengths.sum(), dtype=np.int64)
 
 
 @dataclass(eq=False)
@@ -134,7 +132,17 @@ class Field:
         span = t.span
         if span is not None:
             return Field.from_runs([t.var], np.zeros(counts.size, np.int32), first + span, length, offsets)
-        return Field.at(t, expand_runs(first, length), np.concatenate(([0], np.cumsum(length)))[offsets])
+        return Field.from_positions(t, first, length, offsets)
+
+    @staticmethod
+    def from_positions(t: Tensor, starts, lengths, offsets) -> "Field":
+        """Vertex v connects the runs of the view's flat positions `starts[k]`, `lengths[k]` for k
+        in `offsets[v] .. offsets[v+1] - 1`, in that order (work per run of the view's elements)."""
+        offsets = np.asarray(offsets, np.int64)
+        k, first, length = t.runs_at(starts, lengths)
+        owner = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[k]  # vertex of each element run
+        counts = np.bincount(owner, minlength=offsets.size - 1)
+        return Field.from_runs([t.var], 0, first, length, np.concatenate(([0], np.cumsum(counts)))).merged()
 
     @staticmethod
     def from_elements(variables, var: np.ndarray, elements: np.ndarray, offsets: np.ndarray) -> "Field":
@@ -160,6 +168,20 @@ class Field:
         offsets = np.arange(n + 1, dtype=np.int64) if offsets is None else np.asarray(offsets, np.int64)
         var = np.broadcast_to(np.asarray(var, np.int32), (n,)).copy()
         return Field(tuple(variables), var, offsets, starts, lengths)
+
+    def merged(self) -> "Field":
+        """The same field with each vertex's touching runs (one ending where the next starts) as one."""
+        n = self.starts.size
+        if n < 2:
+            return self
+        cut = np.ones(n, bool)
+        cut[1:] = self.starts[1:] != self.starts[:-1] + self.lengths[:-1]
+        cut[self.offsets[:-1][self.offsets[:-1] < n]] = True  # every vertex starts a run of its own
+        if cut.all():
+            return self
+        first = np.flatnonzero(cut)
+        return Field(self.variables, self.var, np.searchsorted(first, self.offsets), self.starts[first],
+                     np.add.reduceat(self.lengths, first))
 
     @staticmethod
     def concat(parts: list["Field"]) -> "Field":
@@ -331,7 +353,7 @@ def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
     elements = f.elements()  # something is not local: find the first element to name it
     tiles = np.empty(elements.size, np.int64)
     for _, v, at in f.by_variable(f.element_vars()):
-        tiles[at] = v.mapping[elements[at]]
+        tiles[at] = v.mapping.at(elements[at])
     sizes = f.sizes()
     expected = np.repeat(table.tiles, sizes)
     bad = np.flatnonzero(tiles != expected)
@@ -350,17 +372,10 @@ def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
 
 
 def _runs_are_local(f: Field, tiles: np.ndarray) -> bool:
-    """True when every run of the field lies inside one stretch of its variable's mapping that is
-    on the run's vertex's tile: per run, one lookup and a search in the mapping's change points,
-    not one test per element."""
-    keep = f.lengths > 0
-    vertex = np.repeat(np.arange(f.num_vertices), np.diff(f.offsets))[keep]
-    first, last = f.starts[keep], f.starts[keep] + f.lengths[keep] - 1
+    """True when every run of the field lies inside one run of its variable's mapping that is on
+    the run's vertex's tile: one search per run, nothing per element."""
+    vertex = np.repeat(np.arange(f.num_vertices), np.diff(f.offsets))
     for _, v, at in f.by_variable(f.var[vertex]):
-        changes = np.flatnonzero(np.diff(v.mapping)) + 1  # where the tile changes
-        a, b = first[at], last[at]
-        if not ((v.mapping[a] == tiles[vertex[at]]).all()
-                and (np.searchsorted(changes, a, side="right") == np.searchsorted(changes, b, side="right")).all()):
+        if not v.mapping.covers(f.starts[at], f.lengths[at], tiles[vertex[at]]).all():
             return False
     return True
-

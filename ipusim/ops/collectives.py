@@ -38,6 +38,7 @@ from numba import njit, prange
 from ..device.graph import Device, Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Copy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
+from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
 from .common import region_work
@@ -128,12 +129,12 @@ def _like(graph: Graph, t: Tensor, shape, name: str, category: str, always_live:
     """A new tensor of `shape` whose flat element i lives where element i % t.numel of t lives."""
     out = graph.addVariable(t.dtype, shape, name, category=category, always_live=always_live)
     tiles = t.tiles().reshape(-1)
-    out.var.mapping[:] = np.tile(tiles, out.numel // max(1, tiles.size))
+    out.var.mapping = TileMap.from_tiles(np.tile(tiles, out.numel // max(1, tiles.size)))
     return out
 
 
 def _add_vertices(graph: Graph, cs, acc: Tensor, recv: Tensor, scale: float) -> None:
-    work = region_work(acc.tiles(), graph.target.workers_per_tile, grain=4)
+    work = region_work(acc.tile_map(), graph.target.workers_per_tile, grain=4)
     graph.addVertices(cs, REDUCE_ADD_VERTEX, work.tiles, {"acc": work.field(acc), "recv": work.field(recv)},
                       np.array([scale], np.float64))
 
@@ -166,7 +167,7 @@ def _reduce_scatter_steps(body: Sequence, graphs: list[Graph], flats: list[Tenso
             acc = flats[d][b:e]
             recv = g.addVariable(acc.dtype, (e - b,), f"{name}/step{s}/recv", category="temporaries",
                                  always_live=False)
-            recv.var.mapping[:] = acc.tiles()
+            recv.var.mapping = acc.tile_map()
             copies.append(InterIpuCopy(flats[r][b:e], recv))
             cs = g.addComputeSet(f"{name}/step{s}")
             _add_vertices(g, cs, acc, recv, scale if s == replicas - 2 else 1.0)

@@ -8,6 +8,7 @@ import numpy as np
 
 from ..device.graph import Graph
 from ..device.program import Copy, Sequence
+from ..device.mapping import TileMap, merged
 from ..device.tensor import Tensor
 from ..device.vertex import Field, expand_runs
 
@@ -21,7 +22,7 @@ def new_output(graph: Graph, dtype, shape, name: str, *, category: str = "activa
                like: Tensor | None = None) -> Tensor:
     """A new tensor mapped like `like` (when it has the same shape and is fully mapped, as
     PopLibs clones an operand for elementwise outputs), else spread linearly over all tiles."""
-    if like is not None and tuple(like.shape) == tuple(shape) and (like.tiles() >= 0).all():
+    if like is not None and tuple(like.shape) == tuple(shape) and like.tile_map().mapped:
         return graph.clone(like, name, dtype=dtype, category=category, always_live=always_live)
     t = graph.addVariable(dtype, shape, name, category=category, always_live=always_live)
     graph.map_linearly(t, grain=grain, min_elements_per_tile=min_elements_per_tile)
@@ -29,16 +30,17 @@ def new_output(graph: Graph, dtype, shape, name: str, *, category: str = "activa
 
 
 def placed(graph: Graph, prog: Sequence, src: Tensor, tiles: np.ndarray, name: str) -> Tensor:
-    """A tensor shaped like `src` whose flat element i lives on `tiles[i]`.
+    """A tensor shaped like `src` whose flat element i lives on `tiles[i]` (a tile per element, or
+    a `TileMap` of the positions).
 
     Returns `src` itself when its elements already live there; otherwise a new temporary (not
     always live) mapped to `tiles`, filled by an exchange `Copy` appended to `prog`.
     """
-    tiles = np.asarray(tiles).reshape(-1)
-    if np.array_equal(src.tiles().reshape(-1), tiles):
+    tiles = tiles if isinstance(tiles, TileMap) else TileMap.from_tiles(tiles)
+    if src.lives_on(tiles):
         return src
     tmp = graph.addVariable(src.dtype, src.shape, name, category="temporaries", always_live=False)
-    tmp.var.mapping[:] = tiles
+    tmp.var.mapping = tiles
     prog.add(Copy(src, tmp))
     return tmp
 
@@ -50,35 +52,52 @@ def gather_boxes(graph: Graph, body: Sequence, src: Tensor, first: np.ndarray, e
     on its tile (a view of the source itself where every element already lives there), and the
     boxes' offsets in it."""
     sizes = np.asarray(extent, np.int64).prod(axis=1)
-    index = src.elements_at(box_positions(first, extent, src.shape))
-    local = placed(graph, body, Tensor(src.var, index), np.repeat(np.asarray(tiles), sizes), name)
+    starts, lengths, _ = box_runs(first, extent, src.shape)
+    _, first_element, length = src.runs_at(starts, lengths)
+    local = placed(graph, body, Tensor.of_runs(src.var, first_element, length), TileMap.from_lengths(sizes, tiles), name)
     return local, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
 @dataclass(frozen=True)
 class Work:
-    """Vertices over the flat elements of same-shaped tensors: vertex v runs on `tiles[v]` and
-    takes the flat positions `positions[offsets[v]:offsets[v+1]]`."""
+    """Vertices over the flat positions of same-shaped tensors: vertex v runs on `tiles[v]` and
+    takes the runs of positions `starts[k]`, `lengths[k]` for k in `offsets[v] .. offsets[v+1] - 1`,
+    in that order."""
     tiles: np.ndarray
-    positions: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
     offsets: np.ndarray
 
     @property
     def num_vertices(self) -> int:
         return self.tiles.size
 
+    @property
+    def positions(self) -> np.ndarray:
+        """Every vertex's positions, vertex after vertex (`offsets` of the runs turned into
+        offsets of these are `element_offsets`)."""
+        return expand_runs(self.starts, self.lengths)
+
+    @property
+    def element_offsets(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.lengths)))[self.offsets]
+
     def field(self, t: Tensor) -> Field:
         """Each vertex connects its positions of `t`."""
-        return Field.at(t, self.positions, self.offsets)
+        return Field.from_positions(t, self.starts, self.lengths, self.offsets)
 
     def rows(self, t: Tensor) -> Field:
         """Each vertex connects its positions in every row of `t` ([rows, n], n the positions'
         range), row after row."""
         rows, n = t.shape[0], t.numel // max(1, t.shape[0])
-        sizes = np.repeat(np.diff(self.offsets), rows)  # per (vertex, row): the vertex's positions
-        at = expand_runs(np.repeat(self.offsets[:-1], rows), sizes)
-        row = np.repeat(np.tile(np.arange(rows, dtype=np.int64), self.num_vertices), sizes)
-        return Field.at(t, self.positions[at] + row * n, np.concatenate(([0], np.cumsum(sizes)))[::rows])
+        per = np.diff(self.offsets)  # runs of each vertex
+        count = per * rows            # runs of each vertex over all rows
+        first = np.cumsum(count) - count
+        k = np.arange(count.sum()) - np.repeat(first, count)  # (row, run) of each, row-major
+        row, j = np.divmod(k, np.repeat(np.maximum(per, 1), count))
+        run = np.repeat(self.offsets[:-1], count) + j
+        offsets = np.concatenate(([0], np.cumsum(count)))
+        return Field.from_positions(t, self.starts[run] + row * n, self.lengths[run], offsets)
 
 
 def tile_groups(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -93,14 +112,24 @@ def tile_groups(tiles: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return order, grouped[first], first, np.diff(np.append(first, grouped.size))
 
 
-def region_work(tiles: np.ndarray, workers: int, grain: int = 1) -> Work:
-    """About one vertex per worker on every tile, over the elements that tile holds: a tile's
-    elements (in increasing position) split as `split_ranges(count, workers, grain)` splits them,
-    tiles in increasing order."""
-    order, values, first, counts = tile_groups(tiles)
-    tile, begin, _ = split_ranges(counts, workers, grain)
-    return Work(values[tile].astype(np.int32), order.astype(np.int64, copy=False),
-                np.append(first[tile] + begin, order.size).astype(np.int64))
+def region_work(tiles: TileMap, workers: int, grain: int = 1, split=None) -> Work:
+    """About one vertex per worker on every tile, over the positions that tile holds (a `TileMap`
+    of them): a tile's positions (in increasing order) split as `split_ranges(count, workers,
+    grain)` splits them (or as `split(counts)` does, returning the same triple), tiles in
+    increasing order. Work per run of the map, not per position."""
+    order, values, first, counts = tile_groups(tiles.tiles)  # the map's runs grouped by tile
+    lengths = tiles.lengths[order]
+    sizes = np.add.reduceat(lengths, first) if first.size else np.zeros(0, np.int64)
+    tile, begin, end = split_ranges(sizes, workers, grain) if split is None else split(sizes)
+    # one coordinate over every tile's positions, tile after tile: cut at runs and pieces
+    run_at = np.cumsum(lengths) - lengths
+    piece_at = (np.cumsum(sizes) - sizes)[tile] + begin
+    cuts = merged(run_at, piece_at)
+    run = np.searchsorted(run_at, cuts, side="right") - 1
+    piece = np.searchsorted(piece_at, cuts, side="right") - 1
+    starts = tiles.starts[order][run] + cuts - run_at[run]
+    return Work(values[tile].astype(np.int32), starts, np.diff(np.append(cuts, lengths.sum())),
+                np.searchsorted(piece, np.arange(piece_at.size + 1)))
 
 
 def split_ranges(sizes, parts, grain: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -116,10 +145,10 @@ def split_ranges(sizes, parts, grain: int = 1) -> tuple[np.ndarray, np.ndarray, 
     return index, begin, np.minimum(begin + per[index], sizes[index])
 
 
-def box_positions(first: np.ndarray, extent: np.ndarray, shape) -> np.ndarray:
-    """Flat positions (C order, in an array of `shape`) of the elements of every box, box after
-    box: box i spans [first[i, d], first[i, d] + extent[i, d]) along each dimension d. Work is per
-    row of a box (its last dimension is one run), then one expansion of the runs."""
+def box_runs(first: np.ndarray, extent: np.ndarray, shape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The elements of every box as runs of flat positions (C order, in an array of `shape`), box
+    after box: box i spans [first[i, d], first[i, d] + extent[i, d]) along each dimension d.
+    One run per row of a box (its last dimension): (starts, lengths, box of each run)."""
     first, extent = np.asarray(first, np.int64), np.asarray(extent, np.int64)
     row_length = extent[:, -1]
     rows = extent[:, :-1].prod(axis=1) * (row_length > 0)
@@ -130,7 +159,20 @@ def box_positions(first: np.ndarray, extent: np.ndarray, shape) -> np.ndarray:
         local, r = np.divmod(local, extent[box, d])
         row_start += (first[box, d] + r) * stride
         stride *= int(shape[d])
-    return expand_runs(row_start, row_length[box])
+    return row_start, row_length[box], box
+
+
+def box_positions(first: np.ndarray, extent: np.ndarray, shape) -> np.ndarray:
+    """Flat positions (C order, in an array of `shape`) of the elements of every box, box after
+    box (`box_runs` expanded)."""
+    starts, lengths, _ = box_runs(first, extent, shape)
+    return expand_runs(starts, lengths)
+
+
+def map_boxes(t: Tensor, first: np.ndarray, extent: np.ndarray, tiles) -> None:
+    """Map box i of the view `t` (`first[i]`, `extent[i]` per dimension) to `tiles[i]`."""
+    starts, lengths, box = box_runs(first, extent, t.shape)
+    t.map_positions(starts, lengths, np.asarray(tiles)[box])
 
 
 def lookup(table: dict, keys: np.ndarray) -> np.ndarray:

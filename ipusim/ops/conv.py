@@ -53,9 +53,9 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import box_positions, by_distinct_rows, gather_boxes, new_output, split_ranges
-from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_tiles,
-                     ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
+from .common import box_runs, by_distinct_rows, gather_boxes, map_boxes, new_output, split_ranges
+from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_partials,
+                     block_tiles, ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
                      output_dtype, partials_variable, ranges, reduce_cycles, reduce_partials, split_grid)
 
 DIMS = ("groups", "batch", "out_channels", "out_rows", "out_cols", "in_channels", "kernel_rows")
@@ -388,21 +388,19 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
     w_spans = np.asarray([w.span(o0, o1, 0, kw) for o0, o1 in cols], np.int64).reshape(len(cols), 2)
     hlo, hhi = h_spans[oh0 // step[3], k0 // step[6]].T
     wlo, whi = w_spans[ow0 // step[4]].T
-    boxes = outv.elements_at(box_positions(first[:, :5], extent[:, :5], outv.shape))
     sizes = gb * bb * cob * ohb * owb
     reduction = plan.reduction_split
     if reduction == 1:
-        out.var.mapping[boxes] = np.repeat(tiles, sizes)
+        map_boxes(outv, first[:, :5], extent[:, :5], tiles)
     xs, xs_at = gather_boxes(graph, body, xv, np.stack([g0, b0, i0, hlo, wlo], 1),
                        np.stack([gb, bb, cib, hhi - hlo, whi - wlo], 1), tiles, f"{name}/in")
     ws, ws_at = gather_boxes(graph, body, wv, np.stack([g0, c0, i0, k0, np.zeros_like(k0)], 1),
                        np.stack([gb, cob, cib, khb, np.full_like(k0, kw)], 1), tiles, f"{name}/weights")
     if reduction > 1:
         dst, dst_at = partials_variable(graph, sizes, tiles, f"{name}/partials")
-        positions = np.empty((reduction, out.numel), dtype=np.int64)
-        positions[np.repeat(np.arange(len(first)) % reduction, sizes), boxes] = np.arange(dst.numel)
-    else:
-        dst, dst_at = Tensor(out.var, boxes), np.concatenate(([0], np.cumsum(sizes)))
+    else:  # each block writes its box of the output in place
+        _, element, length = outv.runs_at(*box_runs(first[:, :5], extent[:, :5], outv.shape)[:2])
+        dst, dst_at = Tensor.of_runs(out.var, element, length), np.concatenate(([0], np.cumsum(sizes)))
     # vertices: each block's output lines split over the workers
     blk, l0, l1 = split_ranges(gb * bb * cob * ohb, graph.target.workers_per_tile)
     n = l1 - l0
@@ -419,7 +417,8 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
     graph.addVertices(cs, CONV_VERTEX, tiles[blk], fields, params)
     body.add(Execute(cs))
     if reduction > 1:
-        reduce_partials(graph, body, dst, positions, out, name)
+        reduce_partials(graph, body, dst, reduction, *block_partials(outv, first[:, :5], extent[:, :5], reduction, dst_at),
+                        out, name)
 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------

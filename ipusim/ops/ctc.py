@@ -44,6 +44,7 @@ from numba import njit, prange
 from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
+from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
 from .common import placed
@@ -381,7 +382,7 @@ def _rows(t: Tensor, rows: np.ndarray) -> Field:
 
 def _workspace(graph, name, N, T, S, tiles) -> Tensor:
     table = graph.addVariable(np.float32, (N, T, 2 * S + 1), name, category="temporaries", always_live=False)
-    table.var.mapping[:] = np.repeat(tiles, T * (2 * S + 1))
+    table.var.mapping = TileMap.from_tiles(np.repeat(tiles, T * (2 * S + 1)))
     return table
 
 
@@ -403,7 +404,7 @@ def ctc_loss(graph: Graph, log_probs: Tensor, targets: Tensor, input_lengths: Te
     tl = _per_sample(graph, body, target_lengths, tiles, f"{name}/target_lengths")
     alpha = _workspace(graph, f"{name}/alpha", N, T, S, tiles)
     nll = graph.addVariable(np.float32, (N,), f"{name}/nll", category="temporaries", always_live=False)
-    nll.var.mapping[:] = tiles
+    nll.var.mapping = TileMap.from_tiles(tiles)
     cs = graph.addComputeSet(f"{name}/loss")
     n = np.arange(N)
     fields = {"log_probs": _rows(lp, n), "target": _rows(tg, n), "input_length": _rows(il, n),
@@ -440,7 +441,7 @@ def ctc_loss_backward(graph: Graph, log_probs: Tensor, targets: Tensor, input_le
     mode = REDUCTIONS[reduction]
     tiles = _sample_tiles(graph, N)
     grad = graph.addVariable(log_probs.dtype, (T, N, C), name, category="gradients", always_live=False)
-    grad.var.mapping[:] = np.tile(np.repeat(tiles, C), T)
+    grad.var.mapping = TileMap.from_tiles(np.tile(np.repeat(tiles, C), T))
     body = Sequence(name=name)
     lp = _per_sample(graph, body, log_probs.transpose(1, 0, 2), tiles, f"{name}/log_probs")
     tg = _per_sample(graph, body, targets, tiles, f"{name}/targets")

@@ -334,7 +334,7 @@ def _kernel_output(target: np.ndarray | None, out: Tensor, *inputs: np.ndarray) 
 
 def _vertices(graph: Graph, cs, vertex_type, out: Tensor, operands: dict[str, Tensor], params: tuple) -> None:
     """One vertex per worker on every tile holding output elements."""
-    work = region_work(out.tiles(), graph.target.workers_per_tile, grain=4)
+    work = region_work(out.tile_map(), graph.target.workers_per_tile, grain=4)
     fields = {k: work.field(t) for k, t in {**operands, "out": out}.items()}
     graph.addVertices(cs, vertex_type, work.tiles, fields, np.asarray(params, np.float64))
 
@@ -353,7 +353,7 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
         raise ValueError(f"{name}: output {out.name!r} is {out.dtype.name}{out.shape}, expected {dtype.name}{x.shape}")
     code = UNARY[op][0]
     body = Sequence(name=name)
-    xl = placed(graph, body, x, out.tiles(), f"{name}/x")
+    xl = placed(graph, body, x, out.tile_map(), f"{name}/x")
     cs = graph.addComputeSet(name)
     _vertices(graph, cs, UNARY_VERTEX, out, {"x": xl}, (code, scale, bias))
     body.add(Execute(cs))
@@ -396,7 +396,7 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
         raise ValueError(f"{name}: output {out.name!r} is {out.dtype.name}{out.shape}, expected {dtype.name}{shape}")
     code = BINARY[op][0]
     body = Sequence(name=name)
-    tiles = out.tiles()
+    tiles = out.tile_map()
     al = placed(graph, body, a.broadcast(shape), tiles, f"{name}/a")
     bl = placed(graph, body, b.broadcast(shape), tiles, f"{name}/b")
     cs = graph.addComputeSet(name)

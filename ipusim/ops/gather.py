@@ -64,7 +64,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import box_positions, gather_boxes, split_ranges
+from .common import box_positions, gather_boxes, map_boxes, split_ranges
 
 # Share of a tile's memory the planner lets the op's working set use (PopLibs' default
 # availableMemoryProportion for planned ops).
@@ -386,11 +386,11 @@ def _check_padding(padding_idx: int, V: int, name: str) -> None:
 
 
 def _layout_table(graph: Graph, table: Tensor, plan: EmbeddingPlan) -> None:
-    for v in range(plan.row_split):
-        ra, rb = plan.rows(v)
-        for d in range(plan.col_split):
-            ca, cb = plan.cols(d)
-            graph.setTileMapping(table[ra:rb, ca:cb], plan.tile(v, d, 0))
+    """Block (v, d) of rows `plan.rows(v)` and columns `plan.cols(d)` on `plan.tile(v, d, 0)`."""
+    blocks = [(*plan.rows(v), *plan.cols(d), plan.tile(v, d, 0)) for v in range(plan.row_split)
+              for d in range(plan.col_split)]
+    ra, rb, ca, cb, tile = np.asarray(blocks, np.int64).reshape(-1, 5).T
+    map_boxes(table, np.stack([ra, ca], 1), np.stack([rb - ra, cb - ca], 1), tile)
 
 
 def embedding_table(graph: Graph, num_embeddings: int, dim: int, dtype="float32", num_lookups: int = 1, *,
@@ -435,8 +435,8 @@ def embedding(graph: Graph, indices: Tensor, weight: Tensor, prog: Sequence, nam
                                          np.stack([u.rb - u.ra, u.cb - u.ca], 1), u.tile, f"{name}/table")
         dest = out if partial is None else partial
         row0 = u.la if partial is None else u.v * n + u.la  # first row of each unit's output in dest [.., D]
-        dest.var.mapping[box_positions(np.stack([row0, u.ca], 1), np.stack([u.lb - u.la, u.cb - u.ca], 1),
-                                       (dest.numel // D, D))] = np.repeat(u.tile, (u.lb - u.la) * (u.cb - u.ca))
+        map_boxes(Tensor(dest.var).reshape(dest.numel // D, D), np.stack([row0, u.ca], 1),
+                  np.stack([u.lb - u.la, u.cb - u.ca], 1), u.tile)
         k, a, b = split_ranges(u.lb - u.la, graph.target.workers_per_tile)
         cs = graph.addComputeSet(f"{name}/slice")
         fields = {"table": _pieces(tables, tables_at, k),
@@ -470,8 +470,8 @@ def _select_stage(graph, body, plan, u: Units, idx_local, idx_at, partial, out, 
     pick = np.arange(unit.size) - np.searchsorted(unit, unit) == u.v[unit]  # piece v of the unit of row group v
     share, a, b = unit[pick], a[pick], b[pick]
     m, cols, row0 = b - a, (u.cb - u.ca)[share], u.la[share] + a
-    out.var.mapping[box_positions(np.stack([row0, u.ca[share]], 1), np.stack([m, cols], 1), (out.numel // D, D))] = \
-        np.repeat(u.tile[share], m * cols)
+    map_boxes(Tensor(out.var).reshape(out.numel // D, D), np.stack([row0, u.ca[share]], 1), np.stack([m, cols], 1),
+              u.tile[share])
     gathered, at = gather_boxes(graph, body, partial, np.stack([np.zeros_like(row0), row0, u.ca[share]], 1),
                                 np.stack([np.full_like(m, pV), m, cols], 1), u.tile[share], f"{name}/gathered")
     s, a2, b2 = split_ranges(m, graph.target.workers_per_tile)
@@ -519,8 +519,8 @@ def embedding_backward(graph: Graph, indices: Tensor, grad_out: Tensor, num_embe
     dest = grad if partial is None else partial
     row0 = u.ra if partial is None else u.l * V + u.ra  # first row of each unit's block in dest [.., D]
     if partial is not None:
-        partial.var.mapping[box_positions(np.stack([row0, u.ca], 1), np.stack([u.rb - u.ra, u.cb - u.ca], 1),
-                                          (pL * V, D))] = np.repeat(u.tile, (u.rb - u.ra) * (u.cb - u.ca))
+        map_boxes(Tensor(partial.var).reshape(pL * V, D), np.stack([row0, u.ca], 1),
+                  np.stack([u.rb - u.ra, u.cb - u.ca], 1), u.tile)
     k, a, b = split_ranges(u.rb - u.ra, graph.target.workers_per_tile)
     fields = {"grads": _pieces(grads_local, grads_at, k), "indices": _pieces(idx_local, idx_at, k),
               "out": _rows_of(dest, row0[k] + a, b - a, u.ca[k], (u.cb - u.ca)[k], D)}

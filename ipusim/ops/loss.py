@@ -32,6 +32,7 @@ from numba import njit, prange
 from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.program import Execute, OpProgram, Sequence
+from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
 from . import elementwise as ew
@@ -273,10 +274,10 @@ def _pointwise_backward(graph, grad, input, target, prog, reduction, name, op) -
         raise TypeError(f"{name}: gradient ({grad.dtype.name}) and input ({input.dtype.name}) dtypes differ")
     k = 1.0 / input.numel if reduction == "mean" and input.numel else 1.0
     out = graph.addVariable(input.dtype, shape, name, category="activations", always_live=False)
-    out.var.mapping[:] = input.tiles().reshape(-1)
+    out.var.mapping = input.tile_map()
     gb = grad if reduction == "none" else grad.reshape(()).broadcast(shape)
     body = Sequence(name=name)
-    tiles = out.tiles().reshape(-1)
+    tiles = out.tile_map()
     tl = placed(graph, body, target, tiles, f"{name}/target")
     gl = placed(graph, body, gb, tiles, f"{name}/grad")
     cs = graph.addComputeSet(name)

@@ -66,9 +66,10 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
+from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import GRAIN, box_positions, gather_boxes, new_output, placed, region_work
+from .common import GRAIN, box_runs, gather_boxes, map_boxes, new_output, placed, region_work
 
 PARTIALS = np.dtype(np.float32)
 AVAILABLE_MEMORY_PROPORTION = 0.6
@@ -130,18 +131,21 @@ def reduce_cycles(n, r, target: Target):
 
 # ---- codelets --------------------------------------------------------------------------------
 @njit(parallel=True, **JIT)
-def matmul_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start, params):
-    """out[e, m, n] = a[e, m, k] @ b[e, k, n] for every group e, all fields row-major;
-    params (groups, m, n, k)."""
+def matmul_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start, params, a_cols, b_cols):
+    """out[e, m, n] = a[e, m, k] @ b[e, k, n] for every group e, the output row-major; params
+    (groups, m, n, k). Templates: each operand block is held row-major, or column-major (its
+    transpose row-major) when `a_cols` / `b_cols`."""
     for v in prange(params.shape[0]):
         g, m, n, k = int(params[v, 0]), int(params[v, 1]), int(params[v, 2]), int(params[v, 3])
+        ai, al = (1, m) if a_cols else (k, 1)  # steps of a's row and column index
+        bl, bj = (1, k) if b_cols else (n, 1)
         for e in range(g):
             ba, bb, bo = a_start[v] + e * m * k, b_start[v] + e * k * n, o_start[v] + e * m * n
             for i in range(m):
                 for j in range(n):
                     acc = 0.0
                     for l in range(k):
-                        acc += ld(a, a_addr[ba + i * k + l]) * ld(b, b_addr[bb + l * n + j])
+                        acc += ld(a, a_addr[ba + i * ai + l * al]) * ld(b, b_addr[bb + l * bl + j * bj])
                     st(out, o_addr[bo + i * n + j], acc)
 
 
@@ -168,8 +172,21 @@ def _reduce_vertex_cycles(sizes, params, dtype, target):
     return reduce_cycles(sizes["out"], params[:, 0].astype(np.int64), target)
 
 
-MATMUL_VERTEX = VertexType("poplin::MatMulPartial", ("a", "b"), ("out",), matmul_codelet,
-                           _matmul_vertex_cycles, num_params=4, supervisor=True)
+def _matmul_vertex(a_cols: bool, b_cols: bool) -> VertexType:
+    layouts = [f"{x}=columns" for x, cols in (("a", a_cols), ("b", b_cols)) if cols]
+    return VertexType("poplin::MatMulPartial" + (f"<{','.join(layouts)}>" if layouts else ""), ("a", "b"), ("out",),
+                      matmul_codelet, _matmul_vertex_cycles, num_params=4, supervisor=True,
+                      template=(bool(a_cols), bool(b_cols)))
+
+
+# The AMP partials vertex by operand layout: an operand gathered column-major (the transpose of a
+# row-major view, as a linear layer's weight is read) is its own instantiation, as in Poplar.
+MATMUL_VERTEX = _matmul_vertex(False, False)
+MATMUL_VERTEX_A_COLUMNS = _matmul_vertex(True, False)
+MATMUL_VERTEX_B_COLUMNS = _matmul_vertex(False, True)
+MATMUL_VERTEX_COLUMNS = _matmul_vertex(True, True)
+MATMUL_VERTICES = {(False, False): MATMUL_VERTEX, (True, False): MATMUL_VERTEX_A_COLUMNS,
+                   (False, True): MATMUL_VERTEX_B_COLUMNS, (True, True): MATMUL_VERTEX_COLUMNS}
 REDUCE_VERTEX = VertexType("popops::ReducePartials", ("partials",), ("out",), reduce_codelet,
                            _reduce_vertex_cycles, num_params=1)
 
@@ -243,26 +260,42 @@ def partials_variable(graph: Graph, sizes: list[int], tiles, name: str) -> tuple
     the block offsets."""
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     part = graph.addVariable(PARTIALS, (int(offsets[-1]),), name, category="temporaries", always_live=False)
-    part.var.mapping[:] = np.repeat(np.asarray(tiles), sizes)
+    part.var.mapping = TileMap.from_lengths(sizes, tiles)
     return part, offsets
 
 
-def reduce_partials(graph: Graph, body: Sequence, partials: Tensor, positions: np.ndarray, out: Tensor,
+def reduce_partials(graph: Graph, body: Sequence, partials: Tensor, parts: int, split: np.ndarray,
+                    out_starts: np.ndarray, part_starts: np.ndarray, lengths: np.ndarray, out: Tensor,
                     name: str) -> None:
-    """out.flat[i] = sum over r of partials.flat[positions[r, i]], rounded once to out's dtype.
+    """out.flat[i] = the sum of the `parts` partials of element i, rounded once to out's dtype.
 
-    `out` is a whole, mapped variable; the partials of each output element are brought to its
-    tile by one exchange, then each tile's elements are reduced by about one vertex per worker.
+    The partials come as runs: run q holds `lengths[q]` partials of split `split[q]` (0 .. parts-1)
+    at `partials.flat[part_starts[q]:...]`, for out elements `out_starts[q]:...`; every split
+    covers every element once. `out` is a whole, mapped variable; the partials of each output
+    element are brought to its tile by one exchange ([parts, out.numel], row r the r-th partials
+    in element order), then each tile's elements are reduced by about one vertex per worker.
     """
-    r = positions.shape[0]
-    out_tiles = out.tiles().reshape(-1)
-    source = Tensor(partials.var, partials.index.reshape(-1)[positions])
-    gathered = placed(graph, body, source, np.broadcast_to(out_tiles, positions.shape), f"{name}/gathered_partials")
+    order = np.lexsort((out_starts, split))  # split after split, each in element order
+    source = Tensor.of_runs(partials.var, part_starts[order], lengths[order], (parts, out.numel))
+    gathered = placed(graph, body, source, TileMap.concat([out.tile_map()] * parts), f"{name}/gathered_partials")
     cs = graph.addComputeSet(f"{name}/reduce")
-    work = region_work(out_tiles, graph.target.workers_per_tile, grain=GRAIN)
+    work = region_work(out.tile_map(), graph.target.workers_per_tile, grain=GRAIN)
     graph.addVertices(cs, REDUCE_VERTEX, work.tiles, {"partials": work.rows(gathered), "out": work.field(out)},
-                      np.array([r], np.float64))
+                      np.array([parts], np.float64))
     body.add(Execute(cs))
+
+
+def block_partials(out: Tensor, first: np.ndarray, extent: np.ndarray, parts: int, part_at: np.ndarray):
+    """The runs `reduce_partials` takes when block i of a tile grid (`first[i]`, `extent[i]` per
+    dimension of the view `out` of the result) wrote its partials, row-major, at `part_at[i]` of
+    the partials, and blocks cycle through the `parts` splits of the reduction (block i: i % parts)."""
+    starts, lengths, box = box_runs(first, extent, out.shape)
+    k, element, length = out.runs_at(starts, lengths)  # the result's elements, run by run
+    row_first = np.cumsum(lengths) - lengths
+    box_first = row_first[np.searchsorted(box, np.arange(len(first)))]  # first position of each box
+    within = (np.cumsum(length) - length) - box_first[box[k]]  # each piece's offset in its box
+    part = part_at[box[k]] + within
+    return box[k] % parts, element, part, length
 
 
 def float_dtype(t: Tensor, what: str) -> np.dtype:
@@ -373,6 +406,26 @@ def plan_matmul(target: Target, a_shape, b_shape, dtype="float32", out_dtype=Non
 
 
 # ---- the op ----------------------------------------------------------------------------------
+def _operand_blocks(graph: Graph, body: Sequence, t: Tensor, shape3: tuple, first: np.ndarray, extent: np.ndarray,
+                    tiles: np.ndarray, name: str) -> tuple[Tensor, np.ndarray, bool]:
+    """Bring block i of the operand `t` (viewed as `shape3` = [batch, rows, cols]) to `tiles[i]`:
+    (the blocks, one after the other, each on its tile; their offsets; whether they are held
+    column-major). A block is gathered in the order its elements lie in memory: row-major, or
+    column-major when the operand is the transpose of a row-major view (its columns are
+    contiguous), so that every block is a few runs of consecutive elements and never one run
+    per element."""
+    steps = t.axis_steps()
+    columns = (steps is not None and t.rank >= 2 and shape3[1] > 1 and shape3[2] > 1
+               and abs(steps[-2]) < abs(steps[-1]))
+    if not columns:
+        local, at = gather_boxes(graph, body, t.reshape(shape3), first, extent, tiles, name)
+        return local, at, False
+    swapped = t.transpose(tuple(range(t.rank - 2)) + (t.rank - 1, t.rank - 2))
+    local, at = gather_boxes(graph, body, swapped.reshape(shape3[0], shape3[2], shape3[1]), first[:, [0, 2, 1]],
+                             extent[:, [0, 2, 1]], tiles, name)
+    return local, at, True
+
+
 def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matmul", *, out_dtype=None,
            available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> Tensor:
     """C = a @ b for a[M, K] @ b[K, N] or batched a[B, M, K] @ b[B, K, N] (float16 or float32).
@@ -389,24 +442,22 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
     plan = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion)
     pb, pm, pn, pk = plan.splits
     out_shape = (B, M, N) if a.rank == 3 else (M, N)
-    a3, b3 = a.reshape(B, M, K), b.reshape(B, K, N)
     first, extent = block_grid((B, M, N, K), plan.splits)  # per block, (b, m, n, k)
     bb, bm, bn, bk = extent.T
     tiles = block_tiles(len(first), graph.target.num_tiles)
-    boxes = box_positions(first[:, :3], extent[:, :3], (B, M, N))  # each block's output elements
     if pk == 1:
         out = graph.addVariable(odt, out_shape, name, category="activations", always_live=False)
-        out.var.mapping[boxes] = np.repeat(tiles, bb * bm * bn)
+        map_boxes(out.reshape(B, M, N), first[:, :3], extent[:, :3], tiles)
     else:
         out = new_output(graph, odt, out_shape, name)
 
     body = Sequence(name=name)
-    lhs, lhs_at = gather_boxes(graph, body, a3, first[:, [0, 1, 3]], extent[:, [0, 1, 3]], tiles, f"{name}/lhs")
-    rhs, rhs_at = gather_boxes(graph, body, b3, first[:, [0, 3, 2]], extent[:, [0, 3, 2]], tiles, f"{name}/rhs")
+    lhs, lhs_at, a_cols = _operand_blocks(graph, body, a, (B, M, K), first[:, [0, 1, 3]], extent[:, [0, 1, 3]], tiles,
+                                          f"{name}/lhs")
+    rhs, rhs_at, b_cols = _operand_blocks(graph, body, b, (B, K, N), first[:, [0, 3, 2]], extent[:, [0, 3, 2]], tiles,
+                                          f"{name}/rhs")
     if pk > 1:
         part, part_at = partials_variable(graph, bb * bm * bn, tiles, f"{name}/partials")
-        positions = np.empty((pk, out.numel), dtype=np.int64)
-        positions[np.repeat(np.arange(len(first)) % pk, bb * bm * bn), boxes] = np.arange(part.numel)
     cs = graph.addComputeSet(f"{name}/product")
     # one supervisor vertex per block: its batch entries are the vertex's groups, each operand block
     # is contiguous where it was gathered, the output is bm rows of bn per entry
@@ -420,10 +471,13 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
         fields["out"] = Field.from_runs([out.var], 0, starts, bn[blk], np.concatenate(([0], np.cumsum(rows))))
     else:
         fields["out"] = Field.strided(part, part_at[:-1], 1, bb * bm * bn)
-    graph.addVertices(cs, MATMUL_VERTEX, tiles, fields, np.stack([bb, bm, bn, bk], axis=1).astype(np.float64))
+    graph.addVertices(cs, MATMUL_VERTICES[(a_cols, b_cols)], tiles, fields,
+                      np.stack([bb, bm, bn, bk], axis=1).astype(np.float64))
     body.add(Execute(cs))
     if pk > 1:
-        reduce_partials(graph, body, part, positions, out, name)
+        split, element, part_start, length = block_partials(out.reshape(B, M, N), first[:, :3], extent[:, :3], pk,
+                                                            part_at)
+        reduce_partials(graph, body, part, pk, split, element, part_start, length, out, name)
 
     def fast(io):
         x, y = io.read(a), io.read(b)

@@ -289,8 +289,8 @@ def update_running_stats(graph: Graph, running_mean: Tensor, running_var: Tensor
     pairs = ((mean, running_mean, 1.0), (var, running_var, count / (count - 1)))
     for stat, running, correction in pairs:
         run = running.flatten()
-        sl = placed(graph, body, stat.reshape(run.shape), run.tiles(), f"{name}/{running.name}").flatten()
-        work = region_work(run.tiles(), graph.target.workers_per_tile, grain=4)
+        sl = placed(graph, body, stat.reshape(run.shape), run.tile_map(), f"{name}/{running.name}").flatten()
+        work = region_work(run.tile_map(), graph.target.workers_per_tile, grain=4)
         graph.addVertices(cs, RUNNING_STATS_VERTEX, work.tiles, {"stat": work.field(sl), "running": work.field(run)},
                           np.array([momentum, correction], np.float64))
     body.add(Execute(cs))

@@ -59,6 +59,7 @@ from numba import njit, prange
 from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
+from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
 from .common import Work, lookup, placed, region_work
@@ -137,61 +138,90 @@ def lamb_direction_element(w, wi, g, gi, m, mi, v, vi, u, ui, ls, wd, beta1, bet
     st(u, ui, (mm / bc1) / (math.sqrt(vv) / math.sqrt(bc2) + eps) + wd * ld(w, wi))
 
 
+@njit(**KERNEL)
+def vertex_scalars(kind, flags, step, p3, p4, p6, s0, i0, s1, i1):
+    """(bias corrections, LAMB trust ratio) of one vertex at this step."""
+    bc1, bc2, trust = 1.0, 1.0, 1.0
+    if kind == ADAM_KIND or (kind == LAMB_DIRECTION and flags & BIAS_CORRECTION):
+        bc1 = 1.0 - p3 ** step
+        bc2 = 1.0 - p4 ** step
+    elif kind == LAMB_APPLY:
+        r1 = min(math.sqrt(ld(s0, i0)), p6)
+        r2 = math.sqrt(ld(s1, i1))
+        trust = r1 / r2 if (r1 > 0.0 and r2 > 0.0) else 1.0
+    return bc1, bc2, trust
+
+
+@njit(**KERNEL)
+def update_element(kind, flags, w, wi, g, gi, s0, i0, s1, i1, s2, i2, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust):
+    """One element's update by the optimiser `kind` (addresses of unused state are ignored)."""
+    if kind == SGD_KIND:
+        sgd_element(w, wi, g, gi, s0, i0 if flags & MOMENTUM else 0, step, flags, lr, ls, wd, p3, p4)
+    elif kind == ADAM_KIND:
+        adam_element(w, wi, g, gi, s0, i0, s1, i1, flags, lr, ls, wd, p3, p4, p5, bc1, bc2)
+    elif kind == RMSPROP_KIND:
+        rmsprop_element(w, wi, g, gi, s0, i0, s1, i1 if flags & CENTERED else 0, s2, i2 if flags & MOMENTUM else 0,
+                        flags, lr, ls, wd, p3, p4, p5)
+    elif kind == LAMB_DIRECTION:
+        lamb_direction_element(w, wi, g, gi, s0, i0, s1, i1, s2, i2, ls, wd, p3, p4, p5, bc1, bc2)
+    else:
+        st(w, wi, ld(w, wi) - lr * trust * ld(g, gi))
+
+
+@njit(**KERNEL)
+def hyper_row(h, ha, hb, nh):
+    """lr, loss scaling, weight decay and up to four more hyperparameters from a hyper row."""
+    return (ld(h, ha[hb]), ld(h, ha[hb + 1]), ld(h, ha[hb + 2]), ld(h, ha[hb + 3]), ld(h, ha[hb + 4]),
+            ld(h, ha[hb + 5]) if nh > 5 else 0.0, ld(h, ha[hb + 6]) if nh > 6 else 0.0)
+
+
+@njit(**KERNEL)
+def next_step(t, ta, ts, v):
+    """The vertex's step counter advanced (0 when it has none)."""
+    if ts[v + 1] == ts[v]:
+        return 0.0
+    step = ld(t, ta[ts[v]]) + 1.0
+    st(t, ta[ts[v]], step)
+    return step
+
+
 @njit(parallel=True, **KERNEL)
 def update_codelet(w, wa, ws, g, ga, gs, s0, s0a, s0s, s1, s1a, s1s, s2, s2a, s2s, h, ha, hs, t, ta, ts, params):
     """Fields: w (weight), g (gradient; LAMB apply: u), s0..s2 (state; LAMB direction: s2 is u;
     LAMB apply: s0 and s1 hold the squared norms of w and u), h (the tile's hyper row), t (the
     vertex's step counter, or nothing). params: (kind, flags, vector width)."""
     for v in prange(params.shape[0]):
-        kind = int(params[v, 0])
-        flags = int(params[v, 1])
-        hb = hs[v]
-        nh = hs[v + 1] - hb
-        lr = ld(h, ha[hb])
-        ls = ld(h, ha[hb + 1])
-        wd = ld(h, ha[hb + 2])
-        p3 = ld(h, ha[hb + 3])
-        p4 = ld(h, ha[hb + 4])
-        p5 = ld(h, ha[hb + 5]) if nh > 5 else 0.0
-        p6 = ld(h, ha[hb + 6]) if nh > 6 else 0.0
-        step = 0.0
-        if ts[v + 1] > ts[v]:
-            step = ld(t, ta[ts[v]]) + 1.0
-            st(t, ta[ts[v]], step)
-        n = ws[v + 1] - ws[v]
+        kind, flags = int(params[v, 0]), int(params[v, 1])
+        lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[v], hs[v + 1] - hs[v])
+        step = next_step(t, ta, ts, v)
         w0, g0, a0, a1, a2 = ws[v], gs[v], s0s[v], s1s[v], s2s[v]
-        if kind == SGD_KIND:
-            for i in range(n):
-                bi = s0a[a0 + i] if flags & MOMENTUM else 0
-                sgd_element(w, wa[w0 + i], g, ga[g0 + i], s0, bi, step, flags, lr, ls, wd, p3, p4)
-        elif kind == ADAM_KIND:
-            bc1 = 1.0 - p3 ** step
-            bc2 = 1.0 - p4 ** step
-            for i in range(n):
-                adam_element(w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i], s1, s1a[a1 + i], flags,
-                             lr, ls, wd, p3, p4, p5, bc1, bc2)
-        elif kind == RMSPROP_KIND:
-            for i in range(n):
-                gai = s1a[a1 + i] if flags & CENTERED else 0
-                bi = s2a[a2 + i] if flags & MOMENTUM else 0
-                rmsprop_element(w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i], s1, gai, s2, bi, flags,
-                                lr, ls, wd, p3, p4, p5)
-        elif kind == LAMB_DIRECTION:
-            bc1 = 1.0
-            bc2 = 1.0
-            if flags & BIAS_CORRECTION:
-                bc1 = 1.0 - p3 ** step
-                bc2 = 1.0 - p4 ** step
-            for i in range(n):
-                lamb_direction_element(w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i], s1, s1a[a1 + i],
-                                       s2, s2a[a2 + i], ls, wd, p3, p4, p5, bc1, bc2)
-        else:
-            r1 = min(math.sqrt(ld(s0, s0a[a0])), p6)
-            r2 = math.sqrt(ld(s1, s1a[a1]))
-            trust = r1 / r2 if (r1 > 0.0 and r2 > 0.0) else 1.0
-            for i in range(n):
-                wi = wa[w0 + i]
-                st(w, wi, ld(w, wi) - lr * trust * ld(g, ga[g0 + i]))
+        n = ws[v + 1] - w0
+        bc1, bc2, trust = vertex_scalars(kind, flags, step, p3, p4, p6, s0, s0a[a0] if s0s[v + 1] > a0 else 0,
+                                         s1, s1a[a1] if s1s[v + 1] > a1 else 0)
+        # state fields connect the vertex's elements, or nothing (LAMB apply: one norm each)
+        each0, each1, each2 = s0s[v + 1] - a0 == n, s1s[v + 1] - a1 == n, s2s[v + 1] - a2 == n
+        for i in range(n):
+            update_element(kind, flags, w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i] if each0 else 0,
+                           s1, s1a[a1 + i] if each1 else 0, s2, s2a[a2 + i] if each2 else 0,
+                           step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust)
+
+
+@njit(parallel=True, **KERNEL)
+def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, runs, params):
+    """The fast mode's form of `update_codelet`: every field of elements is its whole flat array
+    and vertex v updates the positions of runs `runs[v] .. runs[v+1] - 1` (`run_start`,
+    `run_length`) in each; LAMB apply reads the norms s0[0] and s1[0]. Same arithmetic, element
+    by element, as the codelet."""
+    for v in prange(params.shape[0]):
+        kind, flags = int(params[v, 0]), int(params[v, 1])
+        lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[v], hs[v + 1] - hs[v])
+        step = next_step(t, ta, ts, v)
+        bc1, bc2, trust = vertex_scalars(kind, flags, step, p3, p4, p6, s0, 0, s1, 0)
+        each0, each1, each2 = s0.size == w.size, s1.size == w.size, s2.size == w.size
+        for r in range(runs[v], runs[v + 1]):
+            for e in range(run_start[r], run_start[r] + run_length[r]):
+                update_element(kind, flags, w, e, g, e, s0, e if each0 else 0, s1, e if each1 else 0,
+                               s2, e if each2 else 0, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust)
 
 
 def update_cycles(sizes, params, dtype, target) -> np.ndarray:
@@ -323,8 +353,8 @@ class Optimiser:
         if found is not None:
             return found
         layout = self.layout()
-        tiles = weight.tiles().reshape(-1)
-        if (tiles < 0).any():
+        tiles = weight.tile_map()
+        if not tiles.mapped:
             raise ValueError(f"weight {weight.name!r} has elements without a tile mapping: map it before "
                              "building its update")
         vertices = region_work(tiles, graph.target.workers_per_tile, grain=4)
@@ -333,13 +363,13 @@ class Optimiser:
             if slot is not None:
                 t = graph.addVariable(self.slot_dtype(slot), weight.shape, f"{weight.name}/{slot}",
                                       category="optimiser_state")
-                t.var.mapping[:] = tiles
+                t.var.mapping = tiles
                 tensors[slot] = t
         step = None
         if layout.uses_step:
             step = graph.addVariable("float32", (vertices.num_vertices,), f"{weight.name}/step",
                                      category="optimiser_state")
-            step.var.mapping[:] = vertices.tiles
+            step.var.mapping = TileMap.from_tiles(vertices.tiles)
         s = self._states[_key(weight)] = WeightState(weight, tensors, layout.slots, step, vertices)
         return s
 
@@ -533,13 +563,10 @@ def _starts(sizes) -> np.ndarray:
     return starts
 
 
-def _fast_addresses(kind: str, vertices: Work, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """(addresses, starts) of a field for every vertex, as positions in the field's whole flat array."""
+def _fast_addresses(kind: str | None, vertices: Work, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses, starts) of a hyper-row or step field for every vertex, as positions in the
+    field's whole flat array (fields of elements are runs of the weight's positions instead)."""
     nv = vertices.num_vertices
-    if kind == ELEMENTS:
-        return vertices.positions, vertices.offsets
-    if kind == SCALAR:
-        return np.zeros(nv, dtype=np.int64), _starts(np.ones(nv, dtype=np.int64))
     if kind == HYPER_ROW:
         rows = vertices.tiles.astype(np.int64)
         return (rows[:, None] * cols + np.arange(cols)).reshape(-1), _starts(np.full(nv, cols))
@@ -552,7 +579,7 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
     """One compute set of update vertices (one per vertex of `vertices`), operands brought to the
     vertices' tiles first; the fast mode runs the same codelet on whole arrays."""
     body = Sequence(name=name)
-    weight_tiles = connected["w"].tensor.tiles()
+    weight_tiles = connected["w"].tensor.tile_map()
     tiles = np.unique(vertices.tiles)
     cols = connected["h"].tensor.shape[1]
     views = {}
@@ -581,8 +608,7 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
     graph.addVertices(cs, UPDATE_VERTEX, vertices.tiles, fields_, np.asarray(params, np.float64))
     body.add(Execute(cs))
 
-    addresses = {f: _fast_addresses(c.kind if c else None, vertices, cols)
-                 for f, c in ((f, connected.get(f)) for f in FIELDS)}
+    addresses = {f: _fast_addresses(connected[f].kind if f in connected else None, vertices, cols) for f in ("h", "step")}
     param_rows = np.tile(np.asarray(params, dtype=np.float64), (vertices.num_vertices, 1))
     empty = np.zeros(0, dtype=np.float32)
 
@@ -597,10 +623,9 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
                 if c.written:
                     copied.append((f, c.tensor))
             arrays[f] = values.reshape(-1)
-        args = []
-        for f in FIELDS:
-            args += [kernel_view(arrays[f]) if f in arrays else empty, *addresses[f]]
-        update_codelet(*args, param_rows)
+        w, g, s0, s1, s2, h, t = (kernel_view(arrays[f]) if f in arrays else empty for f in FIELDS)
+        update_whole(w, g, s0, s1, s2, h, *addresses["h"], t, *addresses["step"], vertices.starts, vertices.lengths,
+                     vertices.offsets, param_rows)
         for f, t in copied:
             io.write(t, arrays[f].reshape(t.shape))
 
@@ -652,7 +677,7 @@ def weight_update(graph: Graph, weight: Tensor, grad: Tensor, optimiser: Optimis
         return state
     # LAMB: direction u, the two squared norms (cross-tile reductions), then the scaled update.
     u = graph.addVariable("float32", weight.shape, f"{name}/u", category="temporaries", always_live=False)
-    u.var.mapping[:] = weight.tiles().reshape(-1)
+    u.var.mapping = weight.tile_map()
     parts = Sequence(name=name)
     parts.add(_update_op(graph, f"{name}/direction", state.vertices, (LAMB_DIRECTION, layout.flags, width),
                          {"w": _Field(weight, ELEMENTS), **common, **slots, "s2": _Field(u, ELEMENTS, written=True)}))

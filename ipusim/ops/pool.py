@@ -51,7 +51,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import box_positions, by_distinct_rows, gather_boxes
+from .common import by_distinct_rows, gather_boxes, map_boxes
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, block_grid, block_tiles, ceil_div, choose_split, float_dtype,
                      ranges, split_grid)
 
@@ -515,8 +515,8 @@ def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: 
     (p0, r0), (pb, rb) = (a.T for a in block_grid((planes, oh), plan.splits))
     tiles = block_tiles(p0.size, graph.target.num_tiles)
     lo, hi = _spans(geom.h.span, oh, plan.splits[1])[r0 // ceil_div(oh, plan.splits[1])].T
-    out.var.mapping[box_positions(np.stack([p0, r0 * ow], 1), np.stack([pb, rb * ow], 1), (planes, oh * ow))] = \
-        np.repeat(tiles, pb * rb * ow)
+    map_boxes(Tensor(out.var).reshape(planes, oh * ow), np.stack([p0, r0 * ow], 1), np.stack([pb, rb * ow], 1),
+              tiles)
     body = Sequence(name=name)
     windows, at = gather_boxes(graph, body, x.reshape(planes, hh * ww), np.stack([p0, lo * ww], 1),
                          np.stack([pb, (hi - lo) * ww], 1), tiles, f"{name}/in")
@@ -553,8 +553,8 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
     tiles = block_tiles(p0.size, graph.target.num_tiles)
     row_block = r0 // ceil_div(hh, plan.splits[1])
     o0, o1 = _spans(geom.h.touching, hh, plan.splits[1])[row_block].T
-    dx.var.mapping[box_positions(np.stack([p0, r0 * ww], 1), np.stack([pb, rb * ww], 1), (planes, hh * ww))] = \
-        np.repeat(tiles, pb * rb * ww)
+    map_boxes(Tensor(dx.var).reshape(planes, hh * ww), np.stack([p0, r0 * ww], 1), np.stack([pb, rb * ww], 1),
+              tiles)
     body = Sequence(name=name)
     outs_first, outs_extent = np.stack([p0, o0 * ow], 1), np.stack([pb, (o1 - o0) * ow], 1)
     grads, grads_at = gather_boxes(graph, body, dy.reshape(planes, oh * ow), outs_first, outs_extent, tiles, f"{name}/dy")

@@ -41,9 +41,10 @@ from numba import njit, prange
 from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
+from ..device.mapping import TileMap
 from ..device.tensor import Tensor, as_dtype
 from ..device.vertex import Field, VertexType
-from .common import GRAIN, Work, lookup, new_output, placed, tile_groups
+from .common import GRAIN, lookup, new_output, placed, region_work, tile_groups
 from .reduce import vector_width
 
 UNIFORM, NORMAL, BERNOULLI, DROPOUT = range(4)
@@ -356,8 +357,8 @@ def dropout(graph: Graph, x: Tensor, p: float, seed, prog: Sequence, name: str =
     threshold, scale = float(math.floor(p * TWO_32)), _dropout_scale(p)
     y = graph.addVariable(x.dtype, x.shape, name, category="activations", always_live=False)
     mask = graph.addVariable(np.bool_, x.shape, f"{name}/mask", category="activations", always_live=False)
-    y.var.mapping[:] = x.tiles().reshape(-1)
-    mask.var.mapping[:] = y.var.mapping
+    y.var.mapping = x.tile_map()
+    mask.var.mapping = y.var.mapping
     body = Sequence(name=name)
     work, begin, end = contiguous_work(y.tiles().reshape(-1), graph.target.workers_per_tile)
     if work.size:
@@ -393,18 +394,21 @@ def dropout_backward(graph: Graph, dy: Tensor, mask: Tensor, p: float, prog: Seq
                          f"got {mask.dtype.name}{mask.shape}")
     scale = _dropout_scale(p)
     dx = graph.addVariable(dy.dtype, dy.shape, name, category="activations", always_live=False)
-    dx.var.mapping[:] = dy.tiles().reshape(-1)
+    dx.var.mapping = dy.tile_map()
     body = Sequence(name=name)
-    dx_tiles = dx.tiles().reshape(-1)
+    dx_tiles = dx.tile_map()
     ml = placed(graph, body, mask, dx_tiles, f"{name}/mask")
     cs = graph.addComputeSet(name)
-    # each tile's elements split as np.array_split splits them into min(workers, count // GRAIN) parts
-    order, values, first, counts = tile_groups(dx_tiles)
-    parts = np.minimum(graph.target.workers_per_tile, np.maximum(1, counts // GRAIN))
-    k = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
-    small, extra = np.repeat(counts // parts, parts), np.repeat(counts % parts, parts)
-    begin = np.repeat(first, parts) + k * small + np.minimum(k, extra)
-    work = Work(np.repeat(values, parts), order.astype(np.int64), np.append(begin, order.size))
+
+    def split(counts):  # each tile's elements as np.array_split splits them into min(workers, count // GRAIN) parts
+        parts = np.minimum(graph.target.workers_per_tile, np.maximum(1, counts // GRAIN))
+        index = np.repeat(np.arange(counts.size), parts)
+        k = np.arange(parts.sum()) - np.repeat(np.cumsum(parts) - parts, parts)
+        small, extra = (counts // parts)[index], (counts % parts)[index]
+        begin = k * small + np.minimum(k, extra)
+        return index, begin, begin + small + (k < extra)
+
+    work = region_work(dx_tiles, graph.target.workers_per_tile, split=split)
     fields = {f: work.field(t) for f, t in {"dy": dy, "mask": ml, "out": dx}.items()}
     graph.addVertices(cs, DROPOUT_GRAD_VERTEX, work.tiles, fields, np.array([scale]))
     body.add(Execute(cs))

@@ -72,7 +72,8 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.program import Copy, Execute, OpProgram, Sequence
 from ..device.target import Target
-from ..device.tensor import Tensor, as_dtype, tile_counts
+from ..device.mapping import TileMap, tile_counts
+from ..device.tensor import Tensor, as_dtype
 from ..device.vertex import Field, VertexType, tile_makespans
 from .common import GRAIN, flat, lookup, placed
 
@@ -763,16 +764,16 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
             raise ValueError(f"{name}: cannot take the {op} of {x.name!r} {x.shape} over axes {axes}: the reduced "
                              "size is 0 and the reduction has no identity")
         fill = math.nan if math.isnan(final_scale) else 0.0
-        out.var.mapping[:] = linear_tiles(num_out, graph.target.num_tiles)
+        out.var.mapping = TileMap.from_tiles(linear_tiles(num_out, graph.target.num_tiles))
         const = graph.addConstant(out_dt, out_shape, fill, f"{name}/fill")
-        const.var.mapping[:] = out.var.mapping
+        const.var.mapping = out.var.mapping
         body.add(Copy(const, out))
         prog.add(OpProgram(name, body, lambda io: io.write(out, np.full(out_shape, fill, out_dt)), (x,), (out,)))
         return result
 
     plan = plan_reduction(x.tiles(), out_index, num_out, graph.target, code, in_dt, part_dt, out_dt,
                           final_scale != 1.0)
-    out.var.mapping[:] = plan.out_tiles
+    out.var.mapping = TileMap.from_tiles(plan.out_tiles)
     segs, final = plan.partial, plan.final
     xf, of = x.flatten(), out.flatten()
     cs = graph.addComputeSet(f"{name}/partials" if final is not None else name)
@@ -782,7 +783,7 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
     else:
         partials = graph.addVariable(part_dt, (segs.num_segments,), f"{name}/partials", category="temporaries",
                                      always_live=False)
-        partials.var.mapping[:] = segs.seg_tile
+        partials.var.mapping = TileMap.from_tiles(segs.seg_tile)
         _add_stage(graph, cs, xf, segs.perm, segs, partials, code, 1.0)
         body.add(Execute(cs))
         gathered = placed(graph, body, flat(partials, final.perm), final.element_tiles(), f"{name}/gathered")
@@ -1137,7 +1138,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
     s = r if s is None else _per_output(s, stats_shape, name)
     out_dt = as_dtype(out_dtype) if out_dtype is not None else a.dtype
     out = graph.addVariable(out_dt, shape, name, category=category, always_live=False)
-    out.var.mapping[:] = a.tiles().reshape(-1)
+    out.var.mapping = a.tile_map()
     body = Sequence(name=name)
     if out.numel:
         tiles = out.tiles().reshape(-1)
@@ -1152,7 +1153,7 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
             if column and key == "s":
                 first_col = (plan.perm[plan.starts[:-1]] // stride) % shape[axes[0]]
                 const = graph.addConstant(np.float32, (plan.num_segments,), first_col, f"{name}/columns")
-                const.var.mapping[:] = plan.seg_tile
+                const.var.mapping = TileMap.from_tiles(plan.seg_tile)
                 per_chunk[key] = (const, np.arange(plan.num_segments))
             elif key != "r" and t is r:
                 per_chunk[key] = per_chunk["r"]

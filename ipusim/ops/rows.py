@@ -20,7 +20,7 @@ from ..device.graph import Graph
 from ..device.program import Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import Field
-from .common import box_positions, gather_boxes, split_ranges
+from .common import gather_boxes, map_boxes, split_ranges
 
 MIN_ELEMENTS = 64   # work a block must hold before another tile is used, as `new_output` maps
 
@@ -47,8 +47,7 @@ class RowBlocks:
 
     def map_output(self, out: Tensor) -> None:
         """Map the [R, M] view `out` block by block."""
-        positions = box_positions(np.stack([self.row, self.col], 1), np.stack([self.rows, self.cols], 1), out.shape)
-        out.var.mapping[out.elements_at(positions)] = np.repeat(self.tile, self.rows * self.cols)
+        map_boxes(out, np.stack([self.row, self.col], 1), np.stack([self.rows, self.cols], 1), self.tile)
 
     def bring(self, graph: Graph, body: Sequence, t: Tensor, name: str, whole_rows: bool = False
               ) -> tuple[Tensor, np.ndarray]:
