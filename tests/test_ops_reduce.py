@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import ipusim as ip
+from ipusim.device.mapping import expand_runs
 from ipusim.ops import reduce as R
+from ipusim.ops.segments import geometry, plan_segments
 from ipusim.device.program import Copy, walk
 
 TARGET = ip.Target.test(16, 64 * 1024)
@@ -266,9 +268,7 @@ def test_plan_cost_is_the_engine_cost():
         prog = ip.Sequence()
         R.reduce(g, x, axes, "mean", prog)
         ax = R.normalize_axes(axes, x.rank, "t")
-        idx, out_shape, _ = R.output_index(shape, ax)
-        plan = R.plan_reduction(x.tiles(), idx, int(np.prod(out_shape)), TARGET, R.SUM, np.float32, np.float32,
-                                np.float32, True)
+        plan = R.plan_reduction(geometry(x, ax), TARGET, R.SUM, np.float32, np.float32, np.float32, True)
         e = ip.Engine(g, prog).load()
         assert e.run() == plan.cycles, (mapping, shape, plan.description)
 
@@ -277,8 +277,7 @@ def test_planner_spreads_the_final_stage_when_outputs_have_many_partials():
     g = ip.Graph(ip.GC200)
     x = g.addVariable("float32", (64, 128), "x")
     g.map_linearly(x, grain=4, min_elements_per_tile=64)  # one half row per tile
-    idx, out_shape, _ = R.output_index(x.shape, (0,))
-    plan = R.plan_reduction(x.tiles(), idx, 128, ip.GC200, R.SUM, np.float32, np.float32, np.float32, False)
+    plan = R.plan_reduction(geometry(x, (0,)), ip.GC200, R.SUM, np.float32, np.float32, np.float32, False)
     owner_tiles = np.unique(plan.partial.seg_tile[np.unique(plan.partial.seg_out, return_index=True)[1]])
     assert "spread" in plan.description and np.unique(plan.out_tiles).size == 32 and owner_tiles.size <= 2
 
@@ -292,12 +291,17 @@ def test_vertex_groups_split_work_over_workers():
     assert [(t, a, b) for t, a, b in groups if t == 1] == [(1, 12, 13), (1, 13, 14)]  # unequal counts never share
 
 
-def test_segment_plan_splits_long_segments_and_runs():
-    tiles = np.zeros(40, dtype=np.int64)
-    plan = R.plan_segments(tiles, np.zeros(40, dtype=np.int64), workers=6)
+def test_segment_plan_splits_long_segments_and_parts():
+    g = ip.Graph(TARGET)
+    x = g.addVariable("float32", (40,), "x")
+    g.setTileMapping(x, 0)
+    plan = plan_segments(geometry(x, (0,)), workers=6)
     assert plan.counts.tolist() == [8] * 5  # ceil(40 / 6) = 7, rounded up to the vector grain
-    gaps = R.plan_segments(np.array([0, 0, 1, 0, 0]), np.zeros(5), stride=1)
-    assert gaps.counts.tolist() == [2, 2, 1] and gaps.perm.tolist() == [0, 1, 3, 4, 2]
+    y = g.addVariable("float32", (5,), "y")
+    y.var.mapping = ip.TileMap.from_tiles([0, 0, 1, 0, 0])
+    gaps = plan_segments(geometry(y, (0,)), split_parts=True)
+    _, first, count, _ = gaps.segment_runs(np.arange(gaps.num_segments))
+    assert gaps.counts.tolist() == [2, 2, 1] and expand_runs(first, count).tolist() == [0, 1, 3, 4, 2]
 
 
 # ---- segment maps ----------------------------------------------------------------------------
@@ -362,11 +366,12 @@ def test_planner_prefers_a_plan_that_fits_the_tile_memory():
                       2, 2, 0, 2, 1, 3, 3, 0, 1, 2, 0, 1, 1, 2, 2, 2, 1, 2, 3, 2, 3, 2, 2, 1, 2, 1, 1, 0, 2, 2, 3, 2, 0,
                       0, 1, 3, 0, 2, 1, 2, 0, 3, 3, 1, 3, 1, 2, 1, 1, 0, 1, 2, 3, 3, 0, 2, 1, 1, 1, 2, 2, 2, 0, 3, 3, 1,
                       2])  # a (5, 20) tensor scattered over 4 tiles, reduced over axis 0
-    idx, _, _ = R.output_index((5, 20), (0,))
-    roomy = R.plan_reduction(tiles, idx, 20, ip.Target.test(4, 64 * 1024), R.SUM, np.float32, np.float32,
+    x = ip.Graph(ip.Target.test(4)).addVariable("float32", (5, 20), "x")
+    x.var.mapping = ip.TileMap.from_tiles(tiles)
+    roomy = R.plan_reduction(geometry(x, (0,)), ip.Target.test(4, 64 * 1024), R.SUM, np.float32, np.float32,
                              np.float32, False)
     tight_target = ip.Target.test(4, 288)
-    tight = R.plan_reduction(tiles, idx, 20, tight_target, R.SUM, np.float32, np.float32, np.float32, False)
+    tight = R.plan_reduction(geometry(x, (0,)), tight_target, R.SUM, np.float32, np.float32, np.float32, False)
     assert "owner" in roomy.description and "owner" not in tight.description
     assert tight.cycles > roomy.cycles  # the cheapest plan would not fit a 288-byte tile
     n, per = 4, np.bincount
@@ -398,6 +403,20 @@ def lane_order(values, op, rounded=False):
     return lanes[0]
 
 
+def segment_table(kind, positions, starts):
+    """A stage of one segment per [starts[s], starts[s + 1]) of `positions`: a ROWS or COLUMNS
+    block each (contiguous or strided), or GATHERED from the positions."""
+    counts = np.diff(starts)
+    rows = []
+    for s, (a, n) in enumerate(zip(starts[:-1], counts)):
+        if kind == "gathered":
+            rows.append([a, n, 1, 1, 0, s, R.GATHERED])
+        else:
+            step = 3 if kind == "strided" else 1
+            rows.append([positions[a], n, step, 1, 0, s, R.COLUMNS if step > 1 else R.ROWS])
+    return R.StageBlocks.of(np.array(rows), positions if kind == "gathered" else np.zeros(0, np.int64), len(counts))
+
+
 @pytest.mark.parametrize("op", [R.SUM, R.MAX, R.MIN, R.SUM_SQUARES, R.SUM_ABS])
 def test_fast_kernels_follow_the_documented_lane_order(op):
     """Contiguous (vector, also ending at the array's end), strided, side-by-side and gathered
@@ -415,33 +434,32 @@ def test_fast_kernels_follow_the_documented_lane_order(op):
              "gathered": np.sort(rng.choice(np.arange(1500, 4000), starts[-1], replace=False))}
     for rounded in ([False, True] if op == R.SUM_SQUARES else [False]):
         for kind, positions in cases.items():
-            stage = R.stage_blocks(positions, starts)
-            got = R.run_stage(x, stage, op, 1.0, rounded)
+            got = R.run_stage(x, segment_table(kind, positions, starts), op, 1.0, rounded)
             want = [lane_order(x[positions[a:b]], op, rounded) for a, b in zip(starts[:-1], starts[1:])]
             np.testing.assert_array_equal(got.view(np.int64), np.array(want).view(np.int64), err_msg=kind)
         # 40 columns of a (70, 40) block side by side; the same bits per column
         block = x[1000:3800]
-        cols = R.stage_blocks(np.arange(2800).reshape(70, 40).T.reshape(-1), np.arange(0, 2801, 70))
-        assert cols.blocks[:, 6].tolist() == [R.COLUMNS]
+        cols = R.StageBlocks.of(np.array([[0, 70, 40, 40, 1, 0, R.COLUMNS]]), np.zeros(0, np.int64), 40)
         got = R.run_stage(block, cols, op, 1.0, rounded)
         want = [lane_order(block.reshape(70, 40)[:, k], op, rounded) for k in range(40)]
         np.testing.assert_array_equal(got.view(np.int64), np.array(want).view(np.int64))
 
 
-def test_stage_blocks_group_equally_spaced_segments():
-    rows = R.stage_blocks(np.arange(24), np.arange(0, 25, 6))  # 4 rows of 6
+def test_stage_blocks_read_the_blocks_of_a_plan():
+    g = ip.Graph(TARGET)
+    x = g.addVariable("float32", (4, 6), "x")
+    g.setTileMapping(x, 0)
+    rows = R.stage_blocks(plan_segments(geometry(x, (1,))))  # 4 rows of 6, one after another
     assert rows.blocks.tolist() == [[0, 6, 1, 4, 6, 0, R.ROWS]]
-    cols = R.stage_blocks(np.arange(24).reshape(4, 6).T.reshape(-1), np.arange(0, 25, 4))  # 6 columns of 4
+    cols = R.stage_blocks(plan_segments(geometry(x, (0,))))  # 6 columns of 4, side by side
     assert cols.blocks.tolist() == [[0, 4, 6, 6, 1, 0, R.COLUMNS]]
-    mixed = R.stage_blocks(np.array([0, 1, 2, 9, 10, 11, 3, 5, 4]), np.array([0, 3, 6, 8, 9]))
-    # two rows 9 apart, then (3, 5) with stride 2, then the singleton (4)
-    assert mixed.blocks.tolist() == [[0, 3, 1, 2, 9, 0, R.ROWS], [3, 2, 2, 1, 0, 2, R.COLUMNS],
-                                     [4, 1, 1, 1, 0, 3, R.ROWS]]
-    odd = R.stage_blocks(np.array([7, 8, 0, 2, 3, 5, 6, 9]), np.array([0, 2, 5, 8]))
-    # (0, 2, 3) and (5, 6, 9) are no progressions: read from the gathered elements 0, 2, 3, 5, 6, 9
-    assert odd.blocks.tolist() == [[7, 2, 1, 1, 0, 0, R.ROWS], [0, 3, 1, 1, 0, 1, R.GATHERED],
-                                   [3, 3, 1, 1, 0, 2, R.GATHERED]]
-    assert odd.gather.tolist() == [0, 2, 3, 5, 6, 9]
+    y = g.addVariable("float32", (2, 5), "y")
+    y.var.mapping = ip.TileMap.from_tiles([0, 0, 1, 0, 0, 0, 0, 0, 0, 0])
+    odd = R.stage_blocks(plan_segments(geometry(y, (1,))))
+    # row 0 on tile 0 is (0, 1, 3, 4): two parts, read from the gathered elements; then row 1; then (2) on tile 1
+    assert odd.blocks.tolist() == [[5, 5, 1, 1, 5, 1, R.ROWS], [2, 1, 1, 1, 5, 2, R.ROWS],
+                                   [0, 4, 1, 1, 0, 0, R.GATHERED]]
+    assert odd.gather.tolist() == [0, 1, 3, 4]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -453,8 +471,7 @@ def test_one_element_partials_skip_the_partial_stage_with_the_same_bits(dtype):
     prog = ip.Sequence()
     ops = ["sum", "max", "sum_squares", "sum_abs", "mean"]
     outs = [R.reduce(g, x, 0, op, prog, out_dtype="float32") for op in ops]
-    idx, _, _ = R.output_index(x.shape, (0,))
-    plan = R.plan_reduction(x.tiles(), idx, 40, TARGET, R.SUM_SQUARES, np.dtype(dtype), np.float32, np.float32, False)
+    plan = R.plan_reduction(geometry(x, (0,)), TARGET, R.SUM_SQUARES, np.dtype(dtype), np.float32, np.float32, False)
     assert plan.final is not None and (plan.partial.counts == 1).all()
     assert len(R.fast_reduction(plan, R.SUM_SQUARES, np.dtype(dtype), np.float32, 1.0).stages) == 1
     xv = (np.random.default_rng(11).standard_normal(x.shape) * 3).astype(dtype)
@@ -496,16 +513,13 @@ def test_exp64_is_within_two_ulp_and_handles_the_edges():
 
 
 def test_row_layout_describes_runs_of_inner_dims():
-    idx, _, _ = R.output_index((12, 10), (1,))
-    rows = R.row_layout((12, 10), (1,), idx, column=True)
+    rows = R.row_layout((12, 10), (1,), column=True)
     assert (rows.rows, rows.length, rows.stat_step, rows.col_step) == (12, 10, 0, 1)
     assert rows.stat_row.tolist() == list(range(12)) and not rows.col_row.any()
-    idx, _, _ = R.output_index((4, 1, 6, 5), (0,))
-    kept = R.row_layout((4, 1, 6, 5), (0,), idx, column=True)
+    kept = R.row_layout((4, 1, 6, 5), (0,), column=True)
     assert (kept.rows, kept.length, kept.stat_step, kept.col_step) == (4, 30, 1, 0)
     assert kept.stat_row.tolist() == [0] * 4 and kept.col_row.tolist() == [0, 1, 2, 3]
-    idx, _, _ = R.output_index((2, 3, 4), (0, 2))
-    mixed = R.row_layout((2, 3, 4), (0, 2), idx, column=False)
+    mixed = R.row_layout((2, 3, 4), (0, 2), column=False)
     assert (mixed.rows, mixed.length, mixed.stat_step) == (6, 4, 0) and mixed.stat_row.tolist() == [0, 1, 2] * 2
 
 

@@ -14,6 +14,7 @@ where the tile changes.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 #: Tile numbers in a map's arrays (a map holds one per run, not per element).
 TILE_DTYPE = np.int32
@@ -179,16 +180,7 @@ class TileMap:
             return k[run], first, length, tile
         if starts.size and (starts.min() < 0 or (starts + lengths).max() > self.size):
             raise IndexError(f"element runs reach outside the {self.size} elements of the map")
-        lo = np.searchsorted(self.starts, starts, side="right") - 1
-        hi = np.searchsorted(self.starts, starts + lengths - 1, side="right") - 1
-        count = hi - lo + 1
-        if (count == 1).all():
-            return np.arange(starts.size), starts, lengths, self.tiles[lo]
-        run = np.repeat(np.arange(starts.size), count)
-        r = np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())  # map run of each piece
-        first = np.maximum(self.starts[r], starts[run])
-        ends = np.append(self.starts[1:], self.size)
-        return run, first, np.minimum(ends[r], starts[run] + lengths[run]) - first, self.tiles[r]
+        return _pieces(self.starts, self.tiles, self.size, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
 
     def take(self, starts, lengths) -> "TileMap":
         """The map of the concatenation of element runs (in order)."""
@@ -203,10 +195,9 @@ class TileMap:
         starts, lengths = as_runs(starts, lengths)
         if not self.num_runs:
             return lengths == 0
-        lo = np.searchsorted(self.starts, starts, side="right") - 1
-        hi = np.searchsorted(self.starts, starts + lengths - 1, side="right") - 1
-        inside = (starts >= 0) & (starts + lengths <= self.size)
-        return (lengths == 0) | ((lo == hi) & (self.tiles[np.maximum(lo, 0)] == np.asarray(tiles)) & inside)
+        tiles = np.broadcast_to(np.asarray(tiles, np.int64), starts.shape)
+        return _covers(self.starts, self.tiles, self.size, np.ascontiguousarray(starts), np.ascontiguousarray(lengths),
+                       np.ascontiguousarray(tiles))
 
     # ---- changing ---------------------------------------------------------------------------
     def assign(self, starts, lengths, tiles) -> "TileMap":
@@ -272,3 +263,57 @@ def union_length(starts, lengths, groups, num_groups: int) -> np.ndarray:
     first = np.flatnonzero(new)
     ends = np.maximum.reduceat(e, first)
     return np.bincount(g[first], weights=ends - s[first], minlength=num_groups).astype(np.int64)
+
+
+# ---- kernels (a walk per run: binary search for its first map run, then forward) ----------------
+KERNEL = dict(cache=True, nogil=True)
+
+
+@njit(**KERNEL)
+def _pieces(map_starts, map_tiles, size, starts, lengths):
+    n = starts.size
+    first_run = np.empty(n, np.int64)
+    count = np.empty(n, np.int64)
+    total = 0
+    for i in range(n):
+        r = np.searchsorted(map_starts, starts[i], side="right") - 1
+        end = starts[i] + lengths[i]
+        c = 1
+        while r + c < map_starts.size and map_starts[r + c] < end:
+            c += 1
+        first_run[i] = r
+        count[i] = c
+        total += c
+    run = np.empty(total, np.int64)
+    first = np.empty(total, np.int64)
+    length = np.empty(total, np.int64)
+    tile = np.empty(total, map_tiles.dtype)
+    j = 0
+    for i in range(n):
+        end = starts[i] + lengths[i]
+        for c in range(count[i]):
+            r = first_run[i] + c
+            a = max(map_starts[r], starts[i])
+            b = min(map_starts[r + 1] if r + 1 < map_starts.size else size, end)
+            run[j] = i
+            first[j] = a
+            length[j] = b - a
+            tile[j] = map_tiles[r]
+            j += 1
+    return run, first, length, tile
+
+
+@njit(**KERNEL)
+def _covers(map_starts, map_tiles, size, starts, lengths, tiles):
+    out = np.empty(starts.size, np.bool_)
+    for i in range(starts.size):
+        if lengths[i] == 0:
+            out[i] = True
+            continue
+        if starts[i] < 0 or starts[i] + lengths[i] > size:
+            out[i] = False
+            continue
+        r = np.searchsorted(map_starts, starts[i], side="right") - 1
+        end = map_starts[r + 1] if r + 1 < map_starts.size else size
+        out[i] = starts[i] + lengths[i] <= end and map_tiles[r] == tiles[i]
+    return out

@@ -72,10 +72,11 @@ from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.program import Copy, Execute, OpProgram, Sequence
 from ..device.target import Target
-from ..device.mapping import TileMap, tile_counts
+from ..device.mapping import TileMap, expand_runs, tile_counts
 from ..device.tensor import Tensor, as_dtype
 from ..device.vertex import Field, VertexType, tile_makespans
 from .common import GRAIN, flat, lookup, placed
+from .segments import Geometry, SegmentPlan, geometry, plan_segments, side_by_side, vertex_element_runs
 
 # ---- reduction operations ------------------------------------------------------------------
 OPS = {"sum": 0, "mean": 0, "max": 1, "min": 2, "sum_squares": 3, "sum_abs": 4}
@@ -127,31 +128,27 @@ def join_lanes(lanes, op):
 
 
 @njit(**ERR, **JIT)
-def reduce_gathered(lanes, src, index, start, n, op):
-    """Segment src[index[start:start + n]] in the lane order (`lanes`: LANES scratch values)."""
-    for lane in range(LANES):
-        lanes[lane] = identity(op)
-    for i in range(n):
-        lane = i % LANES
-        lanes[lane] = combine(op, lanes[lane], np.float64(ld(src, np.uint64(index[np.uint64(start + i)]))))
-    return join_lanes(lanes, op)
-
-
-@njit(**ERR, **JIT)
 def finish(acc, scale):
     return acc if scale == 1.0 else acc * scale
 
 
 @njit(parallel=True, **ERR, **JIT)
-def reduce_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
-    """params: op, n (elements per output), scale, converted."""
+def reduce_codelet(x, x_addr, x_start, out, o_addr, o_start, params, side_by_side):
+    """params: op, n (elements per output), scale, converted. The vertex's k segments lie in x one
+    after another, or side by side (template): element i of segment j at i * k + j."""
     for v in prange(params.shape[0]):
         op = int(params[v, 0])
         n = int(params[v, 1])
         lanes = np.empty(LANES)
         bx, bo = x_start[v], o_start[v]
-        for k in range(o_start[v + 1] - bo):
-            st(out, o_addr[bo + k], finish(reduce_gathered(lanes, x, x_addr, bx + k * n, n, op), params[v, 2]))
+        k = o_start[v + 1] - bo
+        for j in range(k):
+            for lane in range(LANES):
+                lanes[lane] = identity(op)
+            for i in range(n):
+                e = bx + (i * k + j if side_by_side else j * n + i)
+                lanes[i % LANES] = combine(op, lanes[i % LANES], np.float64(ld(x, x_addr[e])))
+            st(out, o_addr[bo + j], finish(join_lanes(lanes, op), params[v, 2]))
 
 
 def _vector_combine(builder, op, acc, v):
@@ -346,7 +343,8 @@ def reduce_rows(src, gathered, blocks, op, scale, out):
     for b in prange(blocks.shape[0]):
         first, n, count, gap, o = blocks[b, 0], blocks[b, 1], blocks[b, 3], blocks[b, 4], blocks[b, 5]
         if blocks[b, 6] == GATHERED:
-            out[o] = finish(contiguous_reduce(gathered, first, n, op), scale)
+            for k in range(count):
+                out[o + k] = finish(contiguous_reduce(gathered, first + k * gap, n, op), scale)
         else:
             for k in range(count):
                 out[o + k] = finish(contiguous_reduce(src, first + k * gap, n, op), scale)
@@ -386,114 +384,91 @@ def _reduce_cycles(sizes, params, dtype, target):
                                                     op.astype(np.int64), scale != 1.0, converted != 0))
 
 
-REDUCE_VERTEX = VertexType("popops::Reduce", ("x",), ("out",), reduce_codelet, _reduce_cycles, num_params=4)
+REDUCE_VERTEX = VertexType("popops::Reduce", ("x",), ("out",), reduce_codelet, _reduce_cycles, num_params=4,
+                           template=(False,))
+# The same vertex reading its segments side by side (the columns of a block: see segments.py).
+REDUCE_VERTEX_SIDE_BY_SIDE = VertexType("popops::Reduce<side_by_side>", ("x",), ("out",), reduce_codelet,
+                                        _reduce_cycles, num_params=4, template=(True,))
 
 
-# ---- segments --------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class SegmentPlan:
-    """Segments of a tensor: segment s holds flat positions `perm[starts[s]:starts[s + 1]]`
-    (increasing), all on tile `seg_tile[s]` and all of output `seg_out[s]`. Segments are ordered
-    by tile, then output, then position."""
-    perm: np.ndarray
-    starts: np.ndarray
-    seg_out: np.ndarray
-    seg_tile: np.ndarray
-
-    @property
-    def counts(self) -> np.ndarray:
-        return np.diff(self.starts)
-
-    @property
-    def num_segments(self) -> int:
-        return int(self.seg_out.size)
-
-    def element_tiles(self) -> np.ndarray:
-        """The tile of every element in `perm` order."""
-        return np.repeat(self.seg_tile, self.counts)
-
-
-def plan_segments(tiles: np.ndarray, out_index: np.ndarray, *, workers: int | None = None,
-                  stride: int | None = None) -> SegmentPlan:
-    """Group flat positions into segments by (tile, output).
-
-    `workers`: also split a segment into chunks of at most a worker's share of its tile's elements
-    (rounded up to the vector grain). `stride`: also split where two consecutive elements of a
-    segment are not `stride` positions apart, so that every segment is a contiguous run along the
-    reduced axis (needed by ops that use an element's index along that axis).
-    """
-    tiles = np.asarray(tiles, dtype=np.int64).reshape(-1)
-    out_index = np.asarray(out_index, dtype=np.int64).reshape(-1)
-    n = tiles.size
-    pos = np.arange(n, dtype=np.int64)
-    order = np.lexsort((pos, out_index, tiles))
-    t, o = tiles[order], out_index[order]
-    new = np.ones(n, dtype=bool)
-    new[1:] = (t[1:] != t[:-1]) | (o[1:] != o[:-1])
-    if stride is not None:
-        new[1:] |= np.diff(order) != stride
-    if workers is not None and n:
-        per_tile = np.bincount(t)
-        share = -(-per_tile // workers)
-        share = np.maximum(GRAIN, -(-share // GRAIN) * GRAIN)
-        first = np.flatnonzero(new)
-        rank = pos - first[np.cumsum(new) - 1]
-        new |= rank % share[t] == 0
-    begins = np.flatnonzero(new)
-    return SegmentPlan(order, np.append(begins, n).astype(np.int64), o[begins], t[begins])
-
-
+# ---- stages in the fast mode ------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class StageBlocks:
-    """One reduction stage as the fast kernels read it. Segment s reduces
-    src[positions[starts[s]:starts[s + 1]]] into slot s. Consecutive segments that are equally
-    long arithmetic progressions with the same stride, whose first elements are equally far
-    apart, form one block read with strides; a segment that is no progression is a block of its
-    own, read from `src[gather]` (gathered once per run). Row `blocks[b]` holds (first, elements
-    per segment, stride, segments, gap between firsts, first slot, kind): ROWS are contiguous
-    segments reduced one after the other, COLUMNS strided segments reduced side by side,
-    GATHERED a segment at `first` of the gathered elements."""
+    """One reduction stage as the fast kernels read it. Row `blocks[b]` holds (first, elements
+    per segment, stride, segments, gap between firsts, first slot, kind): segment j of the block
+    reduces the `n` elements first + j * gap + i * stride into slot first slot + j. ROWS blocks
+    (stride 1) read the stage's source, their segments reduced one after the other; COLUMNS
+    blocks read it with strides, their segments side by side; GATHERED blocks read
+    `src[gather]` (gathered once per run) like ROWS blocks."""
     blocks: np.ndarray
     gather: np.ndarray
     num_segments: int
     rows: np.ndarray  # the ROWS and GATHERED blocks
     columns: np.ndarray  # the COLUMNS blocks
 
+    @classmethod
+    def of(cls, table: np.ndarray, gather: np.ndarray, num_segments: int) -> "StageBlocks":
+        table = np.ascontiguousarray(table, dtype=np.int64).reshape(-1, 7)
+        columns = table[:, 6] == COLUMNS
+        return cls(table, np.asarray(gather, np.int64), num_segments, np.ascontiguousarray(table[~columns]),
+                   np.ascontiguousarray(table[columns]))
 
-def stage_blocks(positions: np.ndarray, starts: np.ndarray) -> StageBlocks:
-    """Group the segments of a stage into blocks (built once, with the graph)."""
-    positions = np.asarray(positions, dtype=np.int64)
-    starts = np.asarray(starts, dtype=np.int64)
-    counts = np.diff(starts)
-    num = counts.size
-    if num == 0:
-        none = np.zeros((0, 7), dtype=np.int64)
-        return StageBlocks(none, np.zeros(0, dtype=np.int64), 0, none, none)
-    firsts = positions[starts[:-1]]
-    seg = np.repeat(np.arange(num), counts)
-    stride = np.ones(num, dtype=np.int64)
-    long = counts >= 2
-    stride[long] = positions[starts[:-1][long] + 1] - firsts[long]
-    irregular = (seg[1:] == seg[:-1]) & (np.diff(positions) != stride[seg[1:]])
-    regular = np.bincount(seg[1:][irregular], minlength=num) == 0
-    stride[~regular] = 1
-    link = np.zeros(num, dtype=bool)
-    link[1:] = regular[1:] & regular[:-1] & (counts[1:] == counts[:-1]) & (stride[1:] == stride[:-1])
-    gap = np.zeros(num, dtype=np.int64)
-    gap[1:] = np.diff(firsts)
-    new = ~link
-    new[2:] |= link[1:-1] & (gap[2:] != gap[1:-1])
-    begins = np.flatnonzero(new)
-    sizes = np.diff(np.append(begins, num))
-    kind = np.where(~regular[begins], GATHERED, np.where(stride[begins] != 1, COLUMNS, ROWS))
-    gathered = np.where(regular, 0, counts)
-    first = np.where(kind == GATHERED, (np.cumsum(gathered) - gathered)[begins], firsts[begins])
-    block_gap = np.where(sizes > 1, gap[np.minimum(begins + 1, num - 1)], 0)
-    table = np.ascontiguousarray(np.stack([first, counts[begins], stride[begins], sizes, block_gap, begins, kind],
-                                          axis=1), dtype=np.int64)
-    columns = kind == COLUMNS
-    return StageBlocks(table, positions[np.repeat(~regular, counts)], num, np.ascontiguousarray(table[~columns]),
-                       np.ascontiguousarray(table[columns]))
+
+def stage_blocks(plan: SegmentPlan) -> StageBlocks:
+    """The fast mode's blocks of a plan's segments over the values of its [A, R, C] view (built
+    once, with the graph): a block of segments of one part each is ROWS when C = 1 (each segment
+    a run along the reduced axes, the next one R further on) and COLUMNS otherwise (strided
+    segments of neighbouring outputs, cut where the outputs leave an [R, C] plane); a segment of
+    several parts, or one of several segments of an output, is GATHERED."""
+    g = plan.geometry
+    simple = (plan.m == 1) & (np.diff(plan.part_first)[plan.tmpl] == 1)
+    rows = []
+    b = np.flatnonzero(simple)
+    r0, n = plan.part_r0[plan.part_first[plan.tmpl[b]]], plan.part_n[plan.part_first[plan.tmpl[b]]]
+    if g.C == 1:
+        rows.append(np.stack([g.positions(plan.out[b], r0), n, np.ones_like(b), plan.k[b], np.full_like(b, g.R),
+                              plan.block_start[b], np.full_like(b, ROWS)], 1))
+    elif b.size:  # per plane: the outputs of a block in one [R, C] plane
+        lo, hi = plan.out[b], plan.out[b] + plan.k[b]
+        planes = (hi - 1) // g.C - lo // g.C + 1
+        piece = np.repeat(np.arange(b.size), planes)
+        j = np.arange(planes.sum()) - np.repeat(np.cumsum(planes) - planes, planes)
+        first = np.maximum(lo[piece], (lo[piece] // g.C + j) * g.C)
+        last = np.minimum(hi[piece], (lo[piece] // g.C + j + 1) * g.C)
+        rows.append(np.stack([g.positions(first, r0[piece]), n[piece], np.full_like(piece, g.C), last - first,
+                              np.ones_like(piece), plan.block_start[b[piece]] + first - lo[piece],
+                              np.full_like(piece, COLUMNS)], 1))
+    segments = expand_runs(plan.block_start[:-1][~simple], plan.block_segments[~simple])
+    gather = np.zeros(0, np.int64)
+    if segments.size:
+        seg, first, count, step = plan.segment_runs(segments)
+        gather = expand_runs(first, count) if g.C == 1 else _strided_elements(first, count, step)
+        counts = plan.counts[segments]
+        rows.append(np.stack([np.cumsum(counts) - counts, counts, np.ones_like(counts), np.ones_like(counts),
+                              np.zeros_like(counts), segments, np.full_like(counts, GATHERED)], 1))
+    return StageBlocks.of(np.concatenate(rows) if rows else np.zeros((0, 7), np.int64), gather, plan.num_segments)
+
+
+def _strided_elements(first, count, step) -> np.ndarray:
+    """first[k] + i * step[k] for i < count[k], run after run."""
+    run = np.repeat(np.arange(first.size), count)
+    return np.repeat(first, count) + (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)) * step[run]
+
+
+def gathered_stage(order: np.ndarray, counts: np.ndarray) -> StageBlocks:
+    """Segments of `counts[s]` consecutive values of src[order] each, one after another (the final
+    stage reads the partials, or elements, gathered by output): one GATHERED block per run of
+    segments with equal counts."""
+    if not counts.size:
+        return StageBlocks.of(np.zeros((0, 7), np.int64), np.asarray(order, np.int64), 0)
+    new = np.ones(counts.size, bool)
+    new[1:] = counts[1:] != counts[:-1]
+    head = np.flatnonzero(new)
+    size = np.diff(np.append(head, counts.size))
+    at = np.cumsum(counts) - counts
+    table = np.stack([at[head], counts[head], np.ones_like(head), size, counts[head], head,
+                      np.full_like(head, GATHERED)], 1)
+    return StageBlocks.of(table, np.asarray(order, np.int64), counts.size)
 
 
 def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounded: bool = False) -> np.ndarray:
@@ -538,13 +513,19 @@ def vertex_groups(seg_tile: np.ndarray, counts: np.ndarray, workers: int
     return run_tiles[run], begin, np.minimum(begin + per[run], run_ends[run])
 
 
-def output_index(shape: tuple, axes: tuple) -> tuple[np.ndarray, tuple, tuple]:
-    """(output flat index of every element, output shape, output shape with kept 1s)."""
-    keep_shape = tuple(1 if d in axes else s for d, s in enumerate(shape))
-    out_shape = tuple(s for d, s in enumerate(shape) if d not in axes)
-    num_out = int(np.prod(out_shape, dtype=np.int64))
-    index = np.broadcast_to(np.arange(num_out, dtype=np.int64).reshape(keep_shape), shape).reshape(-1)
-    return index, out_shape, keep_shape
+def output_of(shape: tuple, axes: tuple, positions: np.ndarray) -> np.ndarray:
+    """The output (C order over the kept axes) of the elements at flat `positions` of `shape`."""
+    index = np.unravel_index(np.asarray(positions, np.int64), shape) if shape else ()
+    kept = [d for d in range(len(shape)) if d not in axes]
+    if not kept:
+        return np.zeros(np.shape(positions), np.int64)
+    return np.ravel_multi_index([index[d] for d in kept], [shape[d] for d in kept]).astype(np.int64)
+
+
+def output_shapes(shape: tuple, axes: tuple) -> tuple[tuple, tuple]:
+    """(output shape, output shape with kept 1s) of a reduction of `shape` over `axes`."""
+    return (tuple(s for d, s in enumerate(shape) if d not in axes),
+            tuple(1 if d in axes else s for d, s in enumerate(shape)))
 
 
 def normalize_axes(axes, rank: int, what: str) -> tuple:
@@ -571,21 +552,52 @@ def linear_tiles(n: int, num_tiles: int, grain: int = GRAIN, min_elements_per_ti
 
 # ---- planning --------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
+class FinalStage:
+    """The final stage: every output's partials, gathered to the output's tile. Segment s is
+    output `seg_out[s]` on tile `seg_tile[s]` (outputs by tile, then output) with `counts[s]`
+    partials, `order` the partials (plan segments) in that order."""
+    order: np.ndarray
+    seg_out: np.ndarray
+    seg_tile: np.ndarray
+    counts: np.ndarray
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.counts)))
+
+    def element_tiles(self) -> np.ndarray:
+        """The tile of every gathered partial."""
+        return np.repeat(self.seg_tile, self.counts)
+
+
+def final_stage(partial: SegmentPlan, out_tiles: np.ndarray) -> FinalStage:
+    """The partials of each output, gathered by (output tile, output, partial)."""
+    seg_out = partial.seg_out
+    order = np.lexsort((seg_out, out_tiles[seg_out]))  # stable: partials of an output in plan order
+    outs = seg_out[order]
+    new = np.ones(outs.size, bool)
+    new[1:] = outs[1:] != outs[:-1]
+    head = np.flatnonzero(new)
+    return FinalStage(order, outs[head], out_tiles[outs[head]], np.diff(np.append(head, outs.size)))
+
+
+@dataclass(frozen=True, eq=False)
 class ReducePlan:
-    """A reduction's plan: partial-stage segments, the output's tiles, and the final stage (whose
-    segments group the partials by output; None when the partial stage writes the outputs)."""
+    """A reduction's plan: partial-stage segments, the output's tiles, and the final stage (None
+    when the partial stage writes the outputs)."""
     partial: SegmentPlan
     out_tiles: np.ndarray
-    final: SegmentPlan | None
+    final: FinalStage | None
     cycles: int
     description: str
 
 
-def _stage_cycles(plan: SegmentPlan, width: int, op: int, scaled: bool, converted: bool, target: Target) -> int:
-    tiles, first, end = vertex_groups(plan.seg_tile, plan.counts, target.workers_per_tile)
+def _stage_cycles(seg_tile: np.ndarray, counts: np.ndarray, width: int, op: int, scaled: bool, converted: bool,
+                  target: Target) -> int:
+    tiles, first, end = vertex_groups(seg_tile, counts, target.workers_per_tile)
     if not tiles.size:
         return 0
-    cycles = target.thread_cycles(reduce_instructions(end - first, plan.counts[first].astype(np.int64), width, op,
+    cycles = target.thread_cycles(reduce_instructions(end - first, counts[first].astype(np.int64), width, op,
                                                       scaled, converted)) + target.vertex_overhead_cycles
     return int(tile_makespans(tiles, cycles, target.workers_per_tile, target.num_tiles).max())
 
@@ -603,14 +615,18 @@ def _gather_cycles(src_tiles: np.ndarray, dst_tiles: np.ndarray, itemsize: int, 
             + math.ceil(int(local) * itemsize / target.local_copy_bytes_per_cycle) + target.sync_cycles)
 
 
-def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, target: Target, op: int,
-                   in_dtype, partial_dtype, out_dtype, scaled: bool) -> ReducePlan:
-    """Choose segments and output mapping with the cost model of the module docstring."""
-    workers = target.workers_per_tile
+def plan_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dtype, out_dtype, scaled: bool,
+                   tiles: TileMap | None = None) -> ReducePlan:
+    """Choose segments and output mapping with the cost model of the module docstring, for the
+    reduction of the [A, R, C] view `g` (its positions on `tiles`, the view's own tile map
+    unless given)."""
+    tiles = g.view.tile_map() if tiles is None else tiles
+    workers, n = target.workers_per_tile, target.num_tiles
+    num_out = g.num_out
     width_in, width_part = vector_width(in_dtype), vector_width(partial_dtype)
     final_op = FINAL_OP[op]
-    plain = plan_segments(tiles, out_index)
-    split = plan_segments(tiles, out_index, workers=workers)
+    plain = plan_segments(g, tiles, num_tiles=n)
+    split = plan_segments(g, tiles, workers=workers, num_tiles=n)
     segment_options = [("unsplit", plain)] + ([("split", split)] if split.num_segments != plain.num_segments else [])
     # owner: the tile of each output's largest segment (the first on ties)
     by_size = np.lexsort((-plain.counts, plain.seg_out))
@@ -618,31 +634,30 @@ def plan_reduction(tiles: np.ndarray, out_index: np.ndarray, num_out: int, targe
     first[1:] = plain.seg_out[by_size[1:]] != plain.seg_out[by_size[:-1]]
     owners = np.empty(num_out, dtype=np.int64)
     owners[plain.seg_out[by_size[first]]] = plain.seg_tile[by_size[first]]
-    mapping_options = [("owner", owners), ("linear", linear_tiles(num_out, target.num_tiles)),
-                       ("spread", linear_tiles(num_out, target.num_tiles, min_elements_per_tile=GRAIN))]
-    n = target.num_tiles
+    mapping_options = [("owner", owners), ("linear", linear_tiles(num_out, n)),
+                       ("spread", linear_tiles(num_out, n, min_elements_per_tile=GRAIN))]
     part_size, out_size = np.dtype(partial_dtype).itemsize, np.dtype(out_dtype).itemsize
-    input_bytes = tile_counts(tiles, n) * np.dtype(in_dtype).itemsize
+    input_bytes = tiles.counts(n) * np.dtype(in_dtype).itemsize
     best, best_key = None, None
     for seg_name, segs in segment_options:
         for map_name, out_tiles in mapping_options:
             single = (segs.num_segments == num_out and np.array_equal(segs.seg_tile, out_tiles[segs.seg_out]))
             if single:
-                cycles = _stage_cycles(segs, width_in, op, scaled, np.dtype(in_dtype) != np.dtype(out_dtype),
-                                       target) + target.sync_cycles
+                cycles = _stage_cycles(segs.seg_tile, segs.counts, width_in, op, scaled,
+                                       np.dtype(in_dtype) != np.dtype(out_dtype), target) + target.sync_cycles
                 final = None
                 working = input_bytes
             else:
-                final = plan_segments(out_tiles[segs.seg_out], segs.seg_out)
+                final = final_stage(segs, out_tiles)
                 converted = np.dtype(in_dtype) != np.dtype(partial_dtype)
-                cycles = (_stage_cycles(segs, width_in, op, False, converted, target)
-                          + _gather_cycles(segs.seg_tile[final.perm], final.element_tiles(),
+                cycles = (_stage_cycles(segs.seg_tile, segs.counts, width_in, op, False, converted, target)
+                          + _gather_cycles(segs.seg_tile[final.order], final.element_tiles(),
                                            np.dtype(partial_dtype).itemsize, target)
-                          + _stage_cycles(final, width_part, final_op, scaled,
+                          + _stage_cycles(final.seg_tile, final.counts, width_part, final_op, scaled,
                                           np.dtype(partial_dtype) != np.dtype(out_dtype), target)
                           + 2 * target.sync_cycles)
                 working = input_bytes + (tile_counts(segs.seg_tile, n)
-                                         + tile_counts(final.element_tiles(), n)) * part_size
+                                         + np.bincount(final.seg_tile, weights=final.counts, minlength=n)) * part_size
             working = working + tile_counts(out_tiles, n) * out_size
             key = (bool((working > target.bytes_per_tile).any()), cycles)
             if best_key is None or key < best_key:
@@ -665,10 +680,11 @@ class FastReduction:
     rounded: bool
     partial_dtype: np.dtype
     slots: np.ndarray | None  # output of each final segment; None when they are in output order
+    order: tuple | None  # the view's axis order when it is a transpose of x (see segments.geometry)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """The outputs (float64, flat) from the input values."""
-        src = x.reshape(-1)
+        src = (x if self.order is None else x.transpose(self.order)).reshape(-1)
         if src.dtype == np.float16:
             src = src.astype(np.float32)
         vals = run_stage(src, self.stages[0], self.ops[0], self.scales[0], self.rounded)
@@ -696,32 +712,69 @@ def _slots(seg_out: np.ndarray) -> np.ndarray | None:
 def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: float) -> FastReduction:
     """The fast mode's form of a reduction plan (built once, with the graph)."""
     segs, final = plan.partial, plan.final
+    order = segs.geometry.order
     if final is None:
-        return FastReduction((stage_blocks(segs.perm, segs.starts),), (op,), (scale,), False,
-                             np.dtype(partial_dtype), _slots(segs.seg_out))
+        return FastReduction((stage_blocks(segs),), (op,), (scale,), False, np.dtype(partial_dtype),
+                             _slots(segs.seg_out), order)
     in_dtype, partial_dtype = np.dtype(in_dtype), np.dtype(partial_dtype)
     exact = (partial_dtype == np.float32 and in_dtype in (np.float16, np.float32, np.bool_)) or (
         partial_dtype == np.int32 and in_dtype in (np.int32, np.bool_) and op != SUM_SQUARES)
     if exact and (segs.counts == 1).all():
-        firsts = segs.perm[segs.starts[:-1]]
-        return FastReduction((stage_blocks(firsts[final.perm], final.starts),), (op,), (scale,),
-                             op == SUM_SQUARES, partial_dtype, _slots(final.seg_out))
-    return FastReduction((stage_blocks(segs.perm, segs.starts), stage_blocks(final.perm, final.starts)),
-                         (op, FINAL_OP[op]), (1.0, scale), False, partial_dtype, _slots(final.seg_out))
+        firsts = segs.segment_runs(np.arange(segs.num_segments))[1]
+        return FastReduction((gathered_stage(firsts[final.order], final.counts),), (op,), (scale,),
+                             op == SUM_SQUARES, partial_dtype, _slots(final.seg_out), order)
+    return FastReduction((stage_blocks(segs), gathered_stage(final.order, final.counts)),
+                         (op, FINAL_OP[op]), (1.0, scale), False, partial_dtype, _slots(final.seg_out), order)
 
 
 # ---- reduce ----------------------------------------------------------------------------------
-def _add_stage(graph: Graph, cs, src: Tensor, perm: np.ndarray, plan: SegmentPlan, dst: Tensor,
-               op: int, scale: float) -> None:
-    """Reduce vertices: segment s of `plan` reads src[perm[starts[s]:starts[s+1]]] and writes dst[s]
-    (src and dst 1-D)."""
+def add_segment_vertices(graph: Graph, cs, types: tuple[VertexType, VertexType], plan: SegmentPlan,
+                         begin: np.ndarray, end: np.ndarray, elements: dict[str, Tensor], per_segment: dict,
+                         params: np.ndarray) -> None:
+    """Vertices over segments: vertex v on the tile of segments `begin[v] .. end[v] - 1` of
+    `plan`. `elements`: fields connecting the segments' elements of tensors laid out like the
+    plan's view ([A, R, C] flat); `per_segment`: fields connecting one element per segment, as
+    (1-D tensor, its element for each segment of the plan). Vertices whose segments are the
+    neighbouring outputs of one block with strided elements take them side by side (`types[1]`),
+    the rest one segment after another (`types[0]`)."""
+    side = side_by_side(plan, begin, end)
+    for vertex_type, mask in zip(types, (~side, side)):
+        v = np.flatnonzero(mask)
+        if not v.size:
+            continue
+        starts, lengths, offsets = vertex_element_runs(plan, begin[v], end[v], vertex_type is types[1])
+        fields = {f: Field.from_positions(t, starts, lengths, offsets) for f, t in elements.items()}
+        seg_offsets = np.concatenate(([0], np.cumsum(end[v] - begin[v])))
+        for f, (t, index) in per_segment.items():
+            fields[f] = Field.from_positions(t, index[expand_runs(begin[v], end[v] - begin[v])], 1, seg_offsets)
+        graph.addVertices(cs, vertex_type, plan.seg_tile[begin[v]], fields, params[v])
+
+
+def _add_stage(graph: Graph, cs, plan: SegmentPlan, src: Tensor, dst: Tensor, index: np.ndarray, op: int,
+               scale: float) -> None:
+    """Reduce vertices: segment s of `plan` reads its elements of `src` (laid out like the plan's
+    view) and writes dst[index[s]] (dst 1-D)."""
     counts = plan.counts
     tiles, begin, end = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
     if not tiles.size:
         return
-    fields = {"x": Field.at(src, perm, plan.starts[np.append(begin, end[-1])]),
-              "out": Field.strided(dst, begin, 1, end - begin)}
     params = np.stack(np.broadcast_arrays(op, counts[begin], scale, float(src.dtype != dst.dtype)), 1)
+    add_segment_vertices(graph, cs, (REDUCE_VERTEX, REDUCE_VERTEX_SIDE_BY_SIDE), plan, begin, end, {"x": src},
+                         {"out": (dst, index)}, params.astype(np.float64))
+
+
+def _add_final_stage(graph: Graph, cs, final: FinalStage, gathered: Tensor, out: Tensor, op: int, scale: float) -> None:
+    """Reduce vertices of the final stage: output segment s reads its partials, consecutive in
+    `gathered`, and writes out.flat[seg_out[s]]."""
+    tiles, begin, end = vertex_groups(final.seg_tile, final.counts, graph.target.workers_per_tile)
+    if not tiles.size:
+        return
+    starts = final.starts
+    fields = {"x": Field.from_positions(gathered, starts[begin], starts[end] - starts[begin],
+                                        np.arange(begin.size + 1)),
+              "out": Field.from_positions(out.flatten(), final.seg_out[expand_runs(begin, end - begin)], 1,
+                                          np.concatenate(([0], np.cumsum(end - begin))))}
+    params = np.stack(np.broadcast_arrays(op, final.counts[begin], scale, float(gathered.dtype != out.dtype)), 1)
     graph.addVertices(cs, REDUCE_VERTEX, tiles, fields, params.astype(np.float64))
 
 
@@ -748,7 +801,7 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
     out_dt = as_dtype(out_dtype) if out_dtype is not None else (
         np.dtype(np.int32) if in_dt == np.bool_ and code in ACCUMULATING else in_dt)
     part_dt = np.dtype(np.float32) if in_dt.kind == "f" or out_dt.kind == "f" else np.dtype(np.int32)
-    out_index, out_shape, keep_shape = output_index(x.shape, axes)
+    out_shape, keep_shape = output_shapes(x.shape, axes)
     num_out = int(np.prod(out_shape, dtype=np.int64))
     count = int(np.prod([x.shape[a] for a in axes], dtype=np.int64))
     final_scale = float(scale) * ((1.0 / count if count else math.nan) if op == "mean" else 1.0)
@@ -771,25 +824,25 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         prog.add(OpProgram(name, body, lambda io: io.write(out, np.full(out_shape, fill, out_dt)), (x,), (out,)))
         return result
 
-    plan = plan_reduction(x.tiles(), out_index, num_out, graph.target, code, in_dt, part_dt, out_dt,
-                          final_scale != 1.0)
+    g = geometry(x, axes)
+    plan = plan_reduction(g, graph.target, code, in_dt, part_dt, out_dt, final_scale != 1.0)
     out.var.mapping = TileMap.from_tiles(plan.out_tiles)
     segs, final = plan.partial, plan.final
-    xf, of = x.flatten(), out.flatten()
+    of = out.flatten()
     cs = graph.addComputeSet(f"{name}/partials" if final is not None else name)
     if final is None:
-        _add_stage(graph, cs, xf, segs.perm, segs, flat(of, segs.seg_out), code, final_scale)
+        _add_stage(graph, cs, segs, g.view, of, segs.seg_out, code, final_scale)
         body.add(Execute(cs))
     else:
         partials = graph.addVariable(part_dt, (segs.num_segments,), f"{name}/partials", category="temporaries",
                                      always_live=False)
         partials.var.mapping = TileMap.from_tiles(segs.seg_tile)
-        _add_stage(graph, cs, xf, segs.perm, segs, partials, code, 1.0)
+        _add_stage(graph, cs, segs, g.view, partials, np.arange(segs.num_segments), code, 1.0)
         body.add(Execute(cs))
-        gathered = placed(graph, body, flat(partials, final.perm), final.element_tiles(), f"{name}/gathered")
+        gathered = placed(graph, body, flat(partials, final.order), TileMap.from_lengths(final.counts, final.seg_tile),
+                          f"{name}/gathered")
         cs2 = graph.addComputeSet(f"{name}/final")
-        _add_stage(graph, cs2, gathered, np.arange(final.perm.size), final, flat(of, final.seg_out),
-                   FINAL_OP[code], final_scale)
+        _add_final_stage(graph, cs2, final, gathered, out, FINAL_OP[code], final_scale)
         body.add(Execute(cs2))
 
     fast_plan = fast_reduction(plan, code, in_dt, part_dt, final_scale)
@@ -915,18 +968,20 @@ def segment_value(op, a, b, c, r, q, s, col, p):
 
 @njit(parallel=True, **ERR, **JIT)
 def segment_map_codelet(a, a_addr, a_start, b, b_addr, b_start, c, c_addr, c_start, r, r_addr, r_start,
-                        q, q_addr, q_start, s, s_addr, s_start, out, o_addr, o_start, params):
-    """params: op, n (elements per segment), p. For column ops, s holds the segment's first column."""
+                        q, q_addr, q_start, s, s_addr, s_start, out, o_addr, o_start, params, side_by_side):
+    """params: op, n (elements per segment), p. For column ops, s holds the segment's first column.
+    The vertex's segments lie one after another, or side by side (template, as `reduce_codelet`)."""
     for v in prange(params.shape[0]):
         op = int(params[v, 0])
         n = int(params[v, 1])
         p = params[v, 2]
-        for k in range(r_start[v + 1] - r_start[v]):
+        segments = r_start[v + 1] - r_start[v]
+        for k in range(segments):
             rv = np.float64(ld(r, r_addr[r_start[v] + k]))
             qv = np.float64(ld(q, q_addr[q_start[v] + k]))
             sv = np.float64(ld(s, s_addr[s_start[v] + k]))
             for i in range(n):
-                e = k * n + i
+                e = i * segments + k if side_by_side else k * n + i
                 av = np.float64(ld(a, a_addr[a_start[v] + e]))
                 bv = np.float64(ld(b, b_addr[b_start[v] + e]))
                 cv = np.float64(ld(c, c_addr[c_start[v] + e]))
@@ -975,7 +1030,10 @@ def _segment_map_cycles(sizes, params, dtype, target):
 
 
 SEGMENT_MAP_VERTEX = VertexType("popops::SegmentMap", ("a", "b", "c", "r", "q", "s"), ("out",),
-                                segment_map_codelet, _segment_map_cycles, num_params=3)
+                                segment_map_codelet, _segment_map_cycles, num_params=3, template=(False,))
+SEGMENT_MAP_VERTEX_SIDE_BY_SIDE = VertexType("popops::SegmentMap<side_by_side>", ("a", "b", "c", "r", "q", "s"),
+                                             ("out",), segment_map_codelet, _segment_map_cycles, num_params=3,
+                                             template=(True,))
 
 
 def _per_output(t: Tensor, stats_shape: tuple, what: str) -> Tensor:
@@ -1006,7 +1064,7 @@ class RowLayout:
     col_step: int
 
 
-def row_layout(shape: tuple, axes: tuple, out_index: np.ndarray, column: bool) -> RowLayout:
+def row_layout(shape: tuple, axes: tuple, column: bool) -> RowLayout:
     """The runs of a segment map over `axes` (built once, with the graph)."""
     numel = int(np.prod(shape, dtype=np.int64))
     length, reduced = 1, None
@@ -1026,8 +1084,7 @@ def row_layout(shape: tuple, axes: tuple, out_index: np.ndarray, column: bool) -
         stride = int(np.prod(shape[axes[0] + 1:], dtype=np.int64))
         col_row = ((starts // stride) % size).astype(np.float64)
         col_step = int(stride == 1 and size > 1)
-    return RowLayout(rows, length, np.ascontiguousarray(out_index.reshape(-1)[starts]), int(reduced is False),
-                     col_row, col_step)
+    return RowLayout(rows, length, output_of(shape, axes, starts), int(reduced is False), col_row, col_step)
 
 
 def operand_rows(t: Tensor, shape: tuple, layout: RowLayout) -> np.ndarray | None:
@@ -1060,15 +1117,14 @@ def output_storage(io, t: Tensor) -> np.ndarray | None:
     return view.reshape(-1) if view is not None and view.flags.c_contiguous else None
 
 
-def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tensor, axes: tuple,
-                      out_index: np.ndarray, param: float):
+def _fast_segment_map(code: int, a: Tensor, given: dict, stats: dict, out: Tensor, axes: tuple, param: float):
     """The fast mode of a segment map: the op's row kernel over the runs of `a` (RowLayout),
     reading only the operands the op uses: b and c from their own values (broadcast in full
     only when their runs are not contiguous), statistics as one float64 value per output."""
     shape, kernel = a.shape, ROW_KERNELS[code]
     if out.numel == 0:
         return lambda io: None
-    layout = row_layout(shape, axes, out_index, code >= USES_COLUMN)
+    layout = row_layout(shape, axes, code >= USES_COLUMN)
     a_rows = np.arange(layout.rows, dtype=np.int64) * layout.length
     operands = {}
     for key in "bc":
@@ -1125,11 +1181,10 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
         raise ValueError(f"{name}: segment op {op!r} " + ("takes no statistics" if r is not None else "needs r="))
     axes = normalize_axes(axes, a.rank, name)
     shape = a.shape
-    out_index, stats_shape, _ = output_index(shape, axes)
+    stats_shape, _ = output_shapes(shape, axes)
     column = code >= USES_COLUMN
     if column and len(axes) != 1:
         raise ValueError(f"{name}: op {op!r} indexes along one axis, got axes {axes}")
-    stride = int(np.prod(shape[axes[0] + 1:], dtype=np.int64)) if column else None
     given = {"b": b, "c": c}
     b = a if b is None else (b if b.shape == shape else b.broadcast(shape))
     c = a if c is None else (c if c.shape == shape else c.broadcast(shape))
@@ -1141,39 +1196,42 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
     out.var.mapping = a.tile_map()
     body = Sequence(name=name)
     if out.numel:
-        tiles = out.tiles().reshape(-1)
-        plan = plan_segments(tiles, out_index, workers=graph.target.workers_per_tile, stride=stride)
-        # statistics are copied once per (tile, output); the chunks of one such group share the copy
-        groups = plan_segments(tiles, out_index)
-        parent = np.searchsorted(groups.starts, plan.starts[:-1], side="right") - 1
+        tiles = out.tile_map()
+        view = lambda t: geometry(t, axes).view  # noqa: E731  (laid out like the plan's view)
+        g = geometry(out, axes)
+        n_tiles = graph.target.num_tiles
+        plan = plan_segments(g, workers=graph.target.workers_per_tile, split_parts=column, num_tiles=n_tiles)
+        # statistics are copied once per (tile, output); the pieces of one such group share the copy
+        groups = plan_segments(g, num_tiles=n_tiles)
+        key = groups.seg_tile * g.num_out + groups.seg_out
+        parent = np.searchsorted(key, plan.seg_tile * g.num_out + plan.seg_out)
         bl = placed(graph, body, b, tiles, f"{name}/b")
         cl = placed(graph, body, c, tiles, f"{name}/c") if c is not b else bl
-        per_chunk = {}  # field -> (1-D tensor, element of the tensor for each chunk)
-        for key, t in (("r", r), ("q", q), ("s", s)):
-            if column and key == "s":
-                first_col = (plan.perm[plan.starts[:-1]] // stride) % shape[axes[0]]
+        per_segment = {}  # field -> (1-D tensor, element of the tensor for each segment)
+        for key_, t in (("r", r), ("q", q), ("s", s)):
+            if column and key_ == "s":  # the first index along the axis of every segment
+                first_col = plan.part_r0[plan.part_first[plan.seg_template]]
                 const = graph.addConstant(np.float32, (plan.num_segments,), first_col, f"{name}/columns")
                 const.var.mapping = TileMap.from_tiles(plan.seg_tile)
-                per_chunk[key] = (const, np.arange(plan.num_segments))
-            elif key != "r" and t is r:
-                per_chunk[key] = per_chunk["r"]
-            elif t is a:
-                per_chunk[key] = (a.flatten(), plan.perm[plan.starts[:-1]])
+                per_segment[key_] = (const, np.arange(plan.num_segments))
+            elif key_ != "r" and t is r:
+                per_segment[key_] = per_segment["r"]
+            elif t is a:  # ops without statistics: each segment's first element fills the field
+                per_segment[key_] = (view(a), plan.first_positions())
             else:
-                copies = placed(graph, body, flat(t, groups.seg_out), groups.seg_tile, f"{name}/{key}")
-                per_chunk[key] = (copies, parent)
+                copies = placed(graph, body, flat(t, groups.seg_out), TileMap.from_tiles(groups.seg_tile),
+                                f"{name}/{key_}")
+                per_segment[key_] = (copies, parent)
         cs = graph.addComputeSet(name)
         counts = plan.counts
-        full = {"a": a.flatten(), "b": bl.flatten(), "c": cl.flatten(), "out": out.flatten()}
-        tiles, lo, hi = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
-        bounds = np.append(lo, hi[-1:])
-        fields = {k: Field.at(t, plan.perm, plan.starts[bounds]) for k, t in full.items()}
-        fields.update({k: Field.at(t, index, bounds) for k, (t, index) in per_chunk.items()})
+        _, lo, hi = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
         params = np.stack(np.broadcast_arrays(code, counts[lo], float(param)), 1).astype(np.float64)
-        graph.addVertices(cs, SEGMENT_MAP_VERTEX, tiles, fields, params)
+        elements = {"a": view(a), "b": view(bl), "c": view(cl), "out": view(out)}
+        add_segment_vertices(graph, cs, (SEGMENT_MAP_VERTEX, SEGMENT_MAP_VERTEX_SIDE_BY_SIDE), plan, lo, hi,
+                             elements, per_segment, params)
         body.add(Execute(cs))
 
-    fast = _fast_segment_map(code, a, given, {"r": r, "q": q, "s": s}, out, axes, out_index, float(param))
+    fast = _fast_segment_map(code, a, given, {"r": r, "q": q, "s": s}, out, axes, float(param))
     reads = tuple(dict.fromkeys(t for t in (a, b, c, r, q) + (() if column else (s,))))
     prog.add(OpProgram(name, body, fast, reads, (out,)))
     return out
