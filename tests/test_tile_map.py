@@ -218,3 +218,39 @@ def test_exchange_cycles_are_the_element_by_element_count(case, data):
     dst.var.mapping = TileMap.from_tiles(np.asarray(data.draw(hs.lists(hs.integers(0, 7), min_size=ref.size,
                                                                        max_size=ref.size))))
     assert exchange_cycles(t, dst, target) == exchange_reference(t, dst, target)
+    assert t.lives_on(dst.var.mapping) == bool((t.tiles().reshape(-1) == dst.tiles().reshape(-1)).all())
+
+
+@settings(max_examples=150, deadline=None)
+@given(hs.data())
+def test_blocks_named_many_times_cost_and_locate_like_their_elements(data):
+    """A view of blocks of runs, blocks named several times (operand blocks sent to many tiles):
+    its elements, the exchange that gathers it and whether it already lives on given tiles are
+    those of the same elements listed one by one, whether each block lands on one tile or not."""
+    from ipusim.device.cost import exchange_cycles
+    g = ip.Graph(ip.Target.test(num_tiles=8))
+    n = data.draw(hs.integers(1, 30))
+    x = g.addVariable("float32", (n,), "x")
+    x.var.mapping = TileMap.from_tiles(np.asarray(data.draw(hs.lists(hs.integers(0, 7), min_size=n, max_size=n))))
+    blocks = data.draw(hs.lists(hs.lists(hs.tuples(hs.integers(0, n - 1), hs.integers(1, 4)), min_size=1, max_size=3),
+                                min_size=1, max_size=4))
+    starts = [min(a, n - 1) for b in blocks for a, _ in b]
+    lengths = [min(m, n - a) for b in blocks for a, m in b]
+    offsets = np.cumsum([0] + [len(b) for b in blocks])
+    sequence = data.draw(hs.lists(hs.integers(0, len(blocks) - 1), min_size=1, max_size=6))
+    view = ip.Tensor.of_blocks(x.var, starts, lengths, offsets, sequence)
+    elements = np.concatenate([expand_runs(starts[offsets[b]:offsets[b + 1]], lengths[offsets[b]:offsets[b + 1]])
+                               for b in sequence])
+    assert view.index.tolist() == elements.tolist()
+    sizes = [int(sum(lengths[offsets[b]:offsets[b + 1]])) for b in sequence]
+    whole = data.draw(hs.booleans())
+    if whole:  # each block named lands on one tile
+        tiles = np.repeat(np.asarray(data.draw(hs.lists(hs.integers(0, 7), min_size=len(sizes), max_size=len(sizes)))),
+                          sizes)
+    else:
+        tiles = np.asarray(data.draw(hs.lists(hs.integers(0, 7), min_size=elements.size, max_size=elements.size)))
+    dst = g.addVariable("float32", (elements.size,), "dst")
+    dst.var.mapping = TileMap.from_tiles(tiles)
+    assert exchange_cycles(view, dst, g.target) == exchange_reference(view, dst, g.target)
+    assert view.lives_on(dst.var.mapping) == bool((x.var.mapping.dense()[elements] == tiles).all())
+

@@ -25,7 +25,7 @@ import numpy as np
 from .program import (Copy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteCopy, Repeat,
                       Sequence, StreamCopy, Sync)
 from .target import Target
-from .mapping import TileMap, union_length
+from .mapping import TileMap, distinct_exchange, union_length
 from .tensor import Tensor
 
 KINDS = ("compute", "exchange", "sync", "inter_ipu", "host")
@@ -93,16 +93,27 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     run however many destinations receive it (`routes`).
     """
     n = target.num_tiles
-    r = routes(src, dst.tile_map())
-    moved = r.lengths - r.local
-    recv = np.bincount(r.dst_tile, weights=moved, minlength=n)
-    local = np.bincount(r.dst_tile, weights=r.local, minlength=n)
-    sent = union_length(r.piece_first[r.piece_moved], r.piece_length[r.piece_moved], r.piece_tile[r.piece_moved], n)
+    dst_map = dst.tile_map()
+    if src.distinct and src.blocks is None and src.var.mapping.mapped and dst_map.mapped:
+        # every element sent once: one walk over the runs
+        starts, lengths = src.runs()
+        m = src.var.mapping
+        sent, recv, local = distinct_exchange(np.ascontiguousarray(starts), np.ascontiguousarray(lengths), m.starts,
+                                               m.tiles, m.size, dst_map.starts, dst_map.tiles, dst_map.size, n)
+        moved_total = int(recv.sum())
+    else:
+        r = routes(src, dst_map)
+        moved = r.lengths - r.local
+        recv = np.bincount(r.dst_tile, weights=moved, minlength=n)
+        local = np.bincount(r.dst_tile, weights=r.local, minlength=n)
+        sent = union_length(r.piece_first[r.piece_moved], r.piece_length[r.piece_moved], r.piece_tile[r.piece_moved],
+                            n)
+        moved_total = int(moved.sum())
     size = src.dtype.itemsize
     worst = int(max(sent.max(initial=0), recv.max(initial=0))) * size
     cycles = math.ceil(worst / target.exchange_bytes_per_cycle)
     cycles += math.ceil(int(local.max(initial=0)) * size / target.local_copy_bytes_per_cycle)
-    return cycles, int(moved.sum()) * size
+    return cycles, moved_total * size
 
 
 @dataclass
@@ -123,6 +134,17 @@ class Routes:
 def routes(src: Tensor, dst: TileMap) -> Routes:
     """The deliveries and pieces of a copy from `src` to a tensor whose positions live on `dst`
     (see `Routes`)."""
+    by_block = src.block_deliveries(dst)
+    if by_block is not None:  # operand blocks, each sent whole to tiles: one delivery per block sent
+        dst_tile, local, (block, piece_first, piece_length, piece_tile) = by_block
+        sequence = src.blocks[3]
+        pair, first = _groups(sequence, dst_tile)  # distinct (block, destination) pairs
+        blocks = src.blocks[2].size
+        destinations = np.bincount(sequence[first], minlength=blocks)
+        only = np.full(blocks, -2, np.int64)
+        only[sequence[first]] = dst_tile[first]
+        piece_moved = (destinations[block] > 1) | ((destinations[block] == 1) & (only[block] != piece_tile))
+        return Routes(src.blocks[4][sequence], dst_tile, local, piece_first, piece_length, piece_tile, piece_moved)
     _, element, length, dst_tile = src.deliveries(dst)
     if src.distinct:  # every delivery its own run
         which = np.arange(element.size)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .mapping import TileMap, as_runs, expand_runs, runs_of
+from .mapping import TileMap, as_runs, expand_runs, lands_on, runs_of
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.bool_,
           "uint32": np.uint32}
@@ -103,12 +103,13 @@ class Tensor:
     strided view, so a graph keeps lists only where they say something.
     """
 
-    __slots__ = ("var", "shape", "offset", "strides", "_starts", "_lengths", "_flat")
+    __slots__ = ("var", "shape", "offset", "strides", "_starts", "_lengths", "_flat", "_distinct", "_blocks")
 
     def __init__(self, var: Variable, index: np.ndarray | None = None, shape: tuple | None = None,
                  offset: int = 0, strides: tuple | None = None):
         self.var = var
-        self._starts = self._lengths = self._flat = None
+        self._starts = self._lengths = self._flat = self._blocks = None
+        self._distinct = False
         if index is not None:
             layout = strides_of(index)
             if layout is None:
@@ -122,8 +123,9 @@ class Tensor:
             self.offset, self.strides = 0, c_strides(self.shape)
 
     @classmethod
-    def of_runs(cls, var: Variable, starts, lengths, shape=None) -> "Tensor":
-        """The explicit view of element runs of `var`, one after another (shape: flat by default)."""
+    def of_runs(cls, var: Variable, starts, lengths, shape=None, *, distinct: bool = False) -> "Tensor":
+        """The explicit view of element runs of `var`, one after another (shape: flat by default);
+        `distinct`: the caller knows that no element appears twice (a permutation of partials)."""
         starts, lengths = as_runs(starts, lengths)
         keep = lengths > 0
         if not keep.all():
@@ -135,16 +137,53 @@ class Tensor:
         if starts.size <= 1:
             return cls(var, None, shape, int(starts[0]) if starts.size else 0)
         t = cls.__new__(cls)
-        t.var, t._flat = var, None
+        t.var, t._flat, t._distinct, t._blocks = var, None, bool(distinct), None
         t._explicit(starts, lengths, shape)
         return t
+
+    @classmethod
+    def of_blocks(cls, var: Variable, starts, lengths, block_offsets, sequence, shape=None) -> "Tensor":
+        """The explicit view of blocks of element runs, some named more than once: block b is the
+        runs `block_offsets[b] .. block_offsets[b+1] - 1` of (`starts`, `lengths`), and the view is
+        blocks `sequence[0]`, `sequence[1]`, ... one after another (the operand blocks of a tile
+        grid, each sent to several tiles). Its runs are only listed when something asks for them."""
+        starts, lengths = as_runs(starts, lengths)
+        block_offsets = np.asarray(block_offsets, np.int64)
+        sequence = np.asarray(sequence, np.int64)
+        ends = np.concatenate(([0], np.cumsum(lengths)))
+        sizes = ends[block_offsets[1:]] - ends[block_offsets[:-1]]
+        total = int(sizes[sequence].sum())
+        shape = (total,) if shape is None else tuple(shape)
+        if math.prod(shape) != total:
+            raise ValueError(f"blocks of {total} elements cannot have shape {shape}")
+        t = cls.__new__(cls)
+        t.var, t._flat, t._distinct = var, None, False
+        t._starts, t._lengths, t._blocks = starts, lengths, (block_offsets, sequence, sizes)
+        t.shape, t.offset, t.strides = shape, None, None
+        return t
+
+    @property
+    def blocks(self) -> tuple | None:
+        """(runs' starts, lengths, block offsets, sequence, block sizes) of a view `of_blocks`, else None."""
+        if self._blocks is None:
+            return None
+        return (self._starts, self._lengths) + self._blocks
+
+    def _list(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """An explicit view's elements: (starts, lengths) of its runs in order, or (indices, None)."""
+        if self._blocks is None:
+            return self._starts, self._lengths
+        offsets, sequence, _ = self._blocks
+        count = np.diff(offsets)[sequence]
+        run = expand_runs(offsets[sequence], count)
+        return self._starts[run], self._lengths[run]
 
     @classmethod
     def _reshaped(cls, flat: "Tensor", shape) -> "Tensor":
         """The elements of the strided view `flat` in its order, in another shape (a reshape no
         strides express): kept as that view, so its elements and runs come from its strides."""
         t = cls.__new__(cls)
-        t.var, t._flat, t._starts, t._lengths = flat.var, flat, None, None
+        t.var, t._flat, t._starts, t._lengths, t._distinct, t._blocks = flat.var, flat, None, None, False, None
         t.shape, t.offset, t.strides = tuple(shape), None, None
         return t
 
@@ -163,7 +202,7 @@ class Tensor:
     # ---- properties -----------------------------------------------------------------------
     @property
     def strided(self) -> bool:
-        return self._starts is None and self._flat is None
+        return self._starts is None and self._flat is None and self._blocks is None
 
     @property
     def index(self) -> np.ndarray:
@@ -172,7 +211,8 @@ class Tensor:
         if self._flat is not None:
             return self._flat.index.reshape(self.shape)
         if not self.strided:
-            flat = self._starts if self._lengths is None else expand_runs(self._starts, self._lengths)
+            starts, lengths = self._list()
+            flat = starts if lengths is None else expand_runs(starts, lengths)
             return flat.reshape(self.shape)
         total = np.full((1,) * self.rank, self.offset, index_dtype(self.var.numel))
         for d, (n, s) in enumerate(zip(self.shape, self.strides)):
@@ -197,11 +237,12 @@ class Tensor:
         if self._flat is not None:
             return self._flat.elements_at(positions)
         if not self.strided:
-            if self._lengths is None:
-                return self._starts[positions].astype(np.int64)
-            first = np.cumsum(self._lengths) - self._lengths
+            starts, lengths = self._list()
+            if lengths is None:
+                return starts[positions].astype(np.int64)
+            first = np.cumsum(lengths) - lengths
             run = np.searchsorted(first, positions, side="right") - 1
-            return self._starts[run] + positions - first[run]
+            return starts[run] + positions - first[run]
         out = np.full(positions.shape, self.offset, np.int64)
         rest = positions
         for n, s in zip(reversed(self.shape), reversed(self.strides)):
@@ -230,7 +271,7 @@ class Tensor:
         if self._flat is not None:
             return self._flat.distinct
         if not self.strided:
-            return False
+            return self._distinct
         reach = 0
         for n, s in sorted(((n, abs(s)) for n, s in zip(self.shape, self.strides) if n > 1), key=lambda a: a[1]):
             if s <= reach:
@@ -305,9 +346,10 @@ class Tensor:
         if self._flat is not None:
             return self._flat.runs()
         if not self.strided:
-            if self._lengths is None:
-                return runs_of(self._starts)
-            return self._starts.astype(np.int64, copy=False), self._lengths
+            starts, lengths = self._list()
+            if lengths is None:
+                return runs_of(starts)
+            return starts.astype(np.int64, copy=False), lengths
         dims = [(n, s) for n, s in zip(self.shape, self.strides) if n != 1]
         if not dims or 0 in self.shape:
             return np.full(min(self.numel, 1), self.offset, np.int64), np.full(min(self.numel, 1), self.numel, np.int64)
@@ -381,8 +423,51 @@ class Tensor:
         (a map of the positions) gives it."""
         if tiles.size != self.numel:
             raise ValueError(f"a map of {tiles.size} positions for a view of {self.numel} elements")
-        _, first, length, tile = self.deliveries(tiles)
-        return bool(self.var.mapping.covers(first, length, tile).all())
+        by_block = self.block_deliveries(tiles)
+        if by_block is not None:
+            _, local, _ = by_block
+            return bool((local == self._blocks[2][self._blocks[1]]).all())
+        starts, lengths = self.runs()
+        m = self.var.mapping
+        return bool(lands_on(np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
+                             m.starts, m.tiles, m.size, tiles.starts, tiles.tiles, tiles.size))
+
+    def block_deliveries(self, tiles: TileMap):
+        """For a view `of_blocks` whose every block (each time it is named) lands on one tile of
+        `tiles` (a map of the positions): (that tile per block named, how many of the block's
+        elements already live there, the blocks' runs cut where their tiles change as (block,
+        first, length, tile)); None otherwise. Work per distinct block, not per time it is named."""
+        if self._blocks is None:
+            return None
+        offsets, sequence, sizes = self._blocks
+        count = sizes[sequence]
+        at = np.cumsum(count) - count
+        k, _, _, dst_tile = tiles.pieces(at, count)
+        if k.size != np.count_nonzero(count) or not np.array_equal(k, np.flatnonzero(count)):
+            return None
+        named = np.zeros(sequence.size, np.int64)
+        named[k] = dst_tile
+        run, first, length, tile = self.var.mapping.pieces(self._starts, self._lengths)
+        block = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))[run]
+        digits = int(max(tile.max(initial=0), named.max(initial=0))) + 2  # tile + 1 as a digit of a key
+        keys = block * digits + tile + 1
+        order = np.argsort(keys, kind="stable")
+        keys, summed = keys[order], length[order]
+        head = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if keys.size else np.zeros(0, np.int64)
+        keys, sums = keys[head], (np.add.reduceat(summed, head) if head.size else summed[:0])
+        want = sequence * digits + named + 1
+        hit = np.searchsorted(keys, want).clip(max=max(keys.size - 1, 0))
+        local = np.where((keys.size > 0) & (keys[hit] == want) if keys.size else np.zeros(want.size, bool),
+                         sums[hit] if keys.size else 0, 0)
+        return named, local, (block, first, length, tile)
+
+    def take(self, positions, *, distinct: bool = False) -> "Tensor":
+        """The elements at flat `positions` of the view, as a 1-D explicit view (of runs where the
+        positions run on); `distinct`: the positions repeat no element."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        starts, lengths = runs_of(positions)
+        _, first, length = self.runs_at(starts, lengths)
+        return Tensor.of_runs(self.var, first, length, distinct=distinct)
 
     def tile_map(self) -> TileMap:
         """The tiles of the view's flat positions, as runs."""
@@ -451,9 +536,11 @@ class Tensor:
                 return Tensor._reshaped(self, shape)
         if self._flat is not None:
             return self._flat.reshape(shape)
+        if self._blocks is not None:
+            return Tensor.of_blocks(self.var, self._starts, self._lengths, *self._blocks[:2], shape)
         if self._lengths is None:
             return self._gather(self._starts.reshape(shape))
-        return Tensor.of_runs(self.var, self._starts, self._lengths, shape)
+        return Tensor.of_runs(self.var, self._starts, self._lengths, shape, distinct=self._distinct)
 
     def flatten(self) -> "Tensor":
         return self.reshape(self.numel)

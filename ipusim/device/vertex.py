@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from numba import njit
 
 from .mapping import expand_runs
 from .tensor import Tensor, Variable
@@ -374,8 +375,27 @@ def check_field(table: VertexTable, name: str, cs: ComputeSet) -> None:
 def _runs_are_local(f: Field, tiles: np.ndarray) -> bool:
     """True when every run of the field lies inside one run of its variable's mapping that is on
     the run's vertex's tile: one search per run, nothing per element."""
+    if len(f.variables) == 1:
+        m = f.variables[0].mapping
+        return m.num_runs > 0 and _field_local(m.starts, m.tiles, m.size, f.starts, f.lengths, f.offsets,
+                                               np.ascontiguousarray(tiles, np.int64)) or not f.lengths.any()
     vertex = np.repeat(np.arange(f.num_vertices), np.diff(f.offsets))
     for _, v, at in f.by_variable(f.var[vertex]):
         if not v.mapping.covers(f.starts[at], f.lengths[at], tiles[vertex[at]]).all():
             return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _field_local(map_starts, map_tiles, size, starts, lengths, offsets, tiles):
+    for v in range(offsets.size - 1):
+        for k in range(offsets[v], offsets[v + 1]):
+            if lengths[k] == 0:
+                continue
+            if starts[k] < 0 or starts[k] + lengths[k] > size:
+                return False
+            r = np.searchsorted(map_starts, starts[k], side="right") - 1
+            end = map_starts[r + 1] if r + 1 < map_starts.size else size
+            if starts[k] + lengths[k] > end or map_tiles[r] != tiles[v]:
+                return False
     return True

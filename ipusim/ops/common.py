@@ -51,10 +51,15 @@ def gather_boxes(graph: Graph, body: Sequence, src: Tensor, first: np.ndarray, e
     one exchange for all boxes; returns a flat view holding the boxes one after the other, each
     on its tile (a view of the source itself where every element already lives there), and the
     boxes' offsets in it."""
-    sizes = np.asarray(extent, np.int64).prod(axis=1)
-    starts, lengths, _ = box_runs(first, extent, src.shape)
-    _, first_element, length = src.runs_at(starts, lengths)
-    local = placed(graph, body, Tensor.of_runs(src.var, first_element, length), TileMap.from_lengths(sizes, tiles), name)
+    first, extent = np.asarray(first, np.int64), np.asarray(extent, np.int64)
+    sizes = extent.prod(axis=1)
+    boxes, sequence = np.unique(np.concatenate([first, extent], axis=1), axis=0, return_inverse=True)
+    d = first.shape[1]
+    starts, lengths, box = box_runs(boxes[:, :d], boxes[:, d:], src.shape)  # each distinct box once
+    k, first_element, length = src.runs_at(starts, lengths)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(box[k], minlength=len(boxes)))))
+    view = Tensor.of_blocks(src.var, first_element, length, offsets, sequence.reshape(-1))
+    local = placed(graph, body, view, TileMap.from_lengths(sizes, tiles), name)
     return local, np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
 
@@ -195,6 +200,6 @@ def by_distinct_rows(params: np.ndarray, fn) -> np.ndarray:
     return np.asarray([fn(tuple(r)) for r in ordered[new]], np.int64)[inverse]
 
 
-def flat(t: Tensor, positions: np.ndarray) -> Tensor:
-    """The elements of `t` at flat `positions`, as a 1-D view."""
-    return t.flatten()[positions]
+def flat(t: Tensor, positions: np.ndarray, *, distinct: bool = False) -> Tensor:
+    """The elements of `t` at flat `positions`, as a 1-D view (`distinct`: no position repeats)."""
+    return t.take(positions, distinct=distinct)

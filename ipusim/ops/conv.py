@@ -400,7 +400,7 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
         dst, dst_at = partials_variable(graph, sizes, tiles, f"{name}/partials")
     else:  # each block writes its box of the output in place
         _, element, length = outv.runs_at(*box_runs(first[:, :5], extent[:, :5], outv.shape)[:2])
-        dst, dst_at = Tensor.of_runs(out.var, element, length), np.concatenate(([0], np.cumsum(sizes)))
+        dst, dst_at = Tensor.of_runs(out.var, element, length, distinct=True), np.concatenate(([0], np.cumsum(sizes)))
     # vertices: each block's output lines split over the workers
     blk, l0, l1 = split_ranges(gb * bb * cob * ohb, graph.target.workers_per_tile)
     n = l1 - l0

@@ -276,7 +276,7 @@ def reduce_partials(graph: Graph, body: Sequence, partials: Tensor, parts: int, 
     in element order), then each tile's elements are reduced by about one vertex per worker.
     """
     order = np.lexsort((out_starts, split))  # split after split, each in element order
-    source = Tensor.of_runs(partials.var, part_starts[order], lengths[order], (parts, out.numel))
+    source = Tensor.of_runs(partials.var, part_starts[order], lengths[order], (parts, out.numel), distinct=True)
     gathered = placed(graph, body, source, TileMap.concat([out.tile_map()] * parts), f"{name}/gathered_partials")
     cs = graph.addComputeSet(f"{name}/reduce")
     work = region_work(out.tile_map(), graph.target.workers_per_tile, grain=GRAIN)

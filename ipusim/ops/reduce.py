@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from llvmlite import ir
@@ -455,20 +456,15 @@ def _strided_elements(first, count, step) -> np.ndarray:
     return np.repeat(first, count) + (np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)) * step[run]
 
 
-def gathered_stage(order: np.ndarray, counts: np.ndarray) -> StageBlocks:
-    """Segments of `counts[s]` consecutive values of src[order] each, one after another (the final
-    stage reads the partials, or elements, gathered by output): one GATHERED block per run of
-    segments with equal counts."""
-    if not counts.size:
-        return StageBlocks.of(np.zeros((0, 7), np.int64), np.asarray(order, np.int64), 0)
-    new = np.ones(counts.size, bool)
-    new[1:] = counts[1:] != counts[:-1]
-    head = np.flatnonzero(new)
-    size = np.diff(np.append(head, counts.size))
-    at = np.cumsum(counts) - counts
-    table = np.stack([at[head], counts[head], np.ones_like(head), size, counts[head], head,
-                      np.full_like(head, GATHERED)], 1)
-    return StageBlocks.of(table, np.asarray(order, np.int64), counts.size)
+def final_stage_blocks(final: FinalStage) -> StageBlocks:
+    """The fast mode's blocks of the final stage over the gathered values (`src[final.order]`):
+    per interval, its outputs' partials side by side (COLUMNS, a stride of the interval's size),
+    or one after another when an interval has one output (ROWS)."""
+    slot = np.searchsorted(final.seg_interval, np.arange(final.interval_first.size))  # first segment of each
+    kind = np.where(final.interval_size > 1, COLUMNS, ROWS)
+    table = np.stack([final.interval_at, final.interval_parts, final.interval_size, final.interval_size,
+                      np.ones_like(slot), slot, kind], 1)
+    return StageBlocks.of(table, np.zeros(0, np.int64), final.seg_out.size)
 
 
 def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounded: bool = False) -> np.ndarray:
@@ -501,16 +497,31 @@ def vertex_groups(seg_tile: np.ndarray, counts: np.ndarray, workers: int
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     change = np.ones(seg_tile.size, dtype=bool)
     change[1:] = (seg_tile[1:] != seg_tile[:-1]) | (counts[1:] != counts[:-1])
-    run_begins = np.flatnonzero(change)
-    run_ends = np.append(run_begins[1:], seg_tile.size)
-    tile_total = np.bincount(seg_tile, weights=counts)
-    run_tiles = seg_tile[run_begins].astype(np.int64)
-    share = np.maximum(1.0, tile_total[run_tiles] / workers)
-    per = np.maximum(1, np.ceil(share / np.maximum(counts[run_begins], 1)).astype(np.int64))
-    pieces = -(-(run_ends - run_begins) // per)
-    run = np.repeat(np.arange(run_begins.size), pieces)
-    begin = run_begins[run] + (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * per[run]
-    return run_tiles[run], begin, np.minimum(begin + per[run], run_ends[run])
+    begins = np.flatnonzero(change)
+    return vertex_groups_of_runs(seg_tile[begins], counts[begins], begins, np.append(begins[1:], seg_tile.size),
+                                 workers)
+
+
+def vertex_groups_of_runs(tile: np.ndarray, count: np.ndarray, begin: np.ndarray, end: np.ndarray, workers: int
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`vertex_groups` from the runs of segments of one tile with equal counts: run r holds
+    segments `begin[r] .. end[r] - 1` of `count[r]` elements on `tile[r]` (runs in order, no two
+    neighbours on one tile with one count)."""
+    if not tile.size:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    tile = tile.astype(np.int64)
+    tile_total = np.bincount(tile, weights=count * (end - begin))
+    share = np.maximum(1.0, tile_total[tile] / workers)
+    per = np.maximum(1, np.ceil(share / np.maximum(count, 1)).astype(np.int64))
+    pieces = -(-(end - begin) // per)
+    run = np.repeat(np.arange(tile.size), pieces)
+    first = begin[run] + (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * per[run]
+    return tile[run], first, np.minimum(first + per[run], end[run])
+
+
+def plan_vertex_groups(plan: SegmentPlan, workers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`vertex_groups` of a plan's segments, from its blocks (see `SegmentPlan.count_runs`)."""
+    return vertex_groups_of_runs(*plan.count_runs(), workers)
 
 
 def output_of(shape: tuple, axes: tuple, positions: np.ndarray) -> np.ndarray:
@@ -553,32 +564,85 @@ def linear_tiles(n: int, num_tiles: int, grain: int = GRAIN, min_elements_per_ti
 # ---- planning --------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class FinalStage:
-    """The final stage: every output's partials, gathered to the output's tile. Segment s is
-    output `seg_out[s]` on tile `seg_tile[s]` (outputs by tile, then output) with `counts[s]`
-    partials, `order` the partials (plan segments) in that order."""
-    order: np.ndarray
+    """The final stage: every output's partials, gathered to the output's tile. Its segments are
+    the outputs by tile, then output (output `seg_out[s]` on tile `seg_tile[s]`, `counts[s]`
+    partials). The gathered partials are laid out by *intervals*: runs of outputs of one tile
+    held by the same partial-stage blocks (`interval_first` output, `interval_size` outputs,
+    `interval_at` where its partials start, `interval_parts` partials per output); in an
+    interval, each block's partials for the interval's outputs in turn (the pairs `pair_block`,
+    `pair_interval`, in that order), so output o's partials lie `interval_size` apart and the
+    exchange moves runs of partials, not single ones."""
+    partial: SegmentPlan
     seg_out: np.ndarray
     seg_tile: np.ndarray
     counts: np.ndarray
+    interval_first: np.ndarray
+    interval_size: np.ndarray
+    interval_at: np.ndarray
+    interval_parts: np.ndarray
+    seg_interval: np.ndarray
+    pair_block: np.ndarray
+    pair_interval: np.ndarray
 
-    @property
-    def starts(self) -> np.ndarray:
-        return np.concatenate(([0], np.cumsum(self.counts)))
+    @cached_property
+    def order(self) -> np.ndarray:
+        """The partial (plan segment) at each gathered position."""
+        p = self.partial
+        m = p.m[self.pair_block]
+        c = np.repeat(np.arange(self.pair_block.size), m)
+        chunk = np.arange(m.sum()) - np.repeat(np.cumsum(m) - m, m)
+        b, iv = self.pair_block[c], self.pair_interval[c]
+        size = self.interval_size[iv]
+        base = p.block_start[b] + (self.interval_first[iv] - p.out[b]) * p.m[b] + chunk
+        return np.repeat(base, size) + (np.arange(size.sum()) - np.repeat(np.cumsum(size) - size, size)) * \
+            np.repeat(p.m[b], size)
 
     def element_tiles(self) -> np.ndarray:
         """The tile of every gathered partial."""
         return np.repeat(self.seg_tile, self.counts)
 
+    def positions(self, segments: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the partials of the given final segments lie in the gathered buffer: (first,
+        count, step) of each segment."""
+        i = self.seg_interval[segments]
+        return (self.interval_at[i] + self.seg_out[segments] - self.interval_first[i], self.counts[segments],
+                self.interval_size[i])
+
+    def gather_cycles(self, itemsize: int, target: Target) -> int:
+        """Cycles of the exchange that gathers the partials (as cost.py counts that Copy, with its
+        sync; 0 when every partial is already on its output's tile): per (interval, block) pair."""
+        n = target.num_tiles
+        src = self.partial.tile[self.pair_block]
+        dst = self.seg_tile[np.searchsorted(self.seg_interval, self.pair_interval)]
+        weight = self.interval_size[self.pair_interval] * self.partial.m[self.pair_block]
+        moved = src != dst
+        if not moved.any():
+            return 0
+        worst = max(np.bincount(src[moved], weights=weight[moved], minlength=n).max(),
+                    np.bincount(dst[moved], weights=weight[moved], minlength=n).max())
+        local = np.bincount(dst[~moved], weights=weight[~moved], minlength=n).max(initial=0)
+        return (math.ceil(int(worst) * itemsize / target.exchange_bytes_per_cycle)
+                + math.ceil(int(local) * itemsize / target.local_copy_bytes_per_cycle) + target.sync_cycles)
+
 
 def final_stage(partial: SegmentPlan, out_tiles: np.ndarray) -> FinalStage:
-    """The partials of each output, gathered by (output tile, output, partial)."""
-    seg_out = partial.seg_out
-    order = np.lexsort((seg_out, out_tiles[seg_out]))  # stable: partials of an output in plan order
-    outs = seg_out[order]
-    new = np.ones(outs.size, bool)
-    new[1:] = outs[1:] != outs[:-1]
-    head = np.flatnonzero(new)
-    return FinalStage(order, outs[head], out_tiles[outs[head]], np.diff(np.append(head, outs.size)))
+    """The partials of each output, gathered to its tile by intervals (see `FinalStage`)."""
+    num_out = out_tiles.size
+    cuts = np.zeros(num_out + 1, bool)
+    cuts[1:num_out] = out_tiles[1:] != out_tiles[:-1]
+    first, size, interval, block = partial.output_pairs(cuts)
+    tile = out_tiles[first]
+    order = np.lexsort((first, tile))  # intervals by tile, then output
+    rank = np.empty(order.size, np.int64)
+    rank[order] = np.arange(order.size)
+    first, size, tile = first[order], size[order], tile[order]
+    pair = np.lexsort((block, rank[interval]))
+    block, interval = block[pair], rank[interval][pair]
+    parts = np.bincount(interval, weights=partial.m[block], minlength=first.size).astype(np.int64)
+    at = np.cumsum(parts * size) - parts * size
+    seg_interval = np.repeat(np.arange(first.size), size)
+    return FinalStage(partial, expand_runs(first, size), tile[seg_interval], parts[seg_interval], first, size, at,
+                      parts, seg_interval, block, interval)
 
 
 @dataclass(frozen=True, eq=False)
@@ -592,27 +656,16 @@ class ReducePlan:
     description: str
 
 
-def _stage_cycles(seg_tile: np.ndarray, counts: np.ndarray, width: int, op: int, scaled: bool, converted: bool,
+def _stage_cycles(groups: tuple, counts_of_first: np.ndarray, width: int, op: int, scaled: bool, converted: bool,
                   target: Target) -> int:
-    tiles, first, end = vertex_groups(seg_tile, counts, target.workers_per_tile)
+    """Cycles of a reduce compute set whose vertices are `groups` (tiles, begin, end) with
+    `counts_of_first` elements per segment (one per vertex)."""
+    tiles, first, end = groups
     if not tiles.size:
         return 0
-    cycles = target.thread_cycles(reduce_instructions(end - first, counts[first].astype(np.int64), width, op,
+    cycles = target.thread_cycles(reduce_instructions(end - first, counts_of_first.astype(np.int64), width, op,
                                                       scaled, converted)) + target.vertex_overhead_cycles
     return int(tile_makespans(tiles, cycles, target.workers_per_tile, target.num_tiles).max())
-
-
-def _gather_cycles(src_tiles: np.ndarray, dst_tiles: np.ndarray, itemsize: int, target: Target) -> int:
-    """Cycles of the exchange superstep moving element i from src_tiles[i] to dst_tiles[i], as
-    cost.py counts a Copy (with its sync); 0 when every element is already in place (no Copy)."""
-    moved = src_tiles != dst_tiles
-    if not moved.any():
-        return 0
-    n = target.num_tiles
-    worst = max(tile_counts(src_tiles[moved], n).max(), tile_counts(dst_tiles[moved], n).max())
-    local = tile_counts(dst_tiles[~moved], n).max(initial=0)
-    return (math.ceil(int(worst) * itemsize / target.exchange_bytes_per_cycle)
-            + math.ceil(int(local) * itemsize / target.local_copy_bytes_per_cycle) + target.sync_cycles)
 
 
 def plan_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dtype, out_dtype, scaled: bool,
@@ -628,36 +681,34 @@ def plan_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dtype
     plain = plan_segments(g, tiles, num_tiles=n)
     split = plan_segments(g, tiles, workers=workers, num_tiles=n)
     segment_options = [("unsplit", plain)] + ([("split", split)] if split.num_segments != plain.num_segments else [])
-    # owner: the tile of each output's largest segment (the first on ties)
-    by_size = np.lexsort((-plain.counts, plain.seg_out))
-    first = np.ones(by_size.size, dtype=bool)
-    first[1:] = plain.seg_out[by_size[1:]] != plain.seg_out[by_size[:-1]]
-    owners = np.empty(num_out, dtype=np.int64)
-    owners[plain.seg_out[by_size[first]]] = plain.seg_tile[by_size[first]]
-    mapping_options = [("owner", owners), ("linear", linear_tiles(num_out, n)),
+    mapping_options = [("owner", plain.owners()), ("linear", linear_tiles(num_out, n)),
                        ("spread", linear_tiles(num_out, n, min_elements_per_tile=GRAIN))]
     part_size, out_size = np.dtype(partial_dtype).itemsize, np.dtype(out_dtype).itemsize
     input_bytes = tiles.counts(n) * np.dtype(in_dtype).itemsize
+    converted_out = np.dtype(in_dtype) != np.dtype(out_dtype)
+    converted_part = np.dtype(in_dtype) != np.dtype(partial_dtype)
     best, best_key = None, None
     for seg_name, segs in segment_options:
+        groups = plan_vertex_groups(segs, workers)  # the partial stage's vertices, whatever the outputs
+        counts_of_first = segs.counts_at(groups[1])
+        on_tiles = np.bincount(segs.tile, weights=segs.block_segments, minlength=n).astype(np.int64)
         for map_name, out_tiles in mapping_options:
             single = (segs.num_segments == num_out and np.array_equal(segs.seg_tile, out_tiles[segs.seg_out]))
             if single:
-                cycles = _stage_cycles(segs.seg_tile, segs.counts, width_in, op, scaled,
-                                       np.dtype(in_dtype) != np.dtype(out_dtype), target) + target.sync_cycles
+                cycles = _stage_cycles(groups, counts_of_first, width_in, op, scaled, converted_out,
+                                       target) + target.sync_cycles
                 final = None
                 working = input_bytes
             else:
                 final = final_stage(segs, out_tiles)
-                converted = np.dtype(in_dtype) != np.dtype(partial_dtype)
-                cycles = (_stage_cycles(segs.seg_tile, segs.counts, width_in, op, False, converted, target)
-                          + _gather_cycles(segs.seg_tile[final.order], final.element_tiles(),
-                                           np.dtype(partial_dtype).itemsize, target)
-                          + _stage_cycles(final.seg_tile, final.counts, width_part, final_op, scaled,
+                final_groups = vertex_groups(final.seg_tile, final.counts, workers)
+                cycles = (_stage_cycles(groups, counts_of_first, width_in, op, False, converted_part, target)
+                          + final.gather_cycles(np.dtype(partial_dtype).itemsize, target)
+                          + _stage_cycles(final_groups, final.counts[final_groups[1]], width_part, final_op, scaled,
                                           np.dtype(partial_dtype) != np.dtype(out_dtype), target)
                           + 2 * target.sync_cycles)
-                working = input_bytes + (tile_counts(segs.seg_tile, n)
-                                         + np.bincount(final.seg_tile, weights=final.counts, minlength=n)) * part_size
+                working = input_bytes + (on_tiles + np.bincount(final.seg_tile, weights=final.counts,
+                                                                  minlength=n)) * part_size
             working = working + tile_counts(out_tiles, n) * out_size
             key = (bool((working > target.bytes_per_tile).any()), cycles)
             if best_key is None or key < best_key:
@@ -681,15 +732,19 @@ class FastReduction:
     partial_dtype: np.dtype
     slots: np.ndarray | None  # output of each final segment; None when they are in output order
     order: tuple | None  # the view's axis order when it is a transpose of x (see segments.geometry)
+    gather: np.ndarray | None  # what the final stage reads: the partials (or elements) in gathered order
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """The outputs (float64, flat) from the input values."""
         src = (x if self.order is None else x.transpose(self.order)).reshape(-1)
         if src.dtype == np.float16:
             src = src.astype(np.float32)
-        vals = run_stage(src, self.stages[0], self.ops[0], self.scales[0], self.rounded)
+        if len(self.stages) == 1 and self.gather is not None:  # partials of one element: the elements
+            vals = run_stage(src[self.gather], self.stages[0], self.ops[0], self.scales[0], self.rounded)
+        else:
+            vals = run_stage(src, self.stages[0], self.ops[0], self.scales[0], self.rounded)
         if len(self.stages) == 2:
-            vals = run_stage(stored(vals, self.partial_dtype), self.stages[1], self.ops[1], self.scales[1])
+            vals = run_stage(stored(vals, self.partial_dtype)[self.gather], self.stages[1], self.ops[1], self.scales[1])
         if self.slots is None:
             return vals
         res = np.empty(self.slots.size, dtype=np.float64)
@@ -715,16 +770,15 @@ def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: fl
     order = segs.geometry.order
     if final is None:
         return FastReduction((stage_blocks(segs),), (op,), (scale,), False, np.dtype(partial_dtype),
-                             _slots(segs.seg_out), order)
+                             _slots(segs.seg_out), order, None)
     in_dtype, partial_dtype = np.dtype(in_dtype), np.dtype(partial_dtype)
     exact = (partial_dtype == np.float32 and in_dtype in (np.float16, np.float32, np.bool_)) or (
         partial_dtype == np.int32 and in_dtype in (np.int32, np.bool_) and op != SUM_SQUARES)
-    if exact and (segs.counts == 1).all():
-        firsts = segs.segment_runs(np.arange(segs.num_segments))[1]
-        return FastReduction((gathered_stage(firsts[final.order], final.counts),), (op,), (scale,),
-                             op == SUM_SQUARES, partial_dtype, _slots(final.seg_out), order)
-    return FastReduction((stage_blocks(segs), gathered_stage(final.order, final.counts)),
-                         (op, FINAL_OP[op]), (1.0, scale), False, partial_dtype, _slots(final.seg_out), order)
+    if exact and (segs.template_counts == 1).all():  # the final stage reads the elements the partials would hold
+        return FastReduction((final_stage_blocks(final),), (op,), (scale,), op == SUM_SQUARES, partial_dtype,
+                             _slots(final.seg_out), order, segs.first_positions()[final.order])
+    return FastReduction((stage_blocks(segs), final_stage_blocks(final)), (op, FINAL_OP[op]), (1.0, scale), False,
+                         partial_dtype, _slots(final.seg_out), order, final.order)
 
 
 # ---- reduce ----------------------------------------------------------------------------------
@@ -754,28 +808,44 @@ def _add_stage(graph: Graph, cs, plan: SegmentPlan, src: Tensor, dst: Tensor, in
                scale: float) -> None:
     """Reduce vertices: segment s of `plan` reads its elements of `src` (laid out like the plan's
     view) and writes dst[index[s]] (dst 1-D)."""
-    counts = plan.counts
-    tiles, begin, end = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
+    tiles, begin, end = plan_vertex_groups(plan, graph.target.workers_per_tile)
     if not tiles.size:
         return
-    params = np.stack(np.broadcast_arrays(op, counts[begin], scale, float(src.dtype != dst.dtype)), 1)
+    params = np.stack(np.broadcast_arrays(op, plan.counts_at(begin), scale, float(src.dtype != dst.dtype)), 1)
     add_segment_vertices(graph, cs, (REDUCE_VERTEX, REDUCE_VERTEX_SIDE_BY_SIDE), plan, begin, end, {"x": src},
                          {"out": (dst, index)}, params.astype(np.float64))
 
 
 def _add_final_stage(graph: Graph, cs, final: FinalStage, gathered: Tensor, out: Tensor, op: int, scale: float) -> None:
-    """Reduce vertices of the final stage: output segment s reads its partials, consecutive in
-    `gathered`, and writes out.flat[seg_out[s]]."""
+    """Reduce vertices of the final stage: output segment s reads its partials from `gathered`
+    and writes out.flat[seg_out[s]]. A vertex whose outputs lie in one interval reads their
+    partials side by side (one run per partial of an output), others output by output."""
     tiles, begin, end = vertex_groups(final.seg_tile, final.counts, graph.target.workers_per_tile)
     if not tiles.size:
         return
-    starts = final.starts
-    fields = {"x": Field.from_positions(gathered, starts[begin], starts[end] - starts[begin],
-                                        np.arange(begin.size + 1)),
-              "out": Field.from_positions(out.flatten(), final.seg_out[expand_runs(begin, end - begin)], 1,
-                                          np.concatenate(([0], np.cumsum(end - begin))))}
     params = np.stack(np.broadcast_arrays(op, final.counts[begin], scale, float(gathered.dtype != out.dtype)), 1)
-    graph.addVertices(cs, REDUCE_VERTEX, tiles, fields, params.astype(np.float64))
+    side = final.seg_interval[begin] == final.seg_interval[end - 1]
+    for vertex_type, mask in ((REDUCE_VERTEX, ~side), (REDUCE_VERTEX_SIDE_BY_SIDE, side)):
+        v = np.flatnonzero(mask)
+        if not v.size:
+            continue
+        k = end[v] - begin[v]
+        first, count, step = final.positions(begin[v])
+        if vertex_type is REDUCE_VERTEX_SIDE_BY_SIDE:  # row q: the q-th partial of each output
+            owner = np.repeat(np.arange(v.size), count)
+            q = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+            starts, lengths = np.repeat(first, count) + q * np.repeat(step, count), k[owner]
+        else:  # output after output, each partial a run of one
+            segments = expand_runs(begin[v], k)
+            f, c, st_ = final.positions(segments)
+            owner = np.repeat(np.repeat(np.arange(v.size), k), c)
+            j = np.arange(c.sum()) - np.repeat(np.cumsum(c) - c, c)
+            starts, lengths = np.repeat(f, c) + j * np.repeat(st_, c), np.ones(c.sum(), np.int64)
+        offsets = np.concatenate(([0], np.cumsum(np.bincount(owner, minlength=v.size))))
+        fields = {"x": Field.from_positions(gathered, starts, lengths, offsets),
+                  "out": Field.from_positions(out.flatten(), final.seg_out[expand_runs(begin[v], k)], 1,
+                                              np.concatenate(([0], np.cumsum(k))))}
+        graph.addVertices(cs, vertex_type, tiles[v], fields, params[v].astype(np.float64))
 
 
 def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | None = None,
@@ -839,7 +909,8 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         partials.var.mapping = TileMap.from_tiles(segs.seg_tile)
         _add_stage(graph, cs, segs, g.view, partials, np.arange(segs.num_segments), code, 1.0)
         body.add(Execute(cs))
-        gathered = placed(graph, body, flat(partials, final.order), TileMap.from_lengths(final.counts, final.seg_tile),
+        gathered = placed(graph, body, flat(partials, final.order, distinct=True),
+                          TileMap.from_lengths(final.counts, final.seg_tile),
                           f"{name}/gathered")
         cs2 = graph.addComputeSet(f"{name}/final")
         _add_final_stage(graph, cs2, final, gathered, out, FINAL_OP[code], final_scale)
@@ -1223,9 +1294,8 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
                                 f"{name}/{key_}")
                 per_segment[key_] = (copies, parent)
         cs = graph.addComputeSet(name)
-        counts = plan.counts
-        _, lo, hi = vertex_groups(plan.seg_tile, counts, graph.target.workers_per_tile)
-        params = np.stack(np.broadcast_arrays(code, counts[lo], float(param)), 1).astype(np.float64)
+        _, lo, hi = plan_vertex_groups(plan, graph.target.workers_per_tile)
+        params = np.stack(np.broadcast_arrays(code, plan.counts_at(lo), float(param)), 1).astype(np.float64)
         elements = {"a": view(a), "b": view(bl), "c": view(cl), "out": view(out)}
         add_segment_vertices(graph, cs, (SEGMENT_MAP_VERTEX, SEGMENT_MAP_VERTEX_SIDE_BY_SIDE), plan, lo, hi,
                              elements, per_segment, params)

@@ -238,6 +238,67 @@ class SegmentPlan:
         ends = np.concatenate(([0], np.cumsum(self.template_counts)))
         return ends[self.tmpl + self.m] - ends[self.tmpl]
 
+    def count_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The segments as runs of neighbours on one tile with one count: (tile, count, first
+        segment, end segment) per run; from the blocks (a block of one segment per output is one
+        run), segment by segment only in blocks of several segments per output."""
+        one = self.m == 1
+        b = np.flatnonzero(one)
+        tile = [self.tile[b]]
+        count = [self.template_counts[self.tmpl[b]]]
+        begin = [self.block_start[:-1][b]]
+        multi = np.flatnonzero(~one)
+        if multi.size:  # several segments per output: segment by segment
+            segments = expand_runs(self.block_start[:-1][multi], self.block_segments[multi])
+            tile.append(self.seg_tile[segments])
+            count.append(self.counts[segments])
+            begin.append(segments)
+        tile, count, begin = (np.concatenate(x) for x in (tile, count, begin))
+        order = np.argsort(begin, kind="stable")
+        tile, count, begin = tile[order], count[order], begin[order]
+        new = np.ones(begin.size, bool)
+        new[1:] = (tile[1:] != tile[:-1]) | (count[1:] != count[:-1])
+        head = np.flatnonzero(new)
+        return tile[head], count[head], begin[head], np.append(begin[head][1:], self.num_segments)
+
+    def output_pairs(self, cuts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The outputs cut into *intervals* at every block's first and last output (and where
+        `cuts`, a bool per output boundary, says), so that the blocks holding an interval's
+        outputs are the same for all of them: (interval first outputs, sizes, and the (interval,
+        block) pairs of blocks holding them, by interval, then block)."""
+        num_out = self.geometry.num_out
+        cut = np.zeros(num_out + 1, bool) if cuts is None else cuts.copy()
+        cut[[0, num_out]] = True
+        cut[self.out] = True
+        cut[self.out + self.k] = True
+        first = np.flatnonzero(cut[:-1])
+        size = np.diff(np.append(first, num_out))
+        lo = np.searchsorted(first, self.out)
+        hi = np.searchsorted(first, self.out + self.k)
+        block = np.repeat(np.arange(self.num_blocks), hi - lo)
+        interval = expand_runs(lo, hi - lo)
+        pair = np.lexsort((block, interval))
+        return first, size, interval[pair], block[pair]
+
+    def owners(self) -> np.ndarray:
+        """Per output, the tile holding its largest segment (the first in plan order on ties)."""
+        first, size, interval, block = self.output_pairs()
+        ends = np.concatenate(([0], np.cumsum(self.template_counts)))
+        largest = np.maximum.reduceat(self.template_counts, self.tmpl) if self.num_blocks else self.tmpl
+        key = np.lexsort((block, -largest[block], interval))  # per interval: largest first, then plan order
+        best = np.ones(key.size, bool)
+        best[1:] = interval[key][1:] != interval[key][:-1]
+        chosen = np.empty(first.size, np.int64)
+        chosen[interval[key][best]] = self.tile[block[key][best]]
+        return np.repeat(chosen, size)
+
+    def counts_at(self, segments: np.ndarray) -> np.ndarray:
+        """Elements of the given segments (without listing every segment's count)."""
+        segments = np.asarray(segments, np.int64)
+        b = np.searchsorted(self.block_start, segments, side="right") - 1
+        c = (segments - self.block_start[b]) % self.m[b]
+        return self.template_counts[self.tmpl[b] + c]
+
     def first_positions(self) -> np.ndarray:
         """The view's position of every segment's first element."""
         return self.geometry.positions(self.seg_out, self.part_r0[self.part_first[self.seg_template]])
