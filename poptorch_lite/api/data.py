@@ -14,13 +14,13 @@ that keeps up to ``buffer_size`` batches ready while the caller computes.
 """
 import atexit
 import collections
+import contextlib
 import copy
 import logging
 import multiprocessing
 import numbers
 import os
 import pickle
-import shutil
 import signal
 import tempfile
 import threading
@@ -28,6 +28,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -742,6 +743,7 @@ class _Stop(BaseException):
 
 
 def _stop_on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: see _worker_main
     raise _Stop()
 
 
@@ -772,63 +774,91 @@ def _sent_copy(source):
     return source
 
 
-@dataclass(frozen=True)
 class _DatasetFile:
-    """The file the host pickles the dataset to (SharingStrategy.FileSystem).
-    The worker process removes it once read, and when it ends if it was not
-    read: however the host ends, nothing is left in the temporary directory."""
-    path: str
+    """The file the host pickles the dataset to (SharingStrategy.FileSystem),
+    held by its descriptor. The file has no name (``tempfile.TemporaryFile``:
+    ``O_TMPFILE`` on Linux, else unlinked as soon as it is created), so it
+    is never in the temporary directory and its space is freed when the last
+    descriptor closes, however the host and the worker process end. It
+    reaches the worker process as a duplicated descriptor, as the ends of a
+    ``Pipe`` do."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _DatasetFile._rebuild, (reduction.DupFd(self.fd), )
+
+    @staticmethod
+    def _rebuild(duplicate) -> "_DatasetFile":
+        return _DatasetFile(duplicate.detach())
 
     def read(self):
-        try:
-            with open(self.path, "rb") as file:
-                return pickle.load(file)
-        finally:
-            self.remove()
+        """The dataset. The descriptor is closed (and the file's space freed
+        once the host has closed its own)."""
+        fd, self.fd = self.fd, None
+        with open(fd, "rb") as file:  # shares the host's file offset
+            file.seek(0)
+            return pickle.load(file)
 
-    def remove(self) -> None:
-        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+    def close(self) -> None:
+        """Close the descriptor if ``read`` did not."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+
+def _serve(worker: "_Worker", payload) -> None:
+    """The worker process's work: receive the dataset, then load items until
+    stopped."""
+    # Neither this process nor the DataLoader workers it starts outlive the
+    # host: a thread watches it.
+    threading.Thread(target=_watch_host, args=(worker.settings, worker.start_parent),
+                     daemon=True, name="host watcher").start()
+    # One intra-op thread, as in torch's own DataLoader workers: this process
+    # only loads, and a forked copy of a host that has run parallel torch ops
+    # would hang in its first parallel region (the thread pool does not
+    # survive the fork).
+    torch.set_num_threads(1)
+    if isinstance(payload, _DatasetFile):
+        if worker.commands.recv()[0] != "dataset":
+            return  # stopped before the host had written the file
+    try:
+        if isinstance(payload, _DatasetFile):
+            payload = payload.read()
+        if isinstance(payload, DataLoader):
+            payload._accessor = None  # this copy loads synchronously  # pylint: disable=protected-access
+        _fork_loader_workers(payload)
+    except Exception as error:  # pylint: disable=broad-except
+        worker.data.send(("error", None, *_describe_exception(error)))
+        return
+    worker.source = payload
+    worker.run()
 
 
 def _worker_main(payload, data, commands, settings) -> None:
     """Entry point of the worker process."""
     # The host owns shutdown: Ctrl-C reaches it, and it stops this worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM (from the host's terminate() or from the watcher below) unwinds
-    # the main thread, so that the DataLoader workers are shut down and the
-    # queues closed before this process exits.
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    threading.Thread(target=_watch_host, args=(settings, os.getppid()), daemon=True,
-                     name="host watcher").start()
-    # One intra-op thread, as in torch's own DataLoader workers: this process
-    # only loads, and a forked copy of a host that has run parallel torch ops
-    # would hang in its first parallel region (the thread pool does not
-    # survive the fork).
-    torch.set_num_threads(1)
-    worker = None
-    dump = payload if isinstance(payload, _DatasetFile) else None
+    worker = _Worker(None, data, commands, settings)
     try:
-        if dump is not None and commands.recv()[0] != "dataset":
-            return  # stopped before the host wrote the file
         try:
-            if dump is not None:
-                payload = dump.read()
-            if isinstance(payload, DataLoader):
-                payload._accessor = None  # this copy loads synchronously
-            _fork_loader_workers(payload)
-        except Exception as error:  # pylint: disable=broad-except
-            data.send(("error", None, *_describe_exception(error)))
-            return
-        worker = _Worker(payload, data, commands, settings)
-        worker.run()
+            # SIGTERM (from the host's terminate() or from the host watcher)
+            # raises _Stop once in the main thread, wherever it is, so that the
+            # DataLoader workers are shut down and the pipes closed below. It
+            # is set up inside these blocks, and the handler ignores any later
+            # SIGTERM before it raises, so _Stop can only unwind to the except
+            # clause: the shutdown always runs, and is never interrupted.
+            signal.signal(signal.SIGTERM, _stop_on_sigterm)
+            _serve(worker, payload)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (_Stop, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # stopped, or the host closed its end: nobody wants more items
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown below is not interrupted
-        if dump is not None:
-            dump.remove()
-        if worker is not None:
-            worker.close()
+        if isinstance(payload, _DatasetFile):
+            payload.close()
+        worker.close()
         data.close()
 
 
@@ -892,7 +922,6 @@ class AsynchronousDataAccessor:
                  sharing_strategy: SharingStrategy = SharingStrategy.FileSystem,
                  rebatched_size: Optional[int] = None):
         self._process = None
-        self._dump = None  # the dataset's file (SharingStrategy.FileSystem)
         buffer_size = _count_arg("AsynchronousDataAccessor: buffer_size",
                                  buffer_size, 1)
         if isinstance(miss_sleep_time_in_ms, bool) or not isinstance(
@@ -937,45 +966,45 @@ class AsynchronousDataAccessor:
 
     def _start_worker(self, dataset, sharing_strategy) -> None:
         context = multiprocessing.get_context(_START_METHODS[sharing_strategy])
-        # With FileSystem the process is started first and the dataset pickled
-        # to a file while it starts (a spawned interpreter spends seconds
-        # importing torch before it can read anything); a command tells it the
-        # file is complete. The other strategies hand the dataset over at start.
-        dump = None
-        if sharing_strategy == SharingStrategy.FileSystem:
-            dump = self._dump = _DatasetFile(os.path.join(
-                tempfile.mkdtemp(prefix="poptorch_lite_data_"), "dataset.pkl"))
         # Pipes, not queues: they need no semaphores, so nothing is left for
         # the resource tracker however either process ends.
         self._data, data_writer = context.Pipe(duplex=False)
         commands_reader, self._commands = context.Pipe(duplex=False)
         if sharing_strategy != SharingStrategy.Fork:
             dataset = _sent_copy(dataset)
-        process = context.Process(target=_worker_main,
-                                  args=(dump or dataset, data_writer,
-                                        commands_reader, self._settings),
-                                  name="AsynchronousDataAccessor",
-                                  daemon=False)
-        try:
-            process.start()
-        except Exception as error:
-            self._remove_payload()
-            raise TypeError(self._pickle_advice(sharing_strategy,
-                                                error)) from error
-        finally:
-            commands_reader.close()
-            data_writer.close()
-        self._process = process
-        _LIVE_ACCESSORS.add(self)
-        if dump is not None:
+        # With FileSystem the process is started first and the dataset pickled
+        # to a file while it starts (a spawned interpreter spends seconds
+        # importing torch before it can read anything); a command tells it the
+        # file is complete. The other strategies hand the dataset over at start.
+        file_system = sharing_strategy == SharingStrategy.FileSystem
+        with tempfile.TemporaryFile() if file_system else contextlib.nullcontext() as dump:
+            process = context.Process(
+                target=_worker_main,
+                args=(_DatasetFile(dump.fileno()) if file_system else dataset,
+                      data_writer, commands_reader, self._settings),
+                name="AsynchronousDataAccessor",
+                daemon=False)
             try:
-                with open(dump.path, "wb") as file:
-                    pickle.dump(dataset, file, protocol=pickle.HIGHEST_PROTOCOL)
+                process.start()
             except Exception as error:
-                self._abort_start()
+                self._commands.close()
+                self._data.close()
                 raise TypeError(self._pickle_advice(sharing_strategy,
                                                     error)) from error
-            self._send(("dataset", ))
+            finally:
+                commands_reader.close()
+                data_writer.close()
+            self._process = process
+            _LIVE_ACCESSORS.add(self)
+            if file_system:
+                try:
+                    pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)
+                    dump.flush()
+                except Exception as error:
+                    self._abort_start()
+                    raise TypeError(self._pickle_advice(sharing_strategy,
+                                                        error)) from error
+                self._send(("dataset", ))
 
     def _abort_start(self) -> None:
         """Stop a worker process that has not received its dataset: it is
@@ -987,7 +1016,6 @@ class AsynchronousDataAccessor:
         process.close()
         self._commands.close()
         self._data.close()
-        self._remove_payload()
 
     @staticmethod
     def _pickle_advice(sharing_strategy, error) -> str:
@@ -1160,12 +1188,6 @@ class AsynchronousDataAccessor:
         process.close()
         self._commands.close()
         self._data.close()
-        self._remove_payload()
-
-    def _remove_payload(self) -> None:
-        """Remove the dataset's file if the worker process did not."""
-        if self._dump is not None:
-            self._dump.remove()
 
     def __enter__(self) -> "AsynchronousDataAccessor":
         return self
