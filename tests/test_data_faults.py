@@ -20,7 +20,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.api.data import DataLoader
 from poptorch_lite.api.enums import DataLoaderMode, SharingStrategy
 from poptorch_lite.api.options import Options
-from start_method_probe import StartMethodProbe
+from start_method_probe import CollectorProbe, StartMethodProbe
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 # Scripts run in subprocesses import this checkout's packages, whatever is installed.
@@ -78,6 +78,18 @@ def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose
                          multiprocessing_context="spawn")
     assert [int(x) for x in spawned] == [0, 0, 0, 0]
     spawned.terminate()
+
+
+def test_a_spawned_accessor_starts_with_the_collector_paused_and_ctrl_c_ignored():
+    """The spawned accessor process imports the user's script and what unpickling the dataset needs
+    with Python's cyclic garbage collector off and Ctrl-C ignored; once the dataset is loaded the
+    collector runs again, with the objects made so far (torch's among them) frozen out of its reach."""
+    loader = DataLoader(Options(), CollectorProbe(), batch_size=None, mode=DataLoaderMode.Async)
+    sample = next(iter(loader))
+    loader.terminate()
+    assert sample == {"collector_at_import": False, "ctrl_c_ignored_at_import": True, "collector": True,
+                      "frozen": sample["frozen"]}, sample
+    assert sample["frozen"] > 10000, sample
 
 
 IMPORTS_SCRIPT = textwrap.dedent("""
@@ -288,6 +300,27 @@ def test_a_host_killed_before_its_accessor_started_leaves_nothing(tmp_path):
     assert not temporary_files(tmp_path)
     err = finish(process, tmp_path, 10)[1]
     assert "leaked" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_accessor_starts_stops_everything_with_one_traceback(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground group) while the spawned accessor process is still
+    importing the script: the host stops with its KeyboardInterrupt, the accessor (which ignores
+    Ctrl-C from its first line) adds no traceback of its own, and nothing is left."""
+    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_SECONDS="2")
+    host = wait_for_pids_line(process, tmp_path)
+    tree = descendants(host)
+    os.killpg(host, signal.SIGINT)
+    interrupted = time.monotonic()
+    _, err = finish(process, tmp_path, 30)
+    ended = time.monotonic()
+    deadline = ended + 5
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in tree if alive(p)], err
+    assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err
+    assert "leaked" not in err and not temporary_files(tmp_path), err
+    assert ended - interrupted < 10, (ended - interrupted, err)
 
 
 # ---- the fault matrix: every fault, in every mode, without and with DataLoader workers ----------
