@@ -5,6 +5,7 @@ tested) and checks three things: the batches or the error the user sees, that no
 behind, and that Python's resource tracker has nothing to clean up (it prints "leaked semaphore
 objects" when a process ends with multiprocessing semaphores still registered).
 """
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -71,6 +72,8 @@ def test_terminating_mid_epoch_is_an_error_not_a_short_epoch():
 def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose():
     """The accessor's own process is spawned; the torch workers of the loader it iterates start
     by fork, as they would in the user's process, but a multiprocessing_context is honoured."""
+    if multiprocessing.get_all_start_methods()[0] != "fork":
+        pytest.skip("the default start method here is not fork (Linux's up to Python 3.13)")
     forked = DataLoader(Options(), StartMethodProbe(), batch_size=1, num_workers=2, mode=DataLoaderMode.Async)
     assert [int(x) for x in forked] == [1, 1, 1, 1]
     forked.terminate()
@@ -78,6 +81,19 @@ def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose
                          multiprocessing_context="spawn")
     assert [int(x) for x in spawned] == [0, 0, 0, 0]
     spawned.terminate()
+
+
+def test_loader_workers_in_the_accessor_process_start_as_the_host_would_start_them():
+    """A host whose default start method is spawn (set_start_method) would spawn its DataLoader
+    workers: so does the accessor process."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        loader = DataLoader(Options(), StartMethodProbe(), batch_size=1, num_workers=2, mode=DataLoaderMode.Async)
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+    assert [int(x) for x in loader] == [0, 0, 0, 0]
+    loader.terminate()
 
 
 def test_a_spawned_accessor_starts_with_the_collector_paused_and_ctrl_c_ignored():

@@ -524,6 +524,7 @@ class _WorkerSettings:
     rebatched_size: Optional[int]
     rebatched_drop_last: bool
     parent_pid: int
+    start_method: str  # the host's default: for the DataLoader workers
 
 
 def _leading_rows(batch) -> int:
@@ -725,21 +726,29 @@ def _running(pid: int) -> bool:
         return True
 
 
-def _fork_loader_workers(source) -> None:
+def _start_loader_workers_as_the_host(source, start_method: str) -> None:
     """Start the torch DataLoader workers of ``source`` as they would start in
-    the user's own process: by fork where the platform has it.
+    the user's own process: with the host's default start method (fork on
+    Linux up to Python 3.13), unless the user gave the DataLoader a
+    ``multiprocessing_context``, which is always honoured.
 
     A spawned Python process makes ``spawn`` its own default start method, so
     without this every worker of the loader this process iterates would be a
     fresh interpreter importing torch (seconds each; 16 workers are 16 more
     interpreters, and every spawned queue's semaphores are left to the
     resource tracker). This process is fresh and runs no Numba threads or
-    BLAS pools, so forking it is safe. A ``multiprocessing_context`` the user
-    gave the DataLoader is always honoured."""
+    BLAS pools, so forking it is safe."""
     if (isinstance(source, torch.utils.data.DataLoader) and source.num_workers > 0
-            and source.multiprocessing_context is None
-            and "fork" in multiprocessing.get_all_start_methods()):
-        source.multiprocessing_context = "fork"
+            and source.multiprocessing_context is None):
+        source.multiprocessing_context = start_method
+
+
+def _default_start_method() -> str:
+    """This process's default start method, without fixing it (as
+    ``multiprocessing.get_start_method()`` would): the first of
+    ``get_all_start_methods`` unless one was set."""
+    return (multiprocessing.get_start_method(allow_none=True)
+            or multiprocessing.get_all_start_methods()[0])
 
 
 class _Stop(BaseException):
@@ -835,7 +844,7 @@ def _serve(worker: "_Worker", payload, collector_paused: bool) -> None:
         if collector_paused:  # see _SpawnedWorker
             gc.freeze()
             gc.enable()
-        _fork_loader_workers(payload)
+        _start_loader_workers_as_the_host(payload, worker.settings.start_method)
     except Exception as error:  # pylint: disable=broad-except
         worker.data.send(("error", None, *_describe_exception(error)))
         return
@@ -992,7 +1001,7 @@ class AsynchronousDataAccessor:
     0.1 s, so it and the DataLoader workers it started are gone within a
     second), and on SIGTERM, each time shutting its DataLoader workers down
     first. The DataLoader workers it starts are forked (see
-    ``_fork_loader_workers``).
+    ``_start_loader_workers_as_the_host``).
     """
 
     def __init__(self,
@@ -1035,7 +1044,8 @@ class AsynchronousDataAccessor:
         self._owner_pid = os.getpid()
         self._settings = _WorkerSettings(
             buffer_size, load_indefinitely, early_preload, rebatched_size,
-            getattr(dataset, "_rebatched_drop_last", True), os.getpid())
+            getattr(dataset, "_rebatched_drop_last", True), os.getpid(),
+            _default_start_method())
         self._start_worker(dataset, sharing_strategy)
         # Host-side view of the worker's epochs (see _Worker).
         self._last_started = 0 if early_preload else -1
