@@ -69,6 +69,7 @@ def test_terminating_mid_epoch_is_an_error_not_a_short_epoch():
         next(epoch)
 
 
+@pytest.mark.slow
 def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose():
     """The accessor's own process is spawned; the torch workers of the loader it iterates start
     by fork, as they would in the user's process, but a multiprocessing_context is honoured."""
@@ -83,6 +84,7 @@ def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose
     spawned.terminate()
 
 
+@pytest.mark.slow
 def test_loader_workers_in_the_accessor_process_start_as_the_host_would_start_them():
     """A host whose default start method is spawn (set_start_method) would spawn its DataLoader
     workers: so does the accessor process."""

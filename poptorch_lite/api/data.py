@@ -14,10 +14,10 @@ that keeps up to ``buffer_size`` batches ready while the caller computes.
 """
 import atexit
 import collections
-import gc
-import io
 import contextlib
 import copy
+import gc
+import io
 import logging
 import multiprocessing
 import numbers
@@ -1000,8 +1000,9 @@ class AsynchronousDataAccessor:
     worker stops when the host asks, when the host dies (it checks every
     0.1 s, so it and the DataLoader workers it started are gone within a
     second), and on SIGTERM, each time shutting its DataLoader workers down
-    first. The DataLoader workers it starts are forked (see
-    ``_start_loader_workers_as_the_host``).
+    first. The DataLoader workers it starts are started as the host would
+    start them (see ``_start_loader_workers_as_the_host``): forked on Linux.
+    The spawning strategies start this process as a ``_SpawnedWorker``.
     """
 
     def __init__(self,
