@@ -105,9 +105,8 @@ def test_a_spawned_accessor_starts_with_the_collector_paused_and_ctrl_c_ignored(
     loader = DataLoader(Options(), CollectorProbe(), batch_size=None, mode=DataLoaderMode.Async)
     sample = next(iter(loader))
     loader.terminate()
-    assert sample == {"collector_at_import": False, "ctrl_c_ignored_at_import": True, "collector": True,
-                      "frozen": sample["frozen"]}, sample
-    assert sample["frozen"] > 10000, sample
+    assert not sample["collector_at_import"] and sample["ctrl_c_ignored_at_import"], sample
+    assert sample["collector"] and sample["frozen"] > 10000, sample
 
 
 IMPORTS_SCRIPT = textwrap.dedent("""
@@ -308,7 +307,7 @@ def test_a_host_killed_before_its_accessor_started_leaves_nothing(tmp_path):
     process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_SECONDS="2")
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
-    assert not temporary_files(tmp_path)  # the dataset is pickled, the accessor cannot have read it yet
+    assert not temporary_files(tmp_path)  # the dataset is pickled, not yet read: its file has no name
     os.kill(host, signal.SIGKILL)
     process.wait(timeout=10)
     deadline = time.monotonic() + 60  # the accessor's interpreter may take seconds to import torch
