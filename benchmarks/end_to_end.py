@@ -21,6 +21,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TUTORIAL = os.path.join(HERE, "..", "tutorials", "pytorch", "pipelining")
+# Both scripts import this checkout's packages.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (os.path.dirname(HERE), os.environ.get("PYTHONPATH"))))}
 
 TORCH_SCRIPT = """
 import sys, time
@@ -64,7 +66,7 @@ if __name__ == "__main__":
 
 def timed(command: list[str]) -> tuple[float, str]:
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=ENV)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")

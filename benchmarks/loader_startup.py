@@ -11,7 +11,8 @@ host instead of spawned: no fresh interpreter to import torch and torchvision in
 The dataset is torchvision's FashionMNIST (PIL images, ToTensor and Normalize per sample, as
 Graphcore's tutorials load MNIST) read from Debian's dataset-fashion-mnist package; without it,
 the same pipeline over generated 28x28 images (said in the output). "First batch" is from
-building the loader to holding its first item; an epoch is a full pass after that.
+building the loader to holding its first item; an epoch is a full pass after that. Each row
+ends with the share of the machine's CPU time other jobs took while it was measured.
 
     python benchmarks/loader_startup.py [--workers 1,4,16] [--repeats 3] [--samples 60000]
 
@@ -23,6 +24,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -31,6 +33,9 @@ import tempfile
 import time
 
 DEBIAN = "/usr/share/datasets/fashion-mnist"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Each side runs in a process of its own that imports this checkout's packages.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
 FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
@@ -102,9 +107,40 @@ def one(side: str, workers: int, root: str | None, samples: int) -> dict:
     return {"first": first, "epoch": epoch, "items": count}
 
 
+class OtherJobs:
+    """The share of the machine's CPU time that processes other than this benchmark's used between
+    `start` and `share` (Linux: /proc/stat against this process's reaped children). The load
+    average would count the benchmark's own DataLoader workers."""
+
+    def start(self) -> None:
+        self.busy, self.own, self.wall = self._busy(), self._own(), time.monotonic()
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as stat:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+        except (OSError, ValueError):
+            return None
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def share(self) -> str:
+        busy = self._busy()
+        if busy is None or self.busy is None:
+            return "?"
+        others = busy - self.busy - (self._own() - self.own)
+        return f"{max(0.0, others) / ((time.monotonic() - self.wall) * os.cpu_count()):.0%}"
+
+
 def measure(side: str, workers: int, root: str | None, samples: int) -> dict:
     done = subprocess.run([sys.executable, __file__, "--one", side, "--workers", str(workers), "--root",
-                           root or "-", "--samples", str(samples)], capture_output=True, text=True, check=False)
+                           root or "-", "--samples", str(samples)], capture_output=True, text=True, check=False,
+                          env=ENV)
     if done.returncode != 0:
         raise RuntimeError(f"{side} with {workers} workers failed:\n{done.stderr[-2000:]}")
     if "leaked" in done.stderr:
@@ -129,8 +165,10 @@ def main() -> None:
               f"{args.samples} samples, items of 4000 images, median of {args.repeats} runs, {os.cpu_count()} cores, "
               f"load average {os.getloadavg()[0]:.1f} at the start")
         print(f"{'W':>3} {'first batch s (ours / torch)':>30} {'goal':>6} {'epoch s (ours / torch)':>24} {'ratio':>6}"
-              f" {'Fork: first, epoch s':>22}")
+              f" {'Fork: first, epoch s':>22} {'others':>6}")
+        others = OtherJobs()
         for w in (int(x) for x in args.workers.split(",")):
+            others.start()
             runs = {"ours": [], "fork": [], "torch": []}
             for _ in range(args.repeats):
                 for side in runs:
@@ -139,7 +177,8 @@ def main() -> None:
             o, t, f = med["ours"], med["torch"], med["fork"]
             goal = "met" if o["first"] <= 1.5 * t["first"] + 1 else "missed"
             print(f"{w:>3} {o['first']:>14.2f} / {t['first']:<13.2f} {goal:>6} {o['epoch']:>11.2f} / {t['epoch']:<10.2f} "
-                  f"{o['epoch'] / t['epoch']:>6.2f} {f['first']:>11.2f}, {f['epoch']:.2f}", flush=True)
+                  f"{o['epoch'] / t['epoch']:>6.2f} {f['first']:>11.2f}, {f['epoch']:<8.2f} {others.share():>6}",
+                  flush=True)
         print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

@@ -1,8 +1,14 @@
 """Datasets that tell about the process loading them. Kept apart from the tests, which import
 poptorch_lite: a spawned worker imports only this module and torch to unpickle them."""
+import gc
+import signal
 import sys
 
 import torch
+
+# How the process that imported this module first was set up at that moment: whether Python's cyclic
+# garbage collector ran, and whether Ctrl-C was ignored.
+AT_IMPORT = {"collector": gc.isenabled(), "ctrl_c_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}
 
 
 class StartMethodProbe(torch.utils.data.Dataset):
@@ -31,3 +37,15 @@ class ImportProbe(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return emulator_modules()
+
+
+class CollectorProbe(torch.utils.data.Dataset):
+    """One sample: `AT_IMPORT` of the process that loads it, and its collector now (on, and how many
+    objects `gc.freeze` moved out of its reach)."""
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        return {**{f"{k}_at_import": v for k, v in AT_IMPORT.items()},
+                "collector": gc.isenabled(), "frozen": gc.get_freeze_count()}

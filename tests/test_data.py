@@ -20,6 +20,7 @@ from poptorch_lite.api.enums import DataLoaderMode, SharingStrategy
 from poptorch_lite.api.options import Options
 
 FORK = {"sharing_strategy": SharingStrategy.Fork}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Pair = collections.namedtuple("Pair", "data label")
 
 
@@ -713,7 +714,7 @@ def test_worker_does_not_outlive_its_host(tmp_path, exit_mode):
     start = time.monotonic()
     result = subprocess.run([sys.executable, str(script), exit_mode],
                             capture_output=True, text=True, timeout=60,
-                            check=True)
+                            check=True, env={**os.environ, "PYTHONPATH": REPO})
     worker = int(result.stdout.split()[0])
     deadline = time.monotonic() + 5
     while alive(worker) and time.monotonic() < deadline:

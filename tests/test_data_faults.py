@@ -5,6 +5,7 @@ tested) and checks three things: the batches or the error the user sees, that no
 behind, and that Python's resource tracker has nothing to clean up (it prints "leaked semaphore
 objects" when a process ends with multiprocessing semaphores still registered).
 """
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -20,9 +21,11 @@ import poptorch_lite as poptorch
 from poptorch_lite.api.data import DataLoader
 from poptorch_lite.api.enums import DataLoaderMode, SharingStrategy
 from poptorch_lite.api.options import Options
-from start_method_probe import StartMethodProbe
+from start_method_probe import CollectorProbe, StartMethodProbe
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+# Scripts run in subprocesses import this checkout's packages, whatever is installed.
+SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.path.dirname(TESTS)}
 ASYNC_MODES = [DataLoaderMode.Async, DataLoaderMode.AsyncRebatched]
 
 
@@ -66,9 +69,12 @@ def test_terminating_mid_epoch_is_an_error_not_a_short_epoch():
         next(epoch)
 
 
+@pytest.mark.slow
 def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose():
     """The accessor's own process is spawned; the torch workers of the loader it iterates start
     by fork, as they would in the user's process, but a multiprocessing_context is honoured."""
+    if multiprocessing.get_all_start_methods()[0] != "fork":
+        pytest.skip("the default start method here is not fork (Linux's up to Python 3.13)")
     forked = DataLoader(Options(), StartMethodProbe(), batch_size=1, num_workers=2, mode=DataLoaderMode.Async)
     assert [int(x) for x in forked] == [1, 1, 1, 1]
     forked.terminate()
@@ -76,6 +82,31 @@ def test_loader_workers_in_the_accessor_process_are_forked_unless_the_user_chose
                          multiprocessing_context="spawn")
     assert [int(x) for x in spawned] == [0, 0, 0, 0]
     spawned.terminate()
+
+
+@pytest.mark.slow
+def test_loader_workers_in_the_accessor_process_start_as_the_host_would_start_them():
+    """A host whose default start method is spawn (set_start_method) would spawn its DataLoader
+    workers: so does the accessor process."""
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        loader = DataLoader(Options(), StartMethodProbe(), batch_size=1, num_workers=2, mode=DataLoaderMode.Async)
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+    assert [int(x) for x in loader] == [0, 0, 0, 0]
+    loader.terminate()
+
+
+def test_a_spawned_accessor_starts_with_the_collector_paused_and_ctrl_c_ignored():
+    """The spawned accessor process imports the user's script and what unpickling the dataset needs
+    with Python's cyclic garbage collector off and Ctrl-C ignored; once the dataset is loaded the
+    collector runs again, with the objects made so far (torch's among them) frozen out of its reach."""
+    loader = DataLoader(Options(), CollectorProbe(), batch_size=None, mode=DataLoaderMode.Async)
+    sample = next(iter(loader))
+    loader.terminate()
+    assert not sample["collector_at_import"] and sample["ctrl_c_ignored_at_import"], sample
+    assert sample["collector"] and sample["frozen"] > 10000, sample
 
 
 IMPORTS_SCRIPT = textwrap.dedent("""
@@ -100,7 +131,8 @@ def test_the_accessor_process_imports_what_the_dataset_needs_not_the_emulator(tm
     imports them only when it uses them."""
     script = tmp_path / "imports.py"
     script.write_text(IMPORTS_SCRIPT.format(tests=TESTS))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+                          env=SCRIPT_ENV)
     assert done.stdout.split("\n")[:2] == ["host []", "accessor []"], done.stdout + done.stderr
 
 
@@ -116,6 +148,9 @@ SCRIPT = textwrap.dedent("""
         def __getitem__(self, index):
             time.sleep(0.02)
             return super().__getitem__(index)
+
+    if __name__ == "__mp_main__":  # a spawned accessor process imports the script again
+        time.sleep(float(os.environ.get("ACCESSOR_IMPORT_SECONDS", "0")))
 
     if __name__ == "__main__":
         how, workers, strategy = sys.argv[1], int(sys.argv[2]), getattr(poptorch.SharingStrategy, sys.argv[3])
@@ -141,16 +176,17 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_script(tmp_path, how, workers, strategy=SharingStrategy.FileSystem):
+def run_script(tmp_path, how, workers, strategy=SharingStrategy.FileSystem, **env):
     """The script in a subprocess and a session of its own: its stdout a pipe, its stderr the file
-    tmp_path/stderr.txt, its temporary files in tmp_path/tmp (see `temporary_files`)."""
+    tmp_path/stderr.txt, its temporary files in tmp_path/tmp (see `temporary_files`); `env` is
+    added to its environment."""
     script = tmp_path / "loader_script.py"
     script.write_text(SCRIPT.format(tests=TESTS))
     (tmp_path / "tmp").mkdir(exist_ok=True)
     with open(tmp_path / "stderr.txt", "w", encoding="utf-8") as err:
         return subprocess.Popen([sys.executable, str(script), how, str(workers), strategy.name],
                                 stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
+                                env=dict(SCRIPT_ENV, TMPDIR=str(tmp_path / "tmp"), **env))
 
 
 def temporary_files(tmp_path):
@@ -263,21 +299,45 @@ def test_loader_processes_die_with_their_host(tmp_path, sig):
 
 
 @pytest.mark.slow
-def test_a_host_killed_before_its_first_batch_leaves_nothing(tmp_path):
+def test_a_host_killed_before_its_accessor_started_leaves_nothing(tmp_path):
     """The host killed (SIGKILL) right after building its loader, while the spawned accessor process
-    may still be importing torch: once that process runs, it finds its host gone, stops, and
-    removes the file the dataset was pickled to."""
-    process = run_script(tmp_path, "idle", 2)
+    is still importing the script (it takes 2 s here): once that process runs, it finds its host
+    gone and stops without a traceback. The dataset was pickled to a file without a name, so the
+    temporary directory is empty at all times, however the processes end."""
+    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_SECONDS="2")
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
+    assert not temporary_files(tmp_path)  # the dataset is pickled, not yet read: its file has no name
     os.kill(host, signal.SIGKILL)
     process.wait(timeout=10)
     deadline = time.monotonic() + 60  # the accessor's interpreter may take seconds to import torch
-    while (any(alive(p) for p in below) or temporary_files(tmp_path)) and time.monotonic() < deadline:
+    while any(alive(p) for p in below) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in below if alive(p)]
     assert not temporary_files(tmp_path)
-    assert "leaked" not in finish(process, tmp_path, 10)[1]
+    err = finish(process, tmp_path, 10)[1]
+    assert "leaked" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_accessor_starts_stops_everything_with_one_traceback(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground group) while the spawned accessor process is still
+    importing the script: the host stops with its KeyboardInterrupt, the accessor (which ignores
+    Ctrl-C from its first line) adds no traceback of its own, and nothing is left."""
+    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_SECONDS="2")
+    host = wait_for_pids_line(process, tmp_path)
+    tree = descendants(host)
+    os.killpg(host, signal.SIGINT)
+    interrupted = time.monotonic()
+    _, err = finish(process, tmp_path, 30)
+    ended = time.monotonic()
+    deadline = ended + 5
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in tree if alive(p)], err
+    assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err
+    assert "leaked" not in err and not temporary_files(tmp_path), err
+    assert ended - interrupted < 10, (ended - interrupted, err)
 
 
 # ---- the fault matrix: every fault, in every mode, without and with DataLoader workers ----------
@@ -359,7 +419,7 @@ def test_a_fault_is_a_clear_error_or_a_clean_stop(tmp_path, fault, mode, workers
     script.write_text(FAULT_SCRIPT)
     process = subprocess.Popen([sys.executable, str(script), fault, mode.name, str(workers)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+                               start_new_session=True, env=SCRIPT_ENV)
     hang = threading.Timer(180, os.killpg, (process.pid, signal.SIGKILL))  # no hang passes unseen
     hang.start()
     try:
@@ -450,7 +510,7 @@ def test_a_forked_accessor_does_not_hang_in_torch_after_the_host_ran_parallel_op
     script = tmp_path / "forked.py"
     script.write_text(FORKED_AFTER_PARALLEL_WORK)
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, env=SCRIPT_ENV)
     try:
         out, err = process.communicate(timeout=60)
     finally:
