@@ -54,7 +54,8 @@ from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ..device.graph import Graph
 from ..device.kernels import JIT, kernel_view, ld, st
@@ -152,20 +153,44 @@ def vertex_scalars(kind, flags, step, p3, p4, p6, s0, i0, s1, i1):
     return bc1, bc2, trust
 
 
-@njit(**KERNEL)
-def update_element(kind, flags, w, wi, g, gi, s0, i0, s1, i1, s2, i2, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust):
-    """One element's update by the optimiser `kind` (addresses of unused state are ignored)."""
+def at(addresses, i):
+    """Element i of a field: `addresses[i]` for a codelet's address list, `addresses + i` for a
+    whole flat array (`addresses` its first position)."""
+
+
+@overload(at, jit_options=KERNEL)
+def _at(addresses, i):
+    if isinstance(addresses, types.Integer):
+        return lambda addresses, i: addresses + i
+    return lambda addresses, i: addresses[i]
+
+
+@njit(inline="always", **KERNEL)
+def update_range(kind, flags, n, w, wa, g, ga, s0, s0a, each0, s1, s1a, each1, s2, s2a, each2, step, lr, ls, wd, p3, p4,
+                 p5, bc1, bc2, trust):
+    """Update n elements by the optimiser `kind`: element i of each field at `at(xa, i)` (state
+    fields connect the elements, or nothing: `each`); one loop per kind, so each compiles tight."""
     if kind == SGD_KIND:
-        sgd_element(w, wi, g, gi, s0, i0 if flags & MOMENTUM else 0, step, flags, lr, ls, wd, p3, p4)
+        momentum = flags & MOMENTUM and each0
+        for i in range(n):
+            sgd_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i) if momentum else 0, step, flags, lr, ls, wd, p3, p4)
     elif kind == ADAM_KIND:
-        adam_element(w, wi, g, gi, s0, i0, s1, i1, flags, lr, ls, wd, p3, p4, p5, bc1, bc2)
+        for i in range(n):
+            adam_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i), s1, at(s1a, i), flags, lr, ls, wd, p3, p4, p5,
+                         bc1, bc2)
     elif kind == RMSPROP_KIND:
-        rmsprop_element(w, wi, g, gi, s0, i0, s1, i1 if flags & CENTERED else 0, s2, i2 if flags & MOMENTUM else 0,
-                        flags, lr, ls, wd, p3, p4, p5)
+        centered, momentum = flags & CENTERED and each1, flags & MOMENTUM and each2
+        for i in range(n):
+            rmsprop_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i), s1, at(s1a, i) if centered else 0,
+                            s2, at(s2a, i) if momentum else 0, flags, lr, ls, wd, p3, p4, p5)
     elif kind == LAMB_DIRECTION:
-        lamb_direction_element(w, wi, g, gi, s0, i0, s1, i1, s2, i2, ls, wd, p3, p4, p5, bc1, bc2)
+        for i in range(n):
+            lamb_direction_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i), s1, at(s1a, i), s2, at(s2a, i), ls, wd,
+                                   p3, p4, p5, bc1, bc2)
     else:
-        st(w, wi, ld(w, wi) - lr * trust * ld(g, gi))
+        for i in range(n):
+            wi = at(wa, i)
+            st(w, wi, ld(w, wi) - lr * trust * ld(g, at(ga, i)))
 
 
 @njit(**KERNEL)
@@ -200,10 +225,8 @@ def update_codelet(w, wa, ws, g, ga, gs, s0, s0a, s0s, s1, s1a, s1s, s2, s2a, s2
                                          s1, s1a[a1] if s1s[v + 1] > a1 else 0)
         # state fields connect the vertex's elements, or nothing (LAMB apply: one norm each)
         each0, each1, each2 = s0s[v + 1] - a0 == n, s1s[v + 1] - a1 == n, s2s[v + 1] - a2 == n
-        for i in range(n):
-            update_element(kind, flags, w, wa[w0 + i], g, ga[g0 + i], s0, s0a[a0 + i] if each0 else 0,
-                           s1, s1a[a1 + i] if each1 else 0, s2, s2a[a2 + i] if each2 else 0,
-                           step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust)
+        update_range(kind, flags, n, w, wa[w0:], g, ga[g0:], s0, s0a[a0:], each0, s1, s1a[a1:], each1, s2, s2a[a2:],
+                     each2, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust)
 
 
 @njit(parallel=True, **KERNEL)
@@ -219,9 +242,9 @@ def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, 
         bc1, bc2, trust = vertex_scalars(kind, flags, step, p3, p4, p6, s0, 0, s1, 0)
         each0, each1, each2 = s0.size == w.size, s1.size == w.size, s2.size == w.size
         for r in range(runs[v], runs[v + 1]):
-            for e in range(run_start[r], run_start[r] + run_length[r]):
-                update_element(kind, flags, w, e, g, e, s0, e if each0 else 0, s1, e if each1 else 0,
-                               s2, e if each2 else 0, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust)
+            e = run_start[r]
+            update_range(kind, flags, run_length[r], w, e, g, e, s0, e, each0, s1, e, each1, s2, e, each2, step, lr,
+                         ls, wd, p3, p4, p5, bc1, bc2, trust)
 
 
 def update_cycles(sizes, params, dtype, target) -> np.ndarray:
