@@ -140,6 +140,8 @@ class IpuMemory:
         view = self.view(t)
         if view is not None:
             return view
+        if self.layout == "fast" and t._flat is not None:  # a reshape of a strided view: NumPy's copy of it
+            return self.read(t._flat).reshape(t.shape)
         return self.arenas[t.var.dtype][self.addresses(t)].reshape(t.shape)
 
     def output(self, t: Tensor) -> np.ndarray | None:
@@ -160,6 +162,8 @@ class IpuMemory:
         view = self.output(t)
         if view is not None:
             view[...] = values
+        elif self.layout == "fast" and t._flat is not None:
+            self.write(t._flat, values.reshape(t._flat.shape))
         else:
             arena[self.addresses(t)] = values.reshape(-1)
 
