@@ -352,31 +352,3 @@ def distinct_exchange(starts, lengths, map_starts, map_tiles, map_size, dst_star
             position += step
             left -= step
     return sent, recv, local
-
-
-@njit(**KERNEL)
-def lands_on(starts, lengths, map_starts, map_tiles, map_size, dst_starts, dst_tiles, dst_size):
-    """Whether every element of the runs (`starts`, `lengths`) of a variable (mapped by `map_*`)
-    already lives on the tile `dst_*` maps its position to (the walk of `distinct_exchange`,
-    stopping at the first element that would move)."""
-    d = 0
-    position = 0
-    for i in range(starts.size):
-        element, left = starts[i], lengths[i]
-        if left == 0:
-            continue
-        r = np.searchsorted(map_starts, element, side="right") - 1
-        while left > 0:
-            while d + 1 < dst_starts.size and dst_starts[d + 1] <= position:
-                d += 1
-            dst_end = dst_starts[d + 1] if d + 1 < dst_starts.size else dst_size
-            while r + 1 < map_starts.size and map_starts[r + 1] <= element:
-                r += 1
-            src_end = map_starts[r + 1] if r + 1 < map_starts.size else map_size
-            if map_tiles[r] != dst_tiles[d]:
-                return False
-            step = min(left, dst_end - position, src_end - element)
-            element += step
-            position += step
-            left -= step
-    return True

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .mapping import TileMap, as_runs, expand_runs, lands_on, runs_of
+from .mapping import TileMap, as_runs, distinct_exchange, expand_runs, runs_of
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "bool": np.bool_,
           "uint32": np.uint32}
@@ -427,10 +427,15 @@ class Tensor:
         if by_block is not None:
             _, local, _ = by_block
             return bool((local == self._blocks[2][self._blocks[1]]).all())
-        starts, lengths = self.runs()
         m = self.var.mapping
-        return bool(lands_on(np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64),
-                             m.starts, m.tiles, m.size, tiles.starts, tiles.tiles, tiles.size))
+        if not (m.mapped and tiles.mapped):
+            return False
+        starts, lengths = self.runs()
+        num_tiles = int(max(m.tiles.max(initial=0), tiles.tiles.max(initial=0))) + 1
+        _, received, _ = distinct_exchange(np.ascontiguousarray(starts, dtype=np.int64),
+                                           np.ascontiguousarray(lengths, dtype=np.int64), m.starts, m.tiles, m.size,
+                                           tiles.starts, tiles.tiles, tiles.size, num_tiles)
+        return not received.any()  # nothing would move
 
     def block_deliveries(self, tiles: TileMap):
         """For a view `of_blocks` whose every block (each time it is named) lands on one tile of
