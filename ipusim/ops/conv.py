@@ -427,14 +427,16 @@ def _col2im_kernel(patches, sh, sw, dh, dw, dxp):
     """dxp[N, G, C/G, Hp, Wp] += each patch gradient patches[G, C/G, kh, kw, N, OH, OW] at the
     input position it was read from (taps in order, so sums round the same way every time)."""
     groups, cg, kh, kw, n, oh, ow = patches.shape
-    for b in range(n):
-        for g in range(groups):
-            for ci in range(cg):
-                for i in range(kh):
-                    for j in range(kw):
+    for g in range(groups):  # patches in memory order; each input position still sums its taps in order
+        for ci in range(cg):
+            for i in range(kh):
+                for j in range(kw):
+                    for b in range(n):
                         for y in range(oh):
+                            row = dxp[b, g, ci, y * sh + i * dh]
+                            src = patches[g, ci, i, j, b, y]
                             for x in range(ow):
-                                dxp[b, g, ci, y * sh + i * dh, x * sw + j * dw] += patches[g, ci, i, j, b, y, x]
+                                row[x * sw + j * dw] += src[x]
 
 
 def _im2col(x: np.ndarray, kh: int, kw: int, oh: int, ow: int, s, p, d, groups: int) -> np.ndarray:
@@ -496,7 +498,10 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     o, cg, kh, kw = weight_shape
     _, _, oh, ow = dy.shape
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
-    return np.matmul(_by_group(dy, groups), cols.transpose(0, 2, 1)).reshape(o, cg, kh, kw)
+    # patches times gradients, [G, C/G*kh*kw, O/G]: BLAS runs this orientation of the long, thin
+    # product faster than its transpose
+    dw = np.matmul(cols, _by_group(dy, groups).transpose(0, 2, 1))
+    return dw.transpose(0, 2, 1).reshape(o, cg, kh, kw)
 
 
 # ---- the ops ---------------------------------------------------------------------------------

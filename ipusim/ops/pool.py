@@ -614,27 +614,31 @@ def pool_whole(x, win, divisors, op, out):
 
 @njit(**JIT)
 def pool_grad_whole(x, y, dy, win, divisors, op, dx):
-    """dx[P, H*W] (float64, zeroed) += each window's dy[P, O]: for max pooling (op 0) to the
-    window's first position equal to y, for average pooling (op 1) to every real position,
-    divided by the window's divisor; windows as in `pool_whole`."""
+    """dx[P, H*W] = the sum of each window's dy[P, O]: for max pooling (op 0) at the window's first
+    position equal to y, for average pooling (op 1) at every real position, divided by the
+    window's divisor; windows as in `pool_whole`. Sums are float64 per plane, as the codelet
+    keeps them, and rounded once into dx's dtype."""
+    acc = np.zeros(dx.shape[1])
     for pl in range(dy.shape[0]):
+        acc[:] = 0.0
         for o in range(win.shape[0]):
             g = np.float64(dy[pl, o])
             if op == 1:
                 g = g / divisors[o]
                 for k in range(win.shape[1]):
                     if win[o, k] >= 0:
-                        dx[pl, win[o, k]] += g
+                        acc[win[o, k]] += g
                 continue
-            target = np.float64(y[pl, o])
-            for k in range(win.shape[1]):
+            target = y[pl, o]
+            first = -1  # the first tap equal to y, chosen without branches
+            for k in range(win.shape[1] - 1, -1, -1):
                 i = win[o, k]
-                if i < 0:
-                    continue
-                val = np.float64(x[pl, i])
-                if val == target or (val != val and target != target):
-                    dx[pl, i] += g
-                    break
+                val = x[pl, max(i, 0)]
+                first = i if (i >= 0) & ((val == target) | ((val != val) & (target != target))) else first
+            if first >= 0:
+                acc[first] += g
+        for i in range(acc.size):
+            dx[pl, i] = acc[i]
 
 
 def _planes(a: np.ndarray) -> np.ndarray:
@@ -672,18 +676,18 @@ def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
 
 
 def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
-    """Gradient of max pooling: dy to the first window position equal to y (float64 result)."""
-    planes = _planes(x)
-    dx = np.zeros(planes.shape)
-    pool_grad_whole(planes, _planes(y), _planes(dy), *_windows(geom), dx)
+    """Gradient of max pooling: dy to the first window position equal to y (float32, or dy's float64)."""
+    planes, grads = _planes(x), _planes(dy)
+    dx = np.empty(planes.shape, grads.dtype)
+    pool_grad_whole(planes, _planes(y), grads, *_windows(geom), dx)
     return dx.reshape(x.shape)
 
 
 def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.ndarray:
-    """Gradient of average pooling: dy / divisor to every real window position (float64 result)."""
+    """Gradient of average pooling: dy / divisor to every real window position (float32, or dy's float64)."""
     n, c, hh, ww = (int(v) for v in input_shape)
-    dx = np.zeros((n * c, hh * ww))
     planes = _planes(dy)
+    dx = np.empty((n * c, hh * ww), planes.dtype)
     pool_grad_whole(planes, planes, planes, *_windows(geom), dx)
     return dx.reshape(n, c, hh, ww)
 
