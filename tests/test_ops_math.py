@@ -1,5 +1,7 @@
 """ipusim.ops.elementwise: the unary and binary maths (log1p, atan, erf, erfinv, rounding, ...)
 against PyTorch's float32 results, strict and fast modes bit for bit."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +99,40 @@ def test_edges_of_the_domains_follow_pytorch():
     half = run_unary("erfinv", np.linspace(-0.9, 0.9, 7).astype(np.float16), "fast", "float16")
     np.testing.assert_allclose(half, torch.erfinv(torch.linspace(-0.9, 0.9, 7).half().float()).numpy(),
                                rtol=1e-3)
+
+
+def test_normal_cdf_and_pdf_keep_relative_accuracy_in_both_tails():
+    """gelu's Phi and phi (one branch-free polynomial form, for SIMD loops) against float64 erfc and
+    exp, including the far left tail where 0.5 * (1 + erf) would cancel to nothing."""
+    x = np.concatenate([np.linspace(-38, 38, 20001), [-8.3872, -5.5, 0.0, -0.0]])
+    got = np.array([ew.normal_cdf_pdf.py_func(v) for v in x])
+    cdf = np.array([0.5 * math.erfc(-v / math.sqrt(2)) for v in x])
+    pdf = np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    for values, ref in ((got[:, 0], cdf), (got[:, 1], pdf)):
+        normal = ref > 1e-300
+        np.testing.assert_allclose(values[normal], ref[normal], rtol=2e-10)
+        assert np.all(values[~normal] < 1e-290)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gelu_and_its_gradient_match_pytorch_in_both_modes(dtype):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.normal(0, 3, 500), np.linspace(-12, 12, 97), [0.0, 40.0, -40.0, np.inf, -np.inf, np.nan]])
+    x, dy = x.astype(dtype), rng.normal(0, 1, x.size).astype(dtype)
+    dy[-6:] = 1
+    strict, fast = run_unary("gelu", x, "strict", dtype), run_unary("gelu", x, "fast", dtype)
+    np.testing.assert_array_equal(strict, fast)
+    grad = [run_binary("gelu_grad", x, dy, mode) for mode in ("strict", "fast")]
+    np.testing.assert_array_equal(*grad)
+    # gelu(inf) is inf (torch's CPU kernel gives nan there); -inf and nan give nan
+    np.testing.assert_array_equal(strict[-6:], np.array([0, 40, -0.0, np.inf, np.nan, np.nan], dtype))
+    np.testing.assert_array_equal(grad[0][-6:], np.array([0.5, 1, 0, np.nan, np.nan, np.nan], dtype))
+    tx = torch.from_numpy(x[:-3].astype(np.float32)).requires_grad_()
+    y = torch.nn.functional.gelu(tx)
+    y.backward(torch.from_numpy(dy[:-3].astype(np.float32)))
+    tol = dict(rtol=3e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(strict[:-3].astype(np.float32), y.detach().numpy().astype(dtype), **tol)
+    np.testing.assert_allclose(grad[0][:-3].astype(np.float32), tx.grad.numpy().astype(dtype), **tol)
 
 
 def test_transcendental_maths_cost_more_than_rounding():
