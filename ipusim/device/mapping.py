@@ -265,8 +265,22 @@ def union_length(starts, lengths, groups, num_groups: int) -> np.ndarray:
     return np.bincount(g[first], weights=ends - s[first], minlength=num_groups).astype(np.int64)
 
 
-# ---- kernels (a walk per run: binary search for its first map run, then forward) ----------------
+# ---- kernels (a walk per run: find its first map run, then forward) ----------------------------
 KERNEL = dict(cache=True, nogil=True)
+
+
+@njit(inline="always", **KERNEL)
+def run_holding(map_starts, x, hint):
+    """The map run holding position x (the last run starting at or before x). Runs of a view
+    mostly follow each other, so the run `hint` and the one after it are tried before a binary
+    search."""
+    n = map_starts.size
+    if 0 <= hint < n and map_starts[hint] <= x:
+        if hint + 1 == n or x < map_starts[hint + 1]:
+            return hint
+        if hint + 2 == n or x < map_starts[hint + 2]:
+            return hint + 1
+    return np.searchsorted(map_starts, x, side="right") - 1
 
 
 @njit(**KERNEL)
@@ -275,12 +289,14 @@ def _pieces(map_starts, map_tiles, size, starts, lengths):
     first_run = np.empty(n, np.int64)
     count = np.empty(n, np.int64)
     total = 0
+    last = 0  # the map run where the previous run ended
     for i in range(n):
-        r = np.searchsorted(map_starts, starts[i], side="right") - 1
+        r = run_holding(map_starts, starts[i], last)
         end = starts[i] + lengths[i]
         c = 1
         while r + c < map_starts.size and map_starts[r + c] < end:
             c += 1
+        last = r + c - 1
         first_run[i] = r
         count[i] = c
         total += c
@@ -306,6 +322,7 @@ def _pieces(map_starts, map_tiles, size, starts, lengths):
 @njit(**KERNEL)
 def _covers(map_starts, map_tiles, size, starts, lengths, tiles):
     out = np.empty(starts.size, np.bool_)
+    r = 0
     for i in range(starts.size):
         if lengths[i] == 0:
             out[i] = True
@@ -313,7 +330,7 @@ def _covers(map_starts, map_tiles, size, starts, lengths, tiles):
         if starts[i] < 0 or starts[i] + lengths[i] > size:
             out[i] = False
             continue
-        r = np.searchsorted(map_starts, starts[i], side="right") - 1
+        r = run_holding(map_starts, starts[i], r)
         end = map_starts[r + 1] if r + 1 < map_starts.size else size
         out[i] = starts[i] + lengths[i] <= end and map_tiles[r] == tiles[i]
     return out
@@ -329,11 +346,12 @@ def distinct_exchange(starts, lengths, map_starts, map_tiles, map_size, dst_star
     local = np.zeros(num_tiles, np.int64)
     d = 0  # the destination run holding the current position
     position = 0
+    r = 0
     for i in range(starts.size):
         element, left = starts[i], lengths[i]
         if left == 0:
             continue
-        r = np.searchsorted(map_starts, element, side="right") - 1
+        r = run_holding(map_starts, element, r)
         while left > 0:
             while d + 1 < dst_starts.size and dst_starts[d + 1] <= position:
                 d += 1

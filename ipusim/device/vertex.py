@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from .mapping import expand_runs
+from .mapping import expand_runs, run_holding
 from .tensor import Tensor, Variable
 
 
@@ -388,13 +388,14 @@ def _runs_are_local(f: Field, tiles: np.ndarray) -> bool:
 
 @njit(cache=True, nogil=True)
 def _field_local(map_starts, map_tiles, size, starts, lengths, offsets, tiles):
+    r = 0
     for v in range(offsets.size - 1):
         for k in range(offsets[v], offsets[v + 1]):
             if lengths[k] == 0:
                 continue
             if starts[k] < 0 or starts[k] + lengths[k] > size:
                 return False
-            r = np.searchsorted(map_starts, starts[k], side="right") - 1
+            r = run_holding(map_starts, starts[k], r)
             end = map_starts[r + 1] if r + 1 < map_starts.size else size
             if starts[k] + lengths[k] > end or map_tiles[r] != tiles[v]:
                 return False
