@@ -91,3 +91,15 @@ def test_a_column_reduction_of_row_pieces_is_one_block_per_tile():
         g.setTileMapping(x[16 * r:16 * r + 16, 24 * c:24 * c + 24], i)
     plan = plan_segments(geometry(x, (0,)))
     assert plan.num_blocks == 16 and plan.num_segments == 16 * 24 and set(plan.counts.tolist()) == {16}
+
+
+def test_tensors_mapped_alike_share_one_plan_bound_to_their_own_view():
+    g = ip.Graph(ip.Target.test(8))
+    x, y, z = (g.addVariable("float32", (32, 48), n) for n in "xyz")
+    for t in (x, y):
+        g.map_linearly(t, grain=4, min_elements_per_tile=64)
+    g.map_linearly(z, grain=4, min_elements_per_tile=512)
+    px, py, pz = (plan_segments(geometry(t, (1,)), workers=6, num_tiles=8) for t in (x, y, z))
+    assert py.geometry.view.var is y.var and px.geometry.view.var is x.var
+    assert py.tile is px.tile and py.part_r0 is px.part_r0  # the structure, computed once
+    assert not np.array_equal(pz.seg_tile, px.seg_tile)

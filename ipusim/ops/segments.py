@@ -22,6 +22,8 @@ element each.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -181,6 +183,14 @@ class SegmentPlan:
     def num_blocks(self) -> int:
         return self.tile.size
 
+    def of_geometry(self, g: Geometry) -> "SegmentPlan":
+        """This plan for another view of the same structure, with the arrays it has derived."""
+        if g is self.geometry:
+            return self
+        plan = copy.copy(self)
+        object.__setattr__(plan, "geometry", g)
+        return plan
+
     @cached_property
     def template_counts(self) -> np.ndarray:
         """Elements of each segment template."""
@@ -323,8 +333,29 @@ def plan_segments(g: Geometry, tiles: TileMap | None = None, *, workers: int | N
     `workers`: split every segment into pieces of at most a worker's share of its tile's elements
     (rounded up to the vector grain), in order. `split_parts`: make each part a segment of its own,
     so that every segment is one contiguous range of the reduced axes (ops that use an element's
-    index along the axis need it)."""
+    index along the axis need it).
+
+    A plan depends on nothing but the shape [A, R, C] and the tile map, so the repeated layers of
+    a model (the same reductions of tensors mapped alike, on one IPU or several) share one: the
+    last PLAN_CACHE_SIZE plans are kept by a digest of that structure."""
     tiles = g.view.tile_map() if tiles is None else tiles
+    key = (g.A, g.R, g.C, g.order, workers, split_parts, num_tiles, tiles.size,
+           hashlib.blake2b(tiles.starts.tobytes() + tiles.tiles.tobytes(), digest_size=16).digest())
+    plan = _PLANS.pop(key, None)
+    if plan is None:
+        plan = _plan_segments(g, tiles, workers, split_parts, num_tiles)
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.pop(next(iter(_PLANS)))  # the least recently used
+    _PLANS[key] = plan  # the most recently used last
+    return plan.of_geometry(g)
+
+
+PLAN_CACHE_SIZE = 64
+_PLANS: dict = {}
+
+
+def _plan_segments(g: Geometry, tiles: TileMap, workers: int | None, split_parts: bool,
+                   num_tiles: int | None) -> SegmentPlan:
     num_out = g.num_out
     tile, o0, k, r0, n = _parts(tiles, g.R, g.C)
     tile, o0, k, r0, n = _align(tile, o0, k, r0, n, num_out)
