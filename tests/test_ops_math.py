@@ -135,6 +135,15 @@ def test_gelu_and_its_gradient_match_pytorch_in_both_modes(dtype):
     np.testing.assert_allclose(grad[0][:-3].astype(np.float32), tx.grad.numpy().astype(dtype), **tol)
 
 
+@pytest.mark.parametrize("op", ["relu_grad", "eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"])
+def test_selections_and_comparisons_agree_bit_for_bit_at_the_edges(op):
+    edges = np.array([np.nan, -np.inf, -1.5, -0.0, 0.0, 2.0, np.inf], np.float32)
+    a, b = np.repeat(edges, edges.size), np.tile(edges, edges.size)
+    strict, fast = run_binary(op, a, b, "strict"), run_binary(op, a, b, "fast")
+    assert strict.dtype == fast.dtype
+    np.testing.assert_array_equal(strict.view(np.uint8), fast.view(np.uint8))  # signs of zeros and NaNs too
+
+
 def test_transcendental_maths_cost_more_than_rounding():
     def cycles(op):
         g = ip.Graph(TARGET)

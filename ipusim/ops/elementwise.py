@@ -8,7 +8,8 @@ Kernel: one scalar function `apply` shared by the codelet (strict) and the whole
 (fast), computed in float64 and rounded once to the storage dtype, so both modes agree bit for bit.
 Correctly rounded float ops (+, -, *, /, negation, abs, relu, squares, casts) run as NumPy ufuncs in
 the fast mode: a float64 result rounded once equals the float32 (or float16) IEEE result, so the
-bits are the same and the host work is a single vectorised pass.
+bits are the same and the host work is a single vectorised pass; so do comparisons and relu_grad's
+selection, which compute nothing.
 Cycles (per vertex, thread instructions): ceil(n / vector width) * cost of the op + 6, vector
 width 2 for float32 and 4 for float16 (64-bit loads/stores), 1 for int32 and bool; transcendental
 and division ops are not vectorised and cost more per element (table below).
@@ -61,8 +62,26 @@ NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lam
                "square": lambda x, p0, p1, out: np.square(x, out=out),
                "cast": lambda x, p0, p1, out: np.copyto(out, x, casting="unsafe"),
                "fill": lambda x, p0, p1, out: out.fill(p0)}
-NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}
 COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
+
+
+def _relu_grad(x, dy, out=None):
+    """dy where x > 0, else +0 (NaN x included): a selection, no arithmetic."""
+    if out is None or np.may_share_memory(out, x) or np.may_share_memory(out, dy):
+        res = np.where(x > 0, dy, dy.dtype.type(0))
+        if out is None:
+            return res
+        out[...] = res
+        return out
+    out[...] = 0
+    np.copyto(out, dy, where=x > 0)
+    return out
+
+
+# (comparisons, of any dtype, and the selection of relu_grad are exact too)
+NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "relu_grad": _relu_grad,
+                "eq": np.equal, "gt": np.greater, "lt": np.less, "ge": np.greater_equal, "le": np.less_equal,
+                "ne": np.not_equal, "logical_and": np.logical_and, "logical_or": np.logical_or}
 GELU, GELU_GRAD = UNARY["gelu"][0], BINARY["gelu_grad"][0]
 SQRT1_2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
@@ -460,7 +479,7 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
     _vertices(graph, cs, BINARY_VERTEX, out, {"a": al, "b": bl}, (code,))
     body.add(Execute(cs))
 
-    exact = NUMPY_BINARY.get(op) if a.dtype.kind == "f" else None
+    exact = NUMPY_BINARY.get(op) if a.dtype.kind == "f" or op in COMPARISONS else None
 
     def fast(io):
         target = io.output(out)
