@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numba
@@ -59,7 +61,7 @@ class Engine:
     # Attributes that belong to the host process (memory, connections, threads, records), not to
     # the compiled program: a saved executable leaves them out and load() rebuilds them.
     HOST_STATE = ("mem", "_plans", "_steps", "_streams", "_stream_pos", "_pool", "last_run", "total_cycles",
-                  "_profiler")
+                  "_profiler", "_running")
 
     def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
                  check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None,
@@ -97,6 +99,7 @@ class Engine:
         self.last_run: RunReport | None = None
         self.total_cycles = 0
         self._profiler = None
+        self._running = threading.local()  # per host thread: inside `running()`
 
     # ---- loading --------------------------------------------------------------------------
     def load(self) -> "Engine":
@@ -239,23 +242,39 @@ class Engine:
         self.total_cycles += report.total
         return report.total
 
+    @contextmanager
+    def running(self):
+        """Programs executed inside the block (from this host thread) share one setting of the
+        kernels' and BLAS's threads instead of making it for each program: a runtime running many
+        programs per model call enters it once per call."""
+        if getattr(self._running, "inside", False):
+            yield
+            return
+        numba.set_num_threads(self.kernel_threads)
+        with blas_threads():
+            self._running.inside = True
+            try:
+                yield
+            finally:
+                self._running.inside = False
+
     def execute(self, index: int = 0) -> RunReport:
         """Run program `index` and return its report without touching `last_run` / `total_cycles`
         (programs on different IPUs may be executed from several host threads at once)."""
         self._require_loaded()
         if not 0 <= index < len(self.programs):
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
+        if not getattr(self._running, "inside", False):
+            with self.running():
+                return self.execute(index)
         steps = self._steps[index] if self._profiler is None else None
-        numba.set_num_threads(self.kernel_threads)
         if steps is not None:
-            with blas_threads():
-                for step in steps:
-                    step()
+            for step in steps:
+                step()
             cost = self.costs[index]
             return RunReport(cost.total, dict(cost.per_ipu))
         report = RunReport(nodes=None if self._profiler is None else [])
-        with blas_threads():
-            self._run(self.programs[index], report)
+        self._run(self.programs[index], report)
         if self._profiler is not None:
             self._profiler.ran(index, report)
         return report

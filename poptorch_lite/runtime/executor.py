@@ -496,20 +496,21 @@ class PoplarExecutor:
         then the channel copies; the step lasts as long as its busiest IPU."""
         record = RunRecord(exe.engine.target.clock_hz)
         pool = self._host_pool()
-        for t, step in enumerate(exe.schedule.steps):
-            if pool is not None and len(step.ops) > 1:
-                parts = list(pool.map(lambda op: self._run_op(exe, op), step.ops))
-            else:
-                parts = [self._run_op(exe, op) for op in step.ops]
-            events = [e for part in parts for e in part]
-            for op in step.ops:
-                events += self._send(exe, op)
-            busy: dict[int, ip.Cycles] = {}
-            for e in events:
-                for ipu, c in e.per_ipu.items():
-                    busy[ipu] = busy.get(ipu, ip.Cycles()) + c
-            record.steps.append(StepRecord(t, list(step.ops), events, busy,
-                                           max((c.total for c in busy.values()), default=0)))
+        with exe.engine.running():  # one setting of the kernel and BLAS threads for the whole call
+            for t, step in enumerate(exe.schedule.steps):
+                if pool is not None and len(step.ops) > 1:
+                    parts = list(pool.map(lambda op: self._run_op(exe, op), step.ops))
+                else:
+                    parts = [self._run_op(exe, op) for op in step.ops]
+                events = [e for part in parts for e in part]
+                for op in step.ops:
+                    events += self._send(exe, op)
+                busy: dict[int, ip.Cycles] = {}
+                for e in events:
+                    for ipu, c in e.per_ipu.items():
+                        busy[ipu] = busy.get(ipu, ip.Cycles()) + c
+                record.steps.append(StepRecord(t, list(step.ops), events, busy,
+                                               max((c.total for c in busy.values()), default=0)))
         return record
 
     def _host_pool(self):
