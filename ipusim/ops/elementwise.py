@@ -66,15 +66,13 @@ COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 
 
 def _relu_grad(x, dy, out=None):
-    """dy where x > 0, else +0 (NaN x included): a selection, no arithmetic."""
-    if out is None or np.may_share_memory(out, x) or np.may_share_memory(out, dy):
-        res = np.where(x > 0, dy, dy.dtype.type(0))
-        if out is None:
-            return res
-        out[...] = res
-        return out
-    out[...] = 0
-    np.copyto(out, dy, where=x > 0)
+    """dy where x > 0, else +0 (NaN x included): a selection, no arithmetic, made as the bits of
+    dy AND a mask of all ones or all zeros."""
+    bits = np.dtype(f"int{8 * dy.dtype.itemsize}")
+    mask = np.negative(np.greater(x, 0).astype(bits))
+    if out is None:
+        out = np.empty(np.broadcast_shapes(x.shape, dy.shape), dy.dtype)
+    np.bitwise_and(dy.view(bits), mask, out=out.view(bits))
     return out
 
 
