@@ -388,12 +388,12 @@ FAULT_SCRIPT = textwrap.dedent("""
 """)
 
 MODES = [DataLoaderMode.Sync, DataLoaderMode.Async, DataLoaderMode.AsyncRebatched]
-# AsyncRebatched stops through the accessor process as Async does: with DataLoader workers only
+# Sync mode loads in the host itself, and AsyncRebatched stops through the accessor process as
+# Async does: both with DataLoader workers only
 FAULT_CASES = [(fault, mode, workers)
                for fault in ("raise", "kill", "unpicklable", "abandon", "sigint")
                for mode in MODES for workers in (0, 2)
-               if not (fault == "kill" and mode == DataLoaderMode.Sync and workers == 0)  # no worker to kill
-               and not (mode == DataLoaderMode.AsyncRebatched and workers == 0)]
+               if workers or mode == DataLoaderMode.Async]
 
 
 def victim_of(mode, workers, host, accessor, torch_workers):

@@ -121,7 +121,7 @@ def test_zero_bubble_closed_forms_at_unit_costs(n):
     """At F = B = W = 1 (one step each) ZB-H1 idles N-1 steps per IPU once M >= N, ZB-H2 once
     M >= 2N-2; 1F1B's backward is B+W there, so it idles 3(N-1)."""
     equal = Costs(tuple(StageCosts(1, 1, 1) for _ in range(n)))
-    for m in range(1, 65):
+    for m in sorted(set(range(1, 2 * n + 3)) | {3 * n, 64}):  # both thresholds, beyond them, and far
         h1 = S.zb_h1_schedule(n, gradient_accumulation=m)
         h2 = S.zb_h2_schedule(n, gradient_accumulation=m)
         if m >= n:
