@@ -10,6 +10,8 @@ Both layouts hold the same values; only the addresses differ.
 """
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from .graph import Device, Graph
@@ -17,6 +19,19 @@ from .tensor import Tensor, Variable
 from .vertex import Field
 
 LAYOUTS = ("strict", "fast")
+
+
+def zeroed(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Zeros in a fresh anonymous mapping of ordinary pages, for storage that lives as long as
+    the device. NumPy asks the kernel for transparent huge pages on large arrays; where the
+    kernel must compact memory to find them (its `madvise` defrag mode, and in virtual machines
+    whose memory the host has not yet backed), the first touch of each 2 MB page stalls, up to
+    7x the cost of touching the same bytes in 4 KB pages. Pages still arrive zeroed on first use."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype, count).reshape(shape)
 
 
 class MappingError(ValueError):
@@ -40,7 +55,7 @@ class IpuMemory:
         # every run, and making a view costs more than looking it up
         self._views: dict[tuple, tuple[np.ndarray, bool]] = {}
         # Streaming Memory: one host array per remote buffer, outside the tile arenas
-        self.remote = {b.name: np.zeros((b.repeats, int(np.prod(b.shape, dtype=np.int64))), dtype=b.dtype)
+        self.remote = {b.name: zeroed((b.repeats, int(np.prod(b.shape, dtype=np.int64))), b.dtype)
                        for b in graph.remote_buffers.values()}
         by_dtype: dict[np.dtype, list[Variable]] = {}
         for v in graph.variables:
@@ -51,7 +66,7 @@ class IpuMemory:
             by_dtype.setdefault(v.dtype, []).append(v)
         for dt, vars_ in by_dtype.items():
             stored = [v for v in vars_ if v.id not in self.internal]
-            self.arenas[dt] = np.zeros(sum(v.numel for v in stored), dtype=dt)
+            self.arenas[dt] = zeroed((sum(v.numel for v in stored),), dt)
             if layout == "fast":
                 vars_ = stored
                 off = 0
