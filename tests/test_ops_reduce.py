@@ -473,11 +473,52 @@ def test_one_element_partials_skip_the_partial_stage_with_the_same_bits(dtype):
     outs = [R.reduce(g, x, 0, op, prog, out_dtype="float32") for op in ops]
     plan = R.plan_reduction(geometry(x, (0,)), TARGET, R.SUM_SQUARES, np.dtype(dtype), np.float32, np.float32, False)
     assert plan.final is not None and (plan.partial.counts == 1).all()
-    assert len(R.fast_reduction(plan, R.SUM_SQUARES, np.dtype(dtype), np.float32, 1.0).stages) == 1
+    assert len(R.fast_reduction(plan, R.SUM_SQUARES, np.dtype(dtype), np.float32, 1.0, x.shape).stages) == 1
     xv = (np.random.default_rng(11).standard_normal(x.shape) * 3).astype(dtype)
     got, _ = run_both(g, prog, {x: xv}, outs)
     for op, o in zip(ops, got):
         np.testing.assert_allclose(o, REFS[op](xv.astype(np.float64), axis=0), rtol=2e-6, atol=1e-6, err_msg=op)
+
+
+def test_neighbouring_blocks_that_continue_one_another_are_joined():
+    rows = [[0, 4, 1, 2, 4, 0, R.ROWS], [8, 4, 1, 3, 4, 2, R.ROWS],        # continues: joined
+            [40, 4, 1, 1, 4, 5, R.ROWS],                                   # starts elsewhere
+            [0, 3, 1, 1, 3, 6, R.GATHERED], [3, 3, 1, 1, 3, 7, R.GATHERED],  # gathered: never joined
+            [100, 8, 16, 4, 1, 8, R.COLUMNS], [104, 8, 16, 4, 1, 12, R.COLUMNS]]
+    assert R.coalesced(np.array(rows, np.int64)).tolist() == [
+        [0, 4, 1, 5, 4, 0, R.ROWS], [40, 4, 1, 1, 4, 5, R.ROWS], [0, 3, 1, 1, 3, 6, R.GATHERED],
+        [3, 3, 1, 1, 3, 7, R.GATHERED], [100, 8, 16, 8, 1, 8, R.COLUMNS]]
+    # a run longer than BLOCK_ELEMENTS is cut into blocks of whole segments, the kernel threads' shares
+    n = R.BLOCK_ELEMENTS // 4
+    long = np.array([[k * 2 * n, n, 1, 2, n, 2 * k, R.ROWS] for k in range(8)], np.int64)
+    joined = R.coalesced(long)
+    assert joined[:, 3].tolist() == [4, 4, 4, 4] and joined[:, 0].tolist() == [0, 4 * n, 8 * n, 12 * n]
+
+
+def test_stages_read_through_a_gather_only_when_every_block_stays_evenly_spaced():
+    stage = R.StageBlocks.of(np.array([[0, 3, 1, 2, 3, 0, R.ROWS]], np.int64), np.zeros(0, np.int64), 2)
+    spread = np.array([10, 11, 12, 20, 21, 22])   # two rows, each contiguous in the source
+    assert R.read_through(stage, spread).blocks.tolist() == [[10, 3, 1, 2, 10, 0, R.ROWS]]
+    assert R.read_through(stage, np.array([10, 12, 14, 20, 22, 24])) is None   # a ROWS block must stay contiguous
+    assert R.read_through(stage, np.array([10, 11, 13, 20, 21, 22])) is None   # not evenly spaced
+
+
+@pytest.mark.parametrize("shape, axes", [((8, 6, 5, 5), (0, 2, 3)), ((64, 48), (0,)), ((4, 12, 10), (0, 1))])
+def test_bias_gradient_reductions_read_the_input_in_place(shape, axes):
+    """Reductions over the leading axes (a bias gradient) read x itself, through neither a
+    transposed copy nor a gather, with the strict mode's bits."""
+    g = ip.Graph(TARGET)
+    x = variable(g, "float32", shape, "x")
+    prog = ip.Sequence()
+    ops = ["sum", "max", "sum_squares", "mean"]
+    outs = [R.reduce(g, x, axes, op, prog) for op in ops]
+    plan = R.plan_reduction(geometry(x, axes), TARGET, R.SUM, np.dtype("float32"), np.float32, np.float32, False)
+    fast = R.fast_reduction(plan, R.SUM, np.dtype("float32"), np.float32, 1.0, x.shape)
+    assert fast.order is None and (fast.gather is None or len(fast.stages) == 2)
+    xv = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    got, _ = run_both(g, prog, {x: xv}, outs)
+    for op, o in zip(ops, got):
+        np.testing.assert_allclose(o, REFS[op](xv.astype(np.float64), axis=axes), rtol=2e-6, atol=1e-6, err_msg=op)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "bool"])

@@ -409,10 +409,38 @@ class StageBlocks:
 
     @classmethod
     def of(cls, table: np.ndarray, gather: np.ndarray, num_segments: int) -> "StageBlocks":
-        table = np.ascontiguousarray(table, dtype=np.int64).reshape(-1, 7)
+        table = coalesced(np.ascontiguousarray(table, dtype=np.int64).reshape(-1, 7))
         columns = table[:, 6] == COLUMNS
         return cls(table, np.asarray(gather, np.int64), num_segments, np.ascontiguousarray(table[~columns]),
                    np.ascontiguousarray(table[columns]))
+
+
+BLOCK_ELEMENTS = 1 << 15  # the most elements coalesced into one block (blocks are what kernel threads share)
+
+
+def coalesced(table: np.ndarray) -> np.ndarray:
+    """The block table with each run of neighbouring ROWS or COLUMNS blocks that continue one
+    another (same segment length, stride and gap; the next block's segments and slots follow
+    on) joined into blocks of up to BLOCK_ELEMENTS elements. Every segment keeps its elements in
+    their order, so the results are the same bits with fewer, wider kernel loops."""
+    if table.shape[0] < 2:
+        return table
+    first, n, stride, count, gap, slot, kind = table.T
+    prev = np.s_[:-1]
+    join = np.zeros(table.shape[0], bool)
+    join[1:] = ((kind[1:] == kind[prev]) & (kind[1:] != GATHERED) & (n[1:] == n[prev]) & (stride[1:] == stride[prev])
+                & (gap[1:] == gap[prev]) & (first[1:] == first[prev] + count[prev] * gap[prev])
+                & (slot[1:] == slot[prev] + count[prev]))
+    if not join.any():
+        return table
+    run = np.cumsum(~join) - 1
+    size = n * count
+    before = np.cumsum(size) - size
+    piece = (before - before[~join][run]) // BLOCK_ELEMENTS
+    head = np.flatnonzero(~join | (piece != np.concatenate(([-1], piece[:-1]))))
+    out = table[head].copy()
+    out[:, 3] = np.add.reduceat(count, head)
+    return out
 
 
 def stage_blocks(plan: SegmentPlan) -> StageBlocks:
@@ -448,6 +476,30 @@ def stage_blocks(plan: SegmentPlan) -> StageBlocks:
         rows.append(np.stack([np.cumsum(counts) - counts, counts, np.ones_like(counts), np.ones_like(counts),
                               np.zeros_like(counts), segments, np.full_like(counts, GATHERED)], 1))
     return StageBlocks.of(np.concatenate(rows) if rows else np.zeros((0, 7), np.int64), gather, plan.num_segments)
+
+
+def read_through(stage: StageBlocks, gather: np.ndarray) -> StageBlocks | None:
+    """The stage as it reads `src[gather]`, re-expressed to read `src` itself, or None when a
+    block's elements are not evenly spaced in src (a ROWS block must stay contiguous). Segments,
+    slots and the order of the elements of each segment are kept, so the results are the same
+    bits without gathering every element on every run."""
+    table = stage.blocks.copy()
+    b = np.flatnonzero((table[:, 6] != GATHERED) & (table[:, 1] * table[:, 3] > 0))
+    first, n, stride, count, gap = (table[b, j] for j in range(5))
+    g0 = gather[first]
+    step = np.where(n > 1, gather[first + np.where(n > 1, stride, 0)] - g0, 1)
+    skip = np.where(count > 1, gather[first + np.where(count > 1, gap, 0)] - g0, 0)
+    if ((table[b, 6] == ROWS) & (step != 1)).any():
+        return None
+    size = n * count
+    blk = np.repeat(np.arange(b.size), size)
+    within = np.arange(size.sum()) - np.repeat(np.cumsum(size) - size, size)
+    k, i = np.divmod(within, n[blk])
+    if not np.array_equal(gather[first[blk] + i * stride[blk] + k * gap[blk]],
+                          g0[blk] + i * step[blk] + k * skip[blk]):
+        return None
+    table[b, 0], table[b, 2], table[b, 4] = g0, step, skip
+    return StageBlocks.of(table, gather[stage.gather], stage.num_segments)
 
 
 def _strided_elements(first, count, step) -> np.ndarray:
@@ -764,21 +816,39 @@ def _slots(seg_out: np.ndarray) -> np.ndarray | None:
     return None if np.array_equal(seg_out, np.arange(seg_out.size)) else seg_out
 
 
-def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: float) -> FastReduction:
-    """The fast mode's form of a reduction plan (built once, with the graph)."""
+def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: float,
+                   shape: tuple[int, ...]) -> FastReduction:
+    """The fast mode's form of a plan reducing a tensor of `shape` (built once, with the graph).
+    The stage that reads the input reads it in place where it can: through the transpose the
+    plan's view makes, and through the gather of single elements, whenever each block's elements
+    are evenly spaced in the input itself."""
     segs, final = plan.partial, plan.final
     order = segs.geometry.order
+    # position in x of each position of the plan's view
+    in_x = None if order is None else np.arange(math.prod(shape)).reshape(shape).transpose(order).reshape(-1)
+
+    def first_stage(stage: StageBlocks) -> tuple[StageBlocks, tuple | None]:
+        direct = None if in_x is None else read_through(stage, in_x)
+        return (stage, order) if direct is None else (direct, None)
+
     if final is None:
-        return FastReduction((stage_blocks(segs),), (op,), (scale,), False, np.dtype(partial_dtype),
-                             _slots(segs.seg_out), order, None)
+        stage, reads = first_stage(stage_blocks(segs))
+        return FastReduction((stage,), (op,), (scale,), False, np.dtype(partial_dtype), _slots(segs.seg_out), reads,
+                             None)
     in_dtype, partial_dtype = np.dtype(in_dtype), np.dtype(partial_dtype)
     exact = (partial_dtype == np.float32 and in_dtype in (np.float16, np.float32, np.bool_)) or (
         partial_dtype == np.int32 and in_dtype in (np.int32, np.bool_) and op != SUM_SQUARES)
     if exact and (segs.template_counts == 1).all():  # the final stage reads the elements the partials would hold
-        return FastReduction((final_stage_blocks(final),), (op,), (scale,), op == SUM_SQUARES, partial_dtype,
-                             _slots(final.seg_out), order, segs.first_positions()[final.order])
-    return FastReduction((stage_blocks(segs), final_stage_blocks(final)), (op, FINAL_OP[op]), (1.0, scale), False,
-                         partial_dtype, _slots(final.seg_out), order, final.order)
+        stage, elements = final_stage_blocks(final), segs.first_positions()[final.order]
+        direct = read_through(stage, elements if in_x is None else in_x[elements])
+        if direct is not None:
+            return FastReduction((direct,), (op,), (scale,), op == SUM_SQUARES, partial_dtype, _slots(final.seg_out),
+                                 None, None)
+        return FastReduction((stage,), (op,), (scale,), op == SUM_SQUARES, partial_dtype, _slots(final.seg_out),
+                             order, elements)
+    stage, reads = first_stage(stage_blocks(segs))
+    return FastReduction((stage, final_stage_blocks(final)), (op, FINAL_OP[op]), (1.0, scale), False,
+                         partial_dtype, _slots(final.seg_out), reads, final.order)
 
 
 # ---- reduce ----------------------------------------------------------------------------------
@@ -916,7 +986,7 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         _add_final_stage(graph, cs2, final, gathered, out, FINAL_OP[code], final_scale)
         body.add(Execute(cs2))
 
-    fast_plan = fast_reduction(plan, code, in_dt, part_dt, final_scale)
+    fast_plan = fast_reduction(plan, code, in_dt, part_dt, final_scale, x.shape)
 
     def fast(io):
         io.write(out, stored(fast_plan.run(io.read(x)), out_dt).reshape(out_shape))
