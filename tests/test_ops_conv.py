@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import ipusim as ip
 from ipusim.ops.conv import (CONV_VERTEX, ConvDim, backward_input_geometry, backward_weights_geometry, conv2d,
-                             conv2d_backward_input, conv2d_backward_weights, conv2d_output_shape, forward_geometry,
+                             conv2d_backward_input, conv2d_backward_input_numpy, conv2d_backward_weights,
+                             conv2d_backward_weights_numpy, conv2d_numpy, conv2d_output_shape, forward_geometry,
                              plan_conv)
 
 MODES = ["strict", "fast"]
@@ -356,3 +357,27 @@ def test_bad_arguments_are_clear_errors():
         conv2d_backward_input(g, dy, w, (1, 4, 5, 5), ip.Sequence(), groups=2)
     with pytest.raises(ValueError, match="gives \\[1, 6, 3, 3\\]"):
         conv2d_backward_weights(g, dy, x, (6, 2, 3, 3), ip.Sequence(), groups=2)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, s, p, d, groups", [
+    ((6, 2, 20, 20), (4, 1, 3, 3), 1, 1, 1, 2),       # a product per sample; the weight gradient's cut in two
+    ((8, 1, 28, 28), (10, 1, 5, 5), 1, 0, 1, 1),      # the tutorial's first layer: cut in four
+    ((3, 4, 17, 15), (6, 4, 3, 2), (2, 1), (2, 0), (1, 2), 1),
+    ((5, 3, 6, 6), (3, 3, 3, 3), 1, 0, 1, 1)])        # few positions per sample: one product for the batch
+def test_whole_array_kernels_at_sizes_that_take_their_other_paths(x_shape, w_shape, s, p, d, groups):
+    """The fast mode's kernels against torch (float64), at sizes the both-modes tests do not reach."""
+    rng = np.random.default_rng(3)
+    X, W = rng.standard_normal(x_shape).astype(np.float32), rng.standard_normal(w_shape).astype(np.float32)
+    xt = torch.tensor(X, dtype=torch.float64, requires_grad=True)
+    wt = torch.tensor(W, dtype=torch.float64, requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, stride=s, padding=p, dilation=d, groups=groups)
+    DY = rng.standard_normal(tuple(yt.shape)).astype(np.float32)
+    yt.backward(torch.tensor(DY, dtype=torch.float64))
+    y = conv2d_numpy(X, W, s, p, d, groups)
+    out = np.full(y.shape, np.nan, np.float32)
+    assert conv2d_numpy(X, W, s, p, d, groups, out=out) is out and np.array_equal(out, y)
+    dx = conv2d_backward_input_numpy(DY, W, x_shape, s, p, d, groups)
+    dw = conv2d_backward_weights_numpy(DY, X, w_shape, s, p, d, groups)
+    for got, want in ((y, yt), (dx, xt.grad), (dw, wt.grad)):
+        want = want.detach().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -423,33 +423,61 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
 
 # ---- NumPy whole-tensor implementations (fast mode) -------------------------------------------
 @njit(**JIT)
-def _col2im_kernel(patches, sh, sw, dh, dw, dxp):
+def _col2im_kernel(patches, groups, cg, kh, kw, n, oh, ow, sh, sw, dh, dw, hp, wp, dxp):
     """dxp[N, G, C/G, Hp, Wp] += each patch gradient patches[G, C/G, kh, kw, N, OH, OW] at the
-    input position it was read from (taps in order, so sums round the same way every time)."""
-    groups, cg, kh, kw, n, oh, ow = patches.shape
+    input position it was read from (both flat; taps in order, so sums round the same way every
+    time)."""
+    src = np.uint64(0)
     for g in range(groups):  # patches in memory order; each input position still sums its taps in order
         for ci in range(cg):
             for i in range(kh):
                 for j in range(kw):
                     for b in range(n):
+                        plane = ((b * groups + g) * cg + ci) * hp
                         for y in range(oh):
-                            row = dxp[b, g, ci, y * sh + i * dh]
-                            src = patches[g, ci, i, j, b, y]
+                            d = ((plane + y * sh + i * dh) * wp + j * dw)
                             for x in range(ow):
-                                row[x * sw + j * dw] += src[x]
+                                dxp[np.uint64(d + x * sw)] += patches[src + np.uint64(x)]
+                            src += np.uint64(ow)
+
+
+@njit(**JIT)
+def _im2col_kernel(x, n, c, h, wd, kh, kw, oh, ow, sh, sw, ph, pw, dh, dw, out):
+    """out[(ch, i, j), (b, y, x)] = x[b, ch, y * sh + i * dh - ph, x * sw + j * dw - pw], 0 where that
+    is padding; x and out flat (unsigned offsets, so no index wraps around and rows vectorise)."""
+    per_sample = oh * ow
+    for ch in range(c):
+        for i in range(kh):
+            for j in range(kw):
+                row = ((ch * kh + i) * kw + j) * n * per_sample
+                left = pw - j * dw  # the input column of output column x is x * sw - left
+                x_lo = min(ow, max(0, (left + sw - 1) // sw))
+                x_hi = max(x_lo, min(ow, (wd - 1 + left) // sw + 1 if wd - 1 + left >= 0 else 0))
+                for b in range(n):
+                    for y in range(oh):
+                        d = np.uint64(row + b * per_sample + y * ow)
+                        r = y * sh + i * dh - ph
+                        if r < 0 or r >= h:
+                            for xx in range(ow):
+                                out[d + np.uint64(xx)] = 0.0
+                            continue
+                        src = ((b * c + ch) * h + r) * wd - left
+                        for xx in range(x_lo):
+                            out[d + np.uint64(xx)] = 0.0
+                        for xx in range(x_lo, x_hi):
+                            out[d + np.uint64(xx)] = x[np.uint64(src + xx * sw)]
+                        for xx in range(x_hi, ow):
+                            out[d + np.uint64(xx)] = 0.0
 
 
 def _im2col(x: np.ndarray, kh: int, kw: int, oh: int, ow: int, s, p, d, groups: int) -> np.ndarray:
     """[G, C/G*kh*kw, N*OH*OW] patches of x [N, C, H, W] (zero padding): one matrix per group, so
-    each product is a single large GEMM; output positions stay innermost, so the copy reads rows."""
-    n, c, _, _ = x.shape
-    cg = c // groups
-    xp = np.pad(x, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1]))) if p[0] or p[1] else x
-    sn, sc, sh, sw = xp.strides
-    patches = np.lib.stride_tricks.as_strided(
-        xp, (groups, cg, kh, kw, n, oh, ow), (cg * sc, sc, d[0] * sh, d[1] * sw, sn, s[0] * sh, s[1] * sw),
-        writeable=False)
-    return patches.reshape(groups, cg * kh * kw, n * oh * ow)
+    each product is a single large GEMM; output positions innermost, as the copy reads rows."""
+    n, c, h, w = x.shape
+    out = np.empty(c * kh * kw * n * oh * ow, x.dtype)
+    _im2col_kernel(np.ascontiguousarray(x).reshape(-1), n, c, h, w, kh, kw, oh, ow, s[0], s[1], p[0], p[1], d[0], d[1],
+                   out)
+    return out.reshape(groups, c // groups * kh * kw, n * oh * ow)
 
 
 def _by_group(a: np.ndarray, groups: int) -> np.ndarray:
@@ -463,16 +491,32 @@ def _as_float32(a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float32 else a.astype(np.float32)
 
 
-def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
-    """y = conv2d(x, w) on whole arrays (float32 result: a transposed view of the product, which
-    its one copy, into the output's storage, puts in order)."""
+PER_SAMPLE = 64  # output positions per sample from which the forward product runs sample by sample
+LONG_PRODUCT = 1024  # a weight gradient's product is cut at sample boundaries into pieces about this long ...
+THIN_PRODUCT = 1024  # ... when its result has at most this many elements
+
+
+def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1, out=None) -> np.ndarray:
+    """y = conv2d(x, w) on whole arrays (float32 result, in `out` [N, O, OH, OW] when given). With
+    enough output positions per sample, one product per sample writes y in its own order;
+    otherwise one product for the batch gives a transposed view, which the write puts in order."""
     s, p, d = conv_params(stride, padding, dilation, "conv2d")
     x, w = _as_float32(np.asarray(x)), _as_float32(np.asarray(w))
     n, o, oh, ow = conv2d_output_shape(x.shape, w.shape, s, p, d, groups)
     _, cg, kh, kw = w.shape
-    cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
-    y = np.matmul(w.reshape(groups, o // groups, cg * kh * kw), cols)  # [G, O/G, N*OH*OW]
-    return y.reshape(o, n, oh, ow).transpose(1, 0, 2, 3)
+    cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)  # [G, C/G*kh*kw, N*OH*OW]
+    wg = w.reshape(groups, o // groups, cg * kh * kw)
+    if oh * ow >= PER_SAMPLE:
+        per_sample = cols.reshape(groups, -1, n, oh * ow).transpose(2, 0, 1, 3)  # [N, G, C/G*kh*kw, OH*OW]
+        if out is None:
+            return np.matmul(wg, per_sample).reshape(n, o, oh, ow)
+        np.matmul(wg, per_sample, out=out.reshape(n, groups, o // groups, oh * ow))
+        return out
+    y = np.matmul(wg, cols).reshape(o, n, oh, ow).transpose(1, 0, 2, 3)  # [G, O/G, N*OH*OW] in order
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
@@ -486,8 +530,9 @@ def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilatio
     og = o // groups
     wt = w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1)
     patches = np.matmul(wt, _by_group(dy, groups)).reshape(groups, cg, kh, kw, n, oh, ow)
-    dxp = np.zeros((n, groups, cg, h + 2 * p[0], wd + 2 * p[1]), dtype=np.float32)
-    _col2im_kernel(patches, s[0], s[1], d[0], d[1], dxp)
+    hp, wp = h + 2 * p[0], wd + 2 * p[1]
+    dxp = np.zeros((n, groups, cg, hp, wp), dtype=np.float32)
+    _col2im_kernel(patches.reshape(-1), groups, cg, kh, kw, n, oh, ow, s[0], s[1], d[0], d[1], hp, wp, dxp.reshape(-1))
     return dxp[:, :, :, p[0]:p[0] + h, p[1]:p[1] + wd].reshape(n, c, h, wd)
 
 
@@ -498,10 +543,25 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     o, cg, kh, kw = weight_shape
     _, _, oh, ow = dy.shape
     cols = _im2col(x, kh, kw, oh, ow, s, p, d, groups)
+    grads = _by_group(dy, groups)
     # patches times gradients, [G, C/G*kh*kw, O/G]: BLAS runs this orientation of the long, thin
-    # product faster than its transpose
-    dw = np.matmul(cols, _by_group(dy, groups).transpose(0, 2, 1))
+    # product faster than its transpose, and a very long, thin one faster in pieces of whole
+    # samples, summed after
+    n = dy.shape[0]
+    pieces = _pieces(n, oh * ow) if cg * kh * kw * (o // groups) <= THIN_PRODUCT else 1
+    if pieces == 1:
+        dw = np.matmul(cols, grads.transpose(0, 2, 1))
+    else:
+        cut = lambda a: a.reshape(groups, a.shape[1], pieces, -1).transpose(2, 0, 1, 3)  # noqa: E731
+        dw = np.matmul(cut(cols), cut(grads).transpose(0, 1, 3, 2)).sum(axis=0)
     return dw.transpose(0, 2, 1).reshape(o, cg, kh, kw)
+
+
+def _pieces(n: int, positions: int) -> int:
+    """Into how many equal pieces of whole samples a product over n samples of `positions` each
+    is cut so each piece is about LONG_PRODUCT long (1: not cut)."""
+    want = max(1, n * positions // LONG_PRODUCT)
+    return max(k for k in range(1, min(want, n) + 1) if n % k == 0)
 
 
 # ---- the ops ---------------------------------------------------------------------------------
@@ -539,7 +599,10 @@ def conv2d(graph: Graph, x: Tensor, w: Tensor, prog: Sequence, stride=1, padding
            w.reshape(g, o // g, cg, kh, kw), out, out.reshape(n, g, o // g, *shape[2:]).transpose(1, 0, 2, 3, 4))
 
     def fast(io):
-        io.write(out, conv2d_numpy(io.read(x), io.read(w), s, p, d, groups))
+        target = io.output(out) if odt == np.float32 else None
+        y = conv2d_numpy(io.read(x), io.read(w), s, p, d, groups, out=target)
+        if target is None:
+            io.write(out, y)
 
     prog.add(OpProgram(name, body, fast, (x, w), (out,)))
     return out
