@@ -646,3 +646,22 @@ def test_strided_views_reduce_as_numpy_in_both_modes(op, key, axes):
     values = np.random.default_rng(3).standard_normal((6, 5)).astype(np.float32)
     (got,), _ = run_both(g, prog, {x: values}, [out])
     np.testing.assert_allclose(got, REFS[op](values[key].astype(np.float64), axis=axes), rtol=1e-5)
+
+
+def test_reductions_of_one_structure_share_their_plans():
+    """Two tensors of one shape and tile map (a model's repeated layers) plan once; another tile
+    map plans anew; each keeps its own view and gives its own results."""
+    g = ip.Graph(TARGET)
+    a, b = (variable(g, "float32", (12, 40), n) for n in "ab")
+    c = variable(g, "float32", (12, 40), "c", "rows")
+    plans = [R.planned_reduction(geometry(t, (0,)), TARGET, R.SUM, np.dtype("float32"), np.float32, np.float32, 1.0,
+                                 t.shape) for t in (a, b, c)]
+    assert plans[0][1] is plans[1][1] and plans[2][1] is not plans[0][1]
+    assert plans[0][0].partial.geometry.view.var is a.var and plans[1][0].partial.geometry.view.var is b.var
+    prog = ip.Sequence()
+    outs = [R.reduce(g, t, 0, "sum", prog) for t in (a, b, c)]
+    rng = np.random.default_rng(9)
+    values = {t: rng.standard_normal(t.shape).astype(np.float32) for t in (a, b, c)}
+    got, _ = run_both(g, prog, values, outs)
+    for t, o in zip((a, b, c), got):
+        np.testing.assert_allclose(o, values[t].astype(np.float64).sum(0), rtol=1e-6, atol=1e-6)

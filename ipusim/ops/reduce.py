@@ -60,7 +60,7 @@ accumulate), max and min do one compare per vector (`w = width`, 1 instruction):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -77,7 +77,8 @@ from ..device.mapping import TileMap, expand_runs, tile_counts
 from ..device.tensor import Tensor, as_dtype
 from ..device.vertex import Field, VertexType, tile_makespans
 from .common import GRAIN, flat, lookup, placed
-from .segments import Geometry, SegmentPlan, geometry, plan_segments, side_by_side, vertex_element_runs
+from .segments import (Geometry, SegmentPlan, geometry, plan_segments, remembered, side_by_side, structure,
+                       vertex_element_runs)
 
 # ---- reduction operations ------------------------------------------------------------------
 OPS = {"sum": 0, "mean": 0, "max": 1, "min": 2, "sum_squares": 3, "sum_abs": 4}
@@ -851,6 +852,25 @@ def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: fl
                          partial_dtype, _slots(final.seg_out), reads, final.order)
 
 
+_REDUCTIONS: dict = {}
+
+
+def planned_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dtype, out_dtype, scale: float,
+                      shape: tuple[int, ...]) -> tuple[ReducePlan, FastReduction]:
+    """`plan_reduction` and `fast_reduction` of the reduction of a tensor of `shape` through its
+    view `g`. Both depend only on the structure (shapes, tile map, target, op, dtypes, scale), so
+    the repeated layers of a model share them, as they share segment plans."""
+    tiles = g.view.tile_map()
+    key = (g.A, g.R, g.C, g.order, tuple(shape), target, op, np.dtype(in_dtype), np.dtype(partial_dtype),
+           np.dtype(out_dtype), scale, structure(tiles))
+
+    def make():
+        plan = plan_reduction(g, target, op, in_dtype, partial_dtype, out_dtype, scale != 1.0, tiles)
+        return plan, fast_reduction(plan, op, in_dtype, partial_dtype, scale, shape)
+    plan, fast = remembered(_REDUCTIONS, key, make)
+    return replace(plan, partial=plan.partial.of_geometry(g)), fast
+
+
 # ---- reduce ----------------------------------------------------------------------------------
 def add_segment_vertices(graph: Graph, cs, types: tuple[VertexType, VertexType], plan: SegmentPlan,
                          begin: np.ndarray, end: np.ndarray, elements: dict[str, Tensor], per_segment: dict,
@@ -965,7 +985,7 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         return result
 
     g = geometry(x, axes)
-    plan = plan_reduction(g, graph.target, code, in_dt, part_dt, out_dt, final_scale != 1.0)
+    plan, fast_plan = planned_reduction(g, graph.target, code, in_dt, part_dt, out_dt, final_scale, x.shape)
     out.var.mapping = TileMap.from_tiles(plan.out_tiles)
     segs, final = plan.partial, plan.final
     of = out.flatten()
@@ -986,7 +1006,6 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         _add_final_stage(graph, cs2, final, gathered, out, FINAL_OP[code], final_scale)
         body.add(Execute(cs2))
 
-    fast_plan = fast_reduction(plan, code, in_dt, part_dt, final_scale, x.shape)
 
     def fast(io):
         io.write(out, stored(fast_plan.run(io.read(x)), out_dt).reshape(out_shape))

@@ -339,19 +339,28 @@ def plan_segments(g: Geometry, tiles: TileMap | None = None, *, workers: int | N
     a model (the same reductions of tensors mapped alike, on one IPU or several) share one: the
     last PLAN_CACHE_SIZE plans are kept by a digest of that structure."""
     tiles = g.view.tile_map() if tiles is None else tiles
-    key = (g.A, g.R, g.C, g.order, workers, split_parts, num_tiles, tiles.size,
-           hashlib.blake2b(tiles.starts.tobytes() + tiles.tiles.tobytes(), digest_size=16).digest())
-    plan = _PLANS.pop(key, None)
-    if plan is None:
-        plan = _plan_segments(g, tiles, workers, split_parts, num_tiles)
-        if len(_PLANS) >= PLAN_CACHE_SIZE:
-            _PLANS.pop(next(iter(_PLANS)))  # the least recently used
-    _PLANS[key] = plan  # the most recently used last
-    return plan.of_geometry(g)
+    key = (g.A, g.R, g.C, g.order, workers, split_parts, num_tiles, structure(tiles))
+    return remembered(_PLANS, key, lambda: _plan_segments(g, tiles, workers, split_parts, num_tiles)).of_geometry(g)
 
 
 PLAN_CACHE_SIZE = 64
 _PLANS: dict = {}
+
+
+def structure(tiles: TileMap) -> tuple:
+    """A key for a tile map: its size and a digest of its runs."""
+    return tiles.size, hashlib.blake2b(tiles.starts.tobytes() + tiles.tiles.tobytes(), digest_size=16).digest()
+
+
+def remembered(cache: dict, key, make):
+    """cache[key], made by make() when missing; the PLAN_CACHE_SIZE most recently used are kept."""
+    found = cache.pop(key, None)
+    if found is None:
+        found = make()
+        if len(cache) >= PLAN_CACHE_SIZE:
+            cache.pop(next(iter(cache)))  # the least recently used
+    cache[key] = found  # the most recently used last
+    return found
 
 
 def _plan_segments(g: Geometry, tiles: TileMap, workers: int | None, split_parts: bool,
