@@ -180,7 +180,8 @@ class TileMap:
             return k[run], first, length, tile
         if starts.size and (starts.min() < 0 or (starts + lengths).max() > self.size):
             raise IndexError(f"element runs reach outside the {self.size} elements of the map")
-        return _pieces(self.starts, self.tiles, self.size, np.ascontiguousarray(starts), np.ascontiguousarray(lengths))
+        return _pieces(readonly(self.starts), readonly(self.tiles, TILE_DTYPE), self.size, readonly(starts),
+                       readonly(lengths))
 
     def take(self, starts, lengths) -> "TileMap":
         """The map of the concatenation of element runs (in order)."""
@@ -336,11 +337,28 @@ def _covers(map_starts, map_tiles, size, starts, lengths, tiles):
     return out
 
 
-@njit(**KERNEL)
+def readonly(a, dtype=np.int64) -> np.ndarray:
+    """`a` as a contiguous, read-only array of `dtype` (a view when it already is one). The
+    compile-time kernels take their inputs so: Numba compiles (and loads from its cache) one
+    version of a kernel per combination of writeable and read-only arguments."""
+    a = np.ascontiguousarray(a, dtype=dtype)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 def distinct_exchange(starts, lengths, map_starts, map_tiles, map_size, dst_starts, dst_tiles, dst_size, num_tiles):
     """Elements sent, received and copied on each tile by a copy of the runs (`starts`,
     `lengths`) of a variable (mapped by `map_*`), no element twice, to positions mapped by
     `dst_*`: the positions advance with the runs, so the destination's runs are walked once."""
+    return _distinct_exchange(readonly(starts), readonly(lengths), readonly(map_starts),
+                              readonly(map_tiles, TILE_DTYPE), map_size, readonly(dst_starts),
+                              readonly(dst_tiles, TILE_DTYPE), dst_size, num_tiles)
+
+
+@njit(**KERNEL)
+def _distinct_exchange(starts, lengths, map_starts, map_tiles, map_size, dst_starts, dst_tiles, dst_size, num_tiles):
     sent = np.zeros(num_tiles, np.int64)
     recv = np.zeros(num_tiles, np.int64)
     local = np.zeros(num_tiles, np.int64)

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from .mapping import expand_runs, run_holding
+from .mapping import TILE_DTYPE, expand_runs, readonly, run_holding
 from .tensor import Tensor, Variable
 
 
@@ -377,8 +377,9 @@ def _runs_are_local(f: Field, tiles: np.ndarray) -> bool:
     the run's vertex's tile: one search per run, nothing per element."""
     if len(f.variables) == 1:
         m = f.variables[0].mapping
-        return m.num_runs > 0 and _field_local(m.starts, m.tiles, m.size, f.starts, f.lengths, f.offsets,
-                                               np.ascontiguousarray(tiles, np.int64)) or not f.lengths.any()
+        return m.num_runs > 0 and _field_local(readonly(m.starts), readonly(m.tiles, TILE_DTYPE), m.size,
+                                               readonly(f.starts), readonly(f.lengths), readonly(f.offsets),
+                                               readonly(tiles)) or not f.lengths.any()
     vertex = np.repeat(np.arange(f.num_vertices), np.diff(f.offsets))
     for _, v, at in f.by_variable(f.var[vertex]):
         if not v.mapping.covers(f.starts[at], f.lengths[at], tiles[vertex[at]]).all():
