@@ -214,6 +214,16 @@ def test_pipelined_steps_follow_the_schedule_and_cost_the_slowest_ipu():
     sharded = poptorch.trainingModel(tutorial_model(), options("sharded", 1, 8))
     sharded(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
     assert record.cycles < sharded.last_run.cycles  # pipelining overlaps the stages
+    # programs and cycles are fixed when compiled: later calls reuse the first call's record,
+    # which a record built anew matches step by step, program by program
+    training(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
+    assert training.last_run is record
+    training._record = None
+    training(torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
+    fresh = training.last_run
+    assert fresh is not record
+    assert [(s.cycles, [(e.part, e.program, e.per_ipu) for e in s.events]) for s in fresh.steps] == \
+        [(s.cycles, [(e.part, e.program, e.per_ipu) for e in s.events]) for s in record.steps]
 
 
 # ---- mean reduction over accumulation and replicas ---------------------------------------------

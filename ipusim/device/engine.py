@@ -279,6 +279,13 @@ class Engine:
             self._profiler.ran(index, report)
         return report
 
+    @property
+    def fixed_reports(self) -> bool:
+        """Whether every program reports the same cycles on every run: none branches on device
+        data (If) and no profiler collects the nodes it ran."""
+        self._require_loaded()
+        return self._profiler is None and all(steps is not None for steps in self._steps)
+
     def cost(self, node: Program) -> Cost:
         return self._costs[id(node)][1]
 

@@ -94,6 +94,7 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         self._host_weights_version = 0
         self.last_run: RunRecord | None = None
+        self._record: RunRecord | None = None  # a call's record, the same every call (see _run_schedule)
         self._collective = None     # cross-process gradient reduction (poptorch_lite.runtime.distributed)
         self._profiler = None       # poptorch_lite.runtime.profiling, only when profiling is on
         self._pool = None           # host threads running the IPUs of a step (Emulator.setHostThreads)
@@ -273,6 +274,7 @@ class PoplarExecutor:
         """Make a compiled (or cached) executable this model's: hooks, streams, weights."""
         opts = self._options
         self._executable = executable
+        self._record = None
         # which micro-batch steps the call returns: fixed by the (frozen) options, so known once
         self._output_plan = batching.output_plan(opts, self._training)
         self._returned = set(self._output_plan.returned_steps)
@@ -447,9 +449,10 @@ class PoplarExecutor:
             out.append(np.ascontiguousarray(arr.reshape((micro_batches,) + tuple(v.shape))))
         return out
 
-    def _run_op(self, exe: Executable, op) -> list[Event]:
+    def _run_op(self, exe: Executable, op, report: bool = True) -> list[Event]:
         """Run one scheduled op on every replica (receive, compute, outputs; or, for a weight
-        update, the gradient all-reduce, the updates and the shard all-gather)."""
+        update, the gradient all-reduce, the updates and the shard all-gather); its events when
+        `report`."""
         engine = exe.engine
         runs: list[tuple[str, int]] = []
         if op.kind == "U" and self._anchors:
@@ -470,7 +473,12 @@ class PoplarExecutor:
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
-        events = [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
+        if report:
+            events = [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
+        else:
+            events = []
+            for _, index in runs:
+                engine.execute(index)
         if op.kind == "U" and self._anchors:
             anchors.record(self._anchors, exe, op.ipu, "updated")
         return events
@@ -483,34 +491,47 @@ class PoplarExecutor:
             raise Error(f"getAnchoredTensor: no tensor anchored as {short_name!r} (anchored: {known}{when})")
         return self._anchored[short_name]
 
-    def _send(self, exe: Executable, op) -> list[Event]:
+    def _send(self, exe: Executable, op, report: bool = True) -> list[Event]:
         if op.kind == "U":
             return []
         key = program_key(op)
         k = op.global_micro_batch
-        return [Event(op, "send", index, exe.engine.execute(index).per_ipu)
-                for r in range(exe.replicas) for index in (ch.send[k % ch.slots] for ch in exe.out_channels[(r, key)])]
+        indices = [ch.send[k % ch.slots] for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
+        if not report:
+            for index in indices:
+                exe.engine.execute(index)
+            return []
+        return [Event(op, "send", index, exe.engine.execute(index).per_ipu) for index in indices]
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
         """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
-        then the channel copies; the step lasts as long as its busiest IPU."""
-        record = RunRecord(exe.engine.target.clock_hz)
+        then the channel copies; the step lasts as long as its busiest IPU. The programs, their
+        order and their cycles are fixed when the model is compiled, so the record of a call is
+        the same on every call: the first call makes it, the others reuse it (unless a program
+        branches on device data or a profiler wants each call's reports)."""
+        reuse = self._record is not None
+        record = None if reuse else RunRecord(exe.engine.target.clock_hz)
         pool = self._host_pool()
         with exe.engine.running():  # one setting of the kernel and BLAS threads for the whole call
             for t, step in enumerate(exe.schedule.steps):
                 if pool is not None and len(step.ops) > 1:
-                    parts = list(pool.map(lambda op: self._run_op(exe, op), step.ops))
+                    parts = list(pool.map(lambda op: self._run_op(exe, op, not reuse), step.ops))
                 else:
-                    parts = [self._run_op(exe, op) for op in step.ops]
-                events = [e for part in parts for e in part]
-                for op in step.ops:
-                    events += self._send(exe, op)
+                    parts = [self._run_op(exe, op, not reuse) for op in step.ops]
+                sends = [self._send(exe, op, not reuse) for op in step.ops]
+                if reuse:
+                    continue
+                events = [e for part in parts + sends for e in part]
                 busy: dict[int, ip.Cycles] = {}
                 for e in events:
                     for ipu, c in e.per_ipu.items():
                         busy[ipu] = busy.get(ipu, ip.Cycles()) + c
                 record.steps.append(StepRecord(t, list(step.ops), events, busy,
                                                max((c.total for c in busy.values()), default=0)))
+        if reuse:
+            return self._record
+        if self._profiler is None and exe.engine.fixed_reports:
+            self._record = record
         return record
 
     def _host_pool(self):
