@@ -508,8 +508,12 @@ def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1, out=None) -> n
     wg = w.reshape(groups, o // groups, cg * kh * kw)
     if oh * ow >= PER_SAMPLE:
         per_sample = cols.reshape(groups, -1, n, oh * ow).transpose(2, 0, 1, 3)  # [N, G, C/G*kh*kw, OH*OW]
-        if out is None:
-            return np.matmul(wg, per_sample).reshape(n, o, oh, ow)
+        if out is None or not out.flags.c_contiguous:  # (a reshape of a strided `out` would be a copy)
+            y = np.matmul(wg, per_sample).reshape(n, o, oh, ow)
+            if out is None:
+                return y
+            out[...] = y
+            return out
         np.matmul(wg, per_sample, out=out.reshape(n, groups, o // groups, oh * ow))
         return out
     y = np.matmul(wg, cols).reshape(o, n, oh, ow).transpose(1, 0, 2, 3)  # [G, O/G, N*OH*OW] in order
@@ -548,7 +552,7 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     # product faster than its transpose, and a very long, thin one faster in pieces of whole
     # samples, summed after
     n = dy.shape[0]
-    pieces = _pieces(n, oh * ow) if cg * kh * kw * (o // groups) <= THIN_PRODUCT else 1
+    pieces = _sample_pieces(n, oh * ow) if cg * kh * kw * (o // groups) <= THIN_PRODUCT else 1
     if pieces == 1:
         dw = np.matmul(cols, grads.transpose(0, 2, 1))
     else:
@@ -557,7 +561,7 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     return dw.transpose(0, 2, 1).reshape(o, cg, kh, kw)
 
 
-def _pieces(n: int, positions: int) -> int:
+def _sample_pieces(n: int, positions: int) -> int:
     """Into how many equal pieces of whole samples a product over n samples of `positions` each
     is cut so each piece is about LONG_PRODUCT long (1: not cut)."""
     want = max(1, n * positions // LONG_PRODUCT)
