@@ -1006,7 +1006,6 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         _add_final_stage(graph, cs2, final, gathered, out, FINAL_OP[code], final_scale)
         body.add(Execute(cs2))
 
-
     def fast(io):
         io.write(out, stored(fast_plan.run(io.read(x)), out_dt).reshape(out_shape))
 
