@@ -527,16 +527,17 @@ def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounde
     kernels load runs of it as contiguous memory, so it is made contiguous first."""
     src = np.ascontiguousarray(src)
     if src.dtype != np.float32:  # one more kernel specialisation only: integers and bools exactly as float64
-        src = src.astype(np.float64)
+        src = src.astype(np.float64, copy=False)
     if op == SUM_ABS:
         src, op = np.abs(src), SUM  # |x| is exact
     elif op == SUM_SQUARES and rounded:
         src, op = np.square(src).astype(np.float32), SUM  # x * x rounded once, as the partial's store
     out = np.empty(stage.num_segments, dtype=np.float64)
     if stage.rows.shape[0]:
-        reduce_rows(src, src[stage.gather], stage.rows, op, scale, out)
-    if stage.columns.shape[0]:
-        reduce_columns(src, stage.columns, op, scale, out, min(get_num_threads(), stage.columns.shape[0]))
+        reduce_rows(src, src[stage.gather] if stage.gather.size else src, stage.rows, op, scale, out)
+    blocks = stage.columns.shape[0]
+    if blocks:
+        reduce_columns(src, stage.columns, op, scale, out, 1 if blocks == 1 else min(get_num_threads(), blocks))
     return out
 
 
