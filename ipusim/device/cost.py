@@ -99,8 +99,8 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
         # every element sent once: one walk over the runs
         starts, lengths = src.runs()
         m = src.var.mapping
-        sent, recv, local = distinct_exchange(np.ascontiguousarray(starts), np.ascontiguousarray(lengths), m.starts,
-                                               m.tiles, m.size, dst_map.starts, dst_map.tiles, dst_map.size, n)
+        sent, recv, local = distinct_exchange(starts, lengths, m.starts, m.tiles, m.size, dst_map.starts,
+                                              dst_map.tiles, dst_map.size, n)
         moved_total = int(recv.sum())
     else:
         r = routes(src, dst_map)

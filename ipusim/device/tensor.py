@@ -432,9 +432,8 @@ class Tensor:
             return False
         starts, lengths = self.runs()
         num_tiles = int(max(m.tiles.max(initial=0), tiles.tiles.max(initial=0))) + 1
-        _, received, _ = distinct_exchange(np.ascontiguousarray(starts, dtype=np.int64),
-                                           np.ascontiguousarray(lengths, dtype=np.int64), m.starts, m.tiles, m.size,
-                                           tiles.starts, tiles.tiles, tiles.size, num_tiles)
+        _, received, _ = distinct_exchange(starts, lengths, m.starts, m.tiles, m.size, tiles.starts, tiles.tiles,
+                                           tiles.size, num_tiles)
         return not received.any()  # nothing would move
 
     def block_deliveries(self, tiles: TileMap):

@@ -508,15 +508,12 @@ def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1, out=None) -> n
     wg = w.reshape(groups, o // groups, cg * kh * kw)
     if oh * ow >= PER_SAMPLE:
         per_sample = cols.reshape(groups, -1, n, oh * ow).transpose(2, 0, 1, 3)  # [N, G, C/G*kh*kw, OH*OW]
-        if out is None or not out.flags.c_contiguous:  # (a reshape of a strided `out` would be a copy)
-            y = np.matmul(wg, per_sample).reshape(n, o, oh, ow)
-            if out is None:
-                return y
-            out[...] = y
+        if out is not None and out.flags.c_contiguous:  # (a reshape of a strided `out` would be a copy)
+            np.matmul(wg, per_sample, out=out.reshape(n, groups, o // groups, oh * ow))
             return out
-        np.matmul(wg, per_sample, out=out.reshape(n, groups, o // groups, oh * ow))
-        return out
-    y = np.matmul(wg, cols).reshape(o, n, oh, ow).transpose(1, 0, 2, 3)  # [G, O/G, N*OH*OW] in order
+        y = np.matmul(wg, per_sample).reshape(n, o, oh, ow)
+    else:
+        y = np.matmul(wg, cols).reshape(o, n, oh, ow).transpose(1, 0, 2, 3)  # [G, O/G, N*OH*OW] in order
     if out is None:
         return y
     out[...] = y
@@ -561,6 +558,7 @@ def conv2d_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dila
     return dw.transpose(0, 2, 1).reshape(o, cg, kh, kw)
 
 
+@lru_cache(maxsize=256)
 def _sample_pieces(n: int, positions: int) -> int:
     """Into how many equal pieces of whole samples a product over n samples of `positions` each
     is cut so each piece is about LONG_PRODUCT long (1: not cut)."""

@@ -76,6 +76,16 @@ class RunRecord:
         return self.cycles / self.clock_hz
 
 
+def _execute(engine: ip.Engine, op, runs: list[tuple[str, int]], report: bool) -> list[Event]:
+    """Run the engine programs `runs` ((part, program index), in order) for `op`; their events
+    when `report`."""
+    if report:
+        return [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
+    for _, index in runs:
+        engine.execute(index)
+    return []
+
+
 class PoplarExecutor:
     def __init__(self, model: torch.nn.Module, options: Options | None, training: bool, optimizer=None):
         options = options if options is not None else Options()
@@ -453,7 +463,6 @@ class PoplarExecutor:
         """Run one scheduled op on every replica (receive, compute, outputs; or, for a weight
         update, the gradient all-reduce, the updates and the shard all-gather); its events when
         `report`."""
-        engine = exe.engine
         runs: list[tuple[str, int]] = []
         if op.kind == "U" and self._anchors:
             anchors.record(self._anchors, exe, op.ipu, "gradient")
@@ -473,12 +482,7 @@ class PoplarExecutor:
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
-        if report:
-            events = [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
-        else:
-            events = []
-            for _, index in runs:
-                engine.execute(index)
+        events = _execute(exe.engine, op, runs, report)
         if op.kind == "U" and self._anchors:
             anchors.record(self._anchors, exe, op.ipu, "updated")
         return events
@@ -496,12 +500,8 @@ class PoplarExecutor:
             return []
         key = program_key(op)
         k = op.global_micro_batch
-        indices = [ch.send[k % ch.slots] for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
-        if not report:
-            for index in indices:
-                exe.engine.execute(index)
-            return []
-        return [Event(op, "send", index, exe.engine.execute(index).per_ipu) for index in indices]
+        return _execute(exe.engine, op, [("send", ch.send[k % ch.slots]) for r in range(exe.replicas)
+                                         for ch in exe.out_channels[(r, key)]], report)
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
         """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
