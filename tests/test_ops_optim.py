@@ -455,3 +455,55 @@ def test_state_slots_take_their_own_dtypes():
     assert state.tensors["exp_avg"].dtype == np.float16 and state.tensors["exp_avg_sq"].dtype == np.float32
     with pytest.raises(ValueError, match=r"momentum_buffer.*\['exp_avg', 'exp_avg_sq'\]"):
         optim.Adam(state_dtype={"momentum_buffer": "float16"})
+
+
+# ---- the fast mode's spans ------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(hs.lists(hs.tuples(hs.integers(0, 3), hs.integers(1, 40)), min_size=1, max_size=30), hs.integers(1, 64))
+def test_joined_spans_cover_the_runs_exactly_in_pieces_of_at_most_span(gaps_lengths, span):
+    starts, at = [], 0
+    for gap, length in gaps_lengths:
+        starts.append(at + gap)
+        at += gap + length
+    starts, lengths = np.array(starts), np.array([n for _, n in gaps_lengths])
+    order = np.random.default_rng(len(starts)).permutation(len(starts))  # vertices need not be in order
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(optim, "SPAN", span)
+        spans = optim.joined_spans(starts[order], lengths[order])
+    covered = np.concatenate([np.arange(a, b) for a, b in spans])
+    np.testing.assert_array_equal(covered, np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)]))
+    assert (spans[:, 1] - spans[:, 0]).max() <= span and (spans[:, 1] > spans[:, 0]).all()
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum", "adamw", "lamb"])
+def test_a_weight_in_several_spans_updates_as_in_one(case, monkeypatch):
+    """The fast mode updates a weight whose vertices all see the same hyperparameters span by span
+    (in parallel); spans of a few elements still give the strict mode's bits."""
+    monkeypatch.setattr(optim, "SPAN", 5)
+    w0, grads = data(steps=3, seed=11)
+    out = {mode: run_steps(mode, CASES[case](), w0, grads)[0] for mode in MODES}
+    np.testing.assert_array_equal(out["fast"], out["strict"])
+
+
+@pytest.mark.parametrize("case", ["sgd", "sgd_momentum", "adam", "rmsprop_centered_momentum"])
+def test_tiles_with_their_own_hyperparameters_agree_across_modes(case):
+    """Each vertex reads its own tile's hyperparameter row: rows that differ (a learning rate per
+    tile) give each tile's elements their own update, in both modes alike."""
+    w0, grads = data(steps=2, seed=13)
+    out = {}
+    for mode in MODES:
+        opt = CASES[case]()
+        g, w, grad, prog, state = build(opt)
+        e = ip.Engine(g, prog, mode=mode).load()
+        e.writeTensor(w, w0)
+        hyper = opt.hyper(g).tensor
+        rows = e.readTensor(hyper)
+        rows[:, 0] *= 1.0 + np.arange(len(rows)) / 4  # lr grows with the tile
+        e.writeTensor(hyper, rows)
+        for gv in grads:
+            e.writeTensor(grad, gv)
+            e.run()
+        out[mode] = e.readTensor(w)
+    np.testing.assert_array_equal(out["fast"], out["strict"])
+    same_lr = run_steps("fast", CASES[case](), w0, grads)[0]
+    assert not np.array_equal(out["fast"], same_lr)

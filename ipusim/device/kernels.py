@@ -10,10 +10,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, types
+from numba import get_num_threads, njit, types
 from numba.extending import overload
 
 JIT = dict(cache=True, nogil=True)
+
+
+def host_threads(pieces: int) -> int:
+    """How many host threads a fast-mode kernel splits `pieces` independent pieces of work over:
+    Numba's thread count (`numba.set_num_threads`, NUMBA_NUM_THREADS), at most one per piece.
+    Each piece is computed the same way whoever runs it, so results do not depend on it."""
+    return max(1, min(get_num_threads(), pieces))
 
 
 @njit(**JIT)

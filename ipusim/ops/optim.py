@@ -58,7 +58,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..device.graph import Graph
-from ..device.kernels import JIT, kernel_view, ld, st
+from ..device.kernels import JIT, host_threads, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.mapping import TileMap
 from ..device.tensor import Tensor
@@ -165,32 +165,56 @@ def _at(addresses, i):
     return lambda addresses, i: addresses[i]
 
 
+@njit(**KERNEL)
+def sgd_range(n, w, wa, g, ga, buf, ba, momentum, step, flags, lr, ls, wd, p3, p4):
+    for i in range(n):
+        sgd_element(w, at(wa, i), g, at(ga, i), buf, at(ba, i) if momentum else 0, step, flags, lr, ls, wd, p3, p4)
+
+
+@njit(**KERNEL)
+def adam_range(n, w, wa, g, ga, m, ma, v, va, flags, lr, ls, wd, p3, p4, p5, bc1, bc2):
+    for i in range(n):
+        adam_element(w, at(wa, i), g, at(ga, i), m, at(ma, i), v, at(va, i), flags, lr, ls, wd, p3, p4, p5, bc1, bc2)
+
+
+@njit(**KERNEL)
+def rmsprop_range(n, w, wa, g, ga, sq, sa, avg, aa, centered, buf, ba, momentum, flags, lr, ls, wd, p3, p4, p5):
+    for i in range(n):
+        rmsprop_element(w, at(wa, i), g, at(ga, i), sq, at(sa, i), avg, at(aa, i) if centered else 0, buf,
+                        at(ba, i) if momentum else 0, flags, lr, ls, wd, p3, p4, p5)
+
+
+@njit(**KERNEL)
+def lamb_direction_range(n, w, wa, g, ga, m, ma, v, va, u, ua, ls, wd, p3, p4, p5, bc1, bc2):
+    for i in range(n):
+        lamb_direction_element(w, at(wa, i), g, at(ga, i), m, at(ma, i), v, at(va, i), u, at(ua, i), ls, wd, p3, p4,
+                               p5, bc1, bc2)
+
+
+@njit(**KERNEL)
+def lamb_apply_range(n, w, wa, g, ga, lr, trust):
+    for i in range(n):
+        wi = at(wa, i)
+        st(w, wi, ld(w, wi) - lr * trust * ld(g, at(ga, i)))
+
+
 @njit(inline="always", **KERNEL)
 def update_range(kind, flags, n, w, wa, g, ga, s0, s0a, each0, s1, s1a, each1, s2, s2a, each2, step, lr, ls, wd, p3, p4,
                  p5, bc1, bc2, trust):
     """Update n elements by the optimiser `kind`: element i of each field at `at(xa, i)` (state
-    fields connect the elements, or nothing: `each`); one loop per kind, so each compiles tight."""
+    fields connect the elements, or nothing: `each`). Each kind's loop is a function of its own:
+    compiled beside the others in one function, the loops do not vectorise."""
     if kind == SGD_KIND:
-        momentum = flags & MOMENTUM and each0
-        for i in range(n):
-            sgd_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i) if momentum else 0, step, flags, lr, ls, wd, p3, p4)
+        sgd_range(n, w, wa, g, ga, s0, s0a, flags & MOMENTUM and each0, step, flags, lr, ls, wd, p3, p4)
     elif kind == ADAM_KIND:
-        for i in range(n):
-            adam_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i), s1, at(s1a, i), flags, lr, ls, wd, p3, p4, p5,
-                         bc1, bc2)
+        adam_range(n, w, wa, g, ga, s0, s0a, s1, s1a, flags, lr, ls, wd, p3, p4, p5, bc1, bc2)
     elif kind == RMSPROP_KIND:
-        centered, momentum = flags & CENTERED and each1, flags & MOMENTUM and each2
-        for i in range(n):
-            rmsprop_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i), s1, at(s1a, i) if centered else 0,
-                            s2, at(s2a, i) if momentum else 0, flags, lr, ls, wd, p3, p4, p5)
+        rmsprop_range(n, w, wa, g, ga, s0, s0a, s1, s1a, flags & CENTERED and each1, s2, s2a,
+                      flags & MOMENTUM and each2, flags, lr, ls, wd, p3, p4, p5)
     elif kind == LAMB_DIRECTION:
-        for i in range(n):
-            lamb_direction_element(w, at(wa, i), g, at(ga, i), s0, at(s0a, i), s1, at(s1a, i), s2, at(s2a, i), ls, wd,
-                                   p3, p4, p5, bc1, bc2)
+        lamb_direction_range(n, w, wa, g, ga, s0, s0a, s1, s1a, s2, s2a, ls, wd, p3, p4, p5, bc1, bc2)
     else:
-        for i in range(n):
-            wi = at(wa, i)
-            st(w, wi, ld(w, wi) - lr * trust * ld(g, at(ga, i)))
+        lamb_apply_range(n, w, wa, g, ga, lr, trust)
 
 
 @njit(**KERNEL)
@@ -229,22 +253,100 @@ def update_codelet(w, wa, ws, g, ga, gs, s0, s0a, s0s, s1, s1a, s1s, s2, s2a, s2
                      each2, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust)
 
 
+@njit(**KERNEL)
+def update_span(kind, flags, w, g, s0, s1, s2, first, end, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust):
+    """`update_range` over positions [first, end) of the whole flat fields: each field that has an
+    element per weight element is cut to the span, so the loop indexes from 0 and vectorises;
+    the others (LAMB apply's norms) are read at 0."""
+    each0, each1, each2 = s0.size == w.size, s1.size == w.size, s2.size == w.size
+    update_range(kind, flags, end - first, w[first:end], 0, g[first:end], 0, s0[first:end] if each0 else s0, 0, each0,
+                 s1[first:end] if each1 else s1, 0, each1, s2[first:end] if each2 else s2, 0, each2, step, lr, ls,
+                 wd, p3, p4, p5, bc1, bc2, trust)
+
+
 @njit(parallel=True, **KERNEL)
-def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, runs, params):
+def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, runs, params, spans, threads):
     """The fast mode's form of `update_codelet`: every field of elements is its whole flat array
     and vertex v updates the positions of runs `runs[v] .. runs[v+1] - 1` (`run_start`,
     `run_length`) in each; LAMB apply reads the norms s0[0] and s1[0]. Same arithmetic, element
-    by element, as the codelet."""
-    for v in prange(params.shape[0]):
-        kind, flags = int(params[v, 0]), int(params[v, 1])
-        lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[v], hs[v + 1] - hs[v])
-        step = next_step(t, ta, ts, v)
-        bc1, bc2, trust = vertex_scalars(kind, flags, step, p3, p4, p6, s0, 0, s1, 0)
-        each0, each1, each2 = s0.size == w.size, s1.size == w.size, s2.size == w.size
-        for r in range(runs[v], runs[v + 1]):
-            e = run_start[r]
-            update_range(kind, flags, run_length[r], w, e, g, e, s0, e, each0, s1, e, each1, s2, e, each2, step, lr,
-                         ls, wd, p3, p4, p5, bc1, bc2, trust)
+    by element, as the codelet. When every vertex has the same scalars (one kind and flags, no
+    step counters, equal hyperparameter rows), the element spans `spans` [k, 2] (all vertices'
+    runs, joined where they continue one another) are updated in parallel, a pass each;
+    otherwise vertices run in `threads` runs of consecutive vertices, within which adjacent runs
+    of vertices with the same scalars (hyperparameters, step, corrections) form one span."""
+    vertices = params.shape[0]
+    if _alike(h, ha, hs, ts, params):
+        kind, flags = int(params[0, 0]), int(params[0, 1])
+        lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[0], hs[1] - hs[0])
+        bc1, bc2, trust = vertex_scalars(kind, flags, 0.0, p3, p4, p6, s0, 0, s1, 0)
+        if spans.shape[0] == 1:  # no parallel region (waking a thread costs more than a span's update)
+            update_span(kind, flags, w, g, s0, s1, s2, spans[0, 0], spans[0, 1], 0.0, lr, ls, wd, p3, p4, p5, bc1, bc2,
+                        trust)
+            return
+        for k in prange(spans.shape[0]):
+            update_span(kind, flags, w, g, s0, s1, s2, spans[k, 0], spans[k, 1], 0.0, lr, ls, wd, p3, p4, p5, bc1, bc2,
+                        trust)
+        return
+    for part in prange(threads):
+        held = np.full(12, np.nan)  # kind, flags, step, lr, ls, wd, p3, p4, p5, bc1, bc2, trust of the span
+        now = np.empty(12)
+        first = end = 0
+        for v in range(part * vertices // threads, (part + 1) * vertices // threads):
+            kind, flags = int(params[v, 0]), int(params[v, 1])
+            lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[v], hs[v + 1] - hs[v])
+            step = next_step(t, ta, ts, v)
+            bc1, bc2, trust = vertex_scalars(kind, flags, step, p3, p4, p6, s0, 0, s1, 0)
+            now[0], now[1], now[2], now[3], now[4], now[5] = kind, flags, step, lr, ls, wd
+            now[6], now[7], now[8], now[9], now[10], now[11] = p3, p4, p5, bc1, bc2, trust
+            same = True
+            for i in range(12):
+                same = same and now[i] == held[i]
+            for r in range(runs[v], runs[v + 1]):
+                if same and run_start[r] == end:
+                    end += run_length[r]
+                    continue
+                _flush(w, g, s0, s1, s2, first, end, held)
+                held[:] = now
+                same, first, end = True, run_start[r], run_start[r] + run_length[r]
+        _flush(w, g, s0, s1, s2, first, end, held)
+
+
+@njit(**KERNEL)
+def _alike(h, ha, hs, ts, params):
+    """Whether every vertex has vertex 0's scalars: no step counters, the same kind and flags,
+    hyperparameter rows equal value for value."""
+    if ts[-1] > 0:
+        return False
+    for v in range(1, params.shape[0]):
+        if params[v, 0] != params[0, 0] or params[v, 1] != params[0, 1] or hs[v + 1] - hs[v] != hs[1] - hs[0]:
+            return False
+        for j in range(hs[1] - hs[0]):
+            if not ld(h, ha[hs[v] + j]) == ld(h, ha[hs[0] + j]):
+                return False
+    return True
+
+
+@njit(**KERNEL)
+def _flush(w, g, s0, s1, s2, first, end, held):
+    """`update_span` of the span [first, end) with the scalars `held` (nothing when empty)."""
+    if end > first:
+        update_span(int(held[0]), int(held[1]), w, g, s0, s1, s2, first, end, held[2], held[3], held[4], held[5],
+                    held[6], held[7], held[8], held[9], held[10], held[11])
+
+
+SPAN = 1 << 20  # elements per span of a uniform update: a large weight's update runs in parallel, a small one's not
+
+
+def joined_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[k, 2] (first, end) element spans covering the runs `starts`, `lengths` (disjoint), runs that
+    continue one another joined, each span cut into pieces of at most SPAN elements."""
+    order = np.argsort(starts, kind="stable")
+    first, end = starts[order], starts[order] + lengths[order]
+    breaks = np.flatnonzero(first[1:] != end[:-1]) + 1
+    lo, hi = first[np.r_[0, breaks]], end[np.r_[breaks - 1, len(end) - 1]]
+    pieces = -(-(hi - lo) // SPAN)
+    cut = np.repeat(lo, pieces) + SPAN * (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+    return np.stack([cut, np.minimum(cut + SPAN, np.repeat(hi, pieces))], axis=1).astype(np.int64)
 
 
 def update_cycles(sizes, params, dtype, target) -> np.ndarray:
@@ -633,6 +735,7 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
 
     addresses = {f: _fast_addresses(connected[f].kind if f in connected else None, vertices, cols) for f in ("h", "step")}
     param_rows = np.tile(np.asarray(params, dtype=np.float64), (vertices.num_vertices, 1))
+    spans = joined_spans(vertices.starts, vertices.lengths)
     empty = np.zeros(0, dtype=np.float32)
 
     def fast(io):
@@ -648,7 +751,7 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
             arrays[f] = values.reshape(-1)
         w, g, s0, s1, s2, h, t = (kernel_view(arrays[f]) if f in arrays else empty for f in FIELDS)
         update_whole(w, g, s0, s1, s2, h, *addresses["h"], t, *addresses["step"], vertices.starts, vertices.lengths,
-                     vertices.offsets, param_rows)
+                     vertices.offsets, param_rows, spans, host_threads(len(param_rows)))
         for f, t in copied:
             io.write(t, arrays[f].reshape(t.shape))
 
