@@ -16,10 +16,11 @@ from numba.extending import overload
 JIT = dict(cache=True, nogil=True)
 
 
-def host_threads(pieces: int) -> int:
-    """How many host threads a fast-mode kernel splits `pieces` independent pieces of work over:
-    Numba's thread count (`numba.set_num_threads`, NUMBA_NUM_THREADS), at most one per piece.
-    Each piece is computed the same way whoever runs it, so results do not depend on it."""
+def kernel_threads(pieces: int) -> int:
+    """How many threads a fast-mode kernel splits `pieces` independent pieces of work over:
+    Numba's thread count (an engine sets its `kernel_threads`, IPUSIM_KERNEL_THREADS, while its
+    programs run), at most one per piece. Each piece is computed the same way whoever runs it,
+    so results do not depend on it."""
     return max(1, min(get_num_threads(), pieces))
 
 

@@ -58,7 +58,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ..device.graph import Graph
-from ..device.kernels import JIT, host_threads, kernel_view, ld, st
+from ..device.kernels import JIT, kernel_threads, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.mapping import TileMap
 from ..device.tensor import Tensor
@@ -751,7 +751,7 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
             arrays[f] = values.reshape(-1)
         w, g, s0, s1, s2, h, t = (kernel_view(arrays[f]) if f in arrays else empty for f in FIELDS)
         update_whole(w, g, s0, s1, s2, h, *addresses["h"], t, *addresses["step"], vertices.starts, vertices.lengths,
-                     vertices.offsets, param_rows, spans, host_threads(len(param_rows)))
+                     vertices.offsets, param_rows, spans, kernel_threads(len(param_rows)))
         for f, t in copied:
             io.write(t, arrays[f].reshape(t.shape))
 
