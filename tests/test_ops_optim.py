@@ -459,20 +459,21 @@ def test_state_slots_take_their_own_dtypes():
 
 # ---- the fast mode's spans ------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(hs.lists(hs.tuples(hs.integers(0, 3), hs.integers(1, 40)), min_size=1, max_size=30), hs.integers(1, 64))
+@given(hs.lists(hs.tuples(hs.integers(0, 3), hs.integers(1, 40)), max_size=30), hs.integers(1, 64))
 def test_joined_spans_cover_the_runs_exactly_in_pieces_of_at_most_span(gaps_lengths, span):
     starts, at = [], 0
     for gap, length in gaps_lengths:
         starts.append(at + gap)
         at += gap + length
-    starts, lengths = np.array(starts), np.array([n for _, n in gaps_lengths])
+    starts, lengths = np.array(starts, np.int64), np.array([n for _, n in gaps_lengths], np.int64)
     order = np.random.default_rng(len(starts)).permutation(len(starts))  # vertices need not be in order
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(optim, "SPAN", span)
         spans = optim.joined_spans(starts[order], lengths[order])
-    covered = np.concatenate([np.arange(a, b) for a, b in spans])
-    np.testing.assert_array_equal(covered, np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)]))
-    assert (spans[:, 1] - spans[:, 0]).max() <= span and (spans[:, 1] > spans[:, 0]).all()
+    covered = np.concatenate([np.arange(a, b) for a, b in spans] + [np.zeros(0, np.int64)])
+    runs = [np.arange(s, s + n) for s, n in zip(starts, lengths)]
+    np.testing.assert_array_equal(covered, np.concatenate(runs + [np.zeros(0, np.int64)]))
+    assert spans.shape == (len(spans), 2) and ((spans[:, 1] - spans[:, 0] <= span) & (spans[:, 1] > spans[:, 0])).all()
 
 
 @pytest.mark.parametrize("case", ["sgd_momentum", "adamw", "lamb"])

@@ -275,6 +275,8 @@ def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, 
     otherwise vertices run in `threads` runs of consecutive vertices, within which adjacent runs
     of vertices with the same scalars (hyperparameters, step, corrections) form one span."""
     vertices = params.shape[0]
+    if vertices == 0:
+        return
     if _alike(h, ha, hs, ts, params):
         kind, flags = int(params[0, 0]), int(params[0, 1])
         lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[0], hs[1] - hs[0])
@@ -340,6 +342,8 @@ SPAN = 1 << 20  # elements per span of a uniform update: a large weight's update
 def joined_spans(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """[k, 2] (first, end) element spans covering the runs `starts`, `lengths` (disjoint), runs that
     continue one another joined, each span cut into pieces of at most SPAN elements."""
+    if starts.size == 0:
+        return np.zeros((0, 2), np.int64)
     order = np.argsort(starts, kind="stable")
     first, end = starts[order], starts[order] + lengths[order]
     breaks = np.flatnonzero(first[1:] != end[:-1]) + 1
