@@ -8,8 +8,9 @@ Kernel: one scalar function `apply` shared by the codelet (strict) and the whole
 (fast), computed in float64 and rounded once to the storage dtype, so both modes agree bit for bit.
 Correctly rounded float ops (+, -, *, /, negation, abs, relu, squares, casts) run as NumPy ufuncs in
 the fast mode: a float64 result rounded once equals the float32 (or float16) IEEE result, so the
-bits are the same and the host work is a single vectorised pass; so do comparisons and relu_grad's
-selection, which compute nothing.
+bits are the same and the host work is a single vectorised pass; so do comparisons, which compute
+nothing. The other ops run the codelet's scalar function in a Numba kernel compiled for each op
+(`unary_kernel`, `binary_kernel`).
 Cycles (per vertex, thread instructions): ceil(n / vector width) * cost of the op + 6, vector
 width 2 for float32 and 4 for float16 (64-bit loads/stores), 1 for int32 and bool; transcendental
 and division ops are not vectorised and cost more per element (table below).
@@ -17,6 +18,7 @@ and division ops are not vectorised and cost more per element (table below).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 from numba import njit, prange
@@ -65,19 +67,8 @@ NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lam
 COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 
 
-def _relu_grad(x, dy, out=None):
-    """dy where x > 0, else +0 (NaN x included): a selection, no arithmetic, made as the bits of
-    dy AND a mask of all ones or all zeros."""
-    bits = np.dtype(f"int{8 * dy.dtype.itemsize}")
-    mask = np.negative(np.greater(x, 0).astype(bits))
-    if out is None:
-        out = np.empty(np.broadcast_shapes(x.shape, dy.shape), dy.dtype)
-    np.bitwise_and(dy.view(bits), mask, out=out.view(bits))
-    return out
-
-
-# (comparisons, of any dtype, and the selection of relu_grad are exact too)
-NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "relu_grad": _relu_grad,
+# (comparisons, of any dtype, are exact too)
+NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
                 "eq": np.equal, "gt": np.greater, "lt": np.less, "ge": np.greater_equal, "le": np.less_equal,
                 "ne": np.not_equal, "logical_and": np.logical_and, "logical_or": np.logical_or}
 GELU, GELU_GRAD = UNARY["gelu"][0], BINARY["gelu_grad"][0]
@@ -359,27 +350,39 @@ def binary_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start,
             st(out, o_addr[bo + i], apply_binary(op, ld(a, a_addr[ba + i]), ld(b, b_addr[bb + i])))
 
 
-@njit(parallel=True, **JIT)
-def unary_whole(x, out, op, p0, p1):
-    if op == GELU:  # a loop of its own runs in SIMD lanes
+@lru_cache(maxsize=None)
+def unary_kernel(op: int):
+    """The fast mode's kernel of one unary op over whole flat arrays: out[i] = apply_unary(op,
+    x[i], p0, p1). Compiled on first use for that op alone, so `apply_unary` folds to the op's
+    formula and the loop runs in SIMD lanes (one kernel for every op would dispatch on the op for
+    each element)."""
+    @njit(parallel=True, **JIT)
+    def kernel(x, out, p0, p1):
+        if op == GELU:  # the normal CDF called from the loop itself, where it vectorises
+            for i in prange(out.size):
+                v = ld(x, i)
+                st(out, i, v * normal_cdf_pdf(v)[0])
+            return
         for i in prange(out.size):
-            v = ld(x, i)
-            st(out, i, v * normal_cdf_pdf(v)[0])
-        return
-    for i in prange(out.size):
-        st(out, i, apply_unary(op, ld(x, i), p0, p1))
+            st(out, i, apply_unary(op, ld(x, i), p0, p1))
+    return kernel
 
 
-@njit(parallel=True, **JIT)
-def binary_whole(a, b, out, op):
-    if op == GELU_GRAD:
+@lru_cache(maxsize=None)
+def binary_kernel(op: int):
+    """The fast mode's kernel of one binary op over whole flat arrays: out[i] = apply_binary(op,
+    a[i], b[i]), compiled for that op alone as `unary_kernel` is."""
+    @njit(parallel=True, **JIT)
+    def kernel(a, b, out):
+        if op == GELU_GRAD:  # as GELU in `unary_kernel`
+            for i in prange(out.size):
+                v = ld(a, i)
+                cdf, pdf = normal_cdf_pdf(v)
+                st(out, i, ld(b, i) * (cdf + v * pdf))
+            return
         for i in prange(out.size):
-            v = ld(a, i)
-            cdf, pdf = normal_cdf_pdf(v)
-            st(out, i, ld(b, i) * (cdf + v * pdf))
-        return
-    for i in prange(out.size):
-        st(out, i, apply_binary(op, ld(a, i), ld(b, i)))
+            st(out, i, apply_binary(op, ld(a, i), ld(b, i)))
+    return kernel
 
 
 def _cycles(table):
@@ -398,12 +401,22 @@ UNARY_VERTEX = VertexType("popops::UnaryOp", ("x",), ("out",), unary_codelet, _c
 BINARY_VERTEX = VertexType("popops::BinaryOp", ("a", "b"), ("out",), binary_codelet, _cycles(BINARY), num_params=1)
 
 
-def _kernel_output(target: np.ndarray | None, out: Tensor, *inputs: np.ndarray) -> np.ndarray:
+def _kernel_output(target: np.ndarray | None, out: Tensor, *inputs: Tensor) -> np.ndarray:
     """Where a whole-tensor kernel writes `out`: its storage when that is contiguous and apart
-    from the inputs (the kernels read element i after writing element j < i), else a new array."""
-    if target is not None and target.flags.c_contiguous and not any(np.may_share_memory(target, x) for x in inputs):
+    from the inputs' (the kernels read element i after writing element j < i; in the fast layout
+    distinct variables never share storage, and a read that is not a view is a copy), else a new
+    array."""
+    if target is not None and target.flags.c_contiguous and all(t.var is not out.var for t in inputs):
         return target
     return np.empty(out.shape, out.dtype)
+
+
+def _flat_operand(values: np.ndarray, shape: tuple) -> np.ndarray:
+    """An operand's values as the contiguous flat array of `shape` a whole-tensor kernel reads
+    (broadcast in full when its shape differs)."""
+    if values.shape != shape:
+        values = np.broadcast_to(values, shape)
+    return np.ascontiguousarray(values).reshape(-1)
 
 
 def _vertices(graph: Graph, cs, vertex_type, out: Tensor, operands: dict[str, Tensor], params: tuple) -> None:
@@ -433,6 +446,7 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
     body.add(Execute(cs))
 
     exact = NUMPY_UNARY.get(op) if x.dtype.kind == "f" and out.dtype.kind == "f" else None
+    kernel = unary_kernel(code) if exact is None else None
 
     def fast(io):
         target = io.output(out)
@@ -441,8 +455,8 @@ def unary(graph: Graph, op: str, x: Tensor, prog: Sequence, name: str | None = N
             exact(io.read(x), scale, bias, res)
         else:
             values = np.ascontiguousarray(io.read(x)).reshape(-1)
-            res = _kernel_output(target, out, values)
-            unary_whole(kernel_view(values), kernel_view(res.reshape(-1)), code, float(scale), float(bias))
+            res = _kernel_output(target, out, x)
+            kernel(kernel_view(values), kernel_view(res.reshape(-1)), float(scale), float(bias))
         if res is not target:
             io.write(out, res)
 
@@ -478,16 +492,16 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
     body.add(Execute(cs))
 
     exact = NUMPY_BINARY.get(op) if a.dtype.kind == "f" or op in COMPARISONS else None
+    kernel = binary_kernel(code) if exact is None else None
 
     def fast(io):
         target = io.output(out)
         if exact is not None:
             res = exact(io.read(a), io.read(b), out=target)
         else:
-            x = np.ascontiguousarray(np.broadcast_to(io.read(a), shape)).reshape(-1)
-            y = np.ascontiguousarray(np.broadcast_to(io.read(b), shape)).reshape(-1)
-            res = _kernel_output(target, out, x, y)
-            binary_whole(kernel_view(x), kernel_view(y), kernel_view(res.reshape(-1)), code)
+            x, y = _flat_operand(io.read(a), shape), _flat_operand(io.read(b), shape)
+            res = _kernel_output(target, out, a, b)
+            kernel(kernel_view(x), kernel_view(y), kernel_view(res.reshape(-1)))
         if res is not target:
             io.write(out, res)
 
