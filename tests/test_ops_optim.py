@@ -101,9 +101,12 @@ def build(opt, shape=(13, 9), wdt="float32", gdt=None, grad_tile=None, target=TA
     return g, w, grad, prog, state
 
 
-def run_steps(mode, opt, w0, grads, **kw):
+def run_steps(mode, opt, w0, grads, setup=None, **kw):
+    """The weight and state after the updates by `grads`; `setup(engine, graph)` runs first."""
     g, w, grad, prog, state = build(opt, w0.shape, **kw)
     e = ip.Engine(g, prog, mode=mode).load()
+    if setup is not None:
+        setup(e, g)
     e.writeTensor(w, w0)
     for gv in grads:
         e.writeTensor(grad, gv)
@@ -491,20 +494,19 @@ def test_tiles_with_their_own_hyperparameters_agree_across_modes(case):
     """Each vertex reads its own tile's hyperparameter row: rows that differ (a learning rate per
     tile) give each tile's elements their own update, in both modes alike."""
     w0, grads = data(steps=2, seed=13)
+
+    def learning_rate_per_tile(opt):
+        def setup(engine, graph):
+            hyper = opt.hyper(graph).tensor
+            rows = engine.readTensor(hyper)
+            rows[:, 0] *= 1.0 + np.arange(len(rows)) / 4  # lr grows with the tile
+            engine.writeTensor(hyper, rows)
+        return setup
+
     out = {}
     for mode in MODES:
         opt = CASES[case]()
-        g, w, grad, prog, state = build(opt)
-        e = ip.Engine(g, prog, mode=mode).load()
-        e.writeTensor(w, w0)
-        hyper = opt.hyper(g).tensor
-        rows = e.readTensor(hyper)
-        rows[:, 0] *= 1.0 + np.arange(len(rows)) / 4  # lr grows with the tile
-        e.writeTensor(hyper, rows)
-        for gv in grads:
-            e.writeTensor(grad, gv)
-            e.run()
-        out[mode] = e.readTensor(w)
+        out[mode] = run_steps(mode, opt, w0, grads, setup=learning_rate_per_tile(opt))[0]
     np.testing.assert_array_equal(out["fast"], out["strict"])
     same_lr = run_steps("fast", CASES[case](), w0, grads)[0]
     assert not np.array_equal(out["fast"], same_lr)
