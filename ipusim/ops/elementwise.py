@@ -355,15 +355,17 @@ def unary_kernel(op: int):
     """The fast mode's kernel of one unary op over whole flat arrays: out[i] = apply_unary(op,
     x[i], p0, p1). Compiled on first use for that op alone, so `apply_unary` folds to the op's
     formula and the loop runs in SIMD lanes (one kernel for every op would dispatch on the op for
-    each element)."""
-    @njit(parallel=True, **JIT)
+    each element). A serial loop, as fast-mode kernels run on one thread by default
+    (docs/performance.md, Threads), and a parallel one compiles 8x slower; gelu's is a parallel
+    loop, which vectorises its normal CDF where the serial loop does not (5x faster, one thread)."""
+    @njit(parallel=op == GELU, **JIT)
     def kernel(x, out, p0, p1):
-        if op == GELU:  # the normal CDF called from the loop itself, where it vectorises
+        if op == GELU:  # the normal CDF called from the loop itself
             for i in prange(out.size):
                 v = ld(x, i)
                 st(out, i, v * normal_cdf_pdf(v)[0])
             return
-        for i in prange(out.size):
+        for i in range(out.size):
             st(out, i, apply_unary(op, ld(x, i), p0, p1))
     return kernel
 
@@ -371,16 +373,16 @@ def unary_kernel(op: int):
 @lru_cache(maxsize=None)
 def binary_kernel(op: int):
     """The fast mode's kernel of one binary op over whole flat arrays: out[i] = apply_binary(op,
-    a[i], b[i]), compiled for that op alone as `unary_kernel` is."""
-    @njit(parallel=True, **JIT)
+    a[i], b[i]), compiled for that op alone as `unary_kernel` is (gelu's gradient as gelu)."""
+    @njit(parallel=op == GELU_GRAD, **JIT)
     def kernel(a, b, out):
-        if op == GELU_GRAD:  # as GELU in `unary_kernel`
+        if op == GELU_GRAD:
             for i in prange(out.size):
                 v = ld(a, i)
                 cdf, pdf = normal_cdf_pdf(v)
                 st(out, i, ld(b, i) * (cdf + v * pdf))
             return
-        for i in prange(out.size):
+        for i in range(out.size):
             st(out, i, apply_binary(op, ld(a, i), ld(b, i)))
     return kernel
 
