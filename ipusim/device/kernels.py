@@ -20,8 +20,8 @@ def kernel_threads(pieces: int) -> int:
     """How many threads a fast-mode kernel splits `pieces` independent pieces of work over:
     Numba's thread count (an engine sets its `kernel_threads`, IPUSIM_KERNEL_THREADS, while its
     programs run), at most one per piece. Each piece is computed the same way whoever runs it,
-    so results do not depend on it."""
-    return max(1, min(get_num_threads(), pieces))
+    so results do not depend on it. One piece needs no thread count."""
+    return 1 if pieces <= 1 else min(get_num_threads(), pieces)
 
 
 @njit(**JIT)

@@ -265,19 +265,21 @@ def update_span(kind, flags, w, g, s0, s1, s2, first, end, step, lr, ls, wd, p3,
 
 
 @njit(parallel=True, **KERNEL)
-def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, runs, params, spans, threads):
+def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, runs, params, spans, rows, threads):
     """The fast mode's form of `update_codelet`: every field of elements is its whole flat array
     and vertex v updates the positions of runs `runs[v] .. runs[v+1] - 1` (`run_start`,
     `run_length`) in each; LAMB apply reads the norms s0[0] and s1[0]. Same arithmetic, element
-    by element, as the codelet. When every vertex has the same scalars (one kind and flags, no
-    step counters, equal hyperparameter rows), the element spans `spans` [k, 2] (all vertices'
-    runs, joined where they continue one another) are updated in parallel, a pass each;
+    by element, as the codelet. `rows`: where each distinct hyperparameter row the vertices read
+    starts in h when no vertex has a step counter (the vertices of one op share kind and flags),
+    else nothing. When those rows are equal value for value, every vertex has the same scalars
+    and the element spans `spans` [k, 2] (all vertices' runs, joined where they continue one
+    another) are updated in parallel, a pass each;
     otherwise vertices run in `threads` runs of consecutive vertices, within which adjacent runs
     of vertices with the same scalars (hyperparameters, step, corrections) form one span."""
     vertices = params.shape[0]
     if vertices == 0:
         return
-    if _alike(h, ha, hs, ts, params):
+    if _alike(h, rows, hs[1] - hs[0]):
         kind, flags = int(params[0, 0]), int(params[0, 1])
         lr, ls, wd, p3, p4, p5, p6 = hyper_row(h, ha, hs[0], hs[1] - hs[0])
         bc1, bc2, trust = vertex_scalars(kind, flags, 0.0, p3, p4, p6, s0, 0, s1, 0)
@@ -314,16 +316,14 @@ def update_whole(w, g, s0, s1, s2, h, ha, hs, t, ta, ts, run_start, run_length, 
 
 
 @njit(**KERNEL)
-def _alike(h, ha, hs, ts, params):
-    """Whether every vertex has vertex 0's scalars: no step counters, the same kind and flags,
-    hyperparameter rows equal value for value."""
-    if ts[-1] > 0:
+def _alike(h, rows, width):
+    """Whether the hyperparameter rows starting at `rows` (each `width` values of h) are all
+    equal value for value (False when there are none)."""
+    if rows.size == 0:
         return False
-    for v in range(1, params.shape[0]):
-        if params[v, 0] != params[0, 0] or params[v, 1] != params[0, 1] or hs[v + 1] - hs[v] != hs[1] - hs[0]:
-            return False
-        for j in range(hs[1] - hs[0]):
-            if not ld(h, ha[hs[v] + j]) == ld(h, ha[hs[0] + j]):
+    for r in range(1, rows.size):
+        for j in range(width):
+            if not ld(h, rows[r] + j) == ld(h, rows[0] + j):
                 return False
     return True
 
@@ -740,6 +740,8 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
     addresses = {f: _fast_addresses(connected[f].kind if f in connected else None, vertices, cols) for f in ("h", "step")}
     param_rows = np.tile(np.asarray(params, dtype=np.float64), (vertices.num_vertices, 1))
     spans = joined_spans(vertices.starts, vertices.lengths)
+    uniform = connected["h"].kind == HYPER_ROW and "step" not in connected
+    rows = np.unique(vertices.tiles).astype(np.int64) * cols if uniform else EMPTY
     empty = np.zeros(0, dtype=np.float32)
 
     def fast(io):
@@ -755,7 +757,7 @@ def _update_op(graph: Graph, name: str, vertices: Work, params: tuple, connected
             arrays[f] = values.reshape(-1)
         w, g, s0, s1, s2, h, t = (kernel_view(arrays[f]) if f in arrays else empty for f in FIELDS)
         update_whole(w, g, s0, s1, s2, h, *addresses["h"], t, *addresses["step"], vertices.starts, vertices.lengths,
-                     vertices.offsets, param_rows, spans, kernel_threads(len(param_rows)))
+                     vertices.offsets, param_rows, spans, rows, kernel_threads(len(param_rows)))
         for f, t in copied:
             io.write(t, arrays[f].reshape(t.shape))
 

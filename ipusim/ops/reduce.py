@@ -65,12 +65,12 @@ from functools import cached_property
 
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ..device.graph import Graph
-from ..device.kernels import JIT, ld, st
+from ..device.kernels import JIT, kernel_threads, ld, st
 from ..device.program import Copy, Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.mapping import TileMap, expand_runs, tile_counts
@@ -537,7 +537,7 @@ def run_stage(src: np.ndarray, stage: StageBlocks, op: int, scale: float, rounde
         reduce_rows(src, src[stage.gather] if stage.gather.size else src, stage.rows, op, scale, out)
     blocks = stage.columns.shape[0]
     if blocks:
-        reduce_columns(src, stage.columns, op, scale, out, 1 if blocks == 1 else min(get_num_threads(), blocks))
+        reduce_columns(src, stage.columns, op, scale, out, kernel_threads(blocks))
     return out
 
 
