@@ -383,3 +383,21 @@ def test_whole_array_kernels_at_sizes_that_take_their_other_paths(x_shape, w_sha
     for got, want in ((y, yt), (dx, xt.grad), (dw, wt.grad)):
         want = want.detach().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("x_shape, k, s, p, d", [
+    ((3, 2, 12, 12), (5, 5), (1, 1), (0, 0), (1, 1)),   # rows of 8: through the offsets table
+    ((2, 3, 13, 11), (3, 2), (2, 3), (0, 0), (2, 1)),   # strided and dilated short rows
+    ((2, 2, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1)),     # padded: row by row, whatever the length
+    ((2, 1, 28, 28), (5, 5), (1, 1), (0, 0), (1, 1))])  # rows of 24: row by row
+def test_patches_match_sliding_windows(x_shape, k, s, p, d):
+    """Both patch kernels of the fast mode give the patches NumPy's sliding windows give."""
+    from ipusim.ops.conv import _im2col
+    X = np.random.default_rng(5).standard_normal(x_shape).astype(np.float32)
+    n, c = x_shape[:2]
+    padded = np.pad(X, ((0, 0), (0, 0), (p[0], p[0]), (p[1], p[1])))
+    extent = ((k[0] - 1) * d[0] + 1, (k[1] - 1) * d[1] + 1)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, extent, axis=(2, 3))[:, :, ::s[0], ::s[1], ::d[0], ::d[1]]
+    oh, ow = windows.shape[2:4]
+    want = windows.transpose(1, 4, 5, 0, 2, 3).reshape(1, c * k[0] * k[1], n * oh * ow)
+    np.testing.assert_array_equal(_im2col(X, k[0], k[1], oh, ow, s, p, d, 1), want)

@@ -618,25 +618,51 @@ def pool_grad_whole(x, y, dy, win, divisors, op, dx):
     position equal to y, for average pooling (op 1) at every real position, divided by the
     window's divisor; windows as in `pool_whole`. Sums are float64 per plane, as the codelet
     keeps them, and rounded once into dx's dtype."""
+    if op == 0:
+        _max_grad_whole(x, y, dy, win, dx)
+    else:
+        _avg_grad_whole(dy, win, divisors, dx)
+
+
+@njit(**JIT)
+def _max_grad_whole(x, y, dy, win, dx):
+    """Each window's first position equal to y (NaN equal to NaN) is found visiting the taps last
+    to first, each a compare and a select with no branch on the data (a branch there mispredicts
+    on most windows, as the maximum's position is random)."""
+    taps = win.shape[1]
+    acc = np.zeros(dx.shape[1])
+    for pl in range(dy.shape[0]):
+        xp, yp, dyp = x[pl], y[pl], dy[pl]
+        acc[:] = 0.0
+        for o in range(win.shape[0]):
+            target = yp[o]
+            first = np.int64(-1)
+            if target == target:
+                for k in range(taps - 1, -1, -1):
+                    i = win[o, k]
+                    first = i if (i >= 0) & (xp[np.uint64(max(i, 0))] == target) else first
+            else:
+                for k in range(taps - 1, -1, -1):
+                    i = win[o, k]
+                    val = xp[np.uint64(max(i, 0))]
+                    first = i if (i >= 0) & (val != val) else first
+            if first >= 0:
+                acc[np.uint64(first)] += np.float64(dyp[o])
+        dxp = dx[pl]
+        for i in range(acc.size):
+            dxp[i] = acc[i]
+
+
+@njit(**JIT)
+def _avg_grad_whole(dy, win, divisors, dx):
     acc = np.zeros(dx.shape[1])
     for pl in range(dy.shape[0]):
         acc[:] = 0.0
         for o in range(win.shape[0]):
-            g = np.float64(dy[pl, o])
-            if op == 1:
-                g = g / divisors[o]
-                for k in range(win.shape[1]):
-                    if win[o, k] >= 0:
-                        acc[win[o, k]] += g
-                continue
-            target = y[pl, o]
-            first = -1  # the first tap equal to y, chosen without branches
-            for k in range(win.shape[1] - 1, -1, -1):
-                i = win[o, k]
-                val = x[pl, max(i, 0)]
-                first = i if (i >= 0) & ((val == target) | ((val != val) & (target != target))) else first
-            if first >= 0:
-                acc[first] += g
+            g = np.float64(dy[pl, o]) / divisors[o]
+            for k in range(win.shape[1]):
+                if win[o, k] >= 0:
+                    acc[win[o, k]] += g
         for i in range(acc.size):
             dx[pl, i] = acc[i]
 
