@@ -394,3 +394,35 @@ def test_each_model_holds_its_own_options_with_the_output_mode_resolved():
     for frozen in (opts, training.options):
         with pytest.raises(AttributeError, match="frozen"):
             frozen.randomSeed(42)
+
+
+def test_compiling_pauses_the_garbage_collector_and_leaves_it_as_it_was(monkeypatch):
+    import gc
+
+    from poptorch_lite.runtime import executor
+
+    seen, real = [], executor.compile_model
+
+    def compile_model(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "compile_model", compile_model)
+    assert gc.isenabled()
+    poptorch.inferenceModel(torch.nn.Linear(3, 2))(torch.randn(2, 3))
+    assert seen == [False] and gc.isenabled()
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("compiler failed")
+
+    monkeypatch.setattr(executor, "compile_model", failing)
+    with pytest.raises(RuntimeError, match="compiler failed"):
+        poptorch.inferenceModel(torch.nn.Linear(3, 2))(torch.randn(2, 3))
+    assert gc.isenabled()
+    gc.disable()  # a program that turned the collector off keeps it off
+    try:
+        with executor.collection_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
