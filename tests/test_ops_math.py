@@ -153,3 +153,31 @@ def test_transcendental_maths_cost_more_than_rounding():
         ew.unary(g, op, t, prog)
         return ip.Engine(g, prog, mode="fast").load().run()
     assert cycles("floor") < cycles("log1p") < cycles("erfinv")
+
+
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), keep=st.data(), seed=st.integers(0, 2**16),
+       op=st.sampled_from(["add", "sub", "mul", "div"]), part_first=st.booleans(),
+       dtype=st.sampled_from(["float32", "float16"]))
+@settings(max_examples=25, deadline=None)
+def test_an_operand_broadcast_along_the_other_agrees_with_numpy_in_both_modes(shape, keep, seed, op, part_first,
+                                                                              dtype):
+    """A bias-like operand (its dimensions a block of the other's, or any broadcast shape) gives
+    NumPy's result bit for bit in both modes, whichever side it is on."""
+    mask = keep.draw(st.lists(st.booleans(), min_size=len(shape), max_size=len(shape)))
+    part_shape = tuple(n if k else 1 for n, k in zip(shape, mask))[keep.draw(st.integers(0, len(shape) - 1)):]
+    rng = np.random.default_rng(seed)
+    full = rng.standard_normal(shape).astype(dtype)
+    part = rng.standard_normal(part_shape).astype(dtype)
+    part[part == 0] = 1  # division by zero has its own test
+    a, b = (part, full) if part_first else (full, part)
+    want = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[op](a, b)
+    for mode in ("strict", "fast"):
+        np.testing.assert_array_equal(run_binary(op, a, b, mode), want)
+
+
+def test_broadcast_rows_finds_a_block_of_dimensions_or_nothing():
+    assert ew.broadcast_rows((1, 10, 1, 1), (40, 10, 24, 24)) == (10, 576)
+    assert ew.broadcast_rows((10, 1, 1), (40, 10, 24, 24)) == (10, 576)
+    assert ew.broadcast_rows((24,), (40, 10, 24)) == (24, 1)
+    assert ew.broadcast_rows((1, 1), (3, 4)) == (1, 12)
+    assert ew.broadcast_rows((3, 1, 5), (3, 4, 5)) is None

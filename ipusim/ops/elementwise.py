@@ -68,6 +68,7 @@ COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
 
 
 # (comparisons, of any dtype, are exact too)
+ARITHMETIC = ("add", "sub", "mul", "div")
 NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
                 "eq": np.equal, "gt": np.greater, "lt": np.less, "ge": np.greater_equal, "le": np.less_equal,
                 "ne": np.not_equal, "logical_and": np.logical_and, "logical_or": np.logical_or}
@@ -387,6 +388,47 @@ def binary_kernel(op: int):
     return kernel
 
 
+@lru_cache(maxsize=None)
+def broadcast_kernel(op: int):
+    """The fast mode's kernel of one binary op between a whole flat array and an operand that
+    repeats along it (`broadcast_rows`): element i of `full` meets part[(i // cols) % period],
+    on the left when `part_first`. The loops run over contiguous memory and vectorise (NumPy's
+    broadcasting loop over a [40, 10, 24, 24] + [1, 10, 1, 1] float32 add: 142 us; this: a copy's
+    time)."""
+    @njit(**JIT)
+    def kernel(full, part, period, cols, part_first, out):
+        if cols == 1:  # the operand varies along the innermost dimension: rows of `period`
+            for r in range(out.size // period):
+                base = r * period
+                for j in range(period):
+                    x, y = ld(full, base + j), ld(part, j)
+                    st(out, base + j, apply_binary(op, y, x) if part_first else apply_binary(op, x, y))
+            return
+        for r in range(out.size // cols):
+            y = ld(part, r % period)
+            base = r * cols
+            if part_first:
+                for j in range(cols):
+                    st(out, base + j, apply_binary(op, y, ld(full, base + j)))
+            else:
+                for j in range(cols):
+                    st(out, base + j, apply_binary(op, ld(full, base + j), y))
+    return kernel
+
+
+def broadcast_rows(part_shape: tuple, shape: tuple) -> tuple[int, int] | None:
+    """(period, cols) when an operand of `part_shape` broadcast to `shape` repeats as
+    `broadcast_kernel` reads it: its dimensions that are not 1 are one contiguous block of
+    `shape`'s (size `period`), with only broadcast dimensions after it (`cols` elements); None
+    otherwise (it varies along dimensions apart from one another)."""
+    part_shape = (1,) * (len(shape) - len(part_shape)) + tuple(part_shape)
+    kept = [d for d, (p, n) in enumerate(zip(part_shape, shape)) if p == n and n != 1]
+    if kept and any(part_shape[d] == 1 and shape[d] != 1 for d in range(kept[0], kept[-1] + 1)):
+        return None
+    last = kept[-1] + 1 if kept else 0
+    return math.prod(shape[d] for d in kept), math.prod(shape[last:])
+
+
 def _cycles(table):
     costs = {code: cost for code, cost, _ in table.values()}
     vectorised = {code: vec for code, _, vec in table.values()}
@@ -495,10 +537,22 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
 
     exact = NUMPY_BINARY.get(op) if a.dtype.kind == "f" or op in COMPARISONS else None
     kernel = binary_kernel(code) if exact is None else None
+    # a float operand that repeats along the other (a bias): NumPy's broadcasting loop is slow
+    part_first = b.shape == shape and a.shape != shape
+    rows = (broadcast_rows((a if part_first else b).shape, shape)
+            if dtype.kind == "f" and op in ARITHMETIC and (a.shape == shape) != (b.shape == shape)
+            and math.prod(shape) else None)
+    repeat = broadcast_kernel(code) if rows is not None else None
 
     def fast(io):
         target = io.output(out)
-        if exact is not None:
+        if repeat is not None:
+            full, part = (io.read(b), io.read(a)) if part_first else (io.read(a), io.read(b))
+            res = _kernel_output(target, out, a, b)
+            repeat(kernel_view(np.ascontiguousarray(full).reshape(-1)),
+                   kernel_view(np.ascontiguousarray(part).reshape(-1)), *rows, part_first,
+                   kernel_view(res.reshape(-1)))
+        elif exact is not None:
             res = exact(io.read(a), io.read(b), out=target)
         else:
             x, y = _flat_operand(io.read(a), shape), _flat_operand(io.read(b), shape)
