@@ -379,6 +379,10 @@ def test_whole_array_kernels_at_sizes_that_take_their_other_paths(x_shape, w_sha
     strided = np.full(y.shape[:1] + (2 * y.shape[1],) + y.shape[2:], np.nan, np.float32)[:, ::2]
     assert conv2d_numpy(X, W, s, p, d, groups, out=strided) is strided and np.array_equal(strided, y)
     dx = conv2d_backward_input_numpy(DY, W, x_shape, s, p, d, groups)
+    into = np.full(x_shape, np.nan, np.float32)
+    np.testing.assert_array_equal(conv2d_backward_input_numpy(DY, W, x_shape, s, p, d, groups, out=into), dx)
+    if p == 0:  # summed in place (with padding, in a padded array, then cut)
+        np.testing.assert_array_equal(into, dx)
     dw = conv2d_backward_weights_numpy(DY, X, w_shape, s, p, d, groups)
     for got, want in ((y, yt), (dx, xt.grad), (dw, wt.grad)):
         want = want.detach().numpy()

@@ -551,9 +551,11 @@ def conv2d_numpy(x, w, stride=1, padding=0, dilation=1, groups=1, out=None) -> n
     return out
 
 
-def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1) -> np.ndarray:
+def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=1, groups=1,
+                                out=None) -> np.ndarray:
     """dx of conv2d for output gradient dy (float32 result): the patch gradients w^T dy, each
-    added back to the input position it was read from (col2im)."""
+    added back to the input position it was read from (col2im); summed in `out` [N, C, H, W] when
+    there is no padding and it is contiguous float32."""
     s, p, d = conv_params(stride, padding, dilation, "conv2d_backward_input")
     dy, w = _as_float32(np.asarray(dy)), _as_float32(np.asarray(w))
     n, c, h, wd = input_shape
@@ -563,7 +565,11 @@ def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilatio
     wt = w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1)
     patches = np.matmul(wt, _by_group(dy, groups)).reshape(groups, cg, kh, kw, n, oh, ow)
     hp, wp = h + 2 * p[0], wd + 2 * p[1]
-    dxp = np.zeros((n, groups, cg, hp, wp), dtype=np.float32)
+    if out is not None and p == (0, 0) and out.dtype == np.float32 and out.flags.c_contiguous:
+        dxp = out.reshape(n, groups, cg, hp, wp)
+        dxp.fill(0)
+    else:
+        dxp = np.zeros((n, groups, cg, hp, wp), dtype=np.float32)
     _col2im_kernel(patches.reshape(-1), groups, cg, kh, kw, n, oh, ow, s[0], s[1], d[0], d[1], hp, wp, dxp.reshape(-1))
     return dxp[:, :, :, p[0]:p[0] + h, p[1]:p[1] + wd].reshape(n, c, h, wd)
 
@@ -665,7 +671,10 @@ def conv2d_backward_input(graph: Graph, dy: Tensor, w: Tensor, input_shape, prog
            out.reshape(n, g, cg, hh, ww).transpose(1, 0, 2, 3, 4))
 
     def fast(io):
-        io.write(out, conv2d_backward_input_numpy(io.read(dy), io.read(w), input_shape, s, p, d, groups))
+        target = io.output(out)
+        dx = conv2d_backward_input_numpy(io.read(dy), io.read(w), input_shape, s, p, d, groups, out=target)
+        if target is None or not np.may_share_memory(dx, target):  # not summed in place
+            io.write(out, dx)
 
     prog.add(OpProgram(name, body, fast, (dy, w), (out,)))
     return out

@@ -532,7 +532,10 @@ def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: 
     body.add(Execute(cs))
 
     def fast(io):
-        io.write(out, pool_numpy(io.read(x), geom))
+        target = io.output(out)
+        res = pool_numpy(io.read(x), geom, target)
+        if target is None or not np.may_share_memory(res, target):  # not written in place
+            io.write(out, res)
 
     prog.add(OpProgram(name, body, fast, (x,), (out,)))
     return out
@@ -583,7 +586,10 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
 
     def fast(io):
         if kind == "max_grad":
-            io.write(dx, max_pool_grad_numpy(io.read(x), io.read(y), io.read(dy), geom))
+            target = io.output(dx)
+            res = max_pool_grad_numpy(io.read(x), io.read(y), io.read(dy), geom, target)
+            if target is None or not np.may_share_memory(res, target):
+                io.write(dx, res)
         else:
             io.write(dx, avg_pool_grad_numpy(io.read(dy), (n, c, hh, ww), geom))
 
@@ -690,21 +696,33 @@ def _windows(geom: PoolGeometry) -> tuple:
     return win, geom.divisors().reshape(-1), 1
 
 
-def pool_numpy(x: np.ndarray, geom: PoolGeometry) -> np.ndarray:
-    """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max)."""
+def _into(out: np.ndarray | None, shape: tuple, dtype) -> np.ndarray:
+    """`out` as a [P, positions] array of planes when the kernel can write it in place (contiguous,
+    of the kernel's dtype), else a new one."""
+    if out is not None and out.dtype == dtype and out.flags.c_contiguous:
+        return out.reshape(shape)
+    return np.empty(shape, dtype)
+
+
+def pool_numpy(x: np.ndarray, geom: PoolGeometry, out: np.ndarray | None = None) -> np.ndarray:
+    """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max),
+    a max written into `out` when it is contiguous and of that dtype."""
     n, c = x.shape[:2]
     planes = _planes(x)
     # a maximum is one of the inputs: it is stored in their dtype, without a float64 detour
-    out = np.empty((n * c, geom.h.out_size * geom.w.out_size), planes.dtype if geom.kind == "max" else np.float64)
-    pool_whole(planes, *_windows(geom), out)
-    out = out.reshape(n, c, geom.h.out_size, geom.w.out_size)
-    return out.astype(x.dtype, copy=False) if geom.kind == "max" else out
+    dtype = planes.dtype if geom.kind == "max" else np.float64
+    res = _into(out, (n * c, geom.h.out_size * geom.w.out_size), dtype)
+    pool_whole(planes, *_windows(geom), res)
+    res = res.reshape(n, c, geom.h.out_size, geom.w.out_size)
+    return res.astype(x.dtype, copy=False) if geom.kind == "max" else res
 
 
-def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry) -> np.ndarray:
-    """Gradient of max pooling: dy to the first window position equal to y (float32, or dy's float64)."""
+def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: PoolGeometry,
+                        out: np.ndarray | None = None) -> np.ndarray:
+    """Gradient of max pooling: dy to the first window position equal to y (float32, or dy's float64),
+    written into `out` when it is contiguous and of that dtype."""
     planes, grads = _planes(x), _planes(dy)
-    dx = np.empty(planes.shape, grads.dtype)
+    dx = _into(out, planes.shape, grads.dtype)
     pool_grad_whole(planes, _planes(y), grads, *_windows(geom), dx)
     return dx.reshape(x.shape)
 
