@@ -29,6 +29,21 @@ def new_output(graph: Graph, dtype, shape, name: str, *, category: str = "activa
     return t
 
 
+def kernel_array(target: np.ndarray | None, shape: tuple, dtype) -> np.ndarray:
+    """Where a fast-mode kernel that makes `dtype` writes its [shape] result: `target` (an output's
+    storage, `io.output`) when it is contiguous and of that dtype, else a new array."""
+    if target is not None and target.dtype == dtype and target.flags.c_contiguous:
+        return target.reshape(shape)
+    return np.empty(shape, dtype)
+
+
+def store(io, t: Tensor, values: np.ndarray, target: np.ndarray | None) -> None:
+    """Write a fast-mode kernel's result to `t`, unless the kernel computed it in `target`, t's
+    own storage (`kernel_array`)."""
+    if target is None or not np.may_share_memory(values, target):
+        io.write(t, values)
+
+
 def placed(graph: Graph, prog: Sequence, src: Tensor, tiles: np.ndarray, name: str) -> Tensor:
     """A tensor shaped like `src` whose flat element i lives on `tiles[i]` (a tile per element, or
     a `TileMap` of the positions).

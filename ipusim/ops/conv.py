@@ -54,7 +54,8 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import box_runs, by_distinct_rows, gather_boxes, map_boxes, new_output, split_ranges
+from .common import (box_runs, by_distinct_rows, gather_boxes, kernel_array, map_boxes, new_output, split_ranges,
+                     store)
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_partials,
                      block_tiles, ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
                      output_dtype, partials_variable, ranges, reduce_cycles, reduce_partials, split_grid)
@@ -565,11 +566,8 @@ def conv2d_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilatio
     wt = w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1)
     patches = np.matmul(wt, _by_group(dy, groups)).reshape(groups, cg, kh, kw, n, oh, ow)
     hp, wp = h + 2 * p[0], wd + 2 * p[1]
-    if out is not None and p == (0, 0) and out.dtype == np.float32 and out.flags.c_contiguous:
-        dxp = out.reshape(n, groups, cg, hp, wp)
-        dxp.fill(0)
-    else:
-        dxp = np.zeros((n, groups, cg, hp, wp), dtype=np.float32)
+    dxp = kernel_array(out if p == (0, 0) else None, (n, groups, cg, hp, wp), np.float32)
+    dxp.fill(0)
     _col2im_kernel(patches.reshape(-1), groups, cg, kh, kw, n, oh, ow, s[0], s[1], d[0], d[1], hp, wp, dxp.reshape(-1))
     return dxp[:, :, :, p[0]:p[0] + h, p[1]:p[1] + wd].reshape(n, c, h, wd)
 
@@ -672,9 +670,8 @@ def conv2d_backward_input(graph: Graph, dy: Tensor, w: Tensor, input_shape, prog
 
     def fast(io):
         target = io.output(out)
-        dx = conv2d_backward_input_numpy(io.read(dy), io.read(w), input_shape, s, p, d, groups, out=target)
-        if target is None or not np.may_share_memory(dx, target):  # not summed in place
-            io.write(out, dx)
+        store(io, out, conv2d_backward_input_numpy(io.read(dy), io.read(w), input_shape, s, p, d, groups, out=target),
+              target)
 
     prog.add(OpProgram(name, body, fast, (dy, w), (out,)))
     return out

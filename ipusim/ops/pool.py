@@ -51,7 +51,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import by_distinct_rows, gather_boxes, map_boxes
+from .common import by_distinct_rows, gather_boxes, kernel_array, map_boxes, store
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, block_grid, block_tiles, ceil_div, choose_split, float_dtype,
                      ranges, split_grid)
 
@@ -533,9 +533,7 @@ def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: 
 
     def fast(io):
         target = io.output(out)
-        res = pool_numpy(io.read(x), geom, target)
-        if target is None or not np.may_share_memory(res, target):  # not written in place
-            io.write(out, res)
+        store(io, out, pool_numpy(io.read(x), geom, target), target)
 
     prog.add(OpProgram(name, body, fast, (x,), (out,)))
     return out
@@ -587,9 +585,7 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
     def fast(io):
         if kind == "max_grad":
             target = io.output(dx)
-            res = max_pool_grad_numpy(io.read(x), io.read(y), io.read(dy), geom, target)
-            if target is None or not np.may_share_memory(res, target):
-                io.write(dx, res)
+            store(io, dx, max_pool_grad_numpy(io.read(x), io.read(y), io.read(dy), geom, target), target)
         else:
             io.write(dx, avg_pool_grad_numpy(io.read(dy), (n, c, hh, ww), geom))
 
@@ -696,14 +692,6 @@ def _windows(geom: PoolGeometry) -> tuple:
     return win, geom.divisors().reshape(-1), 1
 
 
-def _into(out: np.ndarray | None, shape: tuple, dtype) -> np.ndarray:
-    """`out` as a [P, positions] array of planes when the kernel can write it in place (contiguous,
-    of the kernel's dtype), else a new one."""
-    if out is not None and out.dtype == dtype and out.flags.c_contiguous:
-        return out.reshape(shape)
-    return np.empty(shape, dtype)
-
-
 def pool_numpy(x: np.ndarray, geom: PoolGeometry, out: np.ndarray | None = None) -> np.ndarray:
     """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max),
     a max written into `out` when it is contiguous and of that dtype."""
@@ -711,7 +699,7 @@ def pool_numpy(x: np.ndarray, geom: PoolGeometry, out: np.ndarray | None = None)
     planes = _planes(x)
     # a maximum is one of the inputs: it is stored in their dtype, without a float64 detour
     dtype = planes.dtype if geom.kind == "max" else np.float64
-    res = _into(out, (n * c, geom.h.out_size * geom.w.out_size), dtype)
+    res = kernel_array(out, (n * c, geom.h.out_size * geom.w.out_size), dtype)
     pool_whole(planes, *_windows(geom), res)
     res = res.reshape(n, c, geom.h.out_size, geom.w.out_size)
     return res.astype(x.dtype, copy=False) if geom.kind == "max" else res
@@ -722,7 +710,7 @@ def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: Pool
     """Gradient of max pooling: dy to the first window position equal to y (float32, or dy's float64),
     written into `out` when it is contiguous and of that dtype."""
     planes, grads = _planes(x), _planes(dy)
-    dx = _into(out, planes.shape, grads.dtype)
+    dx = kernel_array(out, planes.shape, grads.dtype)
     pool_grad_whole(planes, _planes(y), grads, *_windows(geom), dx)
     return dx.reshape(x.shape)
 

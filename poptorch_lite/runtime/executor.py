@@ -257,16 +257,11 @@ class PoplarExecutor:
                                        progress=bar.update)
         self._install(executable)
 
+    @collection_paused()
     def _compile_or_load(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
         """Compile for this call's inputs, or load the executable from the cache when
         ``options.cache_path`` is set and holds an entry for it; returns True when loaded.
-        Python's cyclic garbage collector waits until the executable is made (see
-        `collection_paused`)."""
-        with collection_paused():
-            return self._compile_or_load_now(args, kwargs, lock_timeout=lock_timeout)
-
-    def _compile_or_load_now(self, args, kwargs, *, lock_timeout: float) -> bool:
-        """`_compile_or_load` itself.
+        Python's cyclic garbage collector waits until the executable is made (`collection_paused`).
 
         On a miss a single-process run holds the key's lock while it compiles and stores the
         entry, so that other processes compiling the same model wait and load it instead. The
