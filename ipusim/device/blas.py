@@ -14,6 +14,8 @@ import ctypes
 import os
 from contextlib import contextmanager
 
+from .host_threads import usable_cores
+
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
             "openblas_set_num_threads")
 _GETTERS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads", "openblas_get_num_threads64_",
@@ -43,8 +45,7 @@ def _find_openblas():
 
 
 _OPENBLAS = _find_openblas()
-THREADS = int(os.environ.get("IPUSIM_BLAS_THREADS", len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                             else os.cpu_count() or 1))
+THREADS = int(os.environ.get("IPUSIM_BLAS_THREADS", usable_cores()))
 
 
 @contextmanager

@@ -22,14 +22,14 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 
-from .blas import blas_threads
+from .blas import THREADS as BLAS_THREADS, blas_threads
+from .host_threads import HostThreads
 from .cost import Cost, Cycles, estimate, overlapped
 from .graph import Device, Graph
 from .kernels import kernel_view
@@ -61,7 +61,7 @@ class Engine:
     # Attributes that belong to the host process (memory, connections, threads, records), not to
     # the compiled program: a saved executable leaves them out and load() rebuilds them.
     HOST_STATE = ("mem", "_plans", "_steps", "_streams", "_stream_pos", "_pool", "last_run", "total_cycles",
-                  "_profiler", "_running")
+                  "_profiler", "_running", "_running_threads")
 
     def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
                  check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None,
@@ -95,11 +95,12 @@ class Engine:
         self._steps: list[list | None] = []
         self._streams: dict[tuple[int, str], object] = {}
         self._stream_pos: dict[tuple[int, str], int] = {}
-        self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        self._pool = HostThreads(threads, 'ipusim-parallel') if threads > 1 else None
         self.last_run: RunReport | None = None
         self.total_cycles = 0
         self._profiler = None
         self._running = threading.local()  # per host thread: inside `running()`
+        self._running_threads = 0  # host threads sharing the machine in the outermost `running()`, 0 outside
 
     # ---- loading --------------------------------------------------------------------------
     def load(self) -> "Engine":
@@ -243,34 +244,47 @@ class Engine:
         return report.total
 
     @contextmanager
-    def running(self):
+    def running(self, host_threads: int | None = None):
         """Programs executed inside the block (from this host thread) share one setting of the
         kernels' and BLAS's threads instead of making it for each program: a runtime running many
-        programs per model call enters it once per call."""
+        programs per model call enters it once per call. With `host_threads` running programs at
+        once (default: the engine's own, for Parallel programs), BLAS's threads are shared among
+        them (two threads each calling a two-threaded BLAS on two cores measured 1.5x slower than
+        the same products one thread at a time)."""
         if getattr(self._running, "inside", False):
             yield
             return
-        numba.set_num_threads(self.kernel_threads)
-        with blas_threads():
+        numba.set_num_threads(self.kernel_threads)  # (a per-thread setting)
+        outermost = not self._running_threads  # a helper thread enters inside the caller's block
+        threads = (host_threads or self._running_threads
+                   or (self._pool.threads if self._pool is not None else 1))
+        with blas_threads(max(1, BLAS_THREADS // threads)):
             self._running.inside = True
+            if outermost:
+                self._running_threads = threads
             try:
                 yield
             finally:
                 self._running.inside = False
+                if outermost:
+                    self._running_threads = 0
 
-    def execute(self, index: int = 0) -> RunReport:
-        """Run program `index` and return its report without touching `last_run` / `total_cycles`
-        (programs on different IPUs may be executed from several host threads at once)."""
+    def execute(self, index: int = 0, report: bool = True) -> RunReport | None:
+        """Run program `index` and return its report (None when not `report` and the program's
+        cycles are static) without touching `last_run` / `total_cycles` (programs on different
+        IPUs may be executed from several host threads at once)."""
         self._require_loaded()
         if not 0 <= index < len(self.programs):
             raise IndexError(f"program {index} does not exist: the engine has {len(self.programs)} program(s)")
         if not getattr(self._running, "inside", False):
             with self.running():
-                return self.execute(index)
+                return self.execute(index, report)
         steps = self._steps[index] if self._profiler is None else None
         if steps is not None:
             for step in steps:
                 step()
+            if not report:
+                return None
             cost = self.costs[index]
             return RunReport(cost.total, dict(cost.per_ipu))
         report = RunReport(nodes=None if self._profiler is None else [])
@@ -328,7 +342,7 @@ class Engine:
     def _run_parallel(self, p: Parallel, report: RunReport) -> None:
         parts = [RunReport(nodes=None if report.nodes is None else []) for _ in p.programs]
         if self._pool is not None and len(p.programs) > 1:
-            list(self._pool.map(lambda cr: self._run(*cr), zip(p.programs, parts)))
+            self._pool.map(lambda cr: self._run(*cr), zip(p.programs, parts))
         else:
             for c, r in zip(p.programs, parts):
                 self._run(c, r)

@@ -114,6 +114,20 @@ def _int_arg(option: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+AUTO_THREADS = "auto"
+
+
+def _host_threads(option: str, value) -> int | str:
+    """A host-thread count: an int >= 1 (also as a string of digits, from the environment) or "auto"."""
+    if value == AUTO_THREADS:
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{option} expects an int >= 1 or 'auto', got {value!r}.")
+    return int(value)
+
+
 def _bool_arg(option: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{option} expects True or False, got {value!r}.")
@@ -623,7 +637,8 @@ class _EmulatorOptions(_OptionGroup):
     def __init__(self):
         super().__init__(target=os.environ.get("IPUSIM_TARGET") or None,
                          mode=os.environ.get("IPUSIM_MODE", "fast"),
-                         host_threads=int(os.environ.get("IPUSIM_HOST_THREADS", "1")),
+                         host_threads=_host_threads("IPUSIM_HOST_THREADS", os.environ.get("IPUSIM_HOST_THREADS",
+                                                                                         AUTO_THREADS)),
                          pipeline_schedule="PopTorch")
         if self._values["mode"] not in ("fast", "strict"):
             raise ValueError(f"IPUSIM_MODE must be 'fast' or 'strict', got {self._values['mode']!r}")
@@ -631,7 +646,9 @@ class _EmulatorOptions(_OptionGroup):
     target = _value("target", "Target name or ipusim.Target, None for the default (GC200, or Mk1 for "
                               "useOfflineIpuTarget(1)).")
     mode = _value("mode", "'fast' (default) or 'strict' (every tile mapping and exchange checked).")
-    host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently.")
+    host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently, or 'auto' "
+                                          "(default): one or all cores, whichever a timed call of each finds "
+                                          "faster.")
     pipeline_schedule = _value("pipeline_schedule", "The schedule a pipelined training model runs: 'PopTorch' "
                                                     "(default) or a kind of ipusim.schedules.TRAINING_KINDS.")
 
@@ -652,9 +669,11 @@ class _EmulatorOptions(_OptionGroup):
         self._set(mode=mode)
         return self
 
-    def setHostThreads(self, threads: int) -> "_EmulatorOptions":
-        """Run the emulated IPUs of one pipeline step on this many host threads."""
-        self._set(host_threads=_int_arg("Emulator.setHostThreads", threads))
+    def setHostThreads(self, threads) -> "_EmulatorOptions":
+        """Run the emulated IPUs of one pipeline step on this many host threads, or "auto": after
+        compiling, time one call on one thread and one on all the cores this process may use, and
+        keep the faster (see poptorch_lite.runtime.step_threads)."""
+        self._set(host_threads=_host_threads("Emulator.setHostThreads", threads))
         return self
 
     def setPipelineSchedule(self, kind: str) -> "_EmulatorOptions":

@@ -436,7 +436,7 @@ def _reduce_vertex_type(vertex_type: ip.VertexType):
 def _reduce_engine(engine: ip.Engine):
     state = {k: v for k, v in vars(engine).items() if k not in ip.Engine.HOST_STATE}
     state["_costs"] = list(engine._costs.values())  # keyed by id(node): re-keyed when loaded
-    state["host_pool_threads"] = engine._pool._max_workers if engine._pool is not None else 1
+    state["host_pool_threads"] = engine._pool.threads if engine._pool is not None else 1
     return _new, (type(engine),), state, None, None, _set_engine_state
 
 

@@ -14,7 +14,6 @@ import gc
 import math
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 import weakref
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ from ..compiler.ir import flatten_values, map_values
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
 from . import anchors, cache
+from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
@@ -83,7 +83,7 @@ def _execute(engine: ip.Engine, op, runs: list[tuple[str, int]], report: bool) -
     if report:
         return [Event(op, part, index, engine.execute(index).per_ipu) for part, index in runs]
     for _, index in runs:
-        engine.execute(index)
+        engine.execute(index, report=False)
     return []
 
 
@@ -125,7 +125,7 @@ class PoplarExecutor:
         self._record: RunRecord | None = None  # a call's record, the same every call (see _run_schedule)
         self._collective = None     # cross-process gradient reduction (poptorch_lite.runtime.distributed)
         self._profiler = None       # poptorch_lite.runtime.profiling, only when profiling is on
-        self._pool = None           # host threads running the IPUs of a step (Emulator.setHostThreads)
+        self._threads: StepThreads | None = None  # host threads running the IPUs of a step, per executable
         self._anchors: list[anchors.Anchor] = []    # Options.anchorTensor, resolved when compiled
         self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
         if training:
@@ -305,6 +305,9 @@ class PoplarExecutor:
         opts = self._options
         self._executable = executable
         self._record = None
+        self._shutdown_threads()
+        self._threads = StepThreads(self._options.Emulator.host_threads, executable.schedule)
+        self._op_plans: dict[int, tuple] = {}  # id(op) -> its feeds and programs (see _op_runs)
         # which micro-batch steps the call returns: fixed by the (frozen) options, so known once
         self._output_plan = batching.output_plan(opts, self._training)
         self._returned = set(self._output_plan.returned_steps)
@@ -414,9 +417,7 @@ class PoplarExecutor:
         if self._training:
             self.copyWeightsToHostIfNeeded()
         self._executable.engine.close()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        self._shutdown_threads()
         self._executable = None
         self._is_attached = False
 
@@ -491,21 +492,34 @@ class PoplarExecutor:
                 self._collective.reduce(exe, op.ipu)
             runs = [("update", i) for i in exe.updates.programs.get(op.ipu, [])]
         else:
-            key = program_key(op)
-            k = op.global_micro_batch
-            for r, low in enumerate(exe.lowerings):
-                sp = low.stage_programs.get(key)
-                if sp is None:
-                    continue
-                self._feed[(r, key)] = k
-                runs += [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[(r, key)] if ch.recv]
-                runs.append(("compute", sp.body))
-                if sp.outputs >= 0 and self._wants_output(k):
-                    runs.append(("outputs", sp.outputs))
+            feeds, runs, _ = self._op_runs(exe, op)
+            for feed in feeds:
+                self._feed[feed] = op.global_micro_batch
         events = _execute(exe.engine, op, runs, report)
         if op.kind == "U" and self._anchors:
             anchors.record(self._anchors, exe, op.ipu, "updated")
         return events
+
+    def _op_runs(self, exe: Executable, op) -> tuple[list[tuple], list[tuple[str, int]], list[tuple[str, int]]]:
+        """The inputs a compute op feeds ((replica, program key), given its micro-batch), the
+        programs it runs (receive, compute, outputs) and those that send its results on: fixed
+        by the schedule and the options, so made on the op's first run."""
+        plan = self._op_plans.get(id(op))  # (the schedule keeps its ops alive)
+        if plan is None:
+            key, k = program_key(op), op.global_micro_batch
+            feeds, runs = [], []
+            for r, low in enumerate(exe.lowerings):
+                sp = low.stage_programs.get(key)
+                if sp is None:
+                    continue
+                feeds.append((r, key))
+                runs += [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[(r, key)] if ch.recv]
+                runs.append(("compute", sp.body))
+                if sp.outputs >= 0 and self._wants_output(k):
+                    runs.append(("outputs", sp.outputs))
+            sends = [("send", ch.send[k % ch.slots]) for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
+            plan = self._op_plans[id(op)] = (feeds, runs, sends)
+        return plan
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The tensor anchored as `short_name` (Options.anchorTensor) by the last call."""
@@ -518,24 +532,23 @@ class PoplarExecutor:
     def _send(self, exe: Executable, op, report: bool = True) -> list[Event]:
         if op.kind == "U":
             return []
-        key = program_key(op)
-        k = op.global_micro_batch
-        return _execute(exe.engine, op, [("send", ch.send[k % ch.slots]) for r in range(exe.replicas)
-                                         for ch in exe.out_channels[(r, key)]], report)
+        return _execute(exe.engine, op, self._op_runs(exe, op)[2], report)
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
-        """Each step: every IPU runs its op (on host threads when Emulator.setHostThreads > 1),
-        then the channel copies; the step lasts as long as its busiest IPU. The programs, their
-        order and their cycles are fixed when the model is compiled, so the record of a call is
-        the same on every call: the first call makes it, the others reuse it (unless a program
-        branches on device data or a profiler wants each call's reports)."""
+        """Each step: every IPU runs its op (on host threads, see step_threads), then the channel
+        copies; the step lasts as long as its busiest IPU. The programs, their order and their
+        cycles are fixed when the model is compiled, so the record of a call is the same on every
+        call: the first call makes it, the others reuse it (unless a program branches on device
+        data or a profiler wants each call's reports)."""
         reuse = self._record is not None
         record = None if reuse else RunRecord(exe.engine.target.clock_hz)
-        pool = self._host_pool()
-        with exe.engine.running():  # one setting of the kernel and BLAS threads for the whole call
+        threads = self._threads.for_call()
+        team = self._threads.team(threads)
+        start = time.perf_counter()
+        with exe.engine.running(threads):  # one setting of the kernel and BLAS threads for the whole call
             for t, step in enumerate(exe.schedule.steps):
-                if pool is not None and len(step.ops) > 1:
-                    parts = list(pool.map(lambda op: self._run_op(exe, op, not reuse), step.ops))
+                if team is not None and len(step.ops) > 1:
+                    parts = team.map(lambda op: self._run_op(exe, op, not reuse), step.ops)
                 else:
                     parts = [self._run_op(exe, op, not reuse) for op in step.ops]
                 sends = [self._send(exe, op, not reuse) for op in step.ops]
@@ -548,19 +561,16 @@ class PoplarExecutor:
                         busy[ipu] = busy.get(ipu, ip.Cycles()) + c
                 record.steps.append(StepRecord(t, list(step.ops), events, busy,
                                                max((c.total for c in busy.values()), default=0)))
+        self._threads.ran(threads, time.perf_counter() - start)
         if reuse:
             return self._record
         if self._profiler is None and exe.engine.fixed_reports:
             self._record = record
         return record
 
-    def _host_pool(self):
-        threads = self._options.Emulator.host_threads
-        if threads <= 1:
-            return None
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ipu")
-        return self._pool
+    def _shutdown_threads(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown()
 
     def _step_of(self, k: int) -> tuple[int, int]:
         """(device iteration, accumulation step) of the call's k-th micro-batch."""

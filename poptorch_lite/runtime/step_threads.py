@@ -1,0 +1,76 @@
+"""How many host threads run the emulated IPUs of one schedule step (Options.Emulator.setHostThreads).
+
+A fixed number is used as given. "auto" (the default) measures: whether running a step's IPUs
+side by side pays depends on the model. The tutorial's CNN keeps two of its four IPUs equally
+busy in every step, and its call takes 0.8x the time on two threads of a two-core machine; a
+two-IPU MLP whose second IPU holds nearly all the work runs 1.1-1.5x slower on two threads,
+because each thread's BLAS then has one core where a lone thread's BLAS has both. So after the
+call that compiles (and makes the run record), one call runs on one thread and the next on all
+the cores this process may use, each timed; later calls use the faster (one thread unless the
+other is 5% faster: it leaves the other cores to the data loader). Which threads compute a step
+never changes its values, only the wall time.
+"""
+from __future__ import annotations
+
+from ipusim.device.host_threads import HostThreads, usable_cores
+
+from ..api.options import AUTO_THREADS as AUTO
+
+MARGIN = 0.95  # several threads are chosen when they take less than this fraction of one thread's time
+
+
+class StepThreads:
+    """The host threads of one compiled schedule's calls."""
+
+    def __init__(self, setting, schedule):
+        self.setting = setting
+        wide = any(len(step.ops) > 1 for step in schedule.steps)  # a step with work for two threads
+        cores = usable_cores()
+        if setting == AUTO:
+            self._candidates = [1, cores] if wide and cores > 1 else [1]
+        else:
+            self._candidates = [int(setting)]
+        self._calls = 0
+        self._times: dict[int, float] = {}
+        self._chosen = self._candidates[0] if len(self._candidates) == 1 else None
+        self._team: HostThreads | None = None
+
+    @property
+    def chosen(self) -> int | None:
+        """The number of threads calls run on, None while still measuring."""
+        return self._chosen
+
+    def for_call(self) -> int:
+        """How many threads this call runs on."""
+        if self._chosen is not None:
+            return self._chosen
+        trial = self._calls - 1  # call 0 compiles and makes the record: not measured
+        return self._candidates[trial] if 0 <= trial < len(self._candidates) else 1
+
+    def team(self, threads: int) -> HostThreads | None:
+        """The host threads of a call on `threads` threads (None for one)."""
+        if threads <= 1:
+            return None
+        if self._team is None or self._team.threads != threads:
+            self.shutdown()
+            self._team = HostThreads(threads, "ipu")
+        return self._team
+
+    def ran(self, threads: int, seconds: float) -> None:
+        """A call ran on `threads` threads in `seconds` of wall time."""
+        trial = self._calls - 1
+        self._calls += 1
+        if self._chosen is not None or trial < 0:
+            return
+        self._times[threads] = seconds
+        if len(self._times) == len(self._candidates):
+            one, best = self._times[1], min(self._candidates[1:], key=self._times.__getitem__)
+            self._chosen = best if self._times[best] < MARGIN * one else 1
+            if self._chosen == 1:
+                self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._team is not None:
+            self._team.shutdown()
+            self._team = None
+
