@@ -148,3 +148,40 @@ def test_property_shapes_and_axes(shape, data):
     refs = references(xv, dyv, axis)
     for k, v in zip(outs, got):
         np.testing.assert_allclose(v, refs[k], rtol=5e-6, atol=1e-6, err_msg=k)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 12), length=st.integers(1, 40), dtype=st.sampled_from(["float32", "float16"]),
+       specials=st.booleans(), seed=st.integers(0, 1000))
+def test_the_fused_fast_kernel_gives_the_bits_of_the_parts(rows, length, dtype, specials, seed):
+    """Rows held whole by tiles, along the last axis: the fast mode runs each op as one row kernel;
+    it gives exactly what the parts give one after another (and the strict mode, run_both)."""
+    g = ip.Graph(TARGET)
+    x = variable(g, dtype, (rows, length), "x", "rows")
+    dy = variable(g, dtype, (rows, length), "dy", "rows")
+    prog = ip.Sequence()
+    outs = list(build(g, x, dy, -1, prog).values())
+    assert all(p.fast.__name__ == "fast" for p in prog.programs)  # fused, not the parts
+    rng = np.random.default_rng(seed)
+    xv, dyv = ((rng.standard_normal((rows, length)) * 8).astype(dtype) for _ in range(2))
+    if specials:
+        xv.reshape(-1)[rng.integers(0, xv.size, 3)] = rng.choice([np.inf, -np.inf, np.nan], 3)
+    fused, _ = run_both(g, prog, {x: xv, dy: dyv}, outs)
+    e = ip.Engine(g, prog).load()
+    e.writeTensor(x, xv)
+    e.writeTensor(dy, dyv)
+    for p in prog.programs:
+        for part in p.body.programs:
+            part.fast(e.mem)
+    for got, out in zip(fused, outs):
+        np.testing.assert_array_equal(got, e.readTensor(out), err_msg=out.name)
+
+
+def test_rows_split_over_tiles_run_the_parts():
+    g = ip.Graph(TARGET)
+    x = g.addVariable("float32", (3, 1000), "x")
+    g.map_linearly(x, grain=4, min_elements_per_tile=8)  # rows cross tile boundaries: two-stage reductions
+    prog = ip.Sequence()
+    S.log_softmax(g, x, -1, prog)
+    S.softmax(g, x, 0, prog)  # not the last axis
+    assert [p.fast.__name__ for p in prog.programs] == ["in_parts", "in_parts"]
