@@ -806,22 +806,6 @@ class FastReduction:
         return res
 
 
-    def row_by_row(self, rows: int, length: int) -> bool:
-        """Whether this reduces `rows` runs of `length` consecutive elements, run k into output k,
-        each with `contiguous_reduce` over its run and no scale: a kernel doing that itself gets
-        the same bits."""
-        if (len(self.stages) != 1 or self.gather is not None or self.order is not None or self.slots is not None
-                or self.rounded or self.scales[0] != 1.0):
-            return False
-        stage = self.stages[0]
-        if stage.columns.shape[0] or stage.gather.size or stage.num_segments != rows:
-            return False
-        b = stage.rows[np.argsort(stage.rows[:, 5], kind="stable")]
-        slots_follow = np.array_equal(b[:, 5], np.concatenate(([0], np.cumsum(b[:-1, 3]))))
-        return bool(slots_follow and b[:, 3].sum() == rows and (b[:, 6] == ROWS).all() and (b[:, 1] == length).all()
-                    and ((b[:, 4] == length) | (b[:, 3] == 1)).all() and (b[:, 0] == b[:, 5] * length).all())
-
-
 def stored(values: np.ndarray, dtype) -> np.ndarray:
     """Float64 results rounded as `st` stores them (float16 through float32)."""
     dtype = np.dtype(dtype)
@@ -1026,7 +1010,6 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
     def fast(io):
         io.write(out, stored(fast_plan.run(io.read(x)), out_dt).reshape(out_shape))
 
-    fast.reduction = fast_plan  # for ops built of reductions that fuse them (softmax.py); used when building only
     prog.add(OpProgram(name, body, fast, (x,), (out,)))
     return result
 
@@ -1414,17 +1397,16 @@ def segment_map(graph: Graph, op: str, a: Tensor, axes, prog: Sequence, name: st
 
 
 # ---- composition -----------------------------------------------------------------------------
-def composite(name: str, body: Sequence, reads: tuple, writes: tuple, fast=None) -> OpProgram:
+def composite(name: str, body: Sequence, reads: tuple, writes: tuple) -> OpProgram:
     """One op made of the op programs in `body`: the strict mode runs their bodies, the fast mode
-    their whole-tensor implementations, in order, or `fast`, one that computes the same bits in
-    one pass (the parts' temporaries are then left unwritten)."""
+    their whole-tensor implementations, in order."""
     parts = list(body.programs)
     for p in parts:
         if not isinstance(p, OpProgram):
             raise TypeError(f"{name}: a composite op holds op programs only, got {type(p).__name__}")
 
-    def in_parts(io):
+    def fast(io):
         for p in parts:
             p.fast(io)
 
-    return OpProgram(name, body, fast or in_parts, tuple(reads), tuple(writes))
+    return OpProgram(name, body, fast, tuple(reads), tuple(writes))
