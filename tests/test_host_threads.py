@@ -2,6 +2,7 @@
 how many threads a model's calls use (Emulator.setHostThreads, "auto" measuring one thread
 against all cores), BLAS's threads shared among them, and results that do not depend on it."""
 import gc
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -88,6 +89,36 @@ def test_helpers_stop_on_shutdown_and_when_the_team_is_dropped():
     for t in dropped:
         t.join(timeout=2)
         assert not t.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_an_interrupt_while_waiting_for_a_helper_leaves_a_team_that_still_works():
+    team = HostThreads(2, "team-interrupt")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    started = threading.Event()
+
+    def part(x):
+        if x == 0:  # the caller's: returns once the helper is on part 1
+            assert started.wait(2)
+        else:
+            started.set()
+            time.sleep(0.4)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.15)
+        with pytest.raises(KeyboardInterrupt):  # raised in the caller, waiting for the helper's part
+            team.map(part, range(2))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert team.map(lambda x: 2 * x, range(6)) == [0, 2, 4, 6, 8, 10]
+    time.sleep(0.5)  # the interrupted helper finishes its part and stops
+    assert len(helpers_named("team-interrupt")) == 1
+    team.shutdown()
 
 
 @pytest.mark.parametrize("threads", [0, -1, True, 1.5, "2"])

@@ -95,7 +95,7 @@ class Engine:
         self._steps: list[list | None] = []
         self._streams: dict[tuple[int, str], object] = {}
         self._stream_pos: dict[tuple[int, str], int] = {}
-        self._pool = HostThreads(threads, 'ipusim-parallel') if threads > 1 else None
+        self._pool = HostThreads(threads, "ipusim-parallel") if threads > 1 else None
         self.last_run: RunReport | None = None
         self.total_cycles = 0
         self._profiler = None

@@ -95,9 +95,15 @@ class HostThreads:
             helpers = min(len(team.threads), len(items) - 1)
             for i in range(helpers):
                 team.wake[i].release()
-            team.work()
-            for i in range(helpers):
-                team.done[i].acquire()
+            try:
+                team.work()
+            finally:
+                try:
+                    for i in range(helpers):
+                        team.done[i].acquire()
+                except BaseException:  # interrupted while a helper may still be on this map
+                    self.shutdown()  # so its locks are not reused: the next map starts new helpers
+                    raise
             team.job = None
             if errors:
                 raise errors[0]
