@@ -184,6 +184,13 @@ def test_auto_uses_one_thread_where_no_step_has_two_ops_or_there_is_one_core(mon
     assert StepThreads("auto", schedule(2, 2)).chosen == 1
 
 
+def test_auto_tries_no_more_threads_than_the_widest_step_has_ops(monkeypatch):
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 16)
+    assert calls(StepThreads("auto", schedule(1, 3, 2, 1)), {1: 1.0, 3: 0.5}) == [1, 1, 3, 3, 3, 3]
+    monkeypatch.setattr(step_threads, "usable_cores", lambda: 2)
+    assert calls(StepThreads("auto", schedule(1, 3, 2, 1)), {1: 1.0, 2: 0.5}) == [1, 1, 2, 2, 2, 2]
+
+
 def test_a_fixed_count_is_used_on_every_call(monkeypatch):
     monkeypatch.setattr(step_threads, "usable_cores", lambda: 2)
     policy = StepThreads(3, schedule(2, 2))

@@ -647,8 +647,8 @@ class _EmulatorOptions(_OptionGroup):
                               "useOfflineIpuTarget(1)).")
     mode = _value("mode", "'fast' (default) or 'strict' (every tile mapping and exchange checked).")
     host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently, or 'auto' "
-                                          "(default): one or all cores, whichever a timed call of each finds "
-                                          "faster.")
+                                          "(default): one, or one per core (at most one per op of the widest "
+                                          "step), whichever a timed call of each finds faster.")
     pipeline_schedule = _value("pipeline_schedule", "The schedule a pipelined training model runs: 'PopTorch' "
                                                     "(default) or a kind of ipusim.schedules.TRAINING_KINDS.")
 
@@ -671,8 +671,9 @@ class _EmulatorOptions(_OptionGroup):
 
     def setHostThreads(self, threads) -> "_EmulatorOptions":
         """Run the emulated IPUs of one pipeline step on this many host threads, or "auto": after
-        compiling, time one call on one thread and one on all the cores this process may use, and
-        keep the faster (see poptorch_lite.runtime.step_threads)."""
+        compiling, time one call on one thread and one on a thread per core this process may use
+        (at most one per op of the widest step), and keep the faster (see
+        poptorch_lite.runtime.step_threads)."""
         self._set(host_threads=_host_threads("Emulator.setHostThreads", threads))
         return self
 

@@ -5,10 +5,10 @@ side by side pays depends on the model. The tutorial's CNN keeps two of its four
 busy in every step, and its call takes 0.8x the time on two threads of a two-core machine; a
 two-IPU MLP whose second IPU holds nearly all the work runs 1.1-1.5x slower on two threads,
 because each thread's BLAS then has one core where a lone thread's BLAS has both. So after the
-call that compiles (and makes the run record), one call runs on one thread and the next on all
-the cores this process may use, each timed; later calls use the faster (one thread unless the
-other is 5% faster: it leaves the other cores to the data loader). Which threads compute a step
-never changes its values, only the wall time.
+call that compiles (and makes the run record), one call runs on one thread and the next on as
+many as the cores this process may use and the widest step allow, each timed; later calls use
+the faster (one thread unless the other is 5% faster: it leaves the other cores to the data
+loader). Which threads compute a step never changes its values, only the wall time.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ class StepThreads:
 
     def __init__(self, setting, schedule):
         self.setting = setting
-        wide = any(len(step.ops) > 1 for step in schedule.steps)  # a step with work for two threads
-        cores = usable_cores()
+        widest = max((len(step.ops) for step in schedule.steps), default=1)  # the most ops a step runs at once
+        threads = min(usable_cores(), widest)  # (more threads would idle, and take BLAS's share of the cores)
         if setting == AUTO:
-            self._candidates = [1, cores] if wide and cores > 1 else [1]
+            self._candidates = [1, threads] if threads > 1 else [1]
         else:
             self._candidates = [int(setting)]
         self._calls = 0
