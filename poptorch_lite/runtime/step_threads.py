@@ -23,7 +23,6 @@ class StepThreads:
     """The host threads of one compiled schedule's calls."""
 
     def __init__(self, setting, schedule):
-        self.setting = setting
         widest = max((len(step.ops) for step in schedule.steps), default=1)  # the most ops a step runs at once
         threads = min(usable_cores(), widest)  # (more threads would idle, and take BLAS's share of the cores)
         if setting == AUTO:
