@@ -123,9 +123,10 @@ def _host_threads(option: str, value) -> int | str:
         return value
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{option} expects an int >= 1 or 'auto', got {value!r}.")
-    return int(value)
+    try:
+        return _int_arg(option, value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{option} expects an int >= 1 or 'auto', got {value!r}.") from None
 
 
 def _bool_arg(option: str, value) -> bool:
