@@ -5,10 +5,13 @@ side by side pays depends on the model. The tutorial's CNN keeps two of its four
 busy in every step, and its call takes 0.8x the time on two threads of a two-core machine; a
 two-IPU MLP whose second IPU holds nearly all the work runs 1.1-1.5x slower on two threads,
 because each thread's BLAS then has one core where a lone thread's BLAS has both. So after the
-call that compiles (and makes the run record), one call runs on one thread and the next on as
-many as the cores this process may use and the widest step allow, each timed; later calls use
-the faster (one thread unless the other is 5% faster: it leaves the other cores to the data
-loader). Which threads compute a step never changes its values, only the wall time.
+call that compiles (and makes the run record), calls take turns on one thread and on as many as
+the cores this process may use and the widest step allow, each timed; later calls use the
+faster (one thread unless the other is 5% faster: it leaves the other cores to the data loader).
+One round of turns decides when it is clear; when the two are within a few percent (a data loader
+starting its workers during one of the two calls is enough to blur them), up to two more rounds
+are timed and the shortest time of each decides, a busy moment only ever adding time. Which
+threads compute a step never changes its values, only the wall time.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from ipusim.device.host_threads import HostThreads, usable_cores
 from ..api.options import AUTO_THREADS as AUTO
 
 MARGIN = 0.95  # several threads are chosen when they take less than this fraction of one thread's time
+CLEARLY_SLOWER = 1.10  # ... and one thread without another round when they take more than this
+ROUNDS = 3  # rounds of timed calls at most
 
 
 class StepThreads:
@@ -44,7 +49,7 @@ class StepThreads:
         if self._chosen is not None:
             return self._chosen
         trial = self._calls - 1  # call 0 compiles and makes the record: not measured
-        return self._candidates[trial] if 0 <= trial < len(self._candidates) else 1
+        return self._candidates[trial % len(self._candidates)] if trial >= 0 else 1
 
     def team(self, threads: int) -> HostThreads | None:
         """The host threads of a call on `threads` threads (None for one)."""
@@ -61,12 +66,16 @@ class StepThreads:
         self._calls += 1
         if self._chosen is not None or trial < 0:
             return
-        self._times[threads] = seconds
-        if len(self._times) == len(self._candidates):
-            one, best = self._times[1], min(self._candidates[1:], key=self._times.__getitem__)
-            self._chosen = best if self._times[best] < MARGIN * one else 1
-            if self._chosen == 1:
-                self.shutdown()
+        self._times[threads] = min(seconds, self._times.get(threads, seconds))
+        if (trial + 1) % len(self._candidates):
+            return  # the round goes on
+        one, best = self._times[1], min(self._candidates[1:], key=self._times.__getitem__)
+        ratio = self._times[best] / one
+        if ratio < MARGIN:
+            self._chosen = best
+        elif ratio > CLEARLY_SLOWER or (trial + 1) // len(self._candidates) >= ROUNDS:
+            self._chosen = 1
+            self.shutdown()
 
     def shutdown(self) -> None:
         if self._team is not None:
