@@ -17,22 +17,19 @@ import collections
 import contextlib
 import copy
 import gc
-import io
 import logging
 import multiprocessing
 import numbers
 import os
 import pickle
 import signal
-import sys
 import tempfile
 import threading
 import time
 import traceback
 import weakref
 from dataclasses import dataclass
-from multiprocessing import popen_spawn_posix, reduction, resource_tracker, spawn
-from multiprocessing import util as mp_util
+from multiprocessing import reduction
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -43,6 +40,7 @@ from .arguments import parser_for
 from .batching import combined_batch_size
 from .enums import DataLoaderMode, SharingStrategy
 from .options import Options
+from . import zygote
 
 logger = logging.getLogger("poptorch_lite")
 
@@ -510,10 +508,17 @@ _LIVE_ACCESSORS = weakref.WeakSet()
 _HOST_CHECK_INTERVAL = 0.1
 
 
+def _close_idle_zygote() -> None:
+    """Stop the zygote once no accessor of this process may need it."""
+    if not _LIVE_ACCESSORS:
+        zygote.close()
+
+
 @atexit.register
 def _terminate_live_accessors():
     for accessor in list(_LIVE_ACCESSORS):
         accessor.terminate()
+    zygote.close()
 
 
 @dataclass(frozen=True)
@@ -823,7 +828,7 @@ class _DatasetFile:
 
 def _serve(worker: "_Worker", payload, collector_paused: bool) -> None:
     """The worker process's work: receive the dataset, then load items until
-    stopped. ``collector_paused``: started as a ``_SpawnedWorker``."""
+    stopped. ``collector_paused``: forked from the zygote (see zygote.py)."""
     # Neither this process nor the DataLoader workers it starts outlive the
     # host: a thread watches it.
     threading.Thread(target=_watch_host, args=(worker.settings, worker.start_parent),
@@ -841,7 +846,7 @@ def _serve(worker: "_Worker", payload, collector_paused: bool) -> None:
             payload = payload.read()
         if isinstance(payload, DataLoader):
             payload._accessor = None  # this copy loads synchronously  # pylint: disable=protected-access
-        if collector_paused:  # see _SpawnedWorker
+        if collector_paused:  # see zygote._QuietSpawn
             gc.freeze()
             gc.enable()
         _start_loader_workers_as_the_host(payload, worker.settings.start_method)
@@ -892,82 +897,6 @@ _START_METHODS = {
     SharingStrategy.ForkServer: "forkserver",
 }
 
-# Run by a spawned worker process before anything else, the user's script
-# included (see _SpawnedWorker).
-_SPAWN_PRELUDE = ("import gc, signal; gc.disable(); "
-                  "signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                  "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); ")
-
-
-class _SpawnedWorkerPopen(popen_spawn_posix.Popen):
-    """multiprocessing's spawn (a fresh interpreter that imports the user's
-    script again and unpickles the process), with ``_SPAWN_PRELUDE`` run
-    first: ``_launch`` is the standard library's, the command line apart."""
-
-    def _launch(self, process_obj):
-        tracker_fd = resource_tracker.getfd()
-        self._fds.append(tracker_fd)
-        prep_data = spawn.get_preparation_data(process_obj._name)  # pylint: disable=protected-access
-        fp = io.BytesIO()
-        multiprocessing.context.set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, fp)
-            reduction.dump(process_obj, fp)
-        finally:
-            multiprocessing.context.set_spawning_popen(None)
-        parent_r = child_w = child_r = parent_w = None
-        try:
-            parent_r, child_w = os.pipe()
-            child_r, parent_w = os.pipe()
-            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
-            program = cmd.index("-c") + 1
-            cmd[program] = _SPAWN_PRELUDE + cmd[program]
-            self._fds.extend([child_r, child_w])
-            # Started with SIGINT blocked (the prelude ignores it, then unblocks
-            # it), as the resource tracker is: a Ctrl-C before the prelude ran
-            # is not a KeyboardInterrupt in the new interpreter. Here it waits
-            # until the mask is restored.
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-            try:
-                self.pid = mp_util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            self.sentinel = parent_r
-            with open(parent_w, "wb", closefd=False) as f:
-                f.write(fp.getbuffer())
-        finally:
-            self.finalizer = mp_util.Finalize(
-                self, mp_util.close_fds,
-                [fd for fd in (parent_r, parent_w) if fd is not None])
-            for fd in (child_r, child_w):
-                if fd is not None:
-                    os.close(fd)
-
-
-class _SpawnedWorker(multiprocessing.context.SpawnProcess):
-    """The worker process of the spawning strategies.
-
-    It is spawned as PopTorch spawns it, a fresh interpreter that imports
-    the user's script again and unpickles the dataset, but with Python's
-    cyclic garbage collector off while it does (a fifth of the time torch
-    and torchvision take to import goes to collections, which free little:
-    about 9,000 objects of 340,000), and with Ctrl-C ignored from its first
-    line (the host owns shutdown). Once the dataset is loaded, the objects
-    made so far are frozen (``gc.freeze``: never scanned again, so the
-    DataLoader workers this process forks do not copy their pages by
-    collecting; the little garbage among them stays) and the collector is
-    turned on."""
-
-    @staticmethod
-    def _Popen(process_obj):
-        return _SpawnedWorkerPopen(process_obj)
-
-
-# A frozen executable has no ``-c`` program to put the prelude in; Windows
-# spawns otherwise.
-_QUIET_SPAWN = os.name == "posix" and not getattr(sys, "frozen", False)
-
-
 class AsynchronousDataAccessor:
     """Iterates ``dataset`` (any iterable: a dataset, a ``DataLoader``, ...)
     in a worker process that loads ahead while the caller computes.
@@ -1002,7 +931,10 @@ class AsynchronousDataAccessor:
     second), and on SIGTERM, each time shutting its DataLoader workers down
     first. The DataLoader workers it starts are started as the host would
     start them (see ``_start_loader_workers_as_the_host``): forked on Linux.
-    The spawning strategies start this process as a ``_SpawnedWorker``.
+    With the spawning strategies (FileSystem, SharedMemory) this process is
+    a fork of the host's zygote, one interpreter spawned as PopTorch spawns
+    this process, so that the host's accessors share one interpreter start
+    (see zygote.py).
     """
 
     def __init__(self,
@@ -1071,16 +1003,17 @@ class AsynchronousDataAccessor:
         # file is complete. The other strategies hand the dataset over at start.
         file_system = sharing_strategy == SharingStrategy.FileSystem
         with tempfile.TemporaryFile() if file_system else contextlib.nullcontext() as dump:
-            # Spawned with the collector paused while it starts (see _SpawnedWorker).
-            quiet = context.get_start_method() == "spawn" and _QUIET_SPAWN
-            process = (_SpawnedWorker if quiet else context.Process)(
-                target=_worker_main,
-                args=(_DatasetFile(dump.fileno()) if file_system else dataset,
-                      data_writer, commands_reader, self._settings, quiet),
-                name="AsynchronousDataAccessor",
-                daemon=False)
+            args = (_DatasetFile(dump.fileno()) if file_system else dataset,
+                    data_writer, commands_reader, self._settings)
+            # With spawn: forked from the zygote, the collector paused (see zygote.py).
+            from_zygote = context.get_start_method() == "spawn" and zygote.AVAILABLE
+            process = context.Process(target=_worker_main, args=args + (from_zygote, ),
+                                      name="AsynchronousDataAccessor", daemon=False)
             try:
-                process.start()
+                if from_zygote:
+                    process = zygote.fork(process)
+                else:
+                    process.start()
             except Exception as error:
                 self._commands.close()
                 self._data.close()
@@ -1111,6 +1044,7 @@ class AsynchronousDataAccessor:
         process.close()
         self._commands.close()
         self._data.close()
+        _close_idle_zygote()
 
     @staticmethod
     def _pickle_advice(sharing_strategy, error) -> str:
@@ -1283,6 +1217,7 @@ class AsynchronousDataAccessor:
         process.close()
         self._commands.close()
         self._data.close()
+        _close_idle_zygote()
 
     def __enter__(self) -> "AsynchronousDataAccessor":
         return self
