@@ -124,3 +124,27 @@ def test_a_zygote_that_died_is_replaced_by_a_new_one():
     first.terminate()
     second.terminate()
     assert not multiprocessing.active_children()
+
+
+class WorkingDirectory(torch.utils.data.Dataset):
+    """One sample: the working directory of the process that loads it."""
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, index):
+        if index >= 1:
+            raise IndexError(index)
+        return os.getcwd()
+
+
+def test_a_forked_accessor_takes_on_the_host_state_a_spawned_one_would(tmp_path, monkeypatch):
+    """Each fork takes the host's current spawn preparation (working directory, sys.path, ...),
+    not the zygote's from when it started."""
+    first = AsynchronousDataAccessor(Indices())
+    assert int(next(iter(first))) == 0  # the zygote runs
+    monkeypatch.chdir(tmp_path)
+    second = AsynchronousDataAccessor(WorkingDirectory())
+    assert list(second) == [str(tmp_path)]
+    first.terminate()
+    second.terminate()

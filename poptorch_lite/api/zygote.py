@@ -208,11 +208,18 @@ def _serve(requests: socket.socket) -> None:
                 requests.close()
                 continue
             payload, fds = request
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as error:  # the host finds the status pipe closed: exit code 255
+                print(f"AsynchronousDataAccessor zygote: cannot fork: {error}", file=sys.stderr)
+                pid = None
             if pid == 0:
                 _run_forked(payload, fds, selector, [wake_r, wake_w, *statuses.values()])
             for fd in fds[1:]:
                 os.close(fd)
+            if pid is None:
+                os.close(fds[0])
+                continue
             _write_status(fds[0], pid)
             statuses[pid] = fds[0]
         while statuses:
@@ -243,7 +250,9 @@ def _run_forked(payload: bytes, fds: list[int], selector, zygote_fds: list[int])
         for fd in (*zygote_fds, fds[0]):
             os.close(fd)
         _INHERITED[:] = fds[1:]
-        process_obj = pickle.loads(payload)
+        stream = io.BytesIO(payload)
+        spawn.prepare(pickle.load(stream))  # the host's sys.path, working directory, argv, ...
+        process_obj = pickle.load(stream)
         code = process_obj._bootstrap()  # pylint: disable=protected-access
     except BaseException:  # pylint: disable=broad-except
         traceback.print_exc()
@@ -305,7 +314,7 @@ class ForkedProcess:
 
     def _signal(self, signum: int) -> None:
         pid = self.pid
-        if pid is not None and self.is_alive():
+        if pid and self.is_alive():
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
@@ -349,6 +358,9 @@ class Zygote:
         buffer = io.BytesIO()
         multiprocessing.context.set_spawning_popen(descriptors)
         try:
+            # as spawn sends them: the host's state to take on (its working directory may have
+            # changed since the zygote started), then the process
+            reduction.dump(spawn.get_preparation_data(process_obj.name), buffer)
             reduction.dump(process_obj, buffer)
             status_r, status_w = os.pipe()
             try:
