@@ -98,6 +98,7 @@ def main() -> None:
     print(f"  tutorial on emulated IPUs: {o:.1f} s (test accuracy {ours[-1][1]})")
     print(f"  plain PyTorch on the CPU:  {t:.1f} s (test accuracy {theirs[-1][1]})")
     print(f"  ratio {o / t:.2f}")
+    print(f"  each run, ours: {' '.join(f'{s:.1f}' for s, _ in ours)}; PyTorch: {' '.join(f'{s:.1f}' for s, _ in theirs)}")
 
 
 if __name__ == "__main__":
