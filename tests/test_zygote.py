@@ -60,18 +60,20 @@ def sleep_long() -> None:
 
 def test_a_request_carries_its_pickle_and_descriptors_and_eof_ends_the_requests():
     host, server = socket.socketpair()
-    read_end, write_end = os.pipe()
+    server.settimeout(60)  # a sender that fails is a test failure, not a hang
+    pipes = [os.pipe() for _ in range(300)]  # more descriptors than one message can pass
     payload = os.urandom(3 << 20)  # more than a socket buffer: sent while the other end reads
-    sender = threading.Thread(target=zygote._send, args=(host, payload, [write_end]))
+    sender = threading.Thread(target=zygote._send, args=(host, payload, [w for _, w in pipes]))
     sender.start()
     received, fds = zygote._receive(server)
     sender.join()
-    assert received == payload and len(fds) == 1
-    os.write(fds[0], b"through the passed descriptor")
-    assert os.read(read_end, 100) == b"through the passed descriptor"
+    assert received == payload and len(fds) == len(pipes)
+    for i, fd in enumerate(fds):
+        os.write(fd, b"through passed descriptor %d" % i)
+    assert [os.read(r, 100) for r, _ in pipes] == [b"through passed descriptor %d" % i for i in range(300)]
     host.close()
     assert zygote._receive(server) is None
-    for fd in (read_end, write_end, *fds):
+    for fd in (*[fd for pipe in pipes for fd in pipe], *fds):
         os.close(fd)
     server.close()
 
@@ -90,6 +92,25 @@ def test_the_accessors_of_a_host_are_forks_of_one_zygote_that_ends_with_the_last
     second.terminate()
     assert wait_gone(shared)
     assert not multiprocessing.active_children()
+
+
+class ManyTensors(torch.utils.data.Dataset):
+    """400 tensors of its own: with SharingStrategy.SharedMemory each is a descriptor sent to the
+    accessor process."""
+
+    def __init__(self):
+        self.samples = [torch.full((3, ), float(i)) for i in range(400)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
+def test_a_dataset_of_hundreds_of_shared_tensors_reaches_its_accessor():
+    with AsynchronousDataAccessor(ManyTensors(), sharing_strategy=SharingStrategy.SharedMemory) as accessor:
+        assert [float(x[0]) for x in accessor] == [float(i) for i in range(400)]
 
 
 def test_the_zygote_tells_each_forked_process_exit_code_and_signal():

@@ -108,9 +108,9 @@ class _QuietSpawn(multiprocessing.context.SpawnProcess):
 
 _HEADER = struct.Struct("!QI")  # pickle size, descriptor count
 _STATUS = struct.Struct("!q")  # a pid, then an exit code
-_MAX_FDS = 250  # (Linux passes at most 253 descriptors in one message)
+_FDS_PER_MESSAGE = 250  # (Linux passes at most 253 descriptors in one message)
 
-# In a forked process: the descriptors that came with its target and arguments.
+# In a forked process: the descriptors that came with its process object.
 _INHERITED: list[int] = []
 
 
@@ -126,8 +126,9 @@ class _InheritedFd:
 
 class _Descriptors:
     """Stands in for a spawning Popen while the request is pickled: the descriptors the pickle
-    refers to (``reduction.DupFd``: pipes, sockets, files, shared tensors) are duplicated here and
-    replaced by their place in the list sent beside the pickle."""
+    refers to (``reduction.DupFd``: pipes, sockets, files, shared tensors) are listed, to be sent
+    beside the pickle, and replaced by their place in the list. As with spawn, they are not
+    duplicated: the objects pickled keep them open until the request is sent."""
 
     DupFd = _InheritedFd
 
@@ -135,34 +136,48 @@ class _Descriptors:
         self.fds: list[int] = []
 
     def duplicate_for_child(self, fd: int) -> int:
-        self.fds.append(os.dup(fd))
+        self.fds.append(fd)
         return len(self.fds) - 1
 
 
-def _send(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
-    socket.send_fds(sock, [_HEADER.pack(len(payload), len(fds))], fds)
+def _send(sock: socket.socket, payload, fds: list[int]) -> None:
+    """The header, the descriptors (in messages of at most _FDS_PER_MESSAGE, one byte each), the
+    pickle."""
+    sock.sendall(_HEADER.pack(len(payload), len(fds)))
+    for start in range(0, len(fds), _FDS_PER_MESSAGE):
+        socket.send_fds(sock, [b"F"], fds[start:start + _FDS_PER_MESSAGE])
     sock.sendall(payload)
 
 
-def _exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
-    data = bytearray(start)
+def _exactly(sock: socket.socket, size: int) -> bytes | None:
+    """`size` bytes; None if the host closed its end before the first."""
+    data = bytearray()
     while len(data) < size:
         chunk = sock.recv(min(size - len(data), 1 << 20))
         if not chunk:
+            if not data:
+                return None
             raise EOFError("the host closed the zygote's socket in the middle of a request")
         data += chunk
     return bytes(data)
 
 
 def _receive(sock: socket.socket):
-    """The next request (payload, descriptors), or None once the host has closed its end."""
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS + 1)
-    if not header and not fds:
+    """The next request (pickle, descriptors), or None once the host has closed its end."""
+    header = _exactly(sock, _HEADER.size)
+    if header is None:
         return None
-    size, count = _HEADER.unpack(_exactly(sock, _HEADER.size, header))
-    if len(fds) != count:
-        raise RuntimeError(f"zygote: {len(fds)} descriptors came with a request for {count}")
-    return _exactly(sock, size), fds
+    size, count = _HEADER.unpack(header)
+    fds: list[int] = []
+    while len(fds) < count:
+        data, received, _, _ = socket.recv_fds(sock, 1, _FDS_PER_MESSAGE)
+        if not data:
+            raise EOFError("the host closed the zygote's socket in the middle of a request")
+        fds += received
+    payload = _exactly(sock, size) if size else b""
+    if payload is None:
+        raise EOFError("the host closed the zygote's socket in the middle of a request")
+    return payload, fds
 
 
 # ---- the zygote process ------------------------------------------------------------------------
@@ -368,19 +383,17 @@ class Zygote:
             # changed since the zygote started), then the process
             reduction.dump(spawn.get_preparation_data(process_obj.name), buffer)
             reduction.dump(process_obj, buffer)
-            status_r, status_w = os.pipe()
-            try:
-                with self._lock:
-                    _send(self._socket, buffer.getbuffer(), [status_w, *descriptors.fds])
-            except BaseException:
-                os.close(status_r)
-                raise
-            finally:
-                os.close(status_w)
         finally:
             multiprocessing.context.set_spawning_popen(None)
-            for fd in descriptors.fds:
-                os.close(fd)
+        status_r, status_w = os.pipe()
+        try:
+            with self._lock:
+                _send(self._socket, buffer.getbuffer(), [status_w, *descriptors.fds])
+        except BaseException:
+            os.close(status_r)
+            raise
+        finally:
+            os.close(status_w)
         return ForkedProcess(status_r)
 
     def join(self, timeout: float | None) -> None:
