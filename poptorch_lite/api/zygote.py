@@ -9,8 +9,9 @@ just when the host is busiest (importing the export stack, compiling). The zygot
 exactly like such a worker, once, and then only forks: each accessor process is a fork of it, so it
 starts in milliseconds in the state a spawned worker would have (the script imported as
 ``__mp_main__``, no host threads, BLAS pools or Numba state, the collector paused, Ctrl-C
-ignored), and receives its target and arguments pickled as spawn pickles them, the descriptors
-they refer to (pipes, the dataset's file, shared tensors) passed beside them over a Unix socket.
+ignored). It receives what spawn would send it, pickled the same way (the host's preparation data,
+then the process object with its target and arguments), the descriptors they refer to (pipes,
+the dataset's file, shared tensors) passed beside them over a Unix socket.
 
 The zygote runs while an accessor it forked may: the host closes it when its last live accessor
 stops (and at exit); it also ends when the host dies, once the processes it forked (which watch
@@ -271,9 +272,9 @@ def _run_forked(payload: bytes, fds: list[int], selector, zygote_fds: list[int])
         for fd in (*zygote_fds, fds[0]):
             os.close(fd)
         _INHERITED[:] = fds[1:]
-        stream = io.BytesIO(payload)
-        spawn.prepare(pickle.load(stream))  # the host's sys.path, working directory, argv, ...
-        process_obj = pickle.load(stream)
+        request = io.BytesIO(payload)
+        spawn.prepare(pickle.load(request))  # the host's sys.path, working directory, argv, ...
+        process_obj = pickle.load(request)
         code = process_obj._bootstrap()  # pylint: disable=protected-access
     except BaseException:  # pylint: disable=broad-except
         traceback.print_exc()
