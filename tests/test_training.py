@@ -333,23 +333,3 @@ def test_the_mean_reduction_strategy_follows_the_accumulation_type(training, acc
     explicit = mean_reduction_options(poptorch.MeanReductionStrategy.Running, accumulation=1)
     assert poptorch.inferenceModel(net, explicit).options.Training.meanAccumulationAndReplicationReductionStrategy \
         == poptorch.MeanReductionStrategy.Running
-
-
-@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSprop", "LAMB"])
-def test_an_optimiser_is_built_with_the_collector_paused_and_restores_it(monkeypatch, name):
-    """Building the first optimiser imports torch._dynamo (about 130,000 lasting objects): the
-    collector waits until it is built, and is back on after (off if it was off)."""
-    import gc
-    seen = []
-    base = torch.optim.Optimizer.__init__
-    monkeypatch.setattr(torch.optim.Optimizer, "__init__",
-                        lambda self, *a, **k: (seen.append(gc.isenabled()), base(self, *a, **k))[1])
-    params = torch.nn.Linear(2, 2).parameters
-    getattr(poptorch.optim, name)(params())
-    assert seen == [False] and gc.isenabled()
-    gc.disable()
-    try:
-        getattr(poptorch.optim, name)(params())
-        assert not gc.isenabled()
-    finally:
-        gc.enable()

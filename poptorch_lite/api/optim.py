@@ -7,8 +7,6 @@ import torch
 
 from ipusim.ops import optim as dev
 
-from .collector import collection_paused
-
 POPTORCH_EXTRAS = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
                    "second_order_momentum_accum_type", "velocity_scaling", "use_combined_accum",
                    "max_grad_norm", "max_weight_norm", "bias_correction")
@@ -64,8 +62,7 @@ def mean_reduction_strategy(options, optimizer, training: bool):
 
 
 class _PoptorchOptimizer:
-    """Mixin: records PopTorch's extra arguments on every parameter group. Each optimiser is built
-    with the garbage collector paused: the first one imports torch._dynamo (collector.py)."""
+    """Mixin: records PopTorch's extra arguments on every parameter group."""
 
     def _poptorch_defaults(self, loss_scaling, accum_type, **extra):
         if loss_scaling is not None and not loss_scaling > 0:
@@ -80,7 +77,6 @@ class _PoptorchOptimizer:
 
 
 class SGD(_PoptorchOptimizer, torch.optim.SGD):
-    @collection_paused()
     def __init__(self, params, lr=0.01, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                  maximize=False, foreach=None, differentiable=False, loss_scaling=None, velocity_scaling=None,
                  use_combined_accum=None, accum_type=None, velocity_accum_type=None, max_grad_norm=None):
@@ -94,7 +90,6 @@ class SGD(_PoptorchOptimizer, torch.optim.SGD):
 
 
 class Adam(_PoptorchOptimizer, torch.optim.Adam):
-    @collection_paused()
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  loss_scaling=None, accum_type=None, first_order_momentum_accum_type=None,
@@ -109,7 +104,6 @@ class Adam(_PoptorchOptimizer, torch.optim.Adam):
 
 
 class AdamW(_PoptorchOptimizer, torch.optim.AdamW):
-    @collection_paused()
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  loss_scaling=None, bias_correction=True, accum_type=None, first_order_momentum_accum_type=None,
@@ -126,7 +120,6 @@ class AdamW(_PoptorchOptimizer, torch.optim.AdamW):
 
 
 class RMSprop(_PoptorchOptimizer, torch.optim.RMSprop):
-    @collection_paused()
     def __init__(self, params, lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                  foreach=None, maximize=False, differentiable=False, capturable=False, loss_scaling=None,
                  accum_type=None, first_order_momentum_accum_type=None, second_order_momentum_accum_type=None):
@@ -142,7 +135,6 @@ class RMSprop(_PoptorchOptimizer, torch.optim.RMSprop):
 class LAMB(_PoptorchOptimizer, torch.optim.Optimizer):
     """Layer-wise adaptive moments (You et al. 2019) with PopTorch's options."""
 
-    @collection_paused()
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, bias_correction=True,
                  loss_scaling=None, max_weight_norm=None, accum_type=None, first_order_momentum_accum_type=None,
                  second_order_momentum_accum_type=None):
