@@ -389,6 +389,8 @@ class Zygote:
         status_r, status_w = os.pipe()
         try:
             with self._lock:
+                if self._socket is None:  # closed by another thread since it was found running
+                    raise BrokenPipeError("the zygote was closed")
                 _send(self._socket, buffer.getbuffer(), [status_w, *descriptors.fds])
         except BaseException:
             os.close(status_r)
@@ -402,10 +404,13 @@ class Zygote:
 
     def close(self) -> None:
         """Ask it to stop (it ends once the processes it forked have ended) and wait a little."""
-        if self._socket is None or os.getpid() != self._owner:
+        if os.getpid() != self._owner:
             return
-        self._socket.close()
-        self._socket = None
+        with self._lock:
+            if self._socket is None:
+                return
+            self._socket.close()
+            self._socket = None
         self._process.join(5)
         if self._process.is_alive():
             self._process.terminate()
