@@ -649,7 +649,8 @@ class _EmulatorOptions(_OptionGroup):
     mode = _value("mode", "'fast' (default) or 'strict' (every tile mapping and exchange checked).")
     host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently, or 'auto' "
                                           "(default): one, or one per core (at most one per op of the widest "
-                                          "step), whichever a timed call of each finds faster.")
+                                          "step), whichever timed calls find faster (up to three pairs "
+                                          "when close).")
     pipeline_schedule = _value("pipeline_schedule", "The schedule a pipelined training model runs: 'PopTorch' "
                                                     "(default) or a kind of ipusim.schedules.TRAINING_KINDS.")
 
@@ -673,8 +674,8 @@ class _EmulatorOptions(_OptionGroup):
     def setHostThreads(self, threads) -> "_EmulatorOptions":
         """Run the emulated IPUs of one pipeline step on this many host threads, or "auto": after
         compiling, time one call on one thread and one on a thread per core this process may use
-        (at most one per op of the widest step), and keep the faster (see
-        poptorch_lite.runtime.step_threads)."""
+        (at most one per op of the widest step), up to three such pairs when they are close, and
+        keep the faster (see poptorch_lite.runtime.step_threads)."""
         self._set(host_threads=_host_threads("Emulator.setHostThreads", threads))
         return self
 
