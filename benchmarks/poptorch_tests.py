@@ -1,0 +1,167 @@
+"""PopTorch's own test suite, run against this project: the per-file table of what passes.
+
+PopTorch's tests (graphcore/poptorch `tests/*_test.py`) are kept outside this repository. Each
+file runs in its own pytest process with `import poptorch` resolving here
+(`-p poptorch_lite.pytest_plugin`) and PopTorch's own `--no-hw-tests`:
+
+    python benchmarks/poptorch_tests.py --tests ../poptorch/tests              # every file
+    python benchmarks/poptorch_tests.py --tests ../poptorch/tests --group ops  # the op files
+    python benchmarks/poptorch_tests.py --tests ../poptorch/tests loop_test.py if_test.py
+
+Tests that cannot apply to any emulator are left out (deselected), each with its reason, in
+`LEFT_OUT` below; docs/conformance.md gives the same list. The share printed at the end is
+passed / (collected - left out - skipped by PopTorch's own conditions), beside the left-out share
+of what was collected.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The op files (PopTorch's tests of single ops); the rest of `*_test.py` is the API.
+OPS = ("activations_test.py", "blas_test.py", "convs_test.py", "lstm_test.py", "gru_test.py", "rnn_test.py",
+       "losses_test.py", "norms_test.py", "pooling_and_padding_test.py", "reduce_ops_test.py",
+       "math_ops_test.py", "index_ops_test.py", "slice_test.py", "tensor_ops_test.py",
+       "random_sampling_test.py", "torch_nn_test.py", "misc_nn_layers_test.py", "other_ops_test.py")
+
+# node id prefix -> why no emulator can run it. Prefixes deselect every parametrisation.
+LEFT_OUT: dict[str, str] = {}
+
+
+@dataclass
+class FileResult:
+    name: str
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    left_out: int = 0
+    seconds: float = 0.0
+    note: str = ""
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def collected(self) -> int:
+        return self.passed + self.failed + self.errors + self.skipped + self.left_out
+
+    @property
+    def counted(self) -> int:
+        return self.passed + self.failed + self.errors
+
+
+def run_file(tests: str, name: str, timeout: float, extra: list[str]) -> FileResult:
+    result = FileResult(name)
+    with tempfile.TemporaryDirectory(prefix="poptorch_tests_") as tmp:
+        report = os.path.join(tmp, "report.xml")
+        counted = os.path.join(tmp, "left_out")
+        command = [sys.executable, "-m", "pytest", "-p", "poptorch_lite.pytest_plugin", "-p", "poptorch_tests",
+                   "-p", "no:cacheprovider", name, "--no-hw-tests", "-q", "-rN", f"--junitxml={report}",
+                   "-o", "junit_family=xunit1", *extra]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, HERE, os.environ.get("PYTHONPATH")))),
+               LEFT_OUT_COUNT: counted}
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            result.seconds = time.perf_counter() - start
+            result.note = f"timed out after {timeout:.0f} s"
+            return result
+        result.seconds = time.perf_counter() - start
+        if not os.path.exists(report):
+            result.note = f"pytest exit {done.returncode}: " + (done.stdout + done.stderr).strip().splitlines()[-1:][0]
+            return result
+        suite = ET.parse(report).getroot()
+        for case in suite.iter("testcase"):
+            nodeid = f"{name}::{case.get('name')}"
+            if case.find("skipped") is not None:
+                result.skipped += 1
+            elif case.find("failure") is not None:
+                result.failed += 1
+                result.failures.append(nodeid + ": " + _first_line(case.find("failure").get("message")))
+            elif case.find("error") is not None:
+                result.errors += 1
+                result.failures.append(nodeid + ": " + _first_line(case.find("error").get("message")))
+            else:
+                result.passed += 1
+        if os.path.exists(counted):
+            with open(counted, encoding="utf-8") as f:
+                result.left_out = int(f.read())
+    return result
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0][:200] if (text or "").strip() else ""
+
+
+# This module is also the pytest plugin of each file's run (`-p poptorch_tests`): it deselects the
+# tests in LEFT_OUT and writes how many it deselected to the file named by this variable.
+LEFT_OUT_COUNT = "POPTORCH_TESTS_LEFT_OUT_COUNT"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    left = [item for item in items if any(item.nodeid.startswith(p) for p in LEFT_OUT)]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if item not in left]
+    if os.environ.get(LEFT_OUT_COUNT):
+        with open(os.environ[LEFT_OUT_COUNT], "w", encoding="utf-8") as f:
+            f.write(str(len(left)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="*", help="test files to run (default: the group's files)")
+    p.add_argument("--tests", default=os.environ.get("POPTORCH_TESTS", os.path.join(ROOT, "..", "poptorch", "tests")),
+                   help="PopTorch's tests/ directory (or set POPTORCH_TESTS)")
+    p.add_argument("--group", choices=("all", "ops", "api"), default="all")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per file")
+    p.add_argument("--failures", action="store_true", help="list every failing test with its first message line")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: extra pytest arguments")
+    options = p.parse_args(argv)
+    tests = os.path.abspath(options.tests)
+    if not os.path.isfile(os.path.join(tests, "conftest.py")):
+        p.error(f"{tests} is not PopTorch's tests/ directory (no conftest.py): pass --tests DIR")
+    files = options.files or sorted(os.path.basename(f) for f in glob.glob(os.path.join(tests, "*_test.py")))
+    if not options.files and options.group != "all":
+        files = [f for f in files if (f in OPS) == (options.group == "ops")]
+    extra = [a for a in options.pytest_args if a != "--"]
+    results = []
+    for name in files:
+        r = run_file(tests, name, options.timeout, extra)
+        results.append(r)
+        print(f"{name:40s} {r.passed:5d} passed {r.failed:4d} failed {r.errors:4d} errors {r.skipped:4d} skipped "
+              f"{r.left_out:4d} left out  {r.seconds:7.1f} s {r.note}", flush=True)
+    total = FileResult("total")
+    for r in results:
+        for attr in ("passed", "failed", "errors", "skipped", "left_out", "seconds"):
+            setattr(total, attr, getattr(total, attr) + getattr(r, attr))
+    print()
+    print("| file | collected | passed | failed | errors | skipped (PopTorch's conditions) | left out | pass share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results + [total]:
+        share = f"{100 * r.passed / r.counted:.1f}%" if r.counted else "-"
+        print(f"| {r.name} | {r.collected} | {r.passed} | {r.failed} | {r.errors} | {r.skipped} | {r.left_out} | "
+              f"{share}{' ' + r.note if r.note else ''} |")
+    if total.collected:
+        print(f"\npassed {total.passed} of {total.counted} counted ({100 * total.passed / max(total.counted, 1):.1f}%); "
+              f"left out {total.left_out} of {total.collected} collected ({100 * total.left_out / total.collected:.1f}%); "
+              f"{total.seconds:.0f} s")
+    if options.failures:
+        for r in results:
+            for line in r.failures:
+                print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
