@@ -22,6 +22,7 @@ from .api.options import Options, TensorLocationSettings, setLogLevel
 # the user's script again) imports torch and what its dataset needs, not the emulator.
 _ON_FIRST_USE = {
     "optim": ("poptorch_lite.api.optim", None),
+    "poptorch_core": ("poptorch_lite.api.poptorch_core", None),
     **{name: ("poptorch_lite.api.strategies", name)
        for name in ("ParallelPhasedExecution", "Phase", "PipelinedExecution", "SerialPhasedExecution",
                     "ShardedExecution", "Stage", "StrategyError")},
