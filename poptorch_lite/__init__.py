@@ -6,6 +6,7 @@ ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profil
 """
 import importlib
 
+from .api import phases  # first: with IPUSIM_PHASES set it marks this process's start
 from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
@@ -37,7 +38,8 @@ def __getattr__(name: str):
     if name not in _ON_FIRST_USE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, attribute = _ON_FIRST_USE[name]
-    value = importlib.import_module(module)
+    with phases.phase(f"import-{module}"):
+        value = importlib.import_module(module)
     if attribute is not None:
         value = getattr(value, attribute)
     globals()[name] = value
@@ -49,6 +51,8 @@ def __dir__():
 
 
 __version__ = "0.1.0"
+
+phases.mark("import-poptorch_lite:end")
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",

@@ -40,7 +40,7 @@ from .arguments import parser_for
 from .batching import combined_batch_size
 from .enums import DataLoaderMode, SharingStrategy
 from .options import Options
-from . import zygote
+from . import phases, zygote
 
 logger = logging.getLogger("poptorch_lite")
 
@@ -613,6 +613,9 @@ class _Worker:
         self.carry = None
         self.exhausted = False
         self.sent = 0  # items sent in the current epoch
+        self.pulled = 0  # items taken from the source, all epochs (for the phase trace)
+        self.sent_total = 0
+        self.epochs = 0
         self.stopping = False
         self.start_parent = os.getppid()
 
@@ -644,7 +647,10 @@ class _Worker:
     def close(self) -> None:
         """Shut down the iterators of the source: a torch DataLoader joins its
         worker processes (persistent ones too) and releases their queues."""
-        iterators = (self.iterator, getattr(self.source, "_iterator", None))
+        torch_iterator = getattr(self.source, "_iterator", None)
+        phases.mark("accessor:close", epochs=self.epochs, pulled=self.pulled, sent=self.sent_total,
+                    dispatched=getattr(torch_iterator, "_send_idx", "-"))
+        iterators = (self.iterator, torch_iterator)
         self.iterator = None
         for iterator in iterators:
             shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -667,6 +673,8 @@ class _Worker:
         self.exhausted = False
         self.sent = 0
         self.epoch = epoch
+        self.epochs += 1
+        phases.mark("accessor:epoch", epoch=epoch)
         try:
             self.iterator = iter(self.source)
         except Exception as error:  # pylint: disable=broad-except
@@ -686,10 +694,12 @@ class _Worker:
         if self.ready:
             self.credits -= 1
             self.sent += 1
+            self.sent_total += 1
             self.data.send(("data", self.epoch, self.ready.popleft()))
         elif self.exhausted:
             finished = self.epoch
             self.data.send(("end", finished))
+            phases.mark("accessor:epoch-end", epoch=finished, sent=self.sent)
             # An empty epoch is not repeated by itself: it would spin.
             if self.settings.load_indefinitely and self.sent:
                 self.begin(finished + 1)
@@ -700,6 +710,7 @@ class _Worker:
         size = self.settings.rebatched_size
         try:
             item = next(self.iterator)
+            self.pulled += 1
         except StopIteration:
             self.exhausted = True
             if self.carry is not None and not self.settings.rebatched_drop_last:
@@ -833,6 +844,8 @@ def _serve(worker: "_Worker", payload, collector_paused: bool) -> None:
     # host: a thread watches it.
     threading.Thread(target=_watch_host, args=(worker.settings, worker.start_parent),
                      daemon=True, name="host watcher").start()
+    phases.ROLE = "accessor"
+    phases.mark("accessor:start")
     # One intra-op thread, as in torch's own DataLoader workers: this process
     # only loads, and a forked copy of a host that has run parallel torch ops
     # would hang in its first parallel region (the thread pool does not
@@ -850,6 +863,7 @@ def _serve(worker: "_Worker", payload, collector_paused: bool) -> None:
             gc.freeze()
             gc.enable()
         _start_loader_workers_as_the_host(payload, worker.settings.start_method)
+        phases.mark("accessor:dataset", workers=getattr(payload, "num_workers", 0))
     except Exception as error:  # pylint: disable=broad-except
         worker.data.send(("error", None, *_describe_exception(error)))
         return
@@ -881,6 +895,7 @@ def _worker_main(payload, data, commands, settings, collector_paused=False) -> N
             payload.close()
         worker.close()
         data.close()
+        phases.mark("accessor:exit")
 
 
 class _VerbatimMessage(str):
@@ -990,6 +1005,10 @@ class AsynchronousDataAccessor:
         self._broken = None
 
     def _start_worker(self, dataset, sharing_strategy) -> None:
+        with phases.phase("loader-start", strategy=sharing_strategy.name):
+            self._start_worker_process(dataset, sharing_strategy)
+
+    def _start_worker_process(self, dataset, sharing_strategy) -> None:
         context = multiprocessing.get_context(_START_METHODS[sharing_strategy])
         # Pipes, not queues: they need no semaphores, so nothing is left for
         # the resource tracker however either process ends.
@@ -1121,8 +1140,11 @@ class AsynchronousDataAccessor:
             if kind == "data":
                 self._holding = True
                 self._received += 1
+                if self._received == 1:
+                    phases.mark("loader:first-item", epoch=epoch)
                 return message[2]
             self._done = True
+            phases.mark("loader:epoch-end", epoch=epoch, received=self._received)
             if kind == "end":
                 # The worker goes on with the next epoch unless this one
                 # was empty (see _Worker.step).
@@ -1202,6 +1224,11 @@ class AsynchronousDataAccessor:
         _LIVE_ACCESSORS.discard(self)
         if os.getpid() != self._owner_pid:
             return  # a forked copy: the worker belongs to the original
+        with phases.phase("loader-terminate"):
+            self._stop(process)
+
+    def _stop(self, process) -> None:
+        """Ask the worker process to stop, then signal it if it does not."""
         if process.is_alive():
             try:
                 self._commands.send(("stop", ))

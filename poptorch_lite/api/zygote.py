@@ -194,6 +194,9 @@ def _serve(requests: socket.socket) -> None:
     """The zygote's loop: fork a process for each request and write its pid to the request's status
     pipe, then its exit code once reaped; stop once the host has closed its end and every process
     forked has been reaped."""
+    from . import phases  # (imported with the user's script, when it imports poptorch_lite)
+    phases.ROLE = "zygote"
+    phases.mark("zygote:ready")
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -252,6 +255,7 @@ def _serve(requests: socket.socket) -> None:
     # Done: end without the interpreter's teardown (torch's alone is 0.4 s), which the host, closing
     # the zygote with its last accessor, would wait for. The zygote holds nothing to clean up; the
     # processes it forked end the same way, as those of a fork server do.
+    phases.mark("zygote:exit")
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)

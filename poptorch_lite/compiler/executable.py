@@ -14,6 +14,7 @@ import torch
 import ipusim as ip
 from ipusim import schedules
 
+from ..api import phases
 from ..api.enums import Liveness
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
@@ -61,14 +62,17 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress)
     progress(15)
     schedule = build_schedule(placement, options, training)
+    phases.mark("compile:ir")
     try:
         executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
                                       optimizer, named_weights)
     except ip.OutOfMemoryError as error:
         raise model_out_of_memory(error, placement, placement.num_ipus) from None
     progress(35)
+    phases.mark("compile:lowered")
     executable.engine.load()
     progress(25)
+    phases.mark("compile:loaded")
     return executable
 
 
@@ -85,6 +89,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
                               downcast_to_half=options.Precision.downcasts_to_half)
     finally:
         model.train(was_training)
+    phases.mark("compile:captured")
     progress(15)
     ir, placement = to_ir(joint, options.execution_strategy)
     progress(10)

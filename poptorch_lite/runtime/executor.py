@@ -24,7 +24,7 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from ..api import arguments, batching
+from ..api import arguments, batching, phases
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api.errors import Error
@@ -250,7 +250,7 @@ class PoplarExecutor:
                                   for (_, t), plan in zip(call.tensors, plans)])
 
     def _compile(self, call: arguments.CallArguments) -> None:
-        with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
+        with phases.phase("compile", model=self._kind()), tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
             margs, mkwargs = self._micro_batch_args(call)
             executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
                                        self._optimizer if self._training else None, self._named_weights(),
@@ -421,8 +421,19 @@ class PoplarExecutor:
         self._executable = None
         self._is_attached = False
 
+    def _kind(self) -> str:
+        return "training" if self._training else "inference"
+
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        phases.mark("call:begin", model=self._kind())
+        try:
+            return self._call_device(args, kwargs)
+        finally:
+            phases.mark("call:end", model=self._kind())
+
+    def _call_device(self, args, kwargs):
+        """A call: compile on the first, then run the schedule and shape the outputs."""
         if self._options.connection_type == ConnectionType.Never:
             raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
