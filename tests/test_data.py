@@ -501,6 +501,58 @@ def test_early_preload_loads_before_iteration():
         assert [label.item() for _, label in acc] == list(range(10))
 
 
+class NoisyCounting(Counting):
+    """Sample i is (a draw of the loading worker's generator, tensor(i)): which
+    worker loads which batch, in which order, shows in the values."""
+
+    def __getitem__(self, index):
+        _, label = super().__getitem__(index)
+        return torch.rand(()), label
+
+
+def noisy_loader(dataset, **async_options):
+    return DataLoader(options(), dataset, batch_size=2, num_workers=4, shuffle=True,
+                      generator=torch.Generator().manual_seed(1), mode=DataLoaderMode.Async,
+                      async_options={**FORK, "buffer_size": 3, **async_options})
+
+
+def settled(counter, expected, timeout=5.0):
+    """The counter's value once it has reached `expected` (or `timeout`
+    passed) and then stayed put for a moment."""
+    deadline = time.monotonic() + timeout
+    while counter.value < expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    return counter.value
+
+
+def test_the_next_epoch_is_loaded_ahead_only_as_far_as_the_ring_buffer():
+    # Four workers would be handed eight batches as an epoch starts (prefetch
+    # factor 2): the epoch the worker begins by itself dispatches three, what
+    # the ring buffer holds, until the program iterates it.
+    dataset = NoisyCounting(40)
+    with noisy_loader(dataset) as loader:
+        first = [(x.tolist(), y.tolist()) for x, y in loader]
+        assert settled(dataset.loaded, 40 + 3 * 2) == 40 + 3 * 2
+        second = [(x.tolist(), y.tolist()) for x, y in loader]
+        assert settled(dataset.loaded, 80 + 3 * 2) == 80 + 3 * 2
+    # The items are those of a loader that loads nothing ahead: same batches,
+    # same workers, in the same order.
+    with noisy_loader(NoisyCounting(40), load_indefinitely=False) as loader:
+        assert [(x.tolist(), y.tolist()) for x, y in loader] == first
+        assert [(x.tolist(), y.tolist()) for x, y in loader] == second
+    assert sorted(flat(y for _, y in second)) == list(range(40))
+
+
+def test_early_preload_with_workers_loads_what_the_ring_buffer_holds():
+    dataset = NoisyCounting(40)
+    with noisy_loader(dataset, early_preload=True) as loader:
+        assert settled(dataset.loaded, 3 * 2) == 3 * 2
+        preloaded = [(x.tolist(), y.tolist()) for x, y in loader]
+    with noisy_loader(NoisyCounting(40)) as loader:
+        assert [(x.tolist(), y.tolist()) for x, y in loader] == preloaded
+
+
 @pytest.mark.parametrize("load_indefinitely", [True, False])
 def test_accessor_over_iterable_for_several_epochs(load_indefinitely):
     with AsynchronousDataAccessor(NumberedStream(7),

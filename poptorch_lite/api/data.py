@@ -591,14 +591,90 @@ def _describe_exception(error: BaseException) -> Tuple[Optional[bytes], str,
     return blob, type(error).__qualname__, text
 
 
+class _Meter:
+    """The sampler a DataLoader's workers get their batches from (its
+    ``_index_sampler``), metered while the program has not asked for the
+    epoch: an epoch the accessor began by itself (the next one, with
+    ``load_indefinitely``; the first, with ``early_preload``) dispatches only
+    as many batches as the ring buffer holds, PopTorch's bound on what is
+    loaded ahead. Unmetered, torch hands its workers ``prefetch_factor *
+    num_workers`` batches as an epoch starts: with 16 workers, the whole of a
+    15-item epoch, loaded whether or not the program ever reads it. Once the
+    program iterates the epoch, ``release`` dispatches the rest as torch
+    would have. Torch gives the k-th batch of an epoch to the next worker in
+    turn however late it is dispatched, so the items are the same.
+
+    Installed (``install``) on a map-style DataLoader with workers, the only
+    source whose iterator loads ahead of ``next()``."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.allowance: Optional[int] = None  # batches the epoch may dispatch
+        self.dispatched = 0
+        self.exhausted = False
+        self._indices = None
+
+    @staticmethod
+    def install(source) -> Optional["_Meter"]:
+        if not (isinstance(source, torch.utils.data.DataLoader) and source.num_workers > 0
+                and not isinstance(source.dataset, torch.utils.data.IterableDataset)
+                and hasattr(torch.utils.data.dataloader._MultiProcessingDataLoaderIter,  # pylint: disable=protected-access
+                            "_try_put_index")):
+            return None
+        name = "batch_sampler" if source.batch_sampler is not None else "sampler"
+        meter = _Meter(getattr(source, name))
+        # (a DataLoader refuses new samplers once built; this one is the accessor's own copy)
+        object.__setattr__(source, name, meter)
+        return meter
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> "_Meter":
+        """A new epoch (torch starts one with ``iter()`` of its sampler)."""
+        self.dispatched, self.exhausted = 0, False
+        self._indices = iter(self.sampler)
+        return self
+
+    def __next__(self):
+        if self.allowance is not None and self.dispatched >= self.allowance:
+            # held back (torch asks again after each batch it receives)
+            raise StopIteration
+        try:
+            indices = next(self._indices)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        self.dispatched += 1
+        return indices
+
+    def holds_back(self, pulled: int) -> bool:
+        """Whether every batch dispatched has been taken (``pulled``) while
+        the epoch is metered: torch would take the next ``next()`` for the
+        epoch's end."""
+        return self.allowance is not None and not self.exhausted and pulled >= self.dispatched
+
+    def release(self, iterator) -> None:
+        """The program iterates the epoch: dispatch as torch would have."""
+        self.allowance = None
+        limit = iterator._prefetch_factor * iterator._num_workers  # pylint: disable=protected-access
+        while not self.exhausted and iterator._tasks_outstanding < limit:  # pylint: disable=protected-access
+            before = self.dispatched
+            iterator._try_put_index()  # pylint: disable=protected-access
+            if self.dispatched == before:
+                break
+
+
 class _Worker:
     """The loop of the worker process.
 
     It loads items of the current epoch while it has credits (free ring
     buffer slots) and sends them tagged with the epoch id. The host sends
-    ``("start", epoch)``, ``("credit", n)`` and ``("stop",)``; a start for an
-    epoch the worker already runs (it starts the next epoch by itself when
-    ``load_indefinitely``) is ignored.
+    ``("start", epoch)`` whenever it iterates, ``("credit", n)`` and
+    ``("stop",)``. An epoch the worker begins by itself (the next one, with
+    ``load_indefinitely``) loads only what the ring buffer holds until the
+    host's start for it arrives (see ``_Meter``); a start for an epoch the
+    worker has gone past is ignored.
     """
 
     def __init__(self, source, data, commands, settings):
@@ -613,6 +689,8 @@ class _Worker:
         self.carry = None
         self.exhausted = False
         self.sent = 0  # items sent in the current epoch
+        self.pulled_in_epoch = 0  # items taken from the source in the current epoch
+        self.meter: Optional[_Meter] = None
         self.pulled = 0  # items taken from the source, all epochs (for the phase trace)
         self.sent_total = 0
         self.epochs = 0
@@ -620,12 +698,16 @@ class _Worker:
         self.start_parent = os.getppid()
 
     def run(self) -> None:
+        self.meter = _Meter.install(self.source)
         if self.settings.early_preload:
-            self.begin(0)
+            self.begin(0, requested=False)
         while not self.stopping:
-            # Sending "end" needs no credit; loading or sending an item does.
+            # Sending "end" needs no credit; loading or sending an item does,
+            # and loading one a metered epoch has not dispatched waits.
+            held_back = (not self.ready and self.meter is not None
+                         and self.meter.holds_back(self.pulled_in_epoch))
             can_step = self.epoch is not None and (
-                self.credits > 0 or (self.exhausted and not self.ready))
+                (self.credits > 0 and not held_back) or (self.exhausted and not self.ready))
             self.read_commands(wait=not can_step)
             if can_step and not self.stopping:
                 self.step()
@@ -664,17 +746,26 @@ class _Worker:
             self.credits += command[1]
         elif command[0] == "start":
             if self.epoch is None or command[1] > self.epoch:
-                self.begin(command[1])
+                self.begin(command[1], requested=True)
+            elif command[1] == self.epoch and self.meter is not None \
+                    and self.meter.allowance is not None and self.iterator is not None:
+                self.meter.release(self.iterator)
+                phases.mark("accessor:released", epoch=self.epoch, pulled=self.pulled_in_epoch)
 
-    def begin(self, epoch: int) -> None:
+    def begin(self, epoch: int, requested: bool) -> None:
+        """Start loading `epoch`; one the host has not asked for yet
+        (`requested` False) is metered (see _Meter)."""
         self.iterator = None  # let the previous iterator release its workers
         self.ready.clear()
         self.carry = None
         self.exhausted = False
         self.sent = 0
+        self.pulled_in_epoch = 0
         self.epoch = epoch
         self.epochs += 1
-        phases.mark("accessor:epoch", epoch=epoch)
+        phases.mark("accessor:epoch", epoch=epoch, requested=requested)
+        if self.meter is not None:
+            self.meter.allowance = None if requested else self.settings.buffer_size
         try:
             self.iterator = iter(self.source)
         except Exception as error:  # pylint: disable=broad-except
@@ -702,7 +793,7 @@ class _Worker:
             phases.mark("accessor:epoch-end", epoch=finished, sent=self.sent)
             # An empty epoch is not repeated by itself: it would spin.
             if self.settings.load_indefinitely and self.sent:
-                self.begin(finished + 1)
+                self.begin(finished + 1, requested=False)
             else:
                 self.epoch, self.iterator = None, None
 
@@ -711,6 +802,7 @@ class _Worker:
         try:
             item = next(self.iterator)
             self.pulled += 1
+            self.pulled_in_epoch += 1
         except StopIteration:
             self.exhausted = True
             if self.carry is not None and not self.settings.rebatched_drop_last:
@@ -1101,12 +1193,12 @@ class AsynchronousDataAccessor:
         if self._broken is not None:
             raise RuntimeError(self._broken)
         self._release()
-        if self._prefetched is not None:
+        if self._prefetched is not None:  # begun by the worker: it loads the rest now
             self._current, self._prefetched = self._prefetched, None
         else:
             self._last_started += 1
             self._current = self._last_started
-            self._send(("start", self._current))
+        self._send(("start", self._current))
         self._done = False
         self._received = 0
         return self
