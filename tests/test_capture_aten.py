@@ -325,6 +325,22 @@ def test_ops_table_lists_every_lowering():
     assert all(how for how in table.values())
 
 
+def test_the_decomposition_table_is_built_once_and_again_when_lowerings_change(monkeypatch):
+    import poptorch_lite.compiler.aten as aten_module
+    first, second = decompositions(), decompositions()
+    assert first == second and first is not second  # each caller gets its own copy of one table
+    assert aten_module._DECOMPOSITIONS[1] is not first
+    built = aten_module._DECOMPOSITIONS
+    assert decompositions() == first and aten_module._DECOMPOSITIONS is built
+    # an op that gains a lowering leaves the table
+    decomposed = torch.ops.aten.hardswish.default
+    assert decomposed in first
+    monkeypatch.setitem(aten_module.LOWERINGS, decomposed.overloadpacket, lambda c, x: x)
+    assert decomposed not in decompositions()
+    monkeypatch.delitem(aten_module.LOWERINGS, decomposed.overloadpacket)
+    assert decompositions().keys() == first.keys()  # rebuilt: torch makes new partials for its entries
+
+
 # ---- numbers: forward and gradients against PyTorch eager --------------------------------------------
 OPS = {
     "cat": (lambda a, b: torch.cat([a, b * 2], 1), [(3, 4), (3, 2)]),

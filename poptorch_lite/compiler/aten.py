@@ -1648,6 +1648,9 @@ def _embedding_backward(c, grad, idx, num_weights, padding_idx, scale_grad_by_fr
                  padding_idx=int(padding_idx))
 
 
+_DECOMPOSITIONS: tuple | None = None  # (what the table was built from, the table)
+
+
 def decompositions() -> dict:
     """What the capture decomposes: every op without a lowering of its own that PyTorch can
     decompose (the core ATen table, then torch._decomp's wider one; not the torch._refs entries
@@ -1655,7 +1658,19 @@ def decompositions() -> dict:
     (convolution, pooling, softmax, norms, dropout, NLL, embedding keep their fused ipusim kernels
     and estimators). BatchNorm's ``native_batch_norm`` becomes ``_native_batch_norm_legit``, whose
     schema declares the running-statistics update, so that functionalisation turns it into new
-    buffer values."""
+    buffer values.
+
+    Built once per process (the core table materialises every CompositeImplicitAutograd op torch
+    knows, tens of milliseconds) and again when ops, decompositions or lowerings have been added
+    since; each call gets its own copy."""
+    global _DECOMPOSITIONS  # pylint: disable=global-statement
+    built_from = (len(torch._C._dispatch_get_all_op_names()), len(decomposition_table), len(LOWERINGS))
+    if _DECOMPOSITIONS is None or _DECOMPOSITIONS[0] != built_from:
+        _DECOMPOSITIONS = (built_from, _decomposition_table())
+    return dict(_DECOMPOSITIONS[1])
+
+
+def _decomposition_table() -> dict:
     wider = {op: fn for op, fn in decomposition_table.items()
              if getattr(fn, "__module__", "").startswith("torch._decomp")}   # not torch._refs: prims
     table = {op: fn for op, fn in {**wider, **core_aten_decompositions()}.items()
