@@ -21,8 +21,11 @@ poptorch_lite/api/phases.py; the PyTorch twins write the same lines) and prints,
 median wall time from the process's launch and CPU time of each phase of the host process, then
 the CPU time of every process of the run (host, accessor zygote, accessors with their DataLoader
 workers). CPU times are the ones to compare on a busy machine; wall times only on a quiet one.
+`--one-thread` runs every side's compute on one thread (PyTorch's and BLAS's threads, the emulator's
+host threads): threads that spin while they wait for each other inflate CPU times several-fold on a
+busy machine, so this is the way to compare the work done there (not the wall times).
 
-    python benchmarks/end_to_end.py [--rows tutorial graphcore] [--repeats 5] [--phases]
+    python benchmarks/end_to_end.py [--rows tutorial graphcore] [--repeats 5] [--phases] [--one-thread]
 """
 from __future__ import annotations
 
@@ -382,8 +385,13 @@ def main() -> None:
     ap.add_argument("--graphcore-examples", default=None,
                     help="a checkout of graphcore/examples (default: $GRAPHCORE_EXAMPLES, else ../examples)")
     ap.add_argument("--phases", action="store_true", help="record and print the phase table of each row")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="compute on one thread on every side (to compare CPU times on a busy machine)")
     args = ap.parse_args()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
+    if args.one_thread:
+        env.update({name: "1" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                           "IPUSIM_BLAS_THREADS", "IPUSIM_HOST_THREADS")})
     load = os.getloadavg()[0]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -416,7 +424,8 @@ def main() -> None:
                 ours.append(run(ours_cmd, row_env, args.phases))
                 theirs.append(run(theirs_cmd, row_env, args.phases))
             results[name] = (ours, theirs)
-    print(f"one epoch and the test pass, median of {args.repeats}, {os.cpu_count()} cores, load average "
+    print(f"one epoch and the test pass{', compute on one thread' if args.one_thread else ''}, median of "
+          f"{args.repeats}, {os.cpu_count()} cores, load average "
           f"{load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end (wall times mean something only on a "
           "quiet machine):")
     for name, (ours, theirs) in results.items():

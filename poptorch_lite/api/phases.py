@@ -7,7 +7,8 @@ zygote, each accessor process) appends one line to FILE at each phase boundary::
 
 ``cpu`` is the process's own CPU time so far (user + system, all its threads), ``children`` that of
 its children it has reaped (an accessor's DataLoader workers once it has joined them, the zygote and
-its forks once the host has). Events are ``<phase>:begin`` / ``<phase>:end`` pairs or single marks;
+its forks once the host has), ``gc`` the CPU time Python's cyclic garbage collector has taken in
+this process and ``full`` its full collections (both since the trace began). Events are ``<phase>:begin`` / ``<phase>:end`` pairs or single marks;
 the keys count what a phase did (items loaded and sent, workers, ...). ``benchmarks/end_to_end.py
 --phases`` sets the variable and prints the table (docs/performance.md). Unset, nothing is written
 and each mark costs one test of a module global.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -35,7 +37,8 @@ def mark(event: str, **counts) -> None:
     t = os.times()
     extra = "".join(f" {key}={value}" for key, value in counts.items())
     line = (f"{time.time():.6f} {os.getpid()} {ROLE} {event} cpu={t.user + t.system:.3f} "
-            f"children={t.children_user + t.children_system:.3f}{extra}\n")
+            f"children={t.children_user + t.children_system:.3f} gc={_collector[0]:.3f} "
+            f"full={_collector[1]}{extra}\n")
     try:
         fd = os.open(PATH, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -44,6 +47,17 @@ def mark(event: str, **counts) -> None:
             os.close(fd)
     except OSError:
         pass  # a trace that cannot be written never stops the run
+
+
+_collector = [0.0, 0, 0.0]  # CPU s in collections, full collections, when the current one began
+
+
+def _time_collection(stage: str, info: dict) -> None:
+    if stage == "start":
+        _collector[2] = time.thread_time()
+    else:
+        _collector[0] += time.thread_time() - _collector[2]
+        _collector[1] += info["generation"] == 2
 
 
 @contextlib.contextmanager
@@ -70,6 +84,7 @@ def _started() -> None:
         mark("process", began=f"{began:.3f}")
     except (OSError, ValueError, IndexError):
         pass
+    gc.callbacks.append(_time_collection)
     # Exit handlers run last registered first: this one, registered on import, after the others.
     atexit.register(mark, "exit-handlers:end")
 
