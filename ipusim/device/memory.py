@@ -7,6 +7,11 @@ to the last, except that a `RemoteCopy` loading it from Streaming Memory starts 
 (the tensor's previous contents are dead): a tensor kept off chip occupies tiles only between
 its load and its last use. The peak of a tile is the most bytes live on it at any superstep.
 Remote buffers are reported as off-chip bytes per IPU, outside tile memory.
+
+Kinds: every byte of a tile's peak belongs to one kind (`KINDS`): its tensor's category, except
+that temporaries an on-chip exchange (`Copy`) fills are `exchange_buffers` (an op's operands
+gathered to the tiles that use them), plus vertex state and code. `peak_by_kind` splits each
+tile's peak this way at the superstep where the tile peaks, so the kinds add up to the peak.
 Estimates not published by Graphcore: vertex state = 8 bytes per field (pointer and size) +
 4 bytes per parameter; code = CODELET_BYTES per distinct codelet on a tile (the instantiations of
 a templated codelet, such as the matmul partials vertex for its operand layouts, count once).
@@ -22,6 +27,8 @@ from .target import Target
 from .mapping import tile_counts
 from .tensor import Variable
 
+KINDS = ("weights", "activations", "stashed_activations", "optimiser_state", "gradients", "accumulators",
+         "exchange_buffers", "temporaries", "constants", "host_io", "other", "vertex_state", "code")
 CODELET_BYTES = 256
 FIELD_BYTES = 8
 PARAM_BYTES = 4
@@ -40,6 +47,11 @@ class MemoryReport:
     tensors: dict[str, np.ndarray] = field(repr=False)  # tensor name -> bytes per tile
     liveness: np.ndarray = field(repr=False, default=None)  # live not-always-live bytes per superstep
     off_chip_bytes: int = 0                                  # remote buffers in Streaming Memory
+    peak_by_kind: dict[str, np.ndarray] = field(repr=False, default_factory=dict)  # KINDS -> bytes per tile
+    peak_superstep: np.ndarray = field(repr=False, default=None)   # per tile: where it peaks (-1: nothing live)
+    kinds: dict[str, str] = field(repr=False, default_factory=dict)          # tensor name -> kind
+    live_ranges: dict[str, list] = field(repr=False, default_factory=dict)   # tensor name -> [first, last]
+                                                                             # supersteps (absent: always live)
 
     @property
     def peak(self) -> np.ndarray:
@@ -61,6 +73,21 @@ class MemoryReport:
     def largest_tensors(self, tile: int, n: int = 3) -> list[tuple[str, int]]:
         rows = [(name, int(b[tile])) for name, b in self.tensors.items() if b[tile]]
         return sorted(rows, key=lambda r: -r[1])[:n]
+
+    def is_live(self, name: str, superstep: int) -> bool:
+        """Whether the tensor occupies its tiles at `superstep` (always-live tensors always do)."""
+        ranges = self.live_ranges.get(name)
+        return ranges is None or any(first <= superstep <= last for first, last in ranges)
+
+    def live_tensors(self, superstep: int, tile: int | None = None) -> list[tuple[str, str, int]]:
+        """(name, kind, bytes) of the tensors live at `superstep`, on `tile` or on all tiles,
+        largest first; always-live tensors included."""
+        rows = []
+        for name, b in self.tensors.items():
+            nbytes = int(b[tile]) if tile is not None else int(b.sum())
+            if nbytes and self.is_live(name, superstep):
+                rows.append((name, self.kinds.get(name, "other"), nbytes))
+        return sorted(rows, key=lambda r: (-r[2], r[0]))
 
     def summary(self) -> str:
         cap = self.target.bytes_per_ipu
@@ -117,35 +144,59 @@ def live_ranges(steps: list[Program]) -> dict[int, list[list[int]]]:
     return ranges
 
 
+def kind_of(var: Variable, exchanged: set[int]) -> str:
+    """The kind (KINDS) of a variable's bytes: its category, or `exchange_buffers` for a
+    temporary that an on-chip exchange fills."""
+    return "exchange_buffers" if var.category == "temporaries" and var.id in exchanged else var.category
+
+
 def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
     """One report per IPU graph for the given programs."""
     steps = [s for p in programs for s in supersteps(p)]
     ranges = live_ranges(steps)
+    exchanged = {s.dst.var.id for s in steps if isinstance(s, Copy)}
     reports = []
     for g in graphs:
         n = g.target.num_tiles
         zero = lambda: np.zeros(n, dtype=np.int64)  # noqa: E731
         always, by_cat, per_tensor = zero(), {}, {}
+        kinds, tensor_ranges = {}, {}
+        by_kind = {k: zero() for k in KINDS}
         starts: dict[int, list[np.ndarray]] = {}
         ends: dict[int, list[np.ndarray]] = {}
         for v in g.variables:
             b = tile_bytes(v, n)
             per_tensor[v.name] = b
+            kinds[v.name] = kind_of(v, exchanged)
             by_cat[v.category] = by_cat.get(v.category, zero()) + b
             if v.always_live:
                 always += b
+                by_kind[kinds[v.name]] += b
             else:
+                tensor_ranges[v.name] = [tuple(r) for r in ranges.get(v.id, ())]
                 for first, last in ranges.get(v.id, ()):
                     starts.setdefault(first, []).append(b)
                     ends.setdefault(last, []).append(b)
         live, peak, curve = zero(), zero(), []
+        peak_at = np.full(n, -1, dtype=np.int64)
         for i in range(len(steps)):
             for b in starts.get(i, ()):
                 live += b
-            np.maximum(peak, live, out=peak)
+            if i in starts:
+                higher = live > peak
+                peak_at[higher] = i
+                peak[higher] = live[higher]
             curve.append(int(live.sum()))
             for b in ends.get(i, ()):
                 live -= b
+        # the not-always-live tensors live at each tile's peak, by kind
+        for v in g.variables:
+            if v.always_live:
+                continue
+            b = per_tensor[v.name]
+            for first, last in tensor_ranges[v.name]:
+                at_peak = (peak_at >= first) & (peak_at <= last)
+                by_kind[kinds[v.name]] += np.where(at_peak, b, 0)
         state, code = zero(), zero()
         on_tiles: dict[int, np.ndarray] = {}  # codelet -> tiles running at least one of its vertices
         for cs in g.compute_sets:
@@ -157,9 +208,11 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         for used in on_tiles.values():
             code += CODELET_BYTES * used
         by_cat["vertex_state"], by_cat["code"] = state, code
+        by_kind["vertex_state"], by_kind["code"] = state, code
         off_chip = sum(b.nbytes * b.repeats for b in g.remote_buffers.values())
         reports.append(MemoryReport(g.ipu, g.target, always, peak, state, code, by_cat, per_tensor,
-                                    np.asarray(curve, dtype=np.int64), off_chip))
+                                    np.asarray(curve, dtype=np.int64), off_chip, by_kind, peak_at, kinds,
+                                    tensor_ranges))
     return reports
 
 
