@@ -274,6 +274,8 @@ class Lowerer:
                 self.env[n] = self.const(t.detach().cpu().numpy(), np_dtype(t.dtype))
             elif n.op == "call_function":
                 self.template = self.sites[n].template()
+                self.template.aten = str(n.target)
+                self.template.module = getattr(annotation_of(n), "module", "")
                 self.env[n] = self.call(n)
             elif n.op == "output":
                 self.finish(list(n.args[0]))

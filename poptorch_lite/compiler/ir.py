@@ -54,6 +54,8 @@ class Node:
     phase: int | None = None
     pass_: str = "fwd"
     source: str = ""
+    aten: str = ""                # the ATen op the node was lowered from ("aten.convolution.default")
+    module: str = ""              # the module that made the call ("model.layer1.conv (Conv2d)")
 
     def __repr__(self):
         attrs = ", ".join(f"{k}={v}" for k, v in self.attrs.items())
@@ -80,7 +82,7 @@ class IRGraph:
         node = Node(op, list(inputs), outs, attrs)
         if like is not None:
             node.block, node.stage, node.ipu, node.phase = like.block, like.stage, like.ipu, like.phase
-            node.pass_, node.source = like.pass_, like.source
+            node.pass_, node.source, node.aten, node.module = like.pass_, like.source, like.aten, like.module
         for v in outs:
             v.producer = node
         self.nodes.append(node)

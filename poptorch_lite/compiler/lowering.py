@@ -63,6 +63,10 @@ class StageProgram:
     inputs: list[tuple[str, int]] = field(default_factory=list)   # (stream name, model input index)
     output_streams: list[tuple[str, int]] = field(default_factory=list)  # (stream name, output index)
     weight_views: dict[int, list[Node]] = field(default_factory=dict)    # value id -> views of a weight taken here
+    op_spans: list[tuple] = field(default_factory=list)
+    """(node, first, end, first variable, end variable) per node: the programs `first:end` of the
+    body sequence and the variables `first variable:end variable` of the IPU's graph its lowering
+    made (what a profile's operations table reports)."""
 
     @property
     def name(self) -> str:
@@ -334,7 +338,9 @@ class Lowering:
             if lower is None:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
             ctx.name = f"{self.prefix}{sp.name}/{n.op}"
+            first, first_var = len(body.programs), len(g.variables)
             outs = lower(ctx, n, ins)
+            sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
             for v, t in zip(n.outputs, outs):
                 if t is not None:
                     self.tensors[(v.id, key)] = t
