@@ -200,7 +200,7 @@ def test_validation_names_what_is_wrong():
     with pytest.raises(prof.ProfileError, match=r"steps\[0\]: missing required field 'cycles'") as error:
         prof.validate(broken)
     assert "supersteps[0].count: -1 is below the minimum 0" in str(error.value)
-    with pytest.raises(prof.ProfileError, match="reads version 2; the file has version 99"):
+    with pytest.raises(prof.ProfileError, match="reads versions 2 and 3; the file has version 99"):
         prof.validate({**doc, "version": 99})
 
 

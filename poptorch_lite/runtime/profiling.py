@@ -82,6 +82,37 @@ def settings_of(executor) -> dict:
             "mode": opts.Emulator.mode, "strategy": type(opts.execution_strategy).__name__}
 
 
+def operations(exe) -> list[dict]:
+    """Every op of the compiled model (replica 0) as the profile's `operations` table: the ATen op,
+    source line and module it came from, its block, stage, IPU and pass, the static cycles of the
+    programs its lowering made on its IPU (per run), the bytes its exchanges move, the tile
+    memory of the tensors it made (outputs and temporaries, summed over tiles, live or not) and
+    the tiles its vertices run on."""
+    engine = exe.engine
+    reports = {r.ipu: r for r in engine.memory}
+    rows = []
+    for sp in exe.lowering.stage_programs.values():
+        body = engine.programs[sp.body]
+        graph = engine.device.graphs[sp.ipu]
+        tensors = reports[sp.ipu].tensors
+        for node, first, end, first_var, end_var in sp.op_spans:
+            busy, moved, tiles = ip.Cycles(), 0, []
+            for p in body.programs[first:end]:
+                cost = engine.cost(p)
+                busy = busy + cost.per_ipu.get(sp.ipu, ip.Cycles())
+                moved += cost.exchange_bytes
+                tiles += [t.tiles for q in walk(p) if isinstance(q, Execute) for t in q.compute_set.tables]
+            made = sum(int(tensors[v.name].sum()) for v in graph.variables[first_var:end_var] if v.name in tensors)
+            rows.append({"name": node.outputs[0].name if node.outputs else node.op, "op": node.op, "aten": node.aten,
+                         "source": node.source, "module": node.module,
+                         "block": None if node.block is None else str(node.block), "stage": node.stage,
+                         "ipu": sp.ipu, "pass": node.pass_, "cycles": busy.total, "compute": busy.compute,
+                         "exchange": busy.exchange, "sync": busy.sync, "inter_ipu": busy.inter_ipu,
+                         "host": busy.host, "exchange_bytes": moved, "bytes": made,
+                         "tiles": int(np.unique(np.concatenate(tiles)).size) if tiles else 0})
+    return rows
+
+
 def model_profile(executor, name: str) -> ipprofile.StaticProfile:
     """StaticProfile of a compiled model: engine memory and programs, schedule, stages, blocks."""
     exe = executor._executable
@@ -95,7 +126,7 @@ def model_profile(executor, name: str) -> ipprofile.StaticProfile:
         notes.append(f"no balance advice: {error}")
     return ipprofile.static_profile(name, exe.engine, source="poptorch_lite", schedule=exe.schedule,
                                     stages=stage_infos(exe.placement), blocks=blocks,
-                                    settings=settings_of(executor), notes=notes)
+                                    settings=settings_of(executor), notes=notes, operations=operations(exe))
 
 
 # =========================================================================================
@@ -286,7 +317,7 @@ def what_if(executor, *, target: str | ip.Target | None = None, split: list[list
     static = ipprofile.static_profile(
         name, est.engine, source="poptorch_lite", schedule=est.schedule,
         stages=[ipprofile.StageInfo(k, k, [b for b in names if stage_of[b] == k]) for k in stages],
-        settings=settings_of(executor), estimated=True, notes=notes)
+        settings=settings_of(executor), estimated=True, notes=notes, operations=operations(est))
     rec = ipprofile.Recording(static.num_ipus)
     rec.add(_simulated_call(executor, est))
     if directory is not None:
