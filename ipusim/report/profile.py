@@ -1,5 +1,5 @@
-"""Profiles of executed programs: the data behind profile.json, trace.json, the charts and the
-end-of-run summary (see docs/profile-schema.md for the document).
+"""Profiles of executed programs: the data behind profile.json, trace.json, the charts, the page and
+the end-of-run summary (see docs/profile-schema.md for the document).
 
 A profile joins what compiling knows (memory per tile, the static cycles of every program, the
 schedule) with what running did (the steps executed, each a list of program runs with their
@@ -1175,9 +1175,11 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def write_profile(directory: str, static: StaticProfile, rec: Recording, *, trace: bool = True,
-                  charts: bool = True, cost_of=None) -> tuple[dict, list[str], list[str]]:
-    """Write profile.json (and trace.json, and the PNG charts) into `directory`. Returns the
-    document, the files written and messages (e.g. charts skipped without matplotlib)."""
+                  charts: bool = True, page: bool = True, advice: Callable[[dict], str | None] | None = None,
+                  cost_of=None) -> tuple[dict, list[str], list[str]]:
+    """Write profile.json (and trace.json, the PNG charts and the page, profile.html) into
+    `directory`; `advice(doc)` gives the balance advice the page shows. Returns the document,
+    the files written and messages (e.g. charts skipped without matplotlib)."""
     os.makedirs(directory, exist_ok=True)
     doc = build_profile(static, rec)
     files, messages = [], []
@@ -1194,6 +1196,10 @@ def write_profile(directory: str, static: StaticProfile, rec: Recording, *, trac
             files += write_charts(doc, directory)
         except ChartsUnavailable as why:
             messages.append(str(why))
+    if page:
+        from .page import PAGE_NAME, write_page
+        files.append(write_page(os.path.join(directory, PAGE_NAME), [(static.name, doc)],
+                                advice=[advice(doc) if advice is not None else None]))
     return doc, files, messages
 
 
@@ -1201,8 +1207,8 @@ class ProfileSession:
     """Collects calls for one compiled program and writes its profile into `directory`.
 
     `write_early()` writes profile.json and trace.json once the traced calls are in; `finish()`
-    writes everything (profile with the totals of all calls, trace, charts) and prints the
-    summary. `finish` runs once: at the end of the owner's life (a weakref finalizer, which also
+    writes everything (profile with the totals of all calls, trace, charts, the page) and prints
+    the summary. `finish` runs once: at the end of the owner's life (a weakref finalizer, which also
     runs at interpreter exit) or when called."""
 
     def __init__(self, directory: str, static: StaticProfile, *, trace_calls: int = 1, cost_of=None,
@@ -1220,7 +1226,7 @@ class ProfileSession:
         self.recording.add(steps)
 
     def write_early(self) -> None:
-        _, self.files, _ = write_profile(self.directory, self.static, self.recording, charts=False,
+        _, self.files, _ = write_profile(self.directory, self.static, self.recording, charts=False, page=False,
                                          cost_of=self.cost_of)
 
     def finish(self) -> str | None:
@@ -1231,17 +1237,21 @@ class ProfileSession:
         self.finished = True
         if not self.recording.calls:
             return None
+        advice: list[str] = []
+
+        def advise(doc: dict) -> str | None:     # once, for the page and the summary
+            advice.append(self.advice(doc) if self.advice is not None else "")
+            return advice[-1] or None
+
         try:
-            doc, self.files, messages = write_profile(self.directory, self.static, self.recording,
+            doc, self.files, messages = write_profile(self.directory, self.static, self.recording, advice=advise,
                                                       cost_of=self.cost_of)
         except OSError as error:
             self.echo(f"Profiling: could not write the profile to {self.directory}: {error}")
             return None
         text = summary(doc)
-        if self.advice is not None:
-            advice = self.advice(doc)
-            if advice:
-                text += "\n" + advice
+        if advice and advice[0]:
+            text += "\n" + advice[0]
         text += f"\nProfile written to {self.directory}: " + ", ".join(os.path.basename(f) for f in self.files)
         for m in messages:
             text += f"\n{m}"

@@ -7,18 +7,23 @@ record of every call. Files go to DIR/<model name> (Options.modelName, else "tra
 
 - after the first call: profile.json and trace.json (so a profile exists as soon as one call ran);
 - when the model is destroyed or garbage collected, or the process exits (once): profile.json
-  again with the totals of every call, trace.json, the PNG charts, and the summary printed.
+  again with the totals of every call, trace.json, the PNG charts, the page (profile.html), and
+  the summary printed.
 
 The profile itself is ipusim's (ipusim.report.profile); this module adds what only the compiler knows:
-stages and their blocks, the block table behind the balance advice, and re-lowering the model
-for estimates on another target or another split without running it.
+stages and their blocks, the ops with the ATen op and source line each came from, the block table
+behind the balance advice, and re-lowering the model for estimates on another target or another
+split without running it.
 """
 from __future__ import annotations
 
 import copy
 import os
 
+import numpy as np
+
 import ipusim as ip
+from ipusim.device.program import Execute, walk
 from ipusim.report import advisor
 from ipusim.report import profile as ipprofile
 
