@@ -24,7 +24,7 @@ from ipusim.report import browser, cli, page
 from ipusim.report import profile as prof
 from large_profile import scaled_profile
 from poptorch_lite.runtime import profiling
-from test_profile import BATCH, tutorial_training
+from test_profile import BATCH, tutorial_training, two_ipu_engine
 
 CHROMIUM = browser.find_chromium()
 needs_browser = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium to run the page in: install it (Debian: "
@@ -313,6 +313,23 @@ def test_each_view_draws_without_errors_or_requests(profiled, tab):
         tab.evaluate("document.getElementById('view-liveness').innerText")
     assert tab.errors() == []
     assert set(tab.requests()) == {"file://" + path}      # the page itself, nothing else
+
+
+@needs_browser
+def test_page_of_plain_engine_runs(tab, tmp_path, capsys):
+    engine = two_ipu_engine(str(tmp_path))
+    for _ in range(2):
+        engine.run(0)
+        engine.run(1)
+    engine.close()                                   # writes the files, the page among them
+    path = str(tmp_path / page.PAGE_NAME)
+    for view in VIEWS:
+        tab.open("about:blank")
+        opened(tab, path, view)
+    assert "its programs instead" in tab.evaluate("document.getElementById('view-operations').innerText")
+    tab.evaluate("ipusimPage.show('execution')")
+    assert tab.evaluate("document.querySelector('canvas.timeline').dataset.steps") == "4"      # every run in sight
+    assert tab.errors() == []
 
 
 @needs_browser

@@ -463,9 +463,9 @@
       stage = P.col("op.stage"), micro = P.col("op.micro_batch"), total = P.busyTotal, label = P.col("step.label");
     st.view = st.view || firstGroup();
     function firstGroup() {    // the first gradient-accumulation group of the first call (at most 80 steps), as the tutorial's figure
-      const group = P.col("step.group"), call = P.col("step.call");
+      const group = P.col("step.group"), call = P.col("step.call"), scheduled = !!P.meta.execution.schedule;
       let last = 0;
-      while (last + 1 < S && last + 1 < 80 && call[last + 1] === call[0] && group[last + 1] === group[0]) last++;
+      while (last + 1 < S && last + 1 < 80 && (!scheduled || (call[last + 1] === call[0] && group[last + 1] === group[0]))) last++;
       return [0, last + 1 >= S ? P.end : P.stepEnd[last]];
     }
     const width = columnWidth(), left = 58, rowH = I <= 8 ? 26 : I <= 16 ? 18 : 12, axisH = 20;
@@ -476,8 +476,9 @@
       h("button", {type: "button", text: "\u2212", title: "zoom out", onclick: () => zoom(2)}),
       h("button", {type: "button", text: "+", title: "zoom in", onclick: () => zoom(0.5)}),
       h("button", {type: "button", text: "whole run", onclick: () => setView(0, P.end)}),
-      h("button", {type: "button", text: "first group", onclick: () => setView(...firstGroup())}), " ", info),
-      h("div", {class: "legend"}, [1, 2, 3, 4, 5, 0].filter((k) => hasKind(k)).map((k) => h("span", {class: "key"}, swatch(OP_COLOURS[k]), OP_NAMES[k])),
+      P.meta.execution.schedule && h("button", {type: "button", text: "first group", onclick: () => setView(...firstGroup())}), " ", info),
+      h("div", {class: "legend"}, [1, 2, 3, 4, 5, 0].filter((k) => hasKind(k)).map((k) => h("span", {class: "key"}, swatch(OP_COLOURS[k]),
+        k || P.meta.execution.schedule ? OP_NAMES[k] : "program run")),
         h("span", {class: "key muted", text: "box: busy time of the IPU in the step; blank: idle (wait or bubble)"})));
     function hasKind(k) { for (let j = 0; j < kind.length; j++) if (kind[j] === k) return true; return k === 0 && !kind.some((x) => x); }
     const [ov, octx] = canvas(width, 26, "overview");
