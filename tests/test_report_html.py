@@ -237,7 +237,8 @@ def test_payload_columns_are_the_profiles_figures(profiled):
         for j, s in enumerate(steps):
             for b in s["busy"]:
                 expected[j, b["ipu"]] = b[kind]
-        assert (cols[f"busy.{kind}"].reshape(len(steps), n) == expected).all()
+        assert (cols[f"row.busy.{kind}"][cols["step_ipu.row"]].reshape(len(steps), n) == expected).all()
+    assert len(cols["row.live"]) == meta["steps"]["rows"] < len(steps) * n     # rows repeat: each kept once
     for j, s in enumerate(steps):
         kinds = cols["op.kind"].reshape(len(steps), n)[j]
         assert {o["ipu"]: o["kind"] for o in s["ops"]} == {i: page.OP_KINDS[k] for i, k in enumerate(kinds) if k}

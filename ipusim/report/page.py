@@ -123,11 +123,14 @@ def _steps(doc: dict, cols: Columns, strings: Strings) -> dict:
     group = np.full(s_count, -1, np.int64)
     critical = np.full(s_count, -1, np.int64)
     label = np.zeros(s_count, np.int64)
-    busy = {k: np.zeros(s_count * n, np.float64) for k in BUSY_KINDS}
     kind = np.zeros(s_count * n, np.int64)
     stage = np.full(s_count * n, -1, np.int64)
     micro = np.full(s_count * n, -1, np.int64)
-    live = np.zeros(s_count * n, np.float64)
+    # An IPU's busy cycles and live bytes in a step follow from the programs it ran, which repeat
+    # from micro-batch to micro-batch: each distinct row of them once, and per step and IPU its row.
+    rows: dict[tuple, int] = {}
+    row = np.zeros(s_count * n, np.int64)
+    idle = (0,) * len(BUSY_KINDS)
     codes = {k: i for i, k in enumerate(OP_KINDS)}
     for j, s in enumerate(steps):
         start[j], cycles[j], call[j], index[j] = s["start_cycle"], s["cycles"], s["call"], s["index"]
@@ -138,10 +141,10 @@ def _steps(doc: dict, cols: Columns, strings: Strings) -> dict:
         if not s["ops"]:
             label[j] = strings(s["label"])
         base = j * n
-        for b in s["busy"]:
-            k = base + b["ipu"]
-            for name in BUSY_KINDS:
-                busy[name][k] = b.get(name, 0)
+        busy = {b["ipu"]: tuple(b.get(name, 0) for name in BUSY_KINDS) for b in s["busy"]}
+        live = {b["ipu"]: b["bytes"] for b in s["live_bytes"]}
+        for i in range(n):
+            row[base + i] = rows.setdefault(busy.get(i, idle) + (live.get(i, 0),), len(rows))
         for op in s["ops"]:
             k = base + op["ipu"]
             if kind[k]:
@@ -149,15 +152,15 @@ def _steps(doc: dict, cols: Columns, strings: Strings) -> dict:
             kind[k] = codes.get(op["kind"], 0)
             stage[k] = -1 if op["stage"] is None else op["stage"]
             micro[k] = -1 if op["micro_batch"] is None else op["micro_batch"]
-        for lb in s["live_bytes"]:
-            live[base + lb["ipu"]] = lb["bytes"]
     for name, values in (("step.start", start), ("step.cycles", cycles), ("step.call", call), ("step.index", index),
                          ("step.group", group), ("step.critical", critical), ("step.label", label),
-                         ("op.kind", kind), ("op.stage", stage), ("op.micro_batch", micro), ("step.live", live)):
+                         ("op.kind", kind), ("op.stage", stage), ("op.micro_batch", micro), ("step_ipu.row", row)):
         cols.add(name, values)
-    for name in BUSY_KINDS:
-        cols.add(f"busy.{name}", busy[name])
-    return {"count": s_count, "op_kinds": list(OP_KINDS), "busy_kinds": list(BUSY_KINDS)}
+    table = np.array(list(rows), dtype=np.float64).reshape(len(rows), len(BUSY_KINDS) + 1)
+    for c, name in enumerate(BUSY_KINDS):
+        cols.add(f"row.busy.{name}", table[:, c])
+    cols.add("row.live", table[:, len(BUSY_KINDS)])
+    return {"count": s_count, "op_kinds": list(OP_KINDS), "busy_kinds": list(BUSY_KINDS), "rows": len(rows)}
 
 
 def _operations(doc: dict, cols: Columns, strings: Strings) -> dict:
@@ -184,9 +187,12 @@ def payload(doc: dict, advice: str | None, label: str) -> bytes:
         "num_ipus": doc["num_ipus"], "settings": doc["settings"], "model_error": doc.get("model_error") or [],
         "advice": advice, "blocks": (doc.get("blocks") or {}).get("names"),
         "execution": {k: v for k, v in ex.items() if k != "steps"},
-        "programs": [{"name": p["name"], "cycles": p["cycles"], "per_ipu": p["per_ipu"],
+        # the programs' names (liveness names them); their costs only where the page lists
+        # programs in place of the operations
+        "programs": [{"name": p["name"], **({} if doc.get("operations") else {
+                      "cycles": p["cycles"], "per_ipu": [[c["ipu"], c["total"]] for c in p["per_ipu"]],
                       "exchange_bytes": p["exchange_bytes"], "inter_ipu_bytes": p["inter_ipu_bytes"],
-                      "host_bytes": p["host_bytes"]} for p in doc["programs"]],
+                      "host_bytes": p["host_bytes"]})} for p in doc["programs"]],
         "memory": _memory(doc, cols),
         "steps": _steps(doc, cols, strings),
         "operations": _operations(doc, cols, strings),

@@ -133,9 +133,13 @@
     P.letter = PAGE.profiles > 1 ? "AB"[index] : "";
     P.I = meta.num_ipus; P.mem = meta.memory; P.T = meta.memory.tiles; P.S = meta.steps.count;
     P.clock = meta.target.clock_hz;
-    const I = P.I, S = P.S, total = new Float64Array(S * I);
-    for (const k of meta.steps.busy_kinds) { const c = cols["busy." + k]; for (let j = 0; j < S * I; j++) total[j] += c[j]; }
+    // per step and IPU (index j * I + i): busy cycles of each kind, their total, live bytes
+    const I = P.I, S = P.S, row = cols["step_ipu.row"], total = new Float64Array(S * I);
+    const expand = (table) => { const out = new Float64Array(S * I); for (let j = 0; j < S * I; j++) out[j] = table[row[j]]; return out; };
+    P.busy = {};
+    for (const k of meta.steps.busy_kinds) { const c = P.busy[k] = expand(cols["row.busy." + k]); for (let j = 0; j < S * I; j++) total[j] += c[j]; }
     P.busyTotal = total;
+    P.live = expand(cols["row.live"]);
     const start = cols["step.start"], cyc = cols["step.cycles"];
     P.end = S ? start[S - 1] + cyc[S - 1] : 0;
     P.stepEnd = new Float64Array(S);
@@ -609,12 +613,12 @@
         h("div", {text: own ? `${OP_NAMES[kd]} ${opText(j, i, 100)}${micro[k] >= 0 ? ` (micro-batch ${micro[k] + 1})` : ""}` :
           anyOp ? (busy ? "no op of this IPU in this step: busy with copies to it" : "no op of this IPU in this step") : P.str(label[j])}),
         h("div", {text: `step: ${fmtInt(cyc[j])} cycles = ${fmtTime(cyc[j], P.clock)}, from cycle ${fmtInt(start[j])}; slowest IPU ${P.col("step.critical")[j]}`})];
-      const rows = P.meta.steps.busy_kinds.map((bk) => [bk, P.col("busy." + bk)[k]]).filter(([, v]) => v);
+      const rows = P.meta.steps.busy_kinds.map((bk) => [bk, P.busy[bk][k]]).filter(([, v]) => v);
       rows.push(["idle", idle]);
       lines.push(h("table", {class: "tipkinds"}, h("tbody", {}, rows.map(([bk, v]) => h("tr", {},
         h("td", {}, swatch(BUSY_COLOURS[bk] || "#eee"), bk === "idle" ? (own || !anyOp ? "idle (wait for the slowest IPU)" : "idle (bubble)") : kindName(bk)),
         h("td", {class: "num", text: fmtInt(v)}))))));
-      lines.push(h("div", {class: "muted", text: `live on the IPU: ${fmtBytes(P.col("step.live")[k])}`}));
+      lines.push(h("div", {class: "muted", text: `live on the IPU: ${fmtBytes(P.live[k])}`}));
       showTip(evt, lines, {step: String(j), ipu: String(i), busy: String(busy)});
     });
     c.addEventListener("mouseleave", hideTip);
@@ -651,7 +655,7 @@
       el.append(h("p", {class: "muted", text: ops.available ? "The profile lists no operations (plain Engine runs): its programs instead." :
         "A version 2 profile has no operations table: its programs instead."}));
       el.append(table(["program", "cycles", "busy per IPU", "exchange bytes", "inter-IPU bytes", "host bytes"], P.meta.programs.map((p) =>
-        [p.name, fmtInt(p.cycles), p.per_ipu.map((c) => `IPU ${c.ipu}: ${fmtInt(c.total)}`).join(", "), fmtInt(p.exchange_bytes), fmtInt(p.inter_ipu_bytes), fmtInt(p.host_bytes)])));
+        [p.name, fmtInt(p.cycles), p.per_ipu.map(([ipu, total]) => `IPU ${ipu}: ${fmtInt(total)}`).join(", "), fmtInt(p.exchange_bytes), fmtInt(p.inter_ipu_bytes), fmtInt(p.host_bytes)])));
       el.dataset.drawn = "1";
       return;
     }
