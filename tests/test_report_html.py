@@ -134,7 +134,8 @@ def test_kinds_of_memory_add_up_to_each_tiles_peak(profiled):
         assert set(kinds) == set(KINDS)
         assert (sum(kinds.values()) == np.array(m["per_tile"]["peak"])).all()
         assert sum(m["by_kind"].values()) == m["total_bytes"]
-        assert (kinds["vertex_state"] == m["per_tile"]["vertex_state"]).all() and (kinds["code"] == m["per_tile"]["code"]).all()
+        for part in ("vertex_state", "code"):
+            assert (kinds[part] == m["per_tile"][part]).all()
         # the busiest tiles, largest first, with what lives there at their peak
         worst = m["worst_tiles"]
         assert worst[0]["tile"] == m["max_tile"] and worst[0]["bytes"] == m["max_tile_bytes"]
@@ -383,7 +384,8 @@ def test_out_of_memory_tiles_are_marked(profiled, tab, tmp_path):
 
 def page_kind(kind: str) -> str:
     return {"stashed_activations": "stashed activations", "optimiser_state": "optimiser state",
-            "exchange_buffers": "exchange buffers", "host_io": "host I/O", "vertex_state": "vertex state"}.get(kind, kind)
+            "exchange_buffers": "exchange buffers", "host_io": "host I/O",
+            "vertex_state": "vertex state"}.get(kind, kind)
 
 
 @needs_browser

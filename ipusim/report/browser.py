@@ -209,7 +209,7 @@ class Browser:
         """Wait for (and consume) the next event `method` of a session."""
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
-            for i, e in enumerate(self.events.get(session, [])):
+            for e in self.events.get(session, []):
                 if e["method"] == method and not e.get("_seen"):
                     e["_seen"] = True
                     return e["params"]
@@ -302,9 +302,9 @@ class Page:
         encodes it for speed (larger, every row with the same simple filter)."""
         params: dict = {"format": "png", "optimizeForSpeed": fast}
         if selector is not None:
-            box = self.evaluate(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); if (!e) return null;"
-                                " const r = e.getBoundingClientRect(); return [r.left + scrollX, r.top + scrollY, r.width,"
-                                " r.height]; })()")
+            box = self.evaluate(f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
+                                " if (!e) return null; const r = e.getBoundingClientRect();"
+                                " return [r.left + scrollX, r.top + scrollY, r.width, r.height]; })()")
             if box is None:
                 raise ValueError(f"no element {selector!r} on the page")
             x, y, w, h = box
