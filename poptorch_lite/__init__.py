@@ -9,6 +9,7 @@ import importlib
 from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
+from .api.custom_ops import custom_op, register_custom_op, unregister_custom_op
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
@@ -54,6 +55,6 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
-           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "identity_loss", "inferenceModel",
+           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "custom_op", "identity_loss", "inferenceModel",
            "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "op_placement", "optim",
-           "registerCustomArgParser", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]
+           "registerCustomArgParser", "register_custom_op", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel", "unregister_custom_op"]

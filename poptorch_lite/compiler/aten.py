@@ -30,6 +30,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._decomp.decompositions import native_batch_norm_decomposition
 
 from ..api.blocks import DEFAULT_REGION
+from ..api.custom_ops import call_spec, registered_custom_op
 from ..api.errors import Error
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
@@ -1604,6 +1605,30 @@ def _ctc_backward(c, log_probs, targets, input_lengths, target_lengths, grad, bl
 @lowers(torch.ops.poptorch_lite.print_tensor, doc="print_tensor (ipu_print_tensor: a stream to the host, which prints)")
 def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
+
+
+def _custom_definition(c, key: str):
+    call = call_spec(key)
+    try:
+        return call, registered_custom_op(call)
+    except LookupError as error:
+        raise c.error(str(error)) from None
+
+
+@lowers(torch.ops.poptorch_lite.custom_op, doc="custom_op (poptorch.custom_op: the registered kernel as vertices)")
+def _custom_op(c, inputs, key):
+    call, definition = _custom_definition(c, key)
+    specs = [(shape, np_dtype(dtype)) for shape, dtype in call.outputs]
+    return c.emit("custom_op", list(inputs), specs, call=call, definition=definition)
+
+
+@lowers(torch.ops.poptorch_lite.custom_op_backward, doc="custom_op_backward (the registered gradient kernel)")
+def _custom_op_backward(c, grads, inputs, outputs, key):
+    call, definition = _custom_definition(c, key)
+    wanted = [i for i, v in enumerate(inputs) if np.issubdtype(v.dtype, np.floating)]
+    specs = [(inputs[i].shape, inputs[i].dtype) for i in wanted]
+    return c.emit("custom_op_backward", [*grads, *inputs, *outputs], specs, call=call, definition=definition,
+                  counts=(len(grads), len(inputs), len(outputs)), wanted=tuple(wanted))
 
 
 PLANNED = frozenset({"matmul", "conv2d"})   # IR ops whose planner takes a temporary-memory budget

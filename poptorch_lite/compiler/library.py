@@ -106,3 +106,59 @@ def _available_memory_fake(x, proportion):
 
 
 available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- custom ops (api/custom_ops.py): one op per call, its gradient another -------------------------
+def _spec(key: str):
+    from ..api.custom_ops import call_spec
+    return call_spec(key)
+
+
+@torch.library.custom_op("poptorch_lite::custom_op", mutates_args=())
+def custom_op(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return [torch.zeros(shape, dtype=dtype) for shape, dtype in _spec(key).outputs]
+
+
+@custom_op.register_fake
+def _custom_op_fake(inputs, key):
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in _spec(key).outputs]
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point
+
+
+@torch.library.custom_op("poptorch_lite::custom_op_backward", mutates_args=())
+def custom_op_backward(grads: list[torch.Tensor], inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                       key: str) -> list[torch.Tensor]:
+    return [torch.zeros_like(t) for t in inputs if _differentiable(t)]
+
+
+@custom_op_backward.register_fake
+def _custom_op_backward_fake(grads, inputs, outputs, key):
+    return [torch.empty_like(t) for t in inputs if _differentiable(t)]
+
+
+def _custom_setup(ctx, inputs, output):
+    ctx.inputs, ctx.key = list(inputs[0]), inputs[1]
+    ctx.outputs = list(output)
+
+
+def _custom_backward(ctx, grads):
+    from ..api.custom_ops import registered_custom_op
+    from ..api.errors import Error
+    call = _spec(ctx.key)
+    try:
+        definition = registered_custom_op(call)
+    except LookupError as error:
+        raise Error(str(error)) from None
+    if definition.backward is None:
+        raise Error(f"custom op {call.describe()} is on the path of the loss's gradient but has no gradient "
+                    f"kernel: register it with poptorch_lite.register_custom_op({call.name!r}, {call.domain!r}, "
+                    f"{call.domain_version}, forward=..., backward=gradient_kernel)")
+    grads = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads, ctx.outputs)]
+    made = iter(custom_op_backward(grads, ctx.inputs, ctx.outputs, ctx.key))
+    return [next(made) if _differentiable(t) else None for t in ctx.inputs], None
+
+
+custom_op.register_autograd(_custom_backward, setup_context=_custom_setup)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
+from ipusim.ops import custom as custom_ops
 from ipusim.ops import index as index_ops
 from ipusim.ops import scan as scan_ops
 from ipusim.ops import sort as sort_ops
@@ -520,6 +521,26 @@ def _print_tensor(ctx, n, ins):
     ctx.prog.add(ip.StreamCopy(ins[0], ctx.graph.addDeviceToHostFIFO(name, v.dtype, v.shape)))
     ctx.lowering.printed.append((name, n.attrs["title"], n.attrs["format"]))
     return [ins[0]]
+
+
+@lowers("custom_op")
+def _custom_op(ctx, n, ins):
+    """poptorch.custom_op: the registered kernel as the vertices of a compute set (ipusim.ops.custom)."""
+    d, call = n.attrs["definition"], n.attrs["call"]
+    return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], d.forward, ctx.prog,
+                             partition=d.partition, cycles=d.cycles, attributes=call.attribute_dict,
+                             name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("custom_op_backward")
+def _custom_op_backward(ctx, n, ins):
+    """The registered gradient kernel, given (grads, inputs, outputs); its results for the
+    floating-point inputs (None from the kernel: zeros)."""
+    d, call = n.attrs["definition"], n.attrs["call"]
+    kernel = custom_ops.GradientKernel(d.backward, n.attrs["counts"], n.attrs["wanted"], call.describe())
+    return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], kernel, ctx.prog,
+                             partition=d.partition, cycles=d.backward_cycles, attributes=call.attribute_dict,
+                             name=f"{ctx.name}/{call.domain}.{call.name}")
 
 
 @lowers("conv2d_backward_input")
