@@ -9,6 +9,7 @@ import importlib
 from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
+from .api.cpu_ops import CPU
 from .api.custom_ops import custom_op, register_custom_op, unregister_custom_op
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
@@ -51,7 +52,7 @@ def __dir__():
 
 __version__ = "0.1.0"
 
-__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
+__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU",
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",

@@ -30,6 +30,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._decomp.decompositions import native_batch_norm_decomposition
 
 from ..api.blocks import DEFAULT_REGION
+from ..api.cpu_ops import cpu_call
 from ..api.custom_ops import call_spec, registered_custom_op
 from ..api.errors import Error
 from ..api.printing import PrintFormat
@@ -1629,6 +1630,13 @@ def _custom_op_backward(c, grads, inputs, outputs, key):
     specs = [(inputs[i].shape, inputs[i].dtype) for i in wanted]
     return c.emit("custom_op_backward", [*grads, *inputs, *outputs], specs, call=call, definition=definition,
                   counts=(len(grads), len(inputs), len(outputs)), wanted=tuple(wanted))
+
+
+@lowers(torch.ops.poptorch_lite.cpu_op, doc="cpu_op (poptorch.CPU: streams to the host, the host's function, "
+                                             "streams back)")
+def _cpu_op(c, inputs, key):
+    call = cpu_call(key)
+    return c.emit("cpu_op", list(inputs), [(shape, np_dtype(dtype)) for shape, dtype in call.outputs], call=call)
 
 
 PLANNED = frozenset({"matmul", "conv2d"})   # IR ops whose planner takes a temporary-memory budget

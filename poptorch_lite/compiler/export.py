@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
+from ..api.cpu_ops import cpu_op
 from ..api.custom_ops import custom_op
 from ..api.ops import identity_loss, ipu_print_tensor, set_available_memory
 from . import library
@@ -73,7 +74,8 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
-             set_available_memory: library.available_memory, custom_op: library.custom_op}
+             set_available_memory: library.available_memory, custom_op: library.custom_op,
+             cpu_op: library.cpu_op}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).

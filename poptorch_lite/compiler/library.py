@@ -162,3 +162,31 @@ def _custom_backward(ctx, grads):
 
 
 custom_op.register_autograd(_custom_backward, setup_context=_custom_setup)
+
+
+# ---- CPU ops (api/cpu_ops.py): the host runs a Python function between two host streams ------------
+@torch.library.custom_op("poptorch_lite::cpu_op", mutates_args=())
+def cpu_op(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    from ..api.cpu_ops import cpu_call
+    return [torch.zeros(shape, dtype=dtype) for shape, dtype in cpu_call(key).outputs]
+
+
+@cpu_op.register_fake
+def _cpu_op_fake(inputs, key):
+    from ..api.cpu_ops import cpu_call
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in cpu_call(key).outputs]
+
+
+def _cpu_op_backward(ctx, grads):
+    from ..api.cpu_ops import cpu_call
+    from ..api.errors import Error
+    raise Error(f"CPU op {cpu_call(ctx.key).op.ID!r} is on the path of the loss's gradient: CPU ops are only "
+                "supported in inference models (as in PopTorch); detach its inputs or results, or move it out of "
+                "the training model")
+
+
+def _cpu_op_setup(ctx, inputs, output):
+    ctx.key = inputs[1]
+
+
+cpu_op.register_autograd(_cpu_op_backward, setup_context=_cpu_op_setup)

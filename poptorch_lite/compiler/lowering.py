@@ -74,6 +74,15 @@ class StageProgram:
         return f"{self.key[0]}{self.key[1]}"
 
 
+@dataclass
+class HostCallSite:
+    """A CPU op: the function the host calls (api.cpu_ops.CpuCall), the streams bringing its
+    inputs to the host and those taking its results back."""
+    call: object
+    to_host: list[str]
+    from_host: list[str]
+
+
 def stage_key(n: Node) -> tuple:
     return (n.pass_, n.stage)
 
@@ -137,6 +146,7 @@ class Lowering:
         self.seeds: dict[int, ip.Tensor] = {}
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
+        self.host_calls: list[HostCallSite] = []                  # poptorch.CPU ops
 
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
@@ -541,6 +551,28 @@ def _custom_op_backward(ctx, n, ins):
     return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], kernel, ctx.prog,
                              partition=d.partition, cycles=d.backward_cycles, attributes=call.attribute_dict,
                              name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("cpu_op")
+def _cpu_op(ctx, n, ins):
+    """poptorch.CPU: each input leaves by a device-to-host stream, the host calls the function and
+    each result comes back by a host-to-device stream (the runtime connects them: HostCallSite)."""
+    name = f"{ctx.name}/{n.outputs[0].name}"
+    to_host, from_host, outs = [], [], []
+    for i, (t, v) in enumerate(zip(ins, n.inputs)):
+        stream = ctx.graph.addDeviceToHostFIFO(f"{name}/to_host/{i}", t.dtype, t.shape)
+        ctx.prog.add(ip.StreamCopy(t, stream))
+        to_host.append(stream.name)
+    for j, v in enumerate(n.outputs):
+        out = ctx.graph.addVariable(v.dtype, v.shape, f"{name}/result/{j}", category="activations",
+                                    always_live=False)
+        ctx.graph.map_linearly(out, grain=4, min_elements_per_tile=64)
+        stream = ctx.graph.addHostToDeviceFIFO(f"{name}/from_host/{j}", v.dtype, v.shape)
+        ctx.prog.add(ip.StreamCopy(stream, out))
+        from_host.append(stream.name)
+        outs.append(out)
+    ctx.lowering.host_calls.append(HostCallSite(n.attrs["call"], to_host, from_host))
+    return outs
 
 
 @lowers("conv2d_backward_input")

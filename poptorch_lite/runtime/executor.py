@@ -35,7 +35,7 @@ from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
-from . import anchors, cache
+from . import anchors, cache, host_calls
 from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
@@ -338,6 +338,7 @@ class PoplarExecutor:
                     exe.engine.connectStream(name, self._output_callback((r, key), index))
             for name, title, fmt in low.printed:
                 exe.engine.connectStream(name, printer(title, fmt))
+            host_calls.connect(exe.engine, low.host_calls)
 
     def _input_callback(self, key, index):
         """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout)."""
