@@ -15,9 +15,10 @@ from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
-                        MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
+                        MeanReductionStrategy, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
 from .api.options import Options, TensorLocationSettings, setLogLevel
+from .api.overlap import set_overlap_for_input, set_overlap_for_output
 
 # Names whose modules bring in the device emulator (ipusim, Numba) or the compiler: imported on first
 # use, so that a process that only loads data (an AsynchronousDataAccessor's, spawned, which imports
@@ -54,8 +55,8 @@ __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU",
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
-           "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
+           "Options", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "custom_op", "identity_loss", "inferenceModel",
            "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "op_placement", "optim",
-           "registerCustomArgParser", "register_custom_op", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel", "unregister_custom_op"]
+           "registerCustomArgParser", "register_custom_op", "removeBlocks", "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel", "unregister_custom_op"]

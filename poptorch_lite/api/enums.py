@@ -138,3 +138,22 @@ class Liveness(_Enum):
     OffChipAfterFwd = 1
     OffChipAfterFwdNoOverlap = 2
     OffChipAfterEachPhase = 3
+
+
+class OverlapMode(enum.Enum):
+    """How far host transfers of an input or output (``set_overlap_for_input`` /
+    ``set_overlap_for_output``) overlap computation; they go through IO tiles
+    (``Options.TensorLocations.numIOTiles``).
+
+    - ``NoOverlap``: the transfer happens when the tensor is needed, as without IO tiles.
+    - ``OverlapAccumulationLoop``: the next micro-batch of a gradient accumulation group is loaded
+      (and the previous one's output sent) while this one computes.
+    - ``OverlapDeviceIterationLoop``: the same across device iterations too: only the first input
+      and the last output of a call are not hidden.
+    """
+    NoOverlap = "no_overlap"
+    OverlapAccumulationLoop = "overlap_accumulation_loop"
+    OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"

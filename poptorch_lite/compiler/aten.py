@@ -1608,6 +1608,45 @@ def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
 
 
+def _overlap_mode(mode: str):
+    from ..api.enums import OverlapMode
+    return OverlapMode(mode)
+
+
+@lowers(torch.ops.poptorch_lite.overlap_input, doc="none: marks a model input for overlapped host I/O "
+                                                    "(set_overlap_for_input)", raw=True)
+def _overlap_input(c, n):
+    src = n.args[0]
+    v = c.env.get(src) if isinstance(src, torch.fx.Node) else None
+    if not (isinstance(v, Value) and v.kind == "input" and src.op == "placeholder"):
+        raise Error("poptorch.set_overlap_for_input applied on a node which is not a tensor input to the model.")
+    index = next(i for i, x in enumerate(c.ir.inputs) if x is v)
+    if len(src.users) > 1:
+        raise Error("poptorch.set_overlap_for_input must be the only op applied to an input. This is not the case "
+                    f"for input {index} to the model.")
+    c.ir.host_io[("input", index)] = _overlap_mode(n.args[1])
+    return v
+
+
+@lowers(torch.ops.poptorch_lite.overlap_output, doc="none: marks a returned tensor for overlapped host I/O "
+                                                     "(set_overlap_for_output)", raw=True)
+def _overlap_output(c, n):
+    def source(node):   # what a returned node returns: through the capture's detaches
+        while isinstance(node, torch.fx.Node) and node.target in (aten.detach.default, aten.detach_copy.default,
+                                                                  aten.alias.default):
+            node = node.args[0]
+        return node
+
+    returned = [source(o) for o in list(c.gm.graph.output_node().args[0])[:c.joint.num_outputs]]
+    if n not in returned:
+        raise Error("poptorch.set_overlap_for_output applied on a node which is not a tensor output to the model.")
+    if returned.count(n) + returned.count(n.args[0]) > 1:
+        raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that is returned twice. Please "
+                    "check all returned tensors including those nested in tuples/lists.")
+    c.ir.host_io[("output", returned.index(n))] = _overlap_mode(n.args[1])
+    return c.load(n.args[0])
+
+
 def _custom_definition(c, key: str):
     call = call_spec(key)
     try:

@@ -18,6 +18,7 @@ from ..api.enums import Liveness
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
+from .host_io import check_host_io, device_target
 from .lowering import Locations, Lowering
 from .updates import UpdatePlan, accumulator_dtypes, build_updates, running_mean
 
@@ -98,9 +99,10 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     A schedule with separate weight-gradient ops gets its stages' backwards split in two
     (`backward_split`)."""
     partition_backward(ir, schedule.split_backward)
+    check_host_io(ir, placement, options)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
-    device = ip.Device(target, per_replica * replicas)
+    device = ip.Device(device_target(target, options), per_replica * replicas)
     programs: list = []
     locations = tensor_locations(options, placement)
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},

@@ -59,6 +59,7 @@ from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tra
 from ..api.cpu_ops import cpu_op
 from ..api.custom_ops import custom_op
 from ..api.ops import identity_loss, ipu_print_tensor, set_available_memory
+from ..api.overlap import overlap_input, overlap_output
 from . import library
 from .ir import flatten_values, map_values
 
@@ -75,7 +76,8 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
-             cpu_op: library.cpu_op}
+             cpu_op: library.cpu_op, overlap_input: library.overlap_input,
+             overlap_output: library.overlap_output}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).

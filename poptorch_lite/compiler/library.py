@@ -108,6 +108,31 @@ def _available_memory_fake(x, proportion):
 available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
 
 
+# ---- overlapped host I/O marks (api/overlap.py): identities the compiler reads -----------------------
+@torch.library.custom_op("poptorch_lite::overlap_input", mutates_args=())
+def overlap_input(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return x.clone()
+
+
+@overlap_input.register_fake
+def _overlap_input_fake(x, mode):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("poptorch_lite::overlap_output", mutates_args=())
+def overlap_output(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return x.clone()
+
+
+@overlap_output.register_fake
+def _overlap_output_fake(x, mode):
+    return torch.empty_like(x)
+
+
+for _mark in (overlap_input, overlap_output):
+    _mark.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
 # ---- custom ops (api/custom_ops.py): one op per call, its gradient another -------------------------
 def _spec(key: str):
     from ..api.custom_ops import call_spec

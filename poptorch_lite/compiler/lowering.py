@@ -37,6 +37,7 @@ from ipusim.ops import softmax as sm
 
 from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
+from .host_io import io_buffer, overlapped
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
 
 
@@ -68,6 +69,8 @@ class StageProgram:
     """(node, first, end, first variable, end variable) per node: the programs `first:end` of the
     body sequence and the variables `first variable:end variable` of the IPU's graph its lowering
     made (what a profile's operations table reports)."""
+    prefetch: list[tuple[object, int]] = field(default_factory=list)  # (OverlapMode, program): inputs to IO tiles
+    drain: list[tuple[object, int]] = field(default_factory=list)     # (OverlapMode, program): outputs from IO tiles
 
     @property
     def name(self) -> str:
@@ -318,15 +321,24 @@ class Lowering:
         used |= {weight_ids[chain[0].inputs[0].id] for chain in sp.weight_views.values()}
         for name in sorted(used & set(self.weight_buffers)):
             body.add(ip.RemoteCopy(self.weight_buffers[name], self.weights[name]))
-        # host inputs used by this stage program
+        # host inputs used by this stage program (overlapped ones through IO tiles: host_io.py)
+        prefetch: dict = {}
         for v in {v.id: v for n in sp.nodes for v in n.inputs if v.id in input_index}.values():
             name = f"{self.prefix}{sp.name}/input/{v.name}"
             t = g.addVariable(v.dtype, v.shape, name, category="host_io", always_live=False)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
             stream = g.addHostToDeviceFIFO(name, v.dtype, v.shape)
-            body.add(ip.StreamCopy(stream, t))
+            mode = self.ir.host_io.get(("input", input_index[v.id]))
+            if overlapped(mode):
+                buf = io_buffer(g, v.dtype, v.shape, f"{name}/io_tiles")
+                prefetch.setdefault(mode, ip.Sequence(name=f"{self.prefix}{sp.name}/prefetch")).add(
+                    ip.StreamCopy(stream, buf))
+                body.add(ip.Copy(buf, t))
+            else:
+                body.add(ip.StreamCopy(stream, t))
             self.tensors[(v.id, key)] = t
             sp.inputs.append((name, input_index[v.id]))
+        sp.prefetch = [(mode, self.add_program(seq)) for mode, seq in prefetch.items()]
         for n in sp.nodes:
             ins = []
             for v in n.inputs:
@@ -388,14 +400,23 @@ class Lowering:
         sp.body = self.add_program(body)
         # model outputs produced here
         outs = ip.Sequence(name=f"{self.prefix}{sp.name}/outputs")
+        drain: dict = {}
         for i, v in enumerate(flatten_values(self.ir.outputs)):
             if (v.id, key) in self.tensors and v.producer is not None and stage_key(v.producer) == key:
                 name = f"{self.prefix}{sp.name}/output/{i}"
                 stream = g.addDeviceToHostFIFO(name, v.dtype, v.shape)
-                outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
+                mode = self.ir.host_io.get(("output", i))
+                if overlapped(mode):
+                    buf = io_buffer(g, v.dtype, v.shape, f"{name}/io_tiles")
+                    outs.add(ip.Copy(self.tensors[(v.id, key)], buf))
+                    drain.setdefault(mode, ip.Sequence(name=f"{self.prefix}{sp.name}/drain")).add(
+                        ip.StreamCopy(buf, stream))
+                else:
+                    outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
                 sp.output_streams.append((name, i))
         if outs.programs:
             sp.outputs = self.add_program(outs)
+        sp.drain = [(mode, self.add_program(seq)) for mode, seq in drain.items()]
 
 
 # =========================================================================================

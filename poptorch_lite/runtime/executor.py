@@ -35,7 +35,7 @@ from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
-from . import anchors, cache, host_calls
+from . import anchors, cache, host_calls, overlap
 from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
@@ -45,7 +45,7 @@ NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 class Event:
     """One program run on the device during a step: which op it serves, what part, its cycles."""
     op: object                      # the schedule's op (ipusim.schedules.Op)
-    part: str                       # "receive" | "compute" | "outputs" | "send" | "update"
+    part: str                       # "prefetch" | "receive" | "compute" | "outputs" | "drain" | "send" | "update"
     program: int                    # engine program index
     per_ipu: dict[int, ip.Cycles]   # busy cycles by kind on each IPU it touched
 
@@ -59,6 +59,7 @@ class StepRecord:
     events: list[Event]
     busy: dict[int, ip.Cycles]
     cycles: int
+    overlapped: list = field(default_factory=list)  # host transfers on IO tiles during the step (overlap.py)
 
 
 @dataclass
@@ -514,10 +515,12 @@ class PoplarExecutor:
                 if sp is None:
                     continue
                 feeds.append((r, key))
+                runs += [("prefetch", index) for _, index in sp.prefetch]
                 runs += [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[(r, key)] if ch.recv]
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
+                    runs += [("drain", index) for _, index in sp.drain]
             sends = [("send", ch.send[k % ch.slots]) for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
             plan = self._op_plans[id(op)] = (feeds, runs, sends)
         return plan
@@ -565,6 +568,7 @@ class PoplarExecutor:
         self._threads.ran(threads, time.perf_counter() - start)
         if reuse:
             return self._record
+        overlap.hide_host_io(record, overlap.overlap_modes(exe), self._training)
         if self._profiler is None and exe.engine.fixed_reports:
             self._record = record
         return record
