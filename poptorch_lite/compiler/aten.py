@@ -1608,6 +1608,11 @@ def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
 
 
+@lowers(torch.ops.poptorch_lite.loss_scale, doc="loss_scale (automatic loss scaling: times the device's loss scale)")
+def _loss_scale(c, x, initial):
+    return c.one("loss_scale", [x], x.shape, x.dtype, initial=float(initial))
+
+
 def _overlap_mode(mode: str):
     from ..api.enums import OverlapMode
     return OverlapMode(mode)

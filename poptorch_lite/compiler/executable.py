@@ -19,6 +19,7 @@ from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
 from .host_io import check_host_io, device_target
+from .loss_scaling import LossScaling, automatic_loss_scaling
 from .lowering import Locations, Lowering
 from .updates import UpdatePlan, accumulator_dtypes, build_updates, running_mean
 
@@ -83,6 +84,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
+                              device_loss_scale=training and automatic_loss_scaling(options) is not None,
                               downcast_to_half=options.Precision.downcasts_to_half)
     finally:
         model.train(was_training)
@@ -105,14 +107,20 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     device = ip.Device(device_target(target, options), per_replica * replicas)
     programs: list = []
     locations = tensor_locations(options, placement)
+    als = automatic_loss_scaling(options) if optimizer is not None else None
+    scaling = LossScaling(als, loss_scaling(optimizer)) if als is not None else None
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
-                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {})
+                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {},
+                          loss_scaling=scaling)
                  for r in range(replicas)]
     for low in lowerings:
         low.build()
     updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
+    if scaling is not None:
+        scaling.build(lowerings, updates.configs)
+        updates.loss_scaling = scaling
     engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
     return Executable(lowerings, engine, schedule, ir, placement, updates)
 

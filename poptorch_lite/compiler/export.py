@@ -314,13 +314,16 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
 
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
-                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True) -> JointGraph:
+                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
+                  device_loss_scale: bool = False) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
     (``aten.decompositions()``: down to the ops the compiler lowers). With `downcast_to_half`
     (PopTorch's default) an op mixing float16 and float32 operands runs in float16
-    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies."""
+    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. With
+    `device_loss_scale` (automatic loss scaling) the seed is scaled by the library op
+    ``loss_scale``, which the device reads from a tensor it updates."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
     params = dict(torch.nn.Module.named_parameters(model))
@@ -353,7 +356,10 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             found["loss"] = where
             wrt = [n for n in pnames if n in trainable]
             with fx_traceback.annotate({KEY: where}):
-                seed = loss * loss_scaling if loss_scaling != 1.0 else loss
+                if device_loss_scale:
+                    seed = library.loss_scale(loss, float(loss_scaling))
+                else:
+                    seed = loss * loss_scaling if loss_scaling != 1.0 else loss
             with fx_traceback.annotate({"pass": "bwd"}):
                 grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True)
             found["grads"] = [n for n, g in zip(wrt, grads) if g is not None]

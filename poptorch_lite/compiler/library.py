@@ -108,6 +108,30 @@ def _available_memory_fake(x, proportion):
 available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
 
 
+# ---- automatic loss scaling: the gradient seed scaled by a device tensor -----------------------------
+@torch.library.custom_op("poptorch_lite::loss_scale", mutates_args=())
+def loss_scale(x: torch.Tensor, initial: float) -> torch.Tensor:
+    """x times the loss scale: `initial` on the CPU, the device's loss-scale tensor on the IPU
+    (automatic loss scaling changes it as training runs)."""
+    return x * initial
+
+
+@loss_scale.register_fake
+def _loss_scale_fake(x, initial):
+    return torch.empty_like(x)
+
+
+def _loss_scale_backward(ctx, grad):
+    return loss_scale(grad, ctx.initial), None
+
+
+def _loss_scale_setup(ctx, inputs, output):
+    ctx.initial = inputs[1]
+
+
+loss_scale.register_autograd(_loss_scale_backward, setup_context=_loss_scale_setup)
+
+
 # ---- overlapped host I/O marks (api/overlap.py): identities the compiler reads -----------------------
 @torch.library.custom_op("poptorch_lite::overlap_input", mutates_args=())
 def overlap_input(x: torch.Tensor, mode: str) -> torch.Tensor:

@@ -124,10 +124,11 @@ class Lowering:
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
                  replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
-                 accumulator_dtypes: dict[str, str] | None = None):
+                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None):
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
+        self.loss_scaling = loss_scaling    # automatic loss scaling (compiler/loss_scaling.py), or None
         self.device = device
         self.target = device.target
         self.programs = programs
@@ -364,6 +365,8 @@ class Lowering:
             first, first_var = len(body.programs), len(g.variables)
             outs = lower(ctx, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
+            if self.loss_scaling is not None:
+                self.loss_scaling.track(self, ctx, n, outs)
             for v, t in zip(n.outputs, outs):
                 if t is not None:
                     self.tensors[(v.id, key)] = t
@@ -572,6 +575,15 @@ def _custom_op_backward(ctx, n, ins):
     return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], kernel, ctx.prog,
                              partition=d.partition, cycles=d.backward_cycles, attributes=call.attribute_dict,
                              name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("loss_scale")
+def _loss_scale(ctx, n, ins):
+    """The gradient seed times the replica's loss-scale tensor (automatic loss scaling)."""
+    scale = ctx.lowering.loss_scaling.scale(ctx.lowering, ctx.graph)
+    x = ins[0]
+    factor = scale if x.dtype == scale.dtype else ew.cast(ctx.graph, scale, x.dtype, ctx.prog, f"{ctx.name}/scale")
+    return [ew.binary(ctx.graph, "mul", x, factor.broadcast((x.numel,)).reshape(x.shape), ctx.prog, ctx.name)]
 
 
 @lowers("cpu_op")

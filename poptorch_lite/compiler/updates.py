@@ -86,6 +86,7 @@ class UpdatePlan:
         self.states: dict[str, list[tuple[dev.Optimiser, ip.Tensor]]] = {}
         self.state_buffers: dict[int, ip.RemoteBuffer] = {}  # state tensor variable id -> its Streaming Memory
         self.sharded: set[str] = set()      # weights whose optimiser state is sharded over the replicas
+        self.loss_scaling = None            # automatic loss scaling (compiler/loss_scaling.py), or None
 
 
 def _param_groups(optimizer, named_params: dict) -> dict[str, int]:

@@ -31,7 +31,8 @@ from ..api.errors import Error
 from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
-from ..compiler.executable import Executable, compile_model, target_of
+from ..compiler.executable import Executable, compile_model, loss_scaling, target_of
+from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
@@ -129,6 +130,7 @@ class PoplarExecutor:
         self._threads: StepThreads | None = None  # host threads running the IPUs of a step, per executable
         self._anchors: list[anchors.Anchor] = []    # Options.anchorTensor, resolved when compiled
         self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
+        self._loss_scaling_steps: set[int] = set()  # steps after which automatic loss scaling updates
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -321,9 +323,14 @@ class PoplarExecutor:
         self._connect_streams()
         trained = set(executable.lowering.accumulators) if self._training else set()
         dtypes = {name: w.dtype for name, w in self._named_weights().items()}
-        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes)
+        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes,
+                                        scaled=executable.updates.loss_scaling is not None)
         self._is_attached = True
         self.copyWeightsToDevice()
+        scaling = executable.updates.loss_scaling
+        self._loss_scaling_steps = group_ends(executable.schedule) if scaling is not None else set()
+        if scaling is not None:
+            scaling.initialise(executable.engine)
 
     # ---- host <-> device ----------------------------------------------------------------------
     def _connect_streams(self) -> None:
@@ -556,6 +563,9 @@ class PoplarExecutor:
                 else:
                     parts = [self._run_op(exe, op, not reuse) for op in step.ops]
                 sends = [self._send(exe, op, not reuse) for op in step.ops]
+                if t in self._loss_scaling_steps:  # automatic loss scaling, after the group's weight update
+                    op = next(op for op in step.ops if op.kind == "U")
+                    sends.append(_execute(exe.engine, op, [("update", exe.updates.loss_scaling.program)], not reuse))
                 if reuse:
                     continue
                 events = [e for part in parts + sends for e in part]
@@ -614,8 +624,10 @@ class PoplarExecutor:
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
         if self._executable is not None:
-            write_hyperparameters(self._executable.engine, self._executable.updates, optimizer, self._options,
-                                  self._executable.replicas)
+            exe = self._executable
+            write_hyperparameters(exe.engine, exe.updates, optimizer, self._options, exe.replicas)
+            if exe.updates.loss_scaling is not None:
+                exe.updates.loss_scaling.new_optimizer(exe.engine, exe.updates.configs, loss_scaling(optimizer))
         self._optimizer = optimizer
         self._hook_optimizer_state()
 
@@ -629,7 +641,10 @@ class PoplarExecutor:
             p = parent()
             if p is not None and p._executable is not None:
                 read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
-            return original(opt_self)
+            out = original(opt_self)
+            if p is not None and p._executable is not None and p._executable.updates.loss_scaling is not None:
+                out["ipu_state"] = p._executable.updates.loss_scaling.ipu_state(p._executable.engine)
+            return out
 
         optimizer.state_dict = state_dict.__get__(optimizer)
 
