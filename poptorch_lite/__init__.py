@@ -9,7 +9,9 @@ import importlib
 from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser
 from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
+from .api.cluster import fps, nearest
 from .api.cpu_ops import CPU
+from .api.ctc_decoder import ctc_beam_search_decoder
 from .api.custom_ops import custom_op, register_custom_op, unregister_custom_op
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
@@ -57,6 +59,6 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
-           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "custom_op", "identity_loss", "inferenceModel",
-           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "op_placement", "optim",
+           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "ctc_beam_search_decoder", "custom_op", "fps", "identity_loss", "inferenceModel",
+           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "nearest", "op_placement", "optim",
            "registerCustomArgParser", "register_custom_op", "removeBlocks", "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel", "unregister_custom_op"]

@@ -1613,6 +1613,27 @@ def _loss_scale(c, x, initial):
     return c.one("loss_scale", [x], x.shape, x.dtype, initial=float(initial))
 
 
+@lowers(torch.ops.poptorch_lite.ctc_beam_search_decoder, doc="ctc_beam_search_decoder (PopTorch's CTC decoder)")
+def _ctc_decoder(c, probs, lengths, blank, beam_width, top_paths):
+    T, N, _ = probs.shape
+    return tuple(c.emit("ctc_beam_search_decoder", [probs, c.cast(lengths, np.int32)],
+                        [((N, top_paths), np.float32), ((N, top_paths), np.int32), ((N, top_paths, T), np.int32)],
+                        blank=int(blank), beam_width=int(beam_width), top_paths=int(top_paths)))
+
+
+@lowers(torch.ops.poptorch_lite.fps, doc="fps (farthest point sampling, torch_cluster's)")
+def _fps(c, src, ptr, ratio, random_start):
+    from ipusim.ops.cluster import segment_sizes
+    return c.one("fps", [c.cast(src, np.float32)], (sum(segment_sizes(ptr, ratio)),), np.int32, ptr=tuple(ptr),
+                 ratio=float(ratio), random_start=bool(random_start))
+
+
+@lowers(torch.ops.poptorch_lite.nearest, doc="nearest (nearest cluster, torch_cluster's)")
+def _nearest(c, x, y, batch_x, batch_y):
+    return c.one("nearest", [c.cast(x, np.float32), c.cast(y, np.float32), c.cast(batch_x, np.int32),
+                             c.cast(batch_y, np.int32)], (x.shape[0],), np.int32)
+
+
 def _overlap_mode(mode: str):
     from ..api.enums import OverlapMode
     return OverlapMode(mode)

@@ -56,6 +56,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
+from ..api import cluster, ctc_decoder
 from ..api.cpu_ops import cpu_op
 from ..api.custom_ops import custom_op
 from ..api.ops import identity_loss, ipu_print_tensor, set_available_memory
@@ -77,7 +78,8 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
-             overlap_output: library.overlap_output}
+             overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
+             cluster.fps: library.fps, cluster.nearest: library.nearest}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).

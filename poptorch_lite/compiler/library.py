@@ -108,6 +108,47 @@ def _available_memory_fake(x, proportion):
 available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
 
 
+# ---- PopTorch's CTC beam search decoder and torch_cluster's fps and nearest ------------------------
+@torch.library.custom_op("poptorch_lite::ctc_beam_search_decoder", mutates_args=())
+def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int, beam_width: int,
+                            top_paths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ipusim.ops.ctc_decoder import decode
+    p, n, d = decode(probs.detach().float().numpy(), lengths.numpy(), blank, beam_width, top_paths)
+    return torch.from_numpy(p), torch.from_numpy(n), torch.from_numpy(d)
+
+
+@ctc_beam_search_decoder.register_fake
+def _ctc_beam_search_decoder_fake(probs, lengths, blank, beam_width, top_paths):
+    T, N, _ = probs.shape
+    return (probs.new_empty((N, top_paths), dtype=torch.float32), probs.new_empty((N, top_paths), dtype=torch.int32),
+            probs.new_empty((N, top_paths, T), dtype=torch.int32))
+
+
+@torch.library.custom_op("poptorch_lite::fps", mutates_args=())
+def fps(src: torch.Tensor, ptr: list[int], ratio: float, random_start: bool) -> torch.Tensor:
+    from ipusim.ops.cluster import fps_host
+    starts = torch.rand(len(ptr) - 1).numpy() if random_start else None
+    return torch.from_numpy(fps_host(src.detach().float().numpy(), ptr, ratio, starts))
+
+
+@fps.register_fake
+def _fps_fake(src, ptr, ratio, random_start):
+    from ipusim.ops.cluster import segment_sizes
+    return src.new_empty((sum(segment_sizes(ptr, ratio)),), dtype=torch.int64)
+
+
+@torch.library.custom_op("poptorch_lite::nearest", mutates_args=())
+def nearest(x: torch.Tensor, y: torch.Tensor, batch_x: torch.Tensor, batch_y: torch.Tensor) -> torch.Tensor:
+    from ipusim.ops.cluster import nearest_host
+    return torch.from_numpy(nearest_host(x.detach().float().numpy(), y.detach().float().numpy(), batch_x.numpy(),
+                                         batch_y.numpy()))
+
+
+@nearest.register_fake
+def _nearest_fake(x, y, batch_x, batch_y):
+    return x.new_empty((x.shape[0],), dtype=torch.int64)
+
+
 # ---- automatic loss scaling: the gradient seed scaled by a device tensor -----------------------------
 @torch.library.custom_op("poptorch_lite::loss_scale", mutates_args=())
 def loss_scale(x: torch.Tensor, initial: float) -> torch.Tensor:

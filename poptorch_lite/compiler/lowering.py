@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
+from ipusim.ops import cluster, ctc_decoder
 from ipusim.ops import custom as custom_ops
 from ipusim.ops import index as index_ops
 from ipusim.ops import scan as scan_ops
@@ -575,6 +576,30 @@ def _custom_op_backward(ctx, n, ins):
     return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], kernel, ctx.prog,
                              partition=d.partition, cycles=d.backward_cycles, attributes=call.attribute_dict,
                              name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("ctc_beam_search_decoder")
+def _ctc_decoder(ctx, n, ins):
+    a = n.attrs
+    return list(ctc_decoder.ctc_beam_search_decoder(ctx.graph, *ins, ctx.prog, blank=a["blank"],
+                                                    beam_width=a["beam_width"], top_paths=a["top_paths"],
+                                                    name=ctx.name))
+
+
+@lowers("fps")
+def _fps(ctx, n, ins):
+    a = n.attrs
+    draws = None
+    if a["random_start"]:
+        seed, modifier = ctx.seed()
+        draws = rnd.uniform(ctx.graph, (len(a["ptr"]) - 1,), seed, ctx.prog, 0.0, 1.0, "float32",
+                            name=f"{ctx.name}/start", seed_modifier=modifier)
+    return [cluster.fps(ctx.graph, ins[0], a["ptr"], a["ratio"], ctx.prog, random_u=draws, name=ctx.name)]
+
+
+@lowers("nearest")
+def _nearest(ctx, n, ins):
+    return [cluster.nearest(ctx.graph, *ins, ctx.prog, name=ctx.name)]
 
 
 @lowers("loss_scale")
