@@ -17,8 +17,9 @@ from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
-                        MeanReductionStrategy, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern)
+                        MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
+from .api.multiconv import MultiConv
 from .api.options import Options, TensorLocationSettings, setLogLevel
 from .api.overlap import set_overlap_for_input, set_overlap_for_output
 
@@ -56,7 +57,7 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU",
-           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
+           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy", "MultiConv", "MultiConvPlanType",
            "Options", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "ctc_beam_search_decoder", "custom_op", "fps", "identity_loss", "inferenceModel",

@@ -157,3 +157,13 @@ class OverlapMode(enum.Enum):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}.{self.name}"
+
+
+class MultiConvPlanType(_Enum):
+    """How a ``MultiConv``'s convolutions are planned.
+
+    - ``Parallel``: side by side, each on its share of the IPU's tiles (default).
+    - ``Serial``: one after the other, each on all the tiles, as separate convolutions.
+    """
+    Parallel = 0
+    Serial = 1

@@ -37,6 +37,7 @@ from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
 from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
+from .multiconv import member_attrs
 from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
 
 aten = torch.ops.aten
@@ -1206,7 +1207,8 @@ def _convolution(c, x, w, b, stride, padding, dilation, transposed, output_paddi
     out = c.out_meta().shape
     x2, w2 = _to_2d(c, x, nd), _to_2d(c, w, nd)
     op = "conv2d_backward_input" if transposed else "conv2d"
-    y = c.one(op, [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs)
+    y = c.one(op, [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs,
+              **({} if transposed else member_attrs(c)))
     if b is not None:
         y = c.binary("add", y, c.reshape(b, (1, -1, 1, 1)))
     return c.reshape(y, tuple(out))

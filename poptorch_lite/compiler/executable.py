@@ -15,12 +15,14 @@ import ipusim as ip
 from ipusim import schedules
 
 from ..api.enums import Liveness
+from ..api.multiconv import entered_groups, reset_groups
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
 from .host_io import check_host_io, device_target
 from .loss_scaling import LossScaling, automatic_loss_scaling
 from .lowering import Locations, Lowering
+from .multiconv import group_multiconvs
 from .updates import UpdatePlan, accumulator_dtypes, build_updates, running_mean
 
 
@@ -80,6 +82,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
     place its blocks and lower it to IR (`aten.to_ir`)."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
     model.train(training)
+    reset_groups()
     try:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
@@ -90,6 +93,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         model.train(was_training)
     progress(15)
     ir, placement = to_ir(joint, options.execution_strategy)
+    group_multiconvs(ir, entered_groups())
     progress(10)
     return ir, placement
 

@@ -39,6 +39,7 @@ from ipusim.ops import softmax as sm
 from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
 from .host_io import io_buffer, overlapped
+from .multiconv import lower_member
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
 
 
@@ -544,6 +545,8 @@ def _conv_args(a):
 
 @lowers("conv2d")
 def _conv2d(ctx, n, ins):
+    if "multiconv" in n.attrs:   # a convolution of a poptorch.MultiConv (compiler/multiconv.py)
+        return lower_member(ctx, n, ins, _conv_args)
     return [conv.conv2d(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs),
                         **_memory(n.attrs))]
 

@@ -34,6 +34,7 @@ from ..api.printing import PrintFormat, format_tensor
 from ..compiler.executable import Executable, compile_model, loss_scaling, target_of
 from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
+from ..compiler.ir_json import popart_ir
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
 from . import anchors, cache, host_calls, overlap
@@ -531,6 +532,12 @@ class PoplarExecutor:
             sends = [("send", ch.send[k % ch.slots]) for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
             plan = self._op_plans[id(op)] = (feeds, runs, sends)
         return plan
+
+    def _debugGetPopartIR(self) -> str:
+        """The compiled graph as JSON, in the layout of PopTorch's (PopART's IR): {"maingraph": [ops]}."""
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        return popart_ir(self._executable.ir)
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The tensor anchored as `short_name` (Options.anchorTensor) by the last call."""
