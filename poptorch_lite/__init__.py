@@ -16,8 +16,9 @@ from .api.custom_ops import custom_op, register_custom_op, unregister_custom_op
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
-from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
-                        MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern)
+from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
+                        MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode, ReductionType, SharingStrategy, SyncPattern,
+                        VariableRetrievalMode)
 from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
 from .api.multiconv import MultiConv
 from .api.options import Options, TensorLocationSettings, setLogLevel
@@ -56,10 +57,10 @@ def __dir__():
 
 __version__ = "0.1.0"
 
-__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU",
+__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU", "CommGroupType",
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy", "MultiConv", "MultiConvPlanType",
            "Options", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
-           "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
+           "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern", "VariableRetrievalMode",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "ctc_beam_search_decoder", "custom_op", "fps", "identity_loss", "inferenceModel",
            "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "nearest", "op_placement", "optim",
            "registerCustomArgParser", "register_custom_op", "removeBlocks", "setLogLevel", "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel", "unregister_custom_op"]

@@ -167,3 +167,28 @@ class MultiConvPlanType(_Enum):
     """
     Parallel = 0
     Serial = 1
+
+
+class CommGroupType(_Enum):
+    """How replicas are grouped for an input (``Options.inputReplicaGrouping``) or a per-replica
+    variable (``model.weight.replicaGrouping``); N replicas in groups of k.
+
+    - ``All``: one group of every replica (a variable's usual case; not valid for inputs).
+    - ``Consecutive``: groups {0 .. k-1}, {k .. 2k-1}, ...
+    - ``Orthogonal``: with m = N / k groups, {0, m, 2m, ...}, {1, m + 1, ...}, ...
+    - ``NoGrouping``: every replica a group of its own.
+    """
+    All = 0
+    Consecutive = 1
+    Orthogonal = 2
+    NoGrouping = 3
+
+
+class VariableRetrievalMode(_Enum):
+    """Which replicas' values of a grouped variable reach the host.
+
+    - ``OnePerGroup``: one value per group, from the group's first replica.
+    - ``AllReplicas``: one value per replica.
+    """
+    OnePerGroup = 0
+    AllReplicas = 2

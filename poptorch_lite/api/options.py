@@ -736,7 +736,9 @@ class Options(_OptionGroup):
                          broadcast_buffers=True,
                          show_compilation_progress_bar=True,
                          relax_optimizer_attributes_checks=False,
-                         module_namescope=True)
+                         module_namescope=True,
+                         input_group_size=1,
+                         input_cgt=enums.CommGroupType.Consecutive)
         self._popart = _PopartOptions()
         self._jit = _JitOptions()
         self._precision = _PrecisionOptions(self._popart)
@@ -898,6 +900,38 @@ class Options(_OptionGroup):
         micro-batch (multiplies the batch a call consumes)."""
         self._set(device_iterations=_int_arg("Options.deviceIterations",
                                              device_iterations))
+        return self
+
+    input_group_size = _value("input_group_size", "Replicas given the same input (inputReplicaGrouping).")
+    input_cgt = _value("input_cgt", "CommGroupType of the input replica groups (inputReplicaGrouping).")
+
+    @property
+    def input_groups(self) -> int:
+        """How many different inputs the replicas get: replicationFactor / input_group_size."""
+        return self.replication_factor // self.input_group_size
+
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: "enums.CommGroupType") -> "Options":
+        """Give each group of ``input_group_size`` replicas the same input: ``Consecutive`` groups
+        replicas {0 .. k-1}, {k .. 2k-1}, ...; ``Orthogonal`` groups {j, j + m, ...} for
+        m = replicationFactor / k; ``NoGrouping`` means groups of one. A call then consumes
+        micro_batch x deviceIterations x (replicationFactor / k) x gradientAccumulation samples.
+        Set ``replicationFactor`` first: k must divide it."""
+        group_type = _enum_arg("Options.inputReplicaGrouping: input_group_type",
+                               input_group_type, enums.CommGroupType)
+        size = _int_arg("Options.inputReplicaGrouping: input_group_size",
+                        input_group_size)
+        if group_type == enums.CommGroupType.NoGrouping:
+            size, group_type = 1, enums.CommGroupType.Consecutive
+        if group_type == enums.CommGroupType.All:
+            raise ValueError("input_group_type cannot be All")
+        if self.replication_factor < size:
+            raise ValueError("input_group_size cannot be larger than "
+                             "replication_factor")
+        if self.replication_factor % size:
+            raise ValueError("input_group_size must be a factor of "
+                             "replication_factor")
+        self._set(input_group_size=size, input_cgt=group_type)
         return self
 
     def replicationFactor(self, replication_factor: int) -> "Options":

@@ -58,16 +58,20 @@ class Executable:
 
 
 def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool, optimizer,
-                  named_weights: dict, progress=lambda percent: None) -> Executable:
+                  named_weights: dict, progress=lambda percent: None, variable_groups: dict | None = None
+                  ) -> Executable:
     """Compile `model` for one micro-batch of inputs (`args`, `kwargs`): capture (with the backward
     when training), place blocks on stages and IPUs, lower to IR, build the schedule, lower to
-    ipusim and load the Engine. `progress(percent)` is told how far it got."""
-    ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress)
+    ipusim and load the Engine. `progress(percent)` is told how far it got. `variable_groups`:
+    parameter name -> `api.replica_groups.VariableGrouping` of the per-replica variables."""
+    variable_groups = variable_groups or {}
+    ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress,
+                                  grouped=set(variable_groups))
     progress(15)
     schedule = build_schedule(placement, options, training)
     try:
         executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
-                                      optimizer, named_weights)
+                                      optimizer, named_weights, variable_groups=variable_groups)
     except ip.OutOfMemoryError as error:
         raise model_out_of_memory(error, placement, placement.num_ipus) from None
     progress(35)
@@ -76,10 +80,11 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     return executable
 
 
-def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progress):
+def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progress, grouped=frozenset()):
     """Capture the model in train or eval mode as it will run (`export.capture_joint`: forward and
     backward as ATen ops, the gradients PyTorch's own, seeded with the optimiser's loss scaling),
-    place its blocks and lower it to IR (`aten.to_ir`)."""
+    place its blocks and lower it to IR (`aten.to_ir`). A per-replica parameter (in `grouped`) is
+    captured as one replica sees it: its first slice."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
     model.train(training)
     reset_groups()
@@ -88,7 +93,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
                               device_loss_scale=training and automatic_loss_scaling(options) is not None,
-                              downcast_to_half=options.Precision.downcasts_to_half)
+                              downcast_to_half=options.Precision.downcasts_to_half, per_replica=grouped)
     finally:
         model.train(was_training)
     progress(15)
@@ -99,7 +104,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
 
 
 def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
-                     *, check_memory: bool = True) -> Executable:
+                     *, check_memory: bool = True, variable_groups: dict | None = None) -> Executable:
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
     weight-update programs when training (`optimizer` given) and build the Engine (not loaded).
     A schedule with separate weight-gradient ops gets its stages' backwards split in two
@@ -121,7 +126,8 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
                  for r in range(replicas)]
     for low in lowerings:
         low.build()
-    updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
+    updates = build_updates(lowerings, optimizer, options, named_weights, variable_groups or {}) \
+        if optimizer is not None else UpdatePlan()
     if scaling is not None:
         scaling.build(lowerings, updates.configs)
         updates.loss_scaling = scaling

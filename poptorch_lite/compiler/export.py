@@ -317,7 +317,7 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
                   trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
-                  device_loss_scale: bool = False) -> JointGraph:
+                  device_loss_scale: bool = False, per_replica=frozenset()) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
@@ -325,7 +325,9 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
     (PopTorch's default) an op mixing float16 and float32 operands runs in float16
     (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. With
     `device_loss_scale` (automatic loss scaling) the seed is scaled by the library op
-    ``loss_scale``, which the device reads from a tensor it updates."""
+    ``loss_scale``, which the device reads from a tensor it updates. A parameter named in
+    `per_replica` (a per-replica variable, one value per replica group along its first dimension)
+    is traced as one replica sees it: its first slice."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
     params = dict(torch.nn.Module.named_parameters(model))
@@ -368,7 +370,8 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             extra = [loss.detach()] + [g for g in grads if g is not None]
         return [t.detach() for t in tensors] + extra + [b[n] for n in bnames]
 
-    flat = [t.detach().requires_grad_(training and n in trainable) for n, t in params.items()]
+    flat = [(t[0] if n in per_replica else t).detach().requires_grad_(training and n in trainable)
+            for n, t in params.items()]
     flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
     table = decompositions
     with fx_traceback.preserve_node_meta():

@@ -87,6 +87,7 @@ class UpdatePlan:
         self.state_buffers: dict[int, ip.RemoteBuffer] = {}  # state tensor variable id -> its Streaming Memory
         self.sharded: set[str] = set()      # weights whose optimiser state is sharded over the replicas
         self.loss_scaling = None            # automatic loss scaling (compiler/loss_scaling.py), or None
+        self.grouped: dict[str, list[int]] = {}   # per-replica variable -> the replica of each host slice
 
 
 def _param_groups(optimizer, named_params: dict) -> dict[str, int]:
@@ -106,7 +107,8 @@ def accumulator_dtypes(optimizer: torch.optim.Optimizer, named_params: dict) -> 
     return {name: accumulator_dtype(groups[gi]) for name, gi in _param_groups(optimizer, named_params).items()}
 
 
-def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict) -> UpdatePlan:
+def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict,
+                  variable_groups: dict | None = None) -> UpdatePlan:
     """Per IPU of replica 0, the programs run at each weight update: the reduction of the gradient
     accumulators across replicas (ring over IPU-Links), each replica's in-place optimiser update
     with its accumulator cleared, and the gather of sharded weights. Off-chip optimiser state,
@@ -117,9 +119,15 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     the accumulators are reduce-scattered instead of all-reduced, replica r updates only its
     shard (`collectives.shard_bounds`) and holds the optimiser state of that shard alone (1/R of
     the state bytes), and the updated shards are all-gathered into every replica's weight. The two
-    halves of the ring cost what one all-reduce costs; the values equal the unsharded update's."""
+    halves of the ring cost what one all-reduce costs; the values equal the unsharded update's.
+
+    A per-replica variable (`variable_groups`, `model.weight.replicaGrouping`) has its gradients
+    summed within each replica group only (a ring all-reduce over the group's replicas); it is
+    not sharded."""
     plan = UpdatePlan()
     replicas = len(lowerings)
+    variable_groups = variable_groups or {}
+    plan.grouped = {n: g.readers(replicas) for n, g in variable_groups.items()}
     group_of = _param_groups(optimizer, named_params)
     divisor = reduction_divisor(options, replicas)
     configs = {gi: device_config(optimizer, g, divisor) for gi, g in enumerate(optimizer.param_groups)}
@@ -136,11 +144,14 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     for name in names:
         by_ipu.setdefault(first.weights[name].ipu, []).append(name)
     for ipu0, weight_names in sorted(by_ipu.items()):
-        sharded = {n for n in weight_names if shard and first.weights[n].numel >= max(min_shard, replicas)}
+        sharded = {n for n in weight_names if shard and first.weights[n].numel >= max(min_shard, replicas)
+                   and n not in variable_groups}
         plan.sharded |= sharded
         indices = []
         if replicas > 1:
-            indices.append(first.add_program(_reduce(device, lowerings, weight_names, sharded, ipu0)))
+            indices.append(first.add_program(_reduce(device, lowerings, weight_names, sharded, ipu0,
+                                                     {n: g.reduction_groups(replicas) for n, g in
+                                                      variable_groups.items()})))
         for r, low in enumerate(lowerings):
             seq = ip.Sequence(name=f"weight update replica {r} ipu{ipu0 + r * (len(device.graphs) // replicas)}")
             for name in weight_names:
@@ -160,7 +171,7 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                 ew.unary(g, "fill", acc, seq, f"{acc.name}/clear", out=acc, scale=0.0)
                 for p in stores:
                     seq.add(p)
-                if r == 0 or name in sharded:
+                if r == 0 or name in sharded or name in variable_groups:
                     plan.states.setdefault(name, []).append((cfg, w_upd))
             ipus = {low.weights[name].ipu for name in weight_names}
             for count in low.counters:  # Running: the next group's mean starts again
@@ -206,14 +217,21 @@ def _around(seq: ip.Sequence, tensors: list, buffers: list, body) -> None:
             seq.add(ip.RemoteCopy(t, buf))
 
 
-def _reduce(device, lowerings, names: list[str], sharded: set, ipu0: int) -> ip.Sequence:
+def _reduce(device, lowerings, names: list[str], sharded: set, ipu0: int, groups: dict) -> ip.Sequence:
     """Sum each weight's accumulators over the replicas in place: a ring all-reduce, or for a
-    sharded weight a ring reduce-scatter (each replica then holds the sum of its shard)."""
+    sharded weight a ring reduce-scatter (each replica then holds the sum of its shard), or for a
+    per-replica variable an all-reduce within each of its replica groups (`groups`)."""
     seq = ip.Sequence(name=f"gradient reduction ipu{ipu0}")
     for name in names:
         accs = [low.accumulators[name] for low in lowerings]
         buffers = [low.accumulator_buffers.get(name) for low in lowerings]
-        if name in sharded:
+        if name in groups:
+            for members in groups[name]:
+                if len(members) > 1:
+                    sub = [accs[r] for r in members]
+                    _around(seq, sub, [buffers[r] for r in members],
+                            lambda s: collectives.all_reduce(device, sub, s, "sum", f"all_reduce/{name}", in_place=True))
+        elif name in sharded:
             _around(seq, accs, buffers,
                     lambda s: collectives.reduce_scatter(device, accs, s, "sum", f"reduce_scatter/{name}"))
         else:
@@ -260,6 +278,8 @@ def read_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optim
 
     for name, parts in plan.states.items():
         p = named_params[name]
+        if name in plan.grouped:   # a per-replica variable: each host slice from its replica
+            parts = [parts[r] for r in plan.grouped[name]]
         pieces: dict[str, list] = {}
         step = None
         for cfg, w in parts:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from ..api import arguments, batching
+from ..api import arguments, batching, replica_groups
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api.errors import Error
@@ -132,6 +132,7 @@ class PoplarExecutor:
         self._anchors: list[anchors.Anchor] = []    # Options.anchorTensor, resolved when compiled
         self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
         self._loss_scaling_steps: set[int] = set()  # steps after which automatic loss scaling updates
+        self._variable_groups: dict[str, replica_groups.VariableGrouping] = {}   # per-replica variables
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -258,7 +259,7 @@ class PoplarExecutor:
             margs, mkwargs = self._micro_batch_args(call)
             executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
                                        self._optimizer if self._training else None, self._named_weights(),
-                                       progress=bar.update)
+                                       progress=bar.update, variable_groups=self._variable_groups)
         self._install(executable)
 
     @collection_paused()
@@ -276,6 +277,10 @@ class PoplarExecutor:
         path = options.cache_path
         call = arguments.bind(self._forward(), args, kwargs)
         self._call = call
+        if path is not None and self._variable_groups:
+            cache.logger.warning("Executable caching is off for a model with per-replica variables "
+                                 "(replicaGrouping): the cache key does not hold their grouping")
+            path = None
         if path is None:
             self._compile(call)
             return False
@@ -336,6 +341,9 @@ class PoplarExecutor:
     # ---- host <-> device ----------------------------------------------------------------------
     def _connect_streams(self) -> None:
         exe = self._executable
+        opts = self._options
+        self._input_group = [replica_groups.group_of(r, exe.replicas, opts.input_group_size, opts.input_cgt)
+                             for r in range(exe.replicas)]
         self._feed: dict[tuple, int] = {}
         self._inputs: list[np.ndarray] = []
         self._outputs: dict[int, dict[tuple, np.ndarray]] = collections.defaultdict(dict)
@@ -350,11 +358,12 @@ class PoplarExecutor:
             host_calls.connect(exe.engine, low.host_calls)
 
     def _input_callback(self, key, index):
-        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout)."""
-        replicas = self._executable.replicas
+        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout); with
+        input replica groups, block k * G + g, g being replica r's group of the G."""
+        groups, block = self._options.input_groups, self._input_group[key[0]]
 
         def feed():
-            return self._inputs[index][self._feed[key] * replicas + key[0]]
+            return self._inputs[index][self._feed[key] * groups + block]
         return feed
 
     def _output_callback(self, key, index):
@@ -370,9 +379,11 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         exe = self._executable
         weights = self._named_weights()
-        for low in exe.lowerings:
+        for r, low in enumerate(exe.lowerings):
             for name, t in low.weights.items():
                 value = weights[name].detach().cpu().numpy().astype(t.dtype)
+                if name in self._variable_groups:   # a per-replica variable: this replica's slice
+                    value = value[self._variable_groups[name].host_index(r, exe.replicas)]
                 if name in low.weight_buffers:
                     exe.engine.writeRemoteBuffer(low.weight_buffers[name], value)
                 else:
@@ -387,10 +398,18 @@ class PoplarExecutor:
         exe = self._executable
         low = exe.lowering
         weights = self._named_weights()
+
+        def read(lowering, name):
+            return exe.engine.readRemoteBuffer(lowering.weight_buffers[name]) if name in lowering.weight_buffers \
+                else exe.engine.readTensor(lowering.weights[name])
+
         with torch.no_grad():
             for name, t in low.weights.items():
-                value = exe.engine.readRemoteBuffer(low.weight_buffers[name]) if name in low.weight_buffers \
-                    else exe.engine.readTensor(t)
+                if name in self._variable_groups:   # a per-replica variable: each slice from its replica
+                    readers = self._variable_groups[name].readers(exe.replicas)
+                    value = np.stack([read(exe.lowerings[r], name) for r in readers])
+                else:
+                    value = read(low, name)
                 weights[name].copy_(torch.from_numpy(value).to(weights[name].dtype))
         self._host_weights_version += 1
 
@@ -483,7 +502,7 @@ class PoplarExecutor:
     def _split_inputs(self, tensors: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
         """Each input as [micro-batches of the call, *micro-batch shape] in schedule order."""
         exe = self._executable
-        micro_batches = math.prod(batching.batch_factors(self._options, self._training))
+        micro_batches = math.prod(batching.input_factors(self._options, self._training))
         out = []
         for (_, t), v in zip(tensors, exe.ir.inputs):  # shapes checked when the call was matched
             arr = t.detach().cpu().numpy().astype(v.dtype, copy=False)
@@ -610,9 +629,9 @@ class PoplarExecutor:
             if v.id in inputs:
                 # An output that is a model input (or an op that reduces to one, such as dropout
                 # in inference) is the input's micro-batch as the device received it.
-                data = self._inputs[inputs[v.id]]
-                got = {(k, r): data[k * exe.replicas + r]
-                       for k in range(len(data) // exe.replicas) for r in range(exe.replicas)}
+                data, groups = self._inputs[inputs[v.id]], self._options.input_groups
+                got = {(k, r): data[k * groups + self._input_group[r]]
+                       for k in range(len(data) // groups) for r in range(exe.replicas)}
             elif v.kind == "const":  # a tensor made in forward and returned as it is
                 micro_batches = math.prod(batching.batch_factors(self._options, self._training)) // exe.replicas
                 got = {(k, r): v.data for k in range(micro_batches) for r in range(exe.replicas)}
@@ -660,7 +679,31 @@ class PoplarExecutor:
         as in PopTorch; reading a trained weight copies the weights back from the device first."""
         if name.startswith("__") or name == "_user_model":
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        value = getattr(self._user_model, name)
+        if isinstance(value, torch.nn.Parameter):   # PopTorch's per-replica variables: W.replicaGrouping(...)
+            full = next(n for n, p in torch.nn.Module.named_parameters(self._user_model) if p is value)
+            object.__setattr__(value, "replicaGrouping",
+                               lambda kind, shards, mode: self._group_variable(full, kind, shards, mode))
+        return value
+
+    def _group_variable(self, name: str, kind, shards: int, mode) -> None:
+        """Make parameter `name` a per-replica variable: replicas of one group (`kind`, groups of
+        `shards`) share a value and sum their gradients; the host keeps one value per group
+        (`OnePerGroup`) or per replica (`AllReplicas`) along the parameter's first dimension."""
+        from ..api.enums import CommGroupType, VariableRetrievalMode
+        if self._executable is not None:
+            raise Error(f"{name}.replicaGrouping: the model is already compiled; group variables before the first "
+                        "call (or compile())")
+        if not isinstance(kind, CommGroupType) or not isinstance(mode, VariableRetrievalMode):
+            raise Error(f"{name}.replicaGrouping expects (CommGroupType, int, VariableRetrievalMode), got "
+                        f"({kind!r}, {shards!r}, {mode!r})")
+        if kind == CommGroupType.All:
+            self._variable_groups.pop(name, None)
+            return
+        grouping = replica_groups.VariableGrouping(kind, int(shards), mode)
+        grouping.check(name, tuple(dict(torch.nn.Module.named_parameters(self._user_model))[name].shape),
+                       self._options.replication_factor)
+        self._variable_groups[name] = grouping
 
     def __repr__(self):
         return module_repr(self._user_model)
