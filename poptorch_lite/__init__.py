@@ -14,7 +14,8 @@ from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
-from .api.ops import identity_loss, ipu_print_tensor, set_available_memory
+from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
+                      set_available_memory)
 from .api.options import Options, TensorLocationSettings, setLogLevel
 
 # Names whose modules bring in the device emulator (ipusim, Numba) or the compiler: imported on first
@@ -54,6 +55,8 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
            "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
-           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "identity_loss", "inferenceModel",
-           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "op_placement", "optim",
+           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "cond", "dynamic_slice", "dynamic_update",
+           "for_loop", "identity_loss", "inferenceModel",
+           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "nop",
+           "op_placement", "optim",
            "registerCustomArgParser", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]

@@ -33,7 +33,7 @@ from ..api.blocks import DEFAULT_REGION
 from ..api.errors import Error
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
-from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
+from . import control_flow, library  # noqa: F401  (register the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
 from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
 
@@ -345,7 +345,9 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
     uses are dropped first)."""
     joint.graph_module.graph.eliminate_dead_code()
     placement, sites = place(joint, strategy)
-    return Lowerer(joint, sites).run(), placement
+    ir = Lowerer(joint, sites).run()
+    control_flow.check_scopes(ir)
+    return ir, placement
 
 
 # =========================================================================================
@@ -1664,6 +1666,10 @@ def decompositions() -> dict:
              if isinstance(op, torch._ops.OpOverload) and op.overloadpacket not in LOWERINGS}
     table[aten.native_batch_norm.default] = native_batch_norm_decomposition
     return table
+
+
+for _packet, _lower in control_flow.ATEN.items():   # device loops and branches, dynamic slices
+    lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)
 
 
 def ops_table() -> list[tuple[str, str]]:

@@ -56,8 +56,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
-from ..api.ops import identity_loss, ipu_print_tensor, set_available_memory
-from . import library
+from ..api.errors import Error
+from ..api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
+                       set_available_memory)
+from . import control_flow, library
 from .ir import flatten_values, map_values
 
 aten = torch.ops.aten
@@ -72,7 +74,13 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
-             set_available_memory: library.available_memory}
+             set_available_memory: library.available_memory, for_loop: control_flow.traced_for_loop,
+             cond: control_flow.traced_cond, nop: control_flow.traced_nop,
+             dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update}
+
+# Device control flow: the bodies are the model's own code, traced under the annotator (their ops
+# annotated, nested loops and branches captured too); inference only, as in PopTorch.
+CONTROL_FLOW = {for_loop: "for_loop", cond: "cond"}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).
@@ -154,9 +162,10 @@ class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
     def __init__(self, trace: BlockTrace, root: torch.nn.Module, *, downcast_to_half: bool = True,
-                 buffers=()):
+                 buffers=(), training: bool = False):
         super().__init__()
         self.trace = trace
+        self.training = training
         self.downcast_to_half = downcast_to_half
         self.buffers = {id(b) for b in buffers}    # running statistics keep their dtype
         self.modules = {id(m): (name, m) for name, m in root.named_modules()}
@@ -170,10 +179,16 @@ class BlockAnnotator(TorchFunctionMode):
         if name.lstrip(".") in _NOT_OPS or getattr(func, "__name__", "") == "__get__":
             return func(*args, **kwargs)
         annotation = self.annotate(name)
+        if func in CONTROL_FLOW and self.training:
+            raise Error(f"poptorch.{CONTROL_FLOW[func]}() is only supported in inference ({annotation.source})")
         with fx_traceback.annotate({KEY: annotation}):
             if self.downcast_to_half and not _in_place(func):   # in-place ops keep their operand's dtype
                 args, kwargs = self.half_operands(args, kwargs)
-            out = FUNCTIONS.get(func, func)(*args, **kwargs)
+            if func in CONTROL_FLOW:
+                with self:
+                    out = FUNCTIONS[func](*args, **kwargs)
+            else:
+                out = FUNCTIONS.get(func, func)(*args, **kwargs)
         self.tag_backward(out, annotation)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             self.losses.append((out, annotation))
@@ -331,7 +346,8 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         b = dict(zip(bnames, flat[len(pnames):len(pnames) + len(bnames)]))
         call_args, call_kwargs = rebuild(flat[len(pnames) + len(bnames):])
         with tracing_blocks() as trace:
-            annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values())
+            annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values(),
+                                       training=training)
             root_hook = block_annotation(model)
             if root_hook is not None:
                 root_hook.start()

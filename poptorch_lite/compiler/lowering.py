@@ -760,3 +760,7 @@ def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, 
         out[(src, dst)] = max(1, peak)
     return out
 
+
+from . import control_flow  # noqa: E402  (device loops and branches, dynamic slices: their lowerings)
+
+LOWER.update(control_flow.IR)
