@@ -99,6 +99,10 @@ class Constant:
 def _spec(value):
     if isinstance(value, torch.Tensor):
         return TensorSpec(value.shape, value.dtype)
+    if isinstance(value, torch.nn.utils.rnn.PackedSequence):
+        raise Error("a PackedSequence input: variable-length (packed) sequences are not supported on the IPU, as in "
+                    "PopTorch (their shapes depend on the data). Pad the sequences to one length "
+                    "(torch.nn.utils.rnn.pad_sequence) and pass the padded tensor")
     parser = parser_for(value)
     if parser is not None:
         return Custom(type(value), parser, tuple(_spec(t) for t in parser.yieldTensors(value)))

@@ -33,7 +33,7 @@ from ..api.blocks import DEFAULT_REGION
 from ..api.errors import Error
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
-from . import control_flow, library  # noqa: F401  (register the poptorch_lite ops lowered below)
+from . import control_flow, library, recurrent  # noqa: F401  (register the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
 from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
 
@@ -1668,8 +1668,8 @@ def decompositions() -> dict:
     return table
 
 
-for _packet, _lower in control_flow.ATEN.items():   # device loops and branches, dynamic slices
-    lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)
+for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # device loops and branches, dynamic
+    lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
 
 
 def ops_table() -> list[tuple[str, str]]:
@@ -1693,7 +1693,12 @@ def ops_markdown() -> str:
              "source line and the module.", "",
              "Torch functions captured as another: `F.dropout` as `aten.native_dropout` (one op with its",
              "mask), `F.ctc_loss` as `poptorch_lite.ctc_loss` (`compiler/library.py`); attention runs",
-             "PyTorch's math backend (matmuls, softmax, dropout).", "",
+             "PyTorch's math backend (matmuls, softmax, dropout). `nn.LSTM`, `nn.GRU` and `nn.RNN`",
+             "(`torch.lstm`, `gru`, `rnn_tanh`, `rnn_relu`) are one `poptorch_lite.*_layer` op per layer",
+             "and direction, each a device loop over the time steps, with its backward op",
+             "(`compiler/recurrent.py`). PopTorch's `for_loop`, `cond`, `nop`, `dynamic_slice` and",
+             "`dynamic_update` are ops of their own; a loop or branch body is the ops between its",
+             "markers (`compiler/control_flow.py`).", "",
              "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
     lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
     return "\n".join(lines) + "\n"

@@ -318,30 +318,35 @@ def _same_site(c, body: list[Node], what: str) -> None:
         n.block, n.phase, n.pass_ = t.block, t.phase, t.pass_
 
 
-def emit_loop(c, count: int, inits: list[Value], carried: list[Value], results: list[Value], body: list[Node],
+def emit_loop(c, count: int, inits: list, carried: list[Value], results: list[Value], body: list[Node],
               what: str) -> list[Value]:
     """A `loop` node running `body` `count` times: `carried` (body-side values) start as `inits`
-    and take `results` after each iteration; returns the final values."""
+    and take `results` after each iteration; returns the final values. An init of None leaves
+    its carried tensor as it is (a buffer the body writes before it reads it)."""
     _same_site(c, body, what)
     for p, r in zip(carried, results):
         if tuple(p.shape) != tuple(r.shape) or p.dtype != r.dtype:
             raise c.error(f"the body of {what} makes {r} for the carried {p}: the values a loop carries keep their "
                           "shapes and types")
-    inputs = list(inits) + [v for v in free_values([body], results, carried) if v not in inits]
+    given = [v for v in inits if v is not None]
+    inputs = given + [v for v in free_values([body], results, carried) if not any(v is g for g in given)]
+    initial = [None if v is None else next(i for i, g in enumerate(inputs) if g is v) for v in inits]
     return c.emit("loop", inputs, [(p.shape, p.dtype) for p in carried], count=int(count), body=body,
-                  carried=list(carried), results=list(results), what=what)
+                  carried=list(carried), results=list(results), initial=initial, what=what)
 
 
-def loop(c, count: int, inits: list[Value], step, what: str) -> list[Value]:
+def loop(c, count: int, inits: list, step, what: str) -> list[Value]:
     """Build a loop from a Python function: `step(carried)` emits one iteration's IR (with the
-    lowerer `c`) and returns the carried values' new values."""
-    carried = [Value(v.shape, v.dtype, f"carried{i}") for i, v in enumerate(inits)]
+    lowerer `c`) and returns the carried values' new values. An init is a Value, or a (shape,
+    dtype) pair for a buffer the body fills (never read before it is written)."""
+    carried = [Value(tuple(v[0]), np.dtype(v[1]), f"buffer{i}") if isinstance(v, tuple) else
+               Value(v.shape, v.dtype, f"carried{i}") for i, v in enumerate(inits)]
     saved, c.ir.nodes = c.ir.nodes, []
     try:
         results = list(step(carried))
     finally:
         body, c.ir.nodes = c.ir.nodes, saved
-    return emit_loop(c, count, inits, carried, results, body, what)
+    return emit_loop(c, count, [None if isinstance(v, tuple) else v for v in inits], carried, results, body, what)
 
 
 def body_nodes(n: Node):
@@ -536,9 +541,10 @@ def _loop(ctx, n: Node, ins):
     dims = {k: next(m for m in body if id(m) in in_place and in_place[id(m)] == k).attrs["dim"]
             for k in in_place.values()}
     state = []
-    for k, (p, init) in enumerate(zip(carried, ins)):
+    for k, (p, i) in enumerate(zip(carried, a["initial"])):
         t = _state(g, p, f"{ctx.name}/carried{k}", dims.get(k))
-        ctx.prog.add(ip.Copy(init, t))
+        if i is not None:
+            ctx.prog.add(ip.Copy(ins[i], t))
         env[p.id] = t
         state.append(t)
     # outer tensors the body slices dynamically are laid out for it once, before the loop

@@ -59,7 +59,7 @@ from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tra
 from ..api.errors import Error
 from ..api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                        set_available_memory)
-from . import control_flow, library
+from . import control_flow, library, recurrent
 from .ir import flatten_values, map_values
 
 aten = torch.ops.aten
@@ -76,7 +76,8 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, for_loop: control_flow.traced_for_loop,
              cond: control_flow.traced_cond, nop: control_flow.traced_nop,
-             dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update}
+             dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
+             **recurrent.FUNCTIONS}
 
 # Device control flow: the bodies are the model's own code, traced under the annotator (their ops
 # annotated, nested loops and branches captured too); inference only, as in PopTorch.
