@@ -9,7 +9,6 @@ import torch
 import ipusim as ip
 import poptorch_lite as poptorch
 from ipusim.device.program import walk
-from poptorch_lite.compiler.control_flow import body_nodes
 
 
 def infer(model, *args, mode="fast", options=None):
@@ -504,6 +503,14 @@ def test_dynamic_update_errors_are_poptorchs():
         poptorch.dynamic_update(t, torch.ones(1, 8, dtype=torch.int32), 0, torch.tensor([0]), 1)
     with pytest.raises(poptorch.Error, match="The start and end of a slice must be different."):
         poptorch.inferenceModel(Updater(0, 0))(t, torch.ones(1, 8), torch.tensor([0]))
+
+    class Mixed(torch.nn.Module):
+        def forward(self, t, s):
+            return poptorch.dynamic_update(t, s, 0, torch.tensor([1]), 1)
+
+    # in a model the message names the types the IPU holds (no int64), as PopTorch's does
+    with pytest.raises(poptorch.Error, match=r"same dtype. \(torch.float32 vs torch.int32\)"):
+        poptorch.inferenceModel(Mixed())(torch.ones(8), torch.tensor([-1]))
 
 
 def test_dynamic_slices_train():

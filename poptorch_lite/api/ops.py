@@ -123,6 +123,11 @@ def nop(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _on_device(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor has on the IPU, which has no 64-bit types."""
+    return {torch.int64: torch.int32, torch.float64: torch.float32}.get(dtype, dtype)
+
+
 def _start_value(start: torch.Tensor) -> int:
     if start.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise Error(f"Expected integer typed start tensor, got {start.dtype}")
@@ -150,8 +155,8 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
     return torch.ops.aten.slice(tensor, dim, first, first + size, step)
 
 
-def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,  # noqa: A002 (PopTorch's name)
-                   size: int) -> torch.Tensor:
+def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A002 (PopTorch's argument name)
+                   start: torch.Tensor, size: int) -> torch.Tensor:
     """A copy of `input` with `src` written along `dim` from `start` (a tensor: on the device its
     value is read when the program runs) for `size` rows."""
     if not isinstance(input, torch.Tensor):
@@ -166,9 +171,11 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
         raise Error("Size must be an integer.")
     if input.dim() != src.dim():
         raise Error(f"input and src tensors must have same dimensionality. ({input.dim()}) vs ({src.dim()})")
-    if input.dtype != src.dtype:
-        raise Error(f"input and src tensor must have same dtype. ({input.dtype} vs {src.dtype})")
-    if has_torch_function((input, src, start)):
+    traced = has_torch_function((input, src, start))
+    if input.dtype != src.dtype:   # in a model, as the IPU holds them (PopTorch's message)
+        shown = (_on_device(input.dtype), _on_device(src.dtype)) if traced else (input.dtype, src.dtype)
+        raise Error(f"input and src tensor must have same dtype. ({shown[0]} vs {shown[1]})")
+    if traced:
         return handle_torch_function(dynamic_update, (input, src, start), input, src, dim, start, size)
     first = _start_value(start)
     return torch.slice_scatter(input, src, dim, first, first + size, 1)

@@ -561,10 +561,7 @@ def _loop(ctx, n: Node, ins):
     values = [env[r.id] for r in results]
     for k, v in enumerate(values):
         if v is not state[k] and any(v.var is s.var for s in state):
-            aside = g.addVariable(v.dtype, v.shape, f"{ctx.name}/next{k}", category="activations", always_live=False)
-            aside.var.mapping = state[k].tile_map() if state[k].shape == v.shape else aside.var.mapping
-            if not aside.var.mapping.mapped:
-                g.map_linearly(aside, grain=4, min_elements_per_tile=64)
+            aside = g.clone(state[k], f"{ctx.name}/next{k}", category="activations", always_live=False)
             prog.add(ip.Copy(v, aside))
             values[k] = aside
     for v, s in zip(values, state):

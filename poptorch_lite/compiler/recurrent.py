@@ -296,7 +296,7 @@ def traced_pack(*args, **kwargs):
     raise Error(f"a PackedSequence is made in the model (torch.nn.utils.rnn.pack_padded_sequence): {PACKED}")
 
 
-def _stack(name, cell, x, states, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+def _stack(cell, x, states, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """PyTorch's composition of layers and directions around `cell(x, states_k, weights_k, reverse)`,
     which returns (output, *final states); `states` are the initial states, each [layers * dirs, B, *]."""
     if batch_first:
@@ -333,7 +333,7 @@ def traced_lstm(x, second, *args):
         y, h, c, _, _ = lstm_layer(x, states[0], states[1], w_ih, w_hh, b_ih, b_hh, w_hr, reverse)
         return y, h, c
 
-    return _stack("LSTM", cell, x, [h0, c0], list(params), has_biases, num_layers, dropout, train, bidirectional,
+    return _stack(cell, x, [h0, c0], list(params), has_biases, num_layers, dropout, train, bidirectional,
                   batch_first)
 
 
@@ -346,7 +346,7 @@ def traced_gru(x, hx, params, has_biases, num_layers, dropout, train, bidirectio
         y, h, *_ = gru_layer(x, states[0], w[0], w[1], *b, reverse)
         return y, h
 
-    return _stack("GRU", cell, x, [hx], list(params), has_biases, num_layers, dropout, train, bidirectional,
+    return _stack(cell, x, [hx], list(params), has_biases, num_layers, dropout, train, bidirectional,
                   batch_first)
 
 
@@ -358,7 +358,7 @@ def _traced_rnn(nonlinearity: str):
             b = (w[2], w[3]) if has_biases else (None, None)
             return rnn_layer(x, states[0], w[0], w[1], *b, nonlinearity, reverse)
 
-        return _stack("RNN", cell, x, [hx], list(params), has_biases, num_layers, dropout, train, bidirectional,
+        return _stack(cell, x, [hx], list(params), has_biases, num_layers, dropout, train, bidirectional,
                       batch_first)
     traced.__doc__ = f"``torch.rnn_{nonlinearity}`` (``nn.RNN``) in the capture: one ``rnn_layer`` per layer and " \
                      "direction."
