@@ -20,9 +20,10 @@ a loop whose body is one time step:
   gates and writes the step's output (and, for training, its gate pre-activations and cell
   state) with ``dynamic_update``. A reversed direction counts its steps down.
 - The backward (IR): a loop over the time steps in the opposite order carrying the gradients of
-  the states; each step recomputes its gates from the saved pre-activations and writes the
-  gradient of its pre-activations. The weight gradients then come from one product each over
-  all steps (``dG^T x``, ``dG^T h_prev``), as does the input gradient (``dG W_ih``).
+  the states and accumulating the bias gradients; each step recomputes its gates from the saved
+  pre-activations and writes the gradient of its pre-activations. The weight gradients then come
+  from one product each over all steps (``dG^T x``, ``dG^T h_prev``), as does the input gradient
+  (``dG W_ih``).
 Outputs nobody reads (the saved gates in inference, gradients of frozen weights or of the data)
 are not computed.
 """
@@ -465,9 +466,19 @@ def _previous(c, seq: Value, first: Value, reverse: bool) -> Value:
     return _cat(c, [_rows(c, seq, 1, T), first] if reverse else [first, _rows(c, seq, 0, T - 1)], 0)
 
 
+def _bias_sum(c, acc: Value, dG: Value) -> Value:
+    """A bias gradient accumulated over the steps: acc + the step's pre-activation gradients summed
+    over the batch."""
+    return _ew(c, "add", acc, c.reduce("sum", dG, (0,), False))
+
+
+def _zeros(c, n: int, dtype) -> Value:
+    return c.const(np.zeros(n), dtype)
+
+
 def _weight_grads(c, dG: Value, inputs: Value, prev: Value, w_ih: Value, want_dx: bool, want: dict):
     """From the pre-activation gradients of every step [T, B, G]: dx = dG W_ih, dW_ih = dG^T x,
-    dW_hh = dG^T h_prev, db = the sum over steps and batch (each one matrix product or reduction)."""
+    dW_hh = dG^T h_prev, each one matrix product over all the steps."""
     T, B, G = dG.shape
     flat = c.reshape(dG, (T * B, G))
     out = {}
@@ -477,8 +488,6 @@ def _weight_grads(c, dG: Value, inputs: Value, prev: Value, w_ih: Value, want_dx
         out["dw_ih"] = _mm(c, _t(c, flat), c.reshape(inputs, (T * B, inputs.shape[2])))
     if want.get("dw_hh"):
         out["dw_hh"] = _mm(c, _t(c, flat), c.reshape(prev, (T * B, prev.shape[2])))
-    if want.get("db"):
-        out["db"] = c.reduce("sum", flat, (0,), False)
     return out
 
 
@@ -517,8 +526,8 @@ def _lstm(c, n):
 
 
 @aten_lowering(torch.ops.poptorch_lite.lstm_layer_backward, doc="loop over the time steps in reverse: "
-               "dynamic_slice, gate gradients (unary, binary), cat, matmul, dynamic_update; then matmul and reduce "
-               "sum for the weight and input gradients")
+               "dynamic_slice, gate gradients (unary, binary), cat, matmul, dynamic_update, bias gradients (reduce "
+               "sum, add); then matmul for the weight and input gradients")
 def _lstm_backward(c, n):
     dy, dh, dc, x, h0, c0, w_ih, w_hh, _, _, w_hr, y, gates, cells, reverse = (c.load(a) for a in n.args)
     used = used_outputs(n)
@@ -528,6 +537,7 @@ def _lstm_backward(c, n):
     prev_h = _previous(c, y, h0, reverse)
     prev_c = _previous(c, cells, c0, reverse)
     proj = w_hr is not None and 6 in used
+    want_db = 5 in used
 
     def step(s):
         t, dh_, dc_, dG_all = s[:4]
@@ -548,17 +558,20 @@ def _lstm_backward(c, n):
         out = [_advance(c, t, not reverse), _mm(c, dG, w_hh), _ew(c, "mul", dc_t, f), _write(c, dG_all, dG, t)]
         if proj:
             out.append(_write(c, s[4], dh_t, t))
+        if want_db:
+            out.append(_bias_sum(c, s[-1], dG))
         return out
 
-    inits = [_counter(c, T, not reverse), dh, dc, ((T, B, 4 * H), dtype)] + ([((T, B, P), dtype)] if proj else [])
+    inits = [_counter(c, T, not reverse), dh, dc, ((T, B, 4 * H), dtype)] + ([((T, B, P), dtype)] if proj else []) \
+        + ([_zeros(c, 4 * H, dtype)] if want_db else [])
     res = loop(c, T, inits, step, "the backward of nn.LSTM")
-    grads = _weight_grads(c, res[3], x, prev_h, w_ih, 0 in used, {"dw_ih": 3 in used, "dw_hh": 4 in used,
-                                                                  "db": 5 in used})
+    grads = _weight_grads(c, res[3], x, prev_h, w_ih, 0 in used, {"dw_ih": 3 in used, "dw_hh": 4 in used})
     dw_hr = None
     if proj:   # dW_hr = sum over steps of dh_t^T m_t, m_t = o_t * tanh(c_t) recomputed for every step at once
         m = _ew(c, "mul", c.unary("sigmoid", _cols(c, gates, 3 * H, 4 * H)), c.unary("tanh", cells))
         dw_hr = _mm(c, _t(c, c.reshape(res[4], (T * B, P))), c.reshape(m, (T * B, H)))
-    return (grads.get("dx"), res[1], res[2], grads.get("dw_ih"), grads.get("dw_hh"), grads.get("db"), dw_hr)
+    return (grads.get("dx"), res[1], res[2], grads.get("dw_ih"), grads.get("dw_hh"), res[-1] if want_db else None,
+            dw_hr)
 
 
 # ---- GRU ----------------------------------------------------------------------------------------------
@@ -596,8 +609,8 @@ def _gru(c, n):
 
 
 @aten_lowering(torch.ops.poptorch_lite.gru_layer_backward, doc="loop over the time steps in reverse: "
-               "dynamic_slice, gate gradients (unary, binary), cat, matmul, dynamic_update; then matmul and reduce "
-               "sum for the weight and input gradients")
+               "dynamic_slice, gate gradients (unary, binary), cat, matmul, dynamic_update, bias gradients (reduce "
+               "sum, add); then matmul for the weight and input gradients")
 def _gru_backward(c, n):
     dy, dh, x, h0, w_ih, w_hh, _, _, y, rzs, ns, hns, reverse = (c.load(a) for a in n.args)
     used = used_outputs(n)
@@ -605,9 +618,10 @@ def _gru_backward(c, n):
     H = h0.shape[-1]
     dtype = x.dtype
     prev_h = _previous(c, y, h0, reverse)
+    sums = [k for k in (4, 5) if k in used]   # the bias gradients wanted: of b_ih (4), of b_hh (5)
 
     def step(s):
-        t, dh_, dgx_all, dgh_all = s
+        t, dh_, dgx_all, dgh_all = s[:4]
         dh_t = _ew(c, "add", dh_, _step_of(c, dy, t))
         rz = _step_of(c, rzs, t)
         r, z = _cols(c, rz, 0, H), _cols(c, rz, H, 2 * H)
@@ -618,13 +632,16 @@ def _gru_backward(c, n):
         dgx = _cat(c, [dar, daz, dan], 1)
         dgh = _cat(c, [dar, daz, _ew(c, "mul", dan, r)], 1)
         dh_prev = _ew(c, "add", _ew(c, "mul", dh_t, z), _mm(c, dgh, w_hh))
-        return [_advance(c, t, not reverse), dh_prev, _write(c, dgx_all, dgx, t), _write(c, dgh_all, dgh, t)]
+        out = [_advance(c, t, not reverse), dh_prev, _write(c, dgx_all, dgx, t), _write(c, dgh_all, dgh, t)]
+        return out + [_bias_sum(c, acc, dgx if k == 4 else dgh) for k, acc in zip(sums, s[4:])]
 
     inits = [_counter(c, T, not reverse), dh, ((T, B, 3 * H), dtype), ((T, B, 3 * H), dtype)]
-    _, dh0, dgx, dgh = loop(c, T, inits, step, "the backward of nn.GRU")
-    gx = _weight_grads(c, dgx, x, prev_h, w_ih, 0 in used, {"dw_ih": 2 in used, "db": 4 in used})
-    gh = _weight_grads(c, dgh, x, prev_h, w_ih, False, {"dw_hh": 3 in used, "db": 5 in used})
-    return gx.get("dx"), dh0, gx.get("dw_ih"), gh.get("dw_hh"), gx.get("db"), gh.get("db")
+    res = loop(c, T, inits + [_zeros(c, 3 * H, dtype) for _ in sums], step, "the backward of nn.GRU")
+    _, dh0, dgx, dgh = res[:4]
+    db = dict(zip(sums, res[4:]))
+    gx = _weight_grads(c, dgx, x, prev_h, w_ih, 0 in used, {"dw_ih": 2 in used})
+    gh = _weight_grads(c, dgh, x, prev_h, w_ih, False, {"dw_hh": 3 in used})
+    return gx.get("dx"), dh0, gx.get("dw_ih"), gh.get("dw_hh"), db.get(4), db.get(5)
 
 
 # ---- Elman RNN ----------------------------------------------------------------------------------------
@@ -646,21 +663,24 @@ def _rnn(c, n):
 
 
 @aten_lowering(torch.ops.poptorch_lite.rnn_layer_backward, doc="loop over the time steps in reverse: "
-               "dynamic_slice, tanh or relu gradient, matmul, dynamic_update; then matmul and reduce sum for the "
-               "weight and input gradients")
+               "dynamic_slice, tanh or relu gradient, matmul, dynamic_update, bias gradient (reduce sum, add); "
+               "then matmul for the weight and input gradients")
 def _rnn_backward(c, n):
     dy, dh, x, h0, w_ih, w_hh, _, _, y, nonlinearity, reverse = (c.load(a) for a in n.args)
     used = used_outputs(n)
     T, B, _ = x.shape
     H = h0.shape[-1]
     grad_fn = "tanh_grad" if nonlinearity == "tanh" else "relu_grad"
+    want_db = 4 in used
 
     def step(s):
-        t, dh_, da_all = s
+        t, dh_, da_all = s[:3]
         da = _ew(c, grad_fn, _step_of(c, y, t), _ew(c, "add", dh_, _step_of(c, dy, t)))
-        return [_advance(c, t, not reverse), _mm(c, da, w_hh), _write(c, da_all, da, t)]
+        out = [_advance(c, t, not reverse), _mm(c, da, w_hh), _write(c, da_all, da, t)]
+        return out + ([_bias_sum(c, s[3], da)] if want_db else [])
 
-    _, dh0, da = loop(c, T, [_counter(c, T, not reverse), dh, ((T, B, H), x.dtype)], step, "the backward of nn.RNN")
-    g = _weight_grads(c, da, x, _previous(c, y, h0, reverse), w_ih, 0 in used,
-                      {"dw_ih": 2 in used, "dw_hh": 3 in used, "db": 4 in used})
-    return g.get("dx"), dh0, g.get("dw_ih"), g.get("dw_hh"), g.get("db")
+    inits = [_counter(c, T, not reverse), dh, ((T, B, H), x.dtype)] + ([_zeros(c, H, x.dtype)] if want_db else [])
+    res = loop(c, T, inits, step, "the backward of nn.RNN")
+    g = _weight_grads(c, res[2], x, _previous(c, y, h0, reverse), w_ih, 0 in used,
+                      {"dw_ih": 2 in used, "dw_hh": 3 in used})
+    return g.get("dx"), res[1], g.get("dw_ih"), g.get("dw_hh"), res[3] if want_db else None
