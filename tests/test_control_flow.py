@@ -534,3 +534,20 @@ def test_dynamic_slices_train():
     reference(s, e).backward()
     opt.step()
     torch.testing.assert_close(m.w.detach(), reference.w.detach())
+
+
+def test_each_iteration_draws_new_random_numbers():
+    class Noisy(torch.nn.Module):
+        def __init__(self, count):
+            super().__init__()
+            self.count = count
+
+        def forward(self, x):
+            return poptorch.for_loop(self.count, lambda h: h + torch.rand(h.shape), [x])[0]
+
+    x = torch.zeros(64)
+    once, _ = infer(Noisy(1), x, options=poptorch.Options().randomSeed(7))
+    twice, _ = infer(Noisy(2), x, options=poptorch.Options().randomSeed(7))
+    first, second = once, twice - once
+    assert float(first.min()) >= 0 and float(first.max()) < 1 and float(second.min()) >= -1e-6
+    assert not torch.allclose(first, second)
