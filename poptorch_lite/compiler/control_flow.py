@@ -17,10 +17,11 @@ loop the recurrent layers (:mod:`.recurrent`) run over time steps, from capture 
   channels and weight placement see it as one op; a value made inside a body may not be used
   outside it.
 - **ipusim.** A ``loop`` is one ``Repeat`` over its body lowered once: the carried values are
-  tensors of their own, initialised before the loop and updated in place on their tiles at the
-  end of each iteration (a carried tensor only a ``dynamic_update`` writes is updated by it
-  directly, laid out for slicing, and never copied). Outer tensors a body slices dynamically
-  are laid out for slicing once, before the loop. An ``if`` is an ``If`` on the condition's
+  tensors of their own, initialised before the loop and updated in place on their tiles: the op
+  making a new value writes it into the carried tensor when that can be done (an elementwise op
+  after the last read of the old value; a ``dynamic_update`` of a buffer nothing else reads, laid
+  out for slicing), else the new value is copied onto it at the end of the iteration. Outer
+  tensors a body slices dynamically are laid out for slicing once, before the loop. An ``if`` is an ``If`` on the condition's
   device value, each branch copying its results into the outputs. Cycles are the body's times
   the count (``Repeat``), memory keeps loop-crossing tensors live over the whole body.
 """
@@ -34,11 +35,12 @@ import torch.fx
 
 import ipusim as ip
 from ipusim.ops import dynamic as dyn
+from ipusim.ops import elementwise as ew
 from ipusim.ops import random as rnd
 
 from ..api.errors import Error
 from ..api.ops import _as_list
-from .ir import Node, Value, flatten_values
+from .ir import VIEW_OPS, Node, Value, flatten_values
 
 # =========================================================================================
 # Capture: marker ops around the bodies, and the traced forms of PopTorch's functions
@@ -486,13 +488,14 @@ def ir_lowering(*ops):
     return deco
 
 
-def lower_body(ctx, nodes: list[Node], env: dict, prog: ip.Sequence, in_place: dict | None = None):
+def lower_body(ctx, nodes: list[Node], env: dict, prog: ip.Sequence, into: dict | None = None):
     """Lower `nodes` into `prog`, their inputs from `env` (value id -> tensor), which receives
-    their outputs. A dynamic_update in `in_place` writes its base's tensor."""
+    their outputs. A node in `into` (node id -> tensor) makes its result in that tensor: a
+    dynamic update in place in its base, an elementwise op into its `out`."""
     from .lowering import LOWER, CompileError, Context
     sub = Context(ctx.lowering, ctx.graph, prog)
     sub.random_ops = ctx.random_ops
-    sub.in_place = in_place or {}
+    sub.in_place = into or {}
     for m in nodes:
         try:
             ins = [env[v.id] for v in m.inputs]
@@ -503,7 +506,15 @@ def lower_body(ctx, nodes: list[Node], env: dict, prog: ip.Sequence, in_place: d
         if lower is None:
             raise CompileError(f"op {m.op} (at {m.source}) has no lowering to ipusim")
         sub.name = f"{ctx.name}/{m.op}"
-        for v, t in zip(m.outputs, lower(sub, m, ins)):
+        target = sub.in_place.get(id(m))
+        if target is not None and m.op == "unary":
+            outs = [ew.unary(sub.graph, m.attrs["fn"], ins[0], prog, sub.name, scale=m.attrs.get("scale", 1.0),
+                             bias=m.attrs.get("bias", 0.0), out=target)]
+        elif target is not None and m.op == "binary":
+            outs = [ew.binary(sub.graph, m.attrs["fn"], ins[0], ins[1], prog, sub.name, out=target)]
+        else:
+            outs = lower(sub, m, ins)
+        for v, t in zip(m.outputs, outs):
             if t is not None:
                 env[v.id] = t
     drawn = sub.random_ops - ctx.random_ops
@@ -511,12 +522,44 @@ def lower_body(ctx, nodes: list[Node], env: dict, prog: ip.Sequence, in_place: d
     return drawn
 
 
+def written_in_place(body: list[Node], carried: list[Value], results: list[Value]) -> dict[int, int]:
+    """The nodes that can make a carried value's new value in its own tensor (node id -> slot):
+    a dynamic update of the carried value that nothing else reads, or an elementwise op that
+    runs after every read of the carried value (and of its views). Neither when the old value
+    is itself a result (it would be read after it is overwritten)."""
+    position = {id(m): i for i, m in enumerate(body)}
+    alias = {p.id: p.id for p in carried}            # value id -> the carried value it views
+    last_read: dict[int, int] = {}
+    readers: dict[int, int] = {}
+    for i, m in enumerate(body):
+        for v in m.inputs:
+            if v.id in alias:
+                last_read[alias[v.id]] = i
+                readers[alias[v.id]] = readers.get(alias[v.id], 0) + 1
+        if m.op in VIEW_OPS and m.inputs[0].id in alias:
+            alias[m.outputs[0].id] = alias[m.inputs[0].id]
+    in_results = {alias.get(r.id, r.id) for r in results}
+    out = {}
+    for k, (p, r) in enumerate(zip(carried, results)):
+        m = r.producer
+        if m is None or id(m) not in position or p.id in in_results or sum(x is r for x in results) != 1:
+            continue
+        if m.op == "dynamic_update" and m.inputs[0] is p and readers.get(p.id) == 1:
+            out[id(m)] = k
+        elif m.op in ("unary", "binary") and last_read.get(p.id, -1) <= position[id(m)] \
+                and tuple(r.shape) == tuple(p.shape) and r.dtype == p.dtype:
+            out[id(m)] = k
+    return out
+
+
 def _state(g: ip.Graph, v: Value, name: str, dim: int | None) -> ip.Tensor:
-    """A tensor for a carried value: laid out for slicing along `dim` when a dynamic update writes it."""
+    """A tensor for a carried value: laid out for slicing along `dim` when a dynamic update writes
+    it, else spread over the tiles in vector grains (a step's work is small: spread, it runs on
+    many tiles at once)."""
     if dim is not None:
         return dyn.sliceable(g, v.dtype, v.shape, dim, name)
     t = g.addVariable(v.dtype, v.shape, name, category="activations", always_live=False)
-    g.map_linearly(t, grain=4, min_elements_per_tile=64)
+    g.map_linearly(t, grain=dyn.GRAIN, min_elements_per_tile=dyn.GRAIN)
     return t
 
 
@@ -525,21 +568,10 @@ def _loop(ctx, n: Node, ins):
     a, g = n.attrs, ctx.graph
     carried, results, body = a["carried"], a["results"], a["body"]
     env = {v.id: t for v, t in zip(n.inputs, ins)}
-    reads: dict[int, int] = {}
-    for m in body:
-        for v in m.inputs:
-            reads[v.id] = reads.get(v.id, 0) + 1
-    for r in results:
-        reads[r.id] = reads.get(r.id, 0) + 1
-    # a carried value whose only reader is the dynamic update making its new value: updated in place
-    in_place = {}
-    for k, (p, r) in enumerate(zip(carried, results)):
-        m = r.producer
-        if m is not None and m.op == "dynamic_update" and m.inputs[0] is p and reads.get(p.id) == 1 \
-                and any(x is m for x in body):
-            in_place[id(m)] = k
-    dims = {k: next(m for m in body if id(m) in in_place and in_place[id(m)] == k).attrs["dim"]
-            for k in in_place.values()}
+    # new values made in their carried tensor: a buffer a dynamic update writes is laid out for it
+    written = written_in_place(body, carried, results)
+    dims = {k: m.attrs["dim"] for m in body for k in [written.get(id(m))] if k is not None
+            and m.op == "dynamic_update"}
     state = []
     for k, (p, i) in enumerate(zip(carried, a["initial"])):
         t = _state(g, p, f"{ctx.name}/carried{k}", dims.get(k))
@@ -554,7 +586,7 @@ def _loop(ctx, n: Node, ins):
             env[m.inputs[0].id] = dyn.laid_out(g, ctx.prog, env[m.inputs[0].id], m.attrs["dim"],
                                                f"{ctx.name}/sliceable")
     prog = ip.Sequence(name=f"{ctx.name}/body")
-    if lower_body(ctx, body, env, prog, in_place):
+    if lower_body(ctx, body, env, prog, {node: state[k] for node, k in written.items()}):
         rnd.advance_seed(g, ctx.lowering.seed(g.ipu), prog, name=f"{ctx.name}/advance_seed")
     # the new values replace the old at the end of the iteration, all at once: one that is (a view
     # of) a carried tensor is copied aside before any carried tensor is written

@@ -513,10 +513,10 @@ def _lstm(c, n):
         h2 = _ew(c, "mul", o, c.unary("tanh", cell2))
         if w_hr is not None:
             h2 = _mm(c, h2, _t(c, w_hr))
-        out = [_advance(c, t, reverse), h2, cell2, _write(c, ys, h2, t)]
+        out = [h2, cell2, _write(c, ys, h2, t)]
         if save:
             out += [_write(c, s[4], g, t), _write(c, s[5], cell2, t)]
-        return out
+        return [_advance(c, t, reverse)] + out   # the counter last: the writes read it
 
     inits = [_counter(c, T, reverse), h0, c0, ((T, B, P), dtype)]
     if save:
@@ -555,12 +555,12 @@ def _lstm_backward(c, n):
               _ew(c, "tanh_grad", gg, _ew(c, "mul", dc_t, i)),
               _ew(c, "sigmoid_grad", o, d_o)]
         dG = _cat(c, da, 1)
-        out = [_advance(c, t, not reverse), _mm(c, dG, w_hh), _ew(c, "mul", dc_t, f), _write(c, dG_all, dG, t)]
+        out = [_mm(c, dG, w_hh), _ew(c, "mul", dc_t, f), _write(c, dG_all, dG, t)]
         if proj:
             out.append(_write(c, s[4], dh_t, t))
         if want_db:
             out.append(_bias_sum(c, s[-1], dG))
-        return out
+        return [_advance(c, t, not reverse)] + out
 
     inits = [_counter(c, T, not reverse), dh, dc, ((T, B, 4 * H), dtype)] + ([((T, B, P), dtype)] if proj else []) \
         + ([_zeros(c, 4 * H, dtype)] if want_db else [])
@@ -596,10 +596,10 @@ def _gru(c, n):
         hn = _cols(c, gh, 2 * H, 3 * H)
         new = c.unary("tanh", _ew(c, "add", _cols(c, gxt, 2 * H, 3 * H), _ew(c, "mul", _cols(c, rz, 0, H), hn)))
         h2 = _ew(c, "add", new, _ew(c, "mul", _cols(c, rz, H, 2 * H), _ew(c, "sub", h, new)))
-        out = [_advance(c, t, reverse), h2, _write(c, ys, h2, t)]
+        out = [h2, _write(c, ys, h2, t)]
         if save:
             out += [_write(c, s[3], rz, t), _write(c, s[4], new, t), _write(c, s[5], hn, t)]
-        return out
+        return [_advance(c, t, reverse)] + out
 
     inits = [_counter(c, T, reverse), h0, ((T, B, H), dtype)]
     if save:
@@ -632,8 +632,9 @@ def _gru_backward(c, n):
         dgx = _cat(c, [dar, daz, dan], 1)
         dgh = _cat(c, [dar, daz, _ew(c, "mul", dan, r)], 1)
         dh_prev = _ew(c, "add", _ew(c, "mul", dh_t, z), _mm(c, dgh, w_hh))
-        out = [_advance(c, t, not reverse), dh_prev, _write(c, dgx_all, dgx, t), _write(c, dgh_all, dgh, t)]
-        return out + [_bias_sum(c, acc, dgx if k == 4 else dgh) for k, acc in zip(sums, s[4:])]
+        out = [dh_prev, _write(c, dgx_all, dgx, t), _write(c, dgh_all, dgh, t)]
+        out += [_bias_sum(c, acc, dgx if k == 4 else dgh) for k, acc in zip(sums, s[4:])]
+        return [_advance(c, t, not reverse)] + out
 
     inits = [_counter(c, T, not reverse), dh, ((T, B, 3 * H), dtype), ((T, B, 3 * H), dtype)]
     res = loop(c, T, inits + [_zeros(c, 3 * H, dtype) for _ in sums], step, "the backward of nn.GRU")
@@ -656,7 +657,8 @@ def _rnn(c, n):
     def step(s):
         t, h, ys = s
         h2 = c.unary(nonlinearity, _ew(c, "add", _step_of(c, gx, t), _mm(c, h, _t(c, w_hh))))
-        return [_advance(c, t, reverse), h2, _write(c, ys, h2, t)]
+        out = [h2, _write(c, ys, h2, t)]
+        return [_advance(c, t, reverse)] + out
 
     _, h, ys = loop(c, T, [_counter(c, T, reverse), h0, ((T, B, H), x.dtype)], step, "nn.RNN")
     return ys, h
@@ -676,8 +678,8 @@ def _rnn_backward(c, n):
     def step(s):
         t, dh_, da_all = s[:3]
         da = _ew(c, grad_fn, _step_of(c, y, t), _ew(c, "add", dh_, _step_of(c, dy, t)))
-        out = [_advance(c, t, not reverse), _mm(c, da, w_hh), _write(c, da_all, da, t)]
-        return out + ([_bias_sum(c, s[3], da)] if want_db else [])
+        out = [_mm(c, da, w_hh), _write(c, da_all, da, t)] + ([_bias_sum(c, s[3], da)] if want_db else [])
+        return [_advance(c, t, not reverse)] + out
 
     inits = [_counter(c, T, not reverse), dh, ((T, B, H), x.dtype)] + ([_zeros(c, H, x.dtype)] if want_db else [])
     res = loop(c, T, inits, step, "the backward of nn.RNN")
