@@ -122,6 +122,22 @@ def test_loop_swapping_carried_values_reads_them_all_before_writing():
     assert [float(t) for t in poptorch.for_loop(3, lambda a, b: (b, a + 1), [a, b])] == [11., 3.]
 
 
+def test_a_new_value_made_before_the_old_one_is_last_read_does_not_overwrite_it():
+    class Late(torch.nn.Module):
+        def forward(self, x, w):
+            def body(x, w):
+                y = x + 1                               # x's new value ...
+                z = x.reshape(2, 2).t().reshape(4) * 2  # ... before a view of x is read
+                return y, z + w
+            return poptorch.for_loop(3, body, [x, w])
+
+    x, w = torch.arange(4.), torch.ones(4)
+    out, _ = infer(Late(), x, w)
+    expected = Late()(x, w)
+    for got, want in zip(out, expected):
+        assert torch.equal(got, want)
+
+
 def test_loop_argument_errors():
     class NonTensor(torch.nn.Module):
         def forward(self, x):
