@@ -340,7 +340,22 @@ def test_cond_outputs_arguments_and_outer_values():
                 return x + y
             return poptorch.cond(condition, lambda: outer_body(), [], lambda: x, [])[0]
 
+    class SingleBody(torch.nn.Module):
+        def forward(self, condition, x, y):
+            def body(a, b):
+                return a + b
+            return poptorch.cond(condition, body, [x, y], body, [x, x])[0]
+
+    class Internal(torch.nn.Module):
+        def forward(self, condition, x):
+            inner = torch.tensor([10., -10.])
+            return poptorch.cond(condition, lambda a, b: x + a + b, [inner, torch.tensor([0., -2.])],
+                                 lambda a: a + x, [inner])[0]
+
     x, y = torch.rand(1), torch.rand(1)
+    branches(SingleBody(), x + y, x + x, x, y)
+    z = torch.tensor([5., -1.])
+    branches(Internal(), z + torch.tensor([10., -12.]), z + torch.tensor([10., -10.]), z)
     branches(MultiOut(), [x, x + y, y], [y * y, y, x - y], x, y)
     branches(DiffArgs(), x + y, x, x, y)
     branches(Outer(), x + y, x, x, y)
@@ -378,7 +393,8 @@ def test_nested_cond():
     branches(model, 2 * (x - y), 2 * (x * y), torch.tensor([False]), x, y)
 
 
-@pytest.mark.parametrize("strategy", [poptorch.ShardedExecution, poptorch.SerialPhasedExecution])
+@pytest.mark.parametrize("strategy", [poptorch.ShardedExecution, poptorch.SerialPhasedExecution,
+                                      poptorch.ParallelPhasedExecution])
 def test_cond_on_two_ipus(strategy):
     class Model(torch.nn.Module):
         def forward(self, condition, x, y):
@@ -389,8 +405,7 @@ def test_cond_on_two_ipus(strategy):
                                      lambda x, y: (x, x * y), [x, y])
             return x, y
 
-    opts = poptorch.Options().autoRoundNumIPUs(True) if hasattr(poptorch.Options(), "autoRoundNumIPUs") \
-        else poptorch.Options()
+    opts = poptorch.Options().autoRoundNumIPUs(True)
     opts.setExecutionStrategy(strategy(poptorch.Stage("0"), poptorch.Stage("1")))
     x, y = torch.tensor([1., 2.]), torch.tensor([3., 4.])
     out, _ = infer(Model(), torch.tensor([True]), x, y, options=opts)
