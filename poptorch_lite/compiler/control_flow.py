@@ -361,18 +361,18 @@ def body_nodes(n: Node):
 
 def check_scopes(ir) -> None:
     """No value made inside a loop or branch body is used outside it."""
-    def visit(nodes: list[Node], visible: set, where: str):
+    def visit(nodes: list[Node], visible: set):
         for n in nodes:
             for v in n.inputs:
                 if v.id in hidden and v.id not in visible:
-                    raise Error(f"a value made inside the body of {hidden[v.id]} is used {where} by {n.op} at "
+                    raise Error(f"a value made inside the body of {hidden[v.id]} is used outside it by {n.op} at "
                                 f"{n.source}: return it from the body to use it outside")
             if n.op in ("loop", "if"):
                 for key in ("body", "then", "else"):
                     inner = n.attrs.get(key)
                     if inner is not None:
                         own = {v.id for m in inner for v in m.outputs} | {v.id for v in n.attrs.get("carried", ())}
-                        visit(inner, visible | own, "outside it")
+                        visit(inner, visible | own)
             visible |= {v.id for v in n.outputs}
 
     hidden = {}
@@ -380,7 +380,7 @@ def check_scopes(ir) -> None:
         for inner in body_nodes(n):
             for v in inner.outputs:
                 hidden[v.id] = n.attrs.get("what", n.op)
-    visit(ir.nodes, set(), "outside it")
+    visit(ir.nodes, set())
     results = flatten_values(ir.outputs) + ([ir.loss] if ir.loss is not None else []) + list(ir.grads.values())
     for v in results:
         if v.id in hidden:
