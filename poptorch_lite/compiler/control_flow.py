@@ -21,9 +21,10 @@ loop the recurrent layers (:mod:`.recurrent`) run over time steps, from capture 
   making a new value writes it into the carried tensor when that can be done (an elementwise op
   after the last read of the old value; a ``dynamic_update`` of a buffer nothing else reads, laid
   out for slicing), else the new value is copied onto it at the end of the iteration. Outer
-  tensors a body slices dynamically are laid out for slicing once, before the loop. An ``if`` is an ``If`` on the condition's
-  device value, each branch copying its results into the outputs. Cycles are the body's times
-  the count (``Repeat``), memory keeps loop-crossing tensors live over the whole body.
+  tensors a body slices dynamically are laid out for slicing once, before the loop. An ``if`` is
+  an ``If`` on the condition's device value, each branch copying its results into the outputs.
+  Cycles are the body's times the count (``Repeat``), memory keeps loop-crossing tensors live
+  over the whole body.
 """
 from __future__ import annotations
 
