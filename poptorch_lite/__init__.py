@@ -8,11 +8,12 @@ import importlib
 
 from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser
-from .api.blocks import BeginBlock, Block, BlockError, BlockFunction, module_repr, removeBlocks
+from .api.blocks import (BeginBlock, Block, BlockError, BlockFunction, LegacyBeginBlockFn, NameScope, module_repr,
+                         removeBlocks)
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.errors import Error, RecoverableError, UnrecoverableError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
-from .api.enums import (AutoStage, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
+from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                       set_available_memory)
@@ -52,8 +53,8 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "Liveness", "MeanReductionStrategy",
-           "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
+           "CommGroupType", "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn", "Liveness", "MeanReductionStrategy",
+           "NameScope", "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
            "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
            "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "cond", "dynamic_slice", "dynamic_update",
            "for_loop", "identity_loss", "inferenceModel",

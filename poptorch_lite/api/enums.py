@@ -138,3 +138,17 @@ class Liveness(_Enum):
     OffChipAfterFwd = 1
     OffChipAfterFwdNoOverlap = 2
     OffChipAfterEachPhase = 3
+
+
+class CommGroupType(_Enum):
+    """How replicas are grouped for an input or a per-replica variable.
+
+    - ``All``: one group of every replica (not valid for inputs).
+    - ``Consecutive``: groups of consecutive replicas, ``{0..k-1}, {k..2k-1}, ...``.
+    - ``Orthogonal``: with m = replicas / k groups, ``{0, m, 2m, ...}, {1, m+1, ...}, ...``.
+    - ``NoGrouping``: every replica on its own.
+    """
+    All = 0
+    Consecutive = 1
+    Orthogonal = 2
+    NoGrouping = 3

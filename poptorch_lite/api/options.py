@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import enums, strategies
-from .enums import (ConnectionType, HalfFloatCastingBehavior,
+from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
 from .errors import UnsupportedAttributeError
@@ -97,7 +97,7 @@ class ConfigFileError(ValueError):
 
 
 _FROZEN_MESSAGE = (
-    "These options are frozen: they were given to a model or a DataLoader, "
+    "Can't modify frozen Options: they were given to a model or a DataLoader, "
     "which keeps using them, so they can no longer change. Call "
     "options.clone() to get an unfrozen copy and change that instead.")
 
@@ -148,6 +148,51 @@ def _path_arg(option: str, value) -> str:
         raise TypeError(f"{option} expects a non-empty path (str or "
                         f"os.PathLike), got {value!r}.")
     return os.fspath(value)
+
+
+def _excludes(option: str, excludes) -> list:
+    if isinstance(excludes, str) or not all(
+            isinstance(e, str) and e for e in excludes):
+        raise TypeError(f"{option} expects path fragments (non-empty str), "
+                        f"got {excludes!r}.")
+    return list(excludes)
+
+
+# Frames in these directories are library code, not the user's source line.
+DEFAULT_SOURCE_LOCATION_EXCLUDES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+
+DEFAULT_REPEAT_LOGS = 4
+REPEATED = {"repeated": True}  # ``extra=`` of a log call whose line may repeat
+
+
+class _RepeatLimit(logging.Filter):
+    """Shows each repeating log call site (records logged with
+    ``extra=REPEATED``) ``limit`` times, then once "...repeated messages
+    suppressed...", then not at all (``Options.maxRepeatLogs``)."""
+
+    def __init__(self, limit: Optional[int]):
+        super().__init__()
+        self.limit = limit
+        self.counts: Dict[tuple, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.limit is None or not getattr(record, "repeated", False):
+            return True
+        site = (record.pathname, record.lineno)
+        count = self.counts.get(site, 0)
+        self.counts[site] = count + 1
+        if count < self.limit:
+            return True
+        if count == self.limit:
+            record.msg, record.args = "...repeated messages suppressed...", ()
+            return True
+        return False
+
+
+repeat_limit = _RepeatLimit(DEFAULT_REPEAT_LOGS)
+logger.addFilter(repeat_limit)
 
 
 def _plain(value):
@@ -736,7 +781,12 @@ class Options(_OptionGroup):
                          broadcast_buffers=True,
                          show_compilation_progress_bar=True,
                          relax_optimizer_attributes_checks=False,
-                         module_namescope=True)
+                         module_namescope=True,
+                         input_group_size=1,
+                         input_cgt=CommGroupType.Consecutive,
+                         max_repeat_logs=DEFAULT_REPEAT_LOGS,
+                         source_location_excludes=list(
+                             DEFAULT_SOURCE_LOCATION_EXCLUDES))
         self._popart = _PopartOptions()
         self._jit = _JitOptions()
         self._precision = _PrecisionOptions(self._popart)
@@ -750,7 +800,7 @@ class Options(_OptionGroup):
             self.enableExecutableCaching(cache_dir)
         defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS", "").strip()
         if defaults:
-            _apply_default_options(self, defaults)
+            _apply_json(self, defaults, "POPTORCH_DEFAULT_OPTIONS")
 
     # --- option groups -------------------------------------------------
 
@@ -822,6 +872,20 @@ class Options(_OptionGroup):
         "Log unexpected optimiser attributes at debug level only.")
     module_namescope = _value("module_namescope",
                               "Name ops after the modules they come from.")
+    input_group_size = _value(
+        "input_group_size", "Replicas per input replica group "
+        "(inputReplicaGrouping; 1: every replica its own input).")
+    input_cgt = _value("input_cgt", "CommGroupType of the input replica "
+                       "groups (inputReplicaGrouping).")
+    max_repeat_logs = _value(
+        "max_repeat_logs", "Times a repeated log line is shown before it "
+        "is suppressed (None: always shown).")
+
+    @property
+    def source_location_excludes(self) -> list:
+        """Path fragments of the frames skipped when an op's source line is
+        looked up (sourceLocationExcludes)."""
+        return list(self._values["source_location_excludes"])
 
     @property
     def available_memory_proportion(self) -> Dict[int, float]:
@@ -1138,6 +1202,103 @@ class Options(_OptionGroup):
         self._set(module_namescope=False)
         return self
 
+    def from_json(self, string: str) -> "Options":
+        """Apply a JSON object of setter name to arguments, as
+        ``POPTORCH_DEFAULT_OPTIONS`` does: ``'{"deviceIterations": 4,
+        "Training.gradientAccumulation": 8, "_Popart.set": ["key", 1],
+        "outputMode": "OutputMode.All"}'`` (a list gives several arguments;
+        ``"Enum.Member"`` names an enum member)."""
+        if not isinstance(string, (str, bytes, bytearray)):
+            raise TypeError("Options.from_json expects a JSON string, got "
+                            f"{string!r}.")
+        _apply_json(self, string, "Options.from_json")
+        return self
+
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: CommGroupType) -> "Options":
+        """Give each group of ``input_group_size`` replicas the same input
+        (``input_group_type``: ``CommGroupType.Consecutive`` or
+        ``Orthogonal``; ``NoGrouping`` means groups of one). The group size
+        must divide ``replicationFactor`` (set it first).
+
+        The emulator does not model input replica groups yet: a group of more
+        than one replica is refused (every replica gets its own input)."""
+        group_type = _enum_arg("Options.inputReplicaGrouping: input_group_type",
+                               input_group_type, CommGroupType)
+        size = _int_arg("Options.inputReplicaGrouping: input_group_size",
+                        input_group_size)
+        if group_type == CommGroupType.NoGrouping:
+            size, group_type = 1, CommGroupType.Consecutive
+        if group_type == CommGroupType.All:
+            raise ValueError("Options.inputReplicaGrouping: input_group_type "
+                             "cannot be CommGroupType.All (inputs are split "
+                             "between groups); use Consecutive or Orthogonal.")
+        replicas = self.replication_factor
+        if size > replicas:
+            raise ValueError(f"Options.inputReplicaGrouping: input_group_size "
+                             f"({size}) cannot be larger than "
+                             f"replication_factor ({replicas}).")
+        if replicas % size:
+            raise ValueError(f"Options.inputReplicaGrouping: input_group_size "
+                             f"({size}) must be a factor of "
+                             f"replication_factor ({replicas}).")
+        if size != 1:
+            raise UnsupportedAttributeError(
+                f"Options.inputReplicaGrouping({size}, "
+                f"CommGroupType.{group_type.name}): input replica groups "
+                "are not modelled by poptorch_lite's emulator, which gives "
+                "every replica its own input; only input_group_size=1 (or "
+                "CommGroupType.NoGrouping) is supported.",
+                name="inputReplicaGrouping", obj=self)
+        self._set(input_group_size=size, input_cgt=group_type)
+        return self
+
+    def updatableNamedBuffers(self, buffers) -> "Options":
+        """Buffers (by name, as in ``model.named_buffers()``) that
+        ``model.copyNamedBuffersToDevice()`` writes to the device without
+        the other weights."""
+        if isinstance(buffers, str) or not all(
+                isinstance(b, str) and b for b in buffers):
+            raise TypeError("Options.updatableNamedBuffers expects a list of "
+                            f"buffer names (str), got {buffers!r}.")
+        self._popart.set("updatableNamedBuffers", list(buffers))
+        return self
+
+    def sourceLocationExcludes(self, excludes) -> "Options":
+        """Replace the path fragments of the frames skipped when an op's
+        source line is looked up (for error messages, op placement and the
+        profile): a frame whose file name contains one is a library's, not
+        the user's. The default skips torch and poptorch_lite."""
+        self._set(source_location_excludes=_excludes(
+            "Options.sourceLocationExcludes", excludes))
+        return self
+
+    def appendToLocationExcludes(self, *excludes: str) -> "Options":
+        """Add path fragments to ``sourceLocationExcludes``."""
+        self._set(source_location_excludes=self.source_location_excludes +
+                  _excludes("Options.appendToLocationExcludes", excludes))
+        return self
+
+    def maxRepeatLogs(self, max_lines: Optional[int]) -> "Options":
+        """Show a log line that repeats (the same warning for many ops, ...)
+        at most ``max_lines`` times, then say that further repeats are
+        suppressed; None shows them all. Default 4. It applies from the
+        moment a model with these options is built."""
+        if max_lines is not None:
+            max_lines = _int_arg("Options.maxRepeatLogs", max_lines, 0)
+        self._set(max_repeat_logs=max_lines)
+        return self
+
+    def exists(self, option: str) -> bool:
+        """Whether ``option`` (a value name such as ``"random_seed"``) has
+        been given a value."""
+        return self._values.get(option) is not None
+
+    def checkIsFrozen(self) -> None:
+        """Raise ``AttributeError`` if these options are frozen (a model or
+        a DataLoader uses them)."""
+        self._check_mutable()
+
     def loadFromFile(self, filepath: str) -> "Options":
         """Apply a file of setter calls, one per line without the
         ``options.`` prefix, for example ``deviceIterations(4)`` or
@@ -1247,14 +1408,16 @@ def _setter(options: Options, path: str):
     return target
 
 
-def _apply_default_options(options: Options, text: str) -> None:
+def _apply_json(options: Options, text: str, where: str) -> None:
+    """Apply a JSON object of setter path -> arguments (``Options.from_json``;
+    ``POPTORCH_DEFAULT_OPTIONS``); errors name `where` and the setter."""
     try:
         calls = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"POPTORCH_DEFAULT_OPTIONS is not valid JSON "
+    except (json.JSONDecodeError, TypeError) as error:
+        raise ValueError(f"{where} is not valid JSON "
                          f"({error}): {text!r}") from None
     if not isinstance(calls, dict):
-        raise ValueError("POPTORCH_DEFAULT_OPTIONS must be a JSON object of "
+        raise ValueError(f"{where} must be a JSON object of "
                          'setter name to arguments, such as '
                          '{"deviceIterations": 4}; got ' + repr(text))
 
@@ -1277,7 +1440,7 @@ def _apply_default_options(options: Options, text: str) -> None:
             else:
                 setter(arguments)
         except (ValueError, TypeError, AttributeError) as error:
-            raise type(error)(f"POPTORCH_DEFAULT_OPTIONS, {path!r}: {error}"
+            raise type(error)(f"{where}, {path!r}: {error}"
                               ) from None
 
 

@@ -197,3 +197,13 @@ def _validateOptions(options: dict) -> None:  # pylint: disable=invalid-name
         raise errors.make(f"_validateOptions expects the dict of Options.toDict(), got {type(options).__name__}")
     with errors.context("parseSessionOptions"):
         _check_group("", options, _reference())
+
+
+def parse_options(options) -> None:
+    """What the compiler does first with a model's options (``PoplarExecutor``, when the model is
+    made): parse them as ``_validateOptions`` does, and apply the process-wide setting they carry,
+    the limit on repeated log lines (``Options.maxRepeatLogs``), counting repeats afresh."""
+    from .options import repeat_limit  # pylint: disable=import-outside-toplevel
+    _validateOptions(options.toDict())
+    repeat_limit.limit = options.max_repeat_logs
+    repeat_limit.counts.clear()

@@ -31,6 +31,7 @@ from torch._decomp.decompositions import native_batch_norm_decomposition
 
 from ..api.blocks import DEFAULT_REGION
 from ..api.errors import Error
+from ..api.options import REPEATED
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
 from . import control_flow, library, recurrent  # noqa: F401  (register the poptorch_lite ops lowered below)
@@ -65,10 +66,11 @@ class Site:
     phase: int | None
     pass_: str
     source: str
+    scope: str = ""
 
     def template(self) -> Node:
         return Node("", [], [], block=self.block, stage=self.stage, ipu=self.ipu, phase=self.phase,
-                    pass_=self.pass_, source=self.source)
+                    pass_=self.pass_, source=self.source, scope=self.scope)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
         a = annotation_of(n)
         if a is not None and a.block is not None:
             p = placement[a.block]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source)
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source, a.scope)
     for n in nodes:  # by their inputs
         if n in sites:
             continue
@@ -112,13 +114,14 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
         if placed:
             pick = max if pass_of(n) == "fwd" else min
             s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
-            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source)
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source, s.scope)
     for n in reversed(nodes):  # by their first consumer
         if n in sites:
             continue
         users = [sites[u] for u in n.users if u in sites]
         if users:
-            sites[n] = Site(users[0].block, users[0].stage, users[0].ipu, users[0].phase, pass_of(n), users[0].source)
+            u = users[0]
+            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, pass_of(n), u.source, u.scope)
         else:
             p = placement.blocks[0]
             sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), "")
@@ -1631,7 +1634,8 @@ def _available_memory(c, x, proportion):
     if not planned:
         a = annotation_of(c.node)
         logger.warning("set_available_memory at %s: the tensor was not made by a matrix multiplication or a "
-                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>")
+                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>",
+                       extra=REPEATED)
     for node in planned:
         node.attrs["available_memory_proportion"] = float(proportion)
     return x

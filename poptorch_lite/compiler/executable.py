@@ -82,7 +82,8 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
-                              downcast_to_half=options.Precision.downcasts_to_half)
+                              downcast_to_half=options.Precision.downcasts_to_half,
+                              source_excludes=options.source_location_excludes)
     finally:
         model.train(was_training)
     progress(15)

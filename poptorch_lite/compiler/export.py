@@ -59,6 +59,7 @@ from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tra
 from ..api.errors import Error
 from ..api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                        set_available_memory)
+from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
 from . import control_flow, library, recurrent
 from .ir import flatten_values, map_values
 
@@ -93,10 +94,6 @@ LOSS_FUNCTIONS = frozenset({
     F.multi_margin_loss, F.multilabel_margin_loss,
 })
 
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,   # poptorch_lite
-)
 
 
 @dataclass(frozen=True)
@@ -109,6 +106,7 @@ class Annotation:
     function: str = ""                     # "linear", "add", ".view", ...
     leaf_module: bool = False              # the call is a torch.nn layer's own computation
     closed: Optional[BlockRef] = None      # the block that had closed, when block is None
+    scope: str = ""                        # the open NameScopes, "encoder/attention"
 
     def describe(self) -> str:
         """The user's call for error messages: 'module layer1.conv (Conv2d)', 'function add()', 'method .view()'."""
@@ -163,10 +161,11 @@ class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
     def __init__(self, trace: BlockTrace, root: torch.nn.Module, *, downcast_to_half: bool = True,
-                 buffers=(), training: bool = False):
+                 buffers=(), training: bool = False, source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES):
         super().__init__()
         self.trace = trace
         self.training = training
+        self.source_excludes = tuple(source_excludes)
         self.downcast_to_half = downcast_to_half
         self.buffers = {id(b) for b in buffers}    # running statistics keep their dtype
         self.modules = {id(m): (name, m) for name, m in root.named_modules()}
@@ -219,13 +218,15 @@ class BlockAnnotator(TorchFunctionMode):
                     path, m = owner
                     module = f"{path or '<root>'} ({type(m).__name__})"
                     leaf = type(m).__module__.startswith("torch.nn")
-            if source == "<unknown>" and not filename.startswith(_LIBRARY_DIRS) and not filename.startswith("<"):
+            if source == "<unknown>" and not filename.startswith("<") and \
+                    not any(fragment in filename for fragment in self.source_excludes):
                 source = f"{filename}:{frame.f_lineno}"
             if module and source != "<unknown>":
                 break
             frame = frame.f_back
         block = self.trace.active
-        return Annotation(block, source, module, function, leaf, None if block is not None else self.trace.last_closed)
+        return Annotation(block, source, module, function, leaf, None if block is not None else self.trace.last_closed,
+                          self.trace.scope)
 
     # ---- backward: the autograd nodes a call created run under its annotation ----------------
     def tag_backward(self, out, annotation: Annotation) -> None:
@@ -325,13 +326,15 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
 
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
-                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True) -> JointGraph:
+                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
+                  source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
     (``aten.decompositions()``: down to the ops the compiler lowers). With `downcast_to_half`
     (PopTorch's default) an op mixing float16 and float32 operands runs in float16
-    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies."""
+    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. A frame
+    whose file name holds one of `source_excludes` is not taken as an op's source line."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
     params = dict(torch.nn.Module.named_parameters(model))
@@ -348,7 +351,7 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         call_args, call_kwargs = rebuild(flat[len(pnames) + len(bnames):])
         with tracing_blocks() as trace:
             annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values(),
-                                       training=training)
+                                       training=training, source_excludes=source_excludes)
             root_hook = block_annotation(model)
             if root_hook is not None:
                 root_hook.start()

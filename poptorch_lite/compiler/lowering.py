@@ -337,7 +337,7 @@ class Lowering:
             lower = LOWER.get(n.op)
             if lower is None:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
-            ctx.name = f"{self.prefix}{sp.name}/{n.op}"
+            ctx.name = f"{self.prefix}{sp.name}/{n.scope + '/' if n.scope else ''}{n.op}"
             first, first_var = len(body.programs), len(g.variables)
             outs = lower(ctx, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))

@@ -24,7 +24,7 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from ..api import arguments, batching
+from ..api import arguments, batching, poptorch_core
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api.errors import Error
@@ -114,6 +114,7 @@ class PoplarExecutor:
         if self._options.defaultOutputMode():
             self._options.outputMode(batching.resolve_output_mode(options, training))
         self._options._freeze()
+        poptorch_core.parse_options(self._options)
         self._user_model = model
         self._training = training
         self._executable: Executable | None = None
