@@ -31,7 +31,9 @@ _ON_FIRST_USE = {
     "op_placement": ("poptorch_lite.compiler.placement", "op_placement"),
     "UnsupportedOpError": ("poptorch_lite.compiler.aten", "UnsupportedOpError"),
     "CompileError": ("poptorch_lite.compiler.lowering", "CompileError"),
-    **{name: ("poptorch_lite.runtime.executor", name) for name in ("PoplarExecutor", "inferenceModel", "trainingModel")},
+    **{name: ("poptorch_lite.runtime.executor", name) for name in ("PoplarExecutor", "inferenceModel", "load",
+                                                                   "registerPostCompileHook", "registerPreCompileHook",
+                                                                   "trainingModel")},
 }
 
 
@@ -53,11 +55,14 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CommGroupType", "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn", "Liveness", "MeanReductionStrategy",
-           "NameScope", "Options", "OutputMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor",
-           "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
-           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "cond", "dynamic_slice", "dynamic_update",
-           "for_loop", "identity_loss", "inferenceModel",
-           "ipu_print_tensor", "ipuHardwareIsAvailable", "ipuHardwareVersion", "isRunningOnIpu", "module_repr", "nop",
-           "op_placement", "optim",
-           "registerCustomArgParser", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]
+           "CommGroupType", "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
+           "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn", "Liveness",
+           "MeanReductionStrategy", "NameScope", "Options", "OutputMode", "ParallelPhasedExecution", "Phase",
+           "PipelinedExecution", "PoplarExecutor", "RecoverableError", "ReductionType",
+           "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError",
+           "SyncPattern", "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "cond",
+           "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
+           "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
+           "module_repr", "nop", "op_placement", "optim", "registerCustomArgParser",
+           "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "setLogLevel",
+           "set_available_memory", "trainingModel"]

@@ -166,3 +166,207 @@ def test_legacy_begin_block_fn_starts_its_block_when_called():
     assert isinstance(model.first, poptorch.LegacyBeginBlockFn)
     rows = poptorch.op_placement(model, None, torch.ones(2)).by_origin()
     assert [r[1:4] for r in rows] == [(None, 0, 0), ("B1", 1, 1), ("B1", 1, 1)]
+
+
+# ---- the compiled model's PopTorch methods -------------------------------------------------------
+
+class Matmul(torch.nn.Module):
+    def forward(self, x, y):
+        return torch.matmul(x, y)
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x, target):
+        out = self.linear(x) + self.offset
+        return out, torch.nn.functional.mse_loss(out, target)
+
+
+def test_cycle_count_is_the_last_runs_cycles_and_needs_log_cycle_count():
+    model = poptorch.inferenceModel(Matmul(), poptorch.Options().logCycleCount(True))
+    with pytest.raises(poptorch.Error, match="run the model at least once"):
+        model.cycleCount()
+    model(torch.randn(8, 8), torch.randn(8, 8))
+    assert model.cycleCount() == model.last_run.cycles > 0
+    plain = poptorch.inferenceModel(Matmul())
+    plain(torch.randn(8, 8), torch.randn(8, 8))
+    with pytest.raises(poptorch.Error, match="Please set option logCycleCount to True"):
+        plain.cycleCount()
+
+
+def test_perf_counters_have_poptorchs_shape_and_the_run_records_times():
+    model = poptorch.inferenceModel(Matmul(), poptorch.Options().deviceIterations(4))
+    assert model.getPerfCounters() == {k: [[]] for k in ("input", "input_complete", "output", "output_complete")}
+    model(torch.randn(4, 16, 16), torch.randn(4, 16, 16))
+    perf = model.getPerfCounters()
+    assert [len(perf[k]) for k in ("input", "input_complete", "output", "output_complete")] == [2, 2, 1, 1]
+    assert all(len(per) == 4 for values in perf.values() for per in values)
+    for i in range(4):                                   # each iteration: request, transfer, compute, send
+        assert perf["input"][0][i] < perf["input_complete"][0][i] <= perf["output"][0][i] \
+            < perf["output_complete"][0][i]
+    assert perf["output_complete"][0][-1] <= model.last_run.seconds
+    for latency in (model.getHostIpuLatency(), model.getComputeLatency(), model.getIpuHostLatency(),
+                    model.getLatency()):
+        low, high, mean = latency
+        assert 0 < low <= mean <= high
+    assert model.getLatency()[0] > model.getComputeLatency()[0]
+
+
+def test_perf_counters_follow_the_output_mode_in_training():
+    opts = poptorch.Options().deviceIterations(2).outputMode(poptorch.OutputMode.Final)
+    opts.Training.gradientAccumulation(2)
+    model = poptorch.trainingModel(Regression(), opts)
+    model(torch.randn(8, 4), torch.randn(8, 4))
+    perf = model.getPerfCounters()
+    assert len(perf["input"]) == 2 and all(len(v) == 4 for v in perf["input"])
+    assert len(perf["output"]) == 2 and all(len(v) == 1 for v in perf["output"])
+    low, high, mean = model.getLatency()
+    assert 0 < low <= mean <= high
+
+
+def test_tensor_names_are_what_anchor_tensor_can_return():
+    model = poptorch.trainingModel(Regression())
+    with pytest.raises(poptorch.Error, match="must be compiled"):
+        model.getTensorNames()
+    model.compile(torch.randn(2, 4), torch.randn(2, 4))
+    names = model.getTensorNames()
+    assert set(names) == {f"{k}linear.{p}" for k in ("Gradient___", "UpdatedVar___") for p in ("weight", "bias")}
+    inference = poptorch.inferenceModel(Matmul())
+    inference.compile(torch.randn(2, 2), torch.randn(2, 2))
+    assert inference.getTensorNames() == []
+
+
+def test_compilation_time_is_measured_and_needs_the_progress_bar_option():
+    model = poptorch.inferenceModel(Matmul())
+    with pytest.raises(poptorch.Error, match="compile the model before"):
+        model.compilationTime()
+    start = __import__("time").perf_counter()
+    model.compile(torch.randn(2, 2), torch.randn(2, 2))
+    elapsed = __import__("time").perf_counter() - start
+    assert 0 < model.compilationTime().total_seconds() <= elapsed
+    quiet = poptorch.inferenceModel(Matmul(), poptorch.Options().showCompilationProgressBar(False))
+    quiet.compile(torch.randn(2, 2), torch.randn(2, 2))
+    with pytest.raises(poptorch.Error, match="showCompilationProgressBar"):
+        quiet.compilationTime()
+
+
+class Noisy(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) + torch.rand_like(x)
+
+
+def test_rng_state_reads_and_restores_the_device_generator():
+    model = poptorch.inferenceModel(Noisy(), poptorch.Options().randomSeed(7))
+    x = torch.ones(64)
+    with pytest.raises(poptorch.Error, match="not been compiled"):
+        model.rng_state
+    model.compile(x)
+    state = model.rng_state
+    assert state[0] == 7 and len(state) >= 2
+    first = model(x)
+    assert model.rng_state != state                       # the seeds advanced
+    second = model(x)
+    assert not torch.equal(first, second)
+    model.rng_state = state
+    assert torch.equal(model(x), first)
+    with pytest.raises(poptorch.Error, match="integers in"):
+        model.rng_state = [1]
+
+
+def test_copy_named_buffers_to_device_writes_only_those_buffers():
+    net = Regression()
+    opts = poptorch.Options().updatableNamedBuffers(["offset"])
+    model = poptorch.inferenceModel(net, opts)
+    x = torch.randn(2, 4)
+    before = model(x, x)[0]
+    with torch.no_grad():
+        net.offset.fill_(1.0)
+        net.linear.bias.fill_(100.0)      # a parameter: not copied by copyNamedBuffersToDevice
+    model.copyNamedBuffersToDevice()
+    after = model(x, x)[0]
+    torch.testing.assert_close(after, before + 1.0)
+    other = poptorch.inferenceModel(Regression())
+    other(x, x)
+    with pytest.raises(poptorch.Error, match="No named buffers marked as updatable"):
+        other.copyNamedBuffersToDevice()
+
+
+def test_compile_and_export_then_load_runs_without_compiling(tmp_path):
+    torch.manual_seed(0)
+    net = Regression()
+    opts = poptorch.Options().randomSeed(3)
+    optimizer = poptorch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = poptorch.trainingModel(net, opts, optimizer)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    model(x, y)
+    path = str(tmp_path / "sub" / "model.poptorch")
+    model.save(path)
+    expected = model(x, y)
+
+    compiled = []
+    handle = poptorch.registerPreCompileHook(lambda: compiled.append(1))
+    try:
+        loaded = poptorch.load(path, edit_opts_fn=lambda o: o.modelName("reloaded"))
+        assert loaded.isCompiled() and loaded.options.model_name == "reloaded" and not compiled
+        got = loaded(x, y)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, expected)   # same weights and momentum: the same step
+
+    inference = poptorch.inferenceModel(Matmul())
+    exported = str(tmp_path / "inference.poptorch")
+    inference.compileAndExport(exported, torch.randn(3, 3), torch.randn(3, 3), export_model=False)
+    with pytest.raises(poptorch.Error, match="export_model=False"):
+        poptorch.load(exported)
+    again = poptorch.inferenceModel(Matmul())
+    again.loadExecutable(exported)
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    torch.testing.assert_close(again(a, b), a @ b)
+    (tmp_path / "junk.poptorch").write_bytes(b"not a model")
+    with pytest.raises(poptorch.Error, match="Invalid file"):
+        poptorch.load(str(tmp_path / "junk.poptorch"))
+
+
+def test_compile_hooks_run_in_order_and_can_be_removed():
+    calls = []
+    handles = [poptorch.registerPreCompileHook(lambda: calls.append("pre1")),
+               poptorch.registerPreCompileHook(lambda: calls.append("pre2")),
+               poptorch.registerPostCompileHook(lambda: calls.append("post"))]
+    try:
+        poptorch.inferenceModel(Matmul()).compile(torch.ones(2, 2), torch.ones(2, 2))
+        assert calls == ["pre1", "pre2", "post"]
+        handles[1].remove()
+        calls.clear()
+        poptorch.inferenceModel(Matmul()).compile(torch.ones(2, 2), torch.ones(2, 2))
+        assert calls == ["pre1", "post"]
+    finally:
+        for h in handles:
+            h.remove()
+    with pytest.raises(RuntimeError, match="must be callable"):
+        poptorch.registerPreCompileHook(3)
+
+
+def test_load_state_dict_reaches_the_device():
+    net = Regression()
+    model = poptorch.inferenceModel(net)
+    x = torch.randn(2, 4)
+    model(x, x)
+    state = {k: torch.zeros_like(v) for k, v in net.state_dict().items()}
+    model.load_state_dict(state)
+    torch.testing.assert_close(model(x, x)[0], torch.zeros(2, 4))
+
+
+def test_every_poptorch_method_exists_and_a_missing_one_is_named(monkeypatch):
+    from poptorch_lite.runtime import executor
+    model = poptorch.inferenceModel(Matmul())
+    for name in executor.POPTORCH_METHODS:
+        assert hasattr(type(model), name), name
+    monkeypatch.setattr(executor, "POPTORCH_METHODS", executor.POPTORCH_METHODS | {"replicaGroupingOf"})
+    with pytest.raises(NotImplementedError, match=r"PoplarExecutor.replicaGroupingOf .* is not supported"):
+        model.replicaGroupingOf
+    with pytest.raises(AttributeError, match="'Matmul' object has no attribute 'nothing'"):
+        model.nothing

@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import enums, strategies
+from . import enums, popart, strategies
 from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
@@ -295,6 +295,19 @@ class _PopartOptions(_OptionGroup):
         self._set(**{key: copy.deepcopy(value)})
         return self
 
+    def get(self, key: str, default=None):
+        """The value of PopART option ``key`` (``default`` when unset): the one
+        place the emulator reads PopART options. ``key`` must be an option
+        PopTorch passes to PopART (``popart.SESSION_OPTIONS``)."""
+        if key not in popart.SESSION_OPTIONS:
+            raise KeyError(f"_Popart.get: {key!r} is not a PopART session "
+                           "option (popart.SESSION_OPTIONS lists them).")
+        return self._values.get(key, default)
+
+    def checkIsFrozen(self) -> None:
+        """Raise ``AttributeError`` if these options are frozen."""
+        self._check_mutable()
+
     def setEngineOptions(self, engine_options: Dict[str, str]
                          ) -> "_PopartOptions":
         """Set Poplar engine options (merged into the ones already set)."""
@@ -363,7 +376,7 @@ class _PrecisionOptions(_OptionGroup):
     @property
     def partials_type(self) -> Optional[torch.dtype]:
         """The dtype of matmul/convolution partials, or None if unset."""
-        name = self._popart.options.get("partialsTypeMatMuls")
+        name = self._popart.get("partialsTypeMatMuls")
         return {"float": torch.float32, "half": torch.float16}.get(name)
 
     def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
@@ -916,9 +929,9 @@ class Options(_OptionGroup):
     @property
     def cache_path(self) -> Optional[str]:
         """Executable cache directory, or None when caching is off."""
-        if not self._popart.options.get("enableEngineCaching", False):
+        if not self._popart.get("enableEngineCaching", False):
             return None
-        return self._popart.options.get("cachePath")
+        return self._popart.get("cachePath")
 
     @property
     def profile_dir(self) -> Optional[str]:
@@ -927,7 +940,7 @@ class Options(_OptionGroup):
         ``POPLAR_ENGINE_OPTIONS`` (``autoReport.all``, ``autoReport.output*``,
         ``autoReport.directory``) takes precedence over ``enableProfiling``.
         """
-        engine = dict(self._popart.options.get("engineOptions", {}))
+        engine = dict(self._popart.get("engineOptions", {}))
         engine.update(_engine_options_from_env())
         enabled = any(
             str(value).strip().lower() == "true"
@@ -940,7 +953,7 @@ class Options(_OptionGroup):
     @property
     def synthetic_data(self) -> bool:
         """Whether host I/O is replaced by data generated on the device."""
-        return self._popart.options.get("syntheticDataMode", 0) != 0
+        return self._popart.get("syntheticDataMode", 0) != 0
 
     @property
     def tensor_locations(self) -> Dict[str, Optional[TensorLocationSettings]]:
