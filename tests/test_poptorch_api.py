@@ -370,3 +370,70 @@ def test_every_poptorch_method_exists_and_a_missing_one_is_named(monkeypatch):
         model.replicaGroupingOf
     with pytest.raises(AttributeError, match="'Matmul' object has no attribute 'nothing'"):
         model.nothing
+
+
+# ---- popart ------------------------------------------------------------------------------------
+
+def test_import_popart_under_the_runner_gives_popart_names():
+    import importlib
+    from poptorch_lite import runner
+    from poptorch_lite.api import popart
+    saved_path = list(sys.meta_path)
+    saved = {n: m for n, m in sys.modules.items() if n in ("poptorch", "popart") or n.startswith("poptorch.")}
+    try:
+        runner.install()
+        module = importlib.import_module("popart")
+        assert module.RecomputationType.Pipeline == 3 and module.SyntheticDataMode.RandomNormal == 2
+        assert module.AccumulateOuterFragmentSchedule.OverlapMemoryOptimized == 3
+        assert module.Patterns is popart.Patterns
+        with pytest.raises(NotImplementedError, match=r"popart\.InferenceSession is not supported"):
+            module.InferenceSession
+    finally:
+        sys.meta_path[:] = saved_path
+        for name in [n for n in sys.modules if n in ("poptorch", "popart") or n.startswith("poptorch.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_patterns_levels_and_names_are_popart_s():
+    from poptorch_lite.api import popart
+    default = popart.Patterns(popart.PatternsLevel.Default)
+    assert default.isPatternEnabled("PadSum") and not default.isPatternEnabled("TiedGather")
+    assert default.isPatternEnabled("InPlace")
+    minimal = popart.Patterns(popart.PatternsLevel.Minimal)
+    assert minimal.isPatternEnabled("MatMulOp") and not minimal.isPatternEnabled("PadSum")
+    assert not any(popart.Patterns(popart.PatternsLevel.NoPatterns).enabled.values())
+    assert all(popart.Patterns(popart.PatternsLevel.All).enabled.values())
+    assert popart.Patterns(["PadSum"]).enablePattern("SplitGather", True).isPatternEnabled("SplitGather")
+    with pytest.raises(poptorch.Error, match="Unknown pattern 'PadSumm'.*'PadSum'"):
+        popart.Patterns(["PadSumm"])
+    opts = poptorch.Options()
+    opts._Popart.setPatterns({"PadSum": True}, 0)
+    with pytest.raises(poptorch.Error, match="Unknown pattern 'Padsum'"):
+        opts._Popart.setPatterns({"Padsum": True})
+    with pytest.raises(ValueError, match="PatternsLevel"):
+        opts._Popart.setPatterns({"PadSum": True}, 7)
+
+
+def test_popart_options_are_checked_when_a_model_is_made_and_unmodelled_ones_listed(caplog, tmp_path):
+    from poptorch_lite.api import popart, poptorch_core
+    opts = poptorch.Options()
+    opts._Popart.set("autoRecomputaton", 3)
+    with pytest.raises(poptorch.Error, match="Did you mean 'autoRecomputation'"):
+        poptorch.inferenceModel(Matmul(), opts)
+    opts = poptorch.Options().enableProfiling(str(tmp_path)).modelName("m")
+    opts._Popart.set("enableOutlining", False).set("mergeVarUpdate", int(popart.MergeVarUpdateType.All))
+    poptorch_core._LISTED.clear()
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        model = poptorch.inferenceModel(Matmul(), opts)
+        poptorch.inferenceModel(Matmul(), opts)        # listed once
+    listed = [r.getMessage() for r in caplog.records if "no effect on the emulator" in r.getMessage()]
+    assert listed == ["PopART options accepted with no effect on the emulator: enableOutlining, mergeVarUpdate"]
+    assert opts._Popart.get("engineOptions")["autoReport.all"] == "true"   # modelled: not listed
+    model(torch.ones(2, 2), torch.ones(2, 2))
+    model.destroy()
+    import json
+    profile = json.load(open(tmp_path / "m" / "profile.json"))
+    assert any("enableOutlining, mergeVarUpdate" in n for n in profile["notes"])
+    with pytest.raises(KeyError, match="not a PopART session option"):
+        opts._Popart.get("enableOutlinin")

@@ -326,7 +326,13 @@ class _PopartOptions(_OptionGroup):
                 for k, v in patterns.items()):
             raise TypeError("_Popart.setPatterns expects a dict of pattern "
                             f"name to True/False, got {patterns!r}.")
+        for name in patterns:
+            popart.check_pattern(name)
         level = _int_arg("_Popart.setPatterns: level", level, minimum=0)
+        if level > max(popart.PatternsLevel):
+            raise ValueError("_Popart.setPatterns: level must be a "
+                             "popart.PatternsLevel (0 NoPatterns, 1 Minimal, "
+                             f"2 Default, 3 All), got {level}.")
         self.set("patterns_level", level)
         return self.set("patterns", patterns)
 

@@ -27,7 +27,7 @@ from ipusim.device.program import Execute, walk
 from ipusim.report import advisor
 from ipusim.report import profile as ipprofile
 
-from ..api import batching
+from ..api import batching, poptorch_core
 from ..compiler.backward_split import WEIGHT_GRADIENT
 from ..compiler.executable import build_executable, training_schedule
 from ..compiler.lowering import program_key
@@ -124,6 +124,9 @@ def model_profile(executor, name: str) -> ipprofile.StaticProfile:
     notes = []
     if exe.replicas > 1:
         notes.append(f"{exe.replicas} replicas: IPUs {exe.placement.num_ipus}*r.. belong to replica r")
+    unmodelled = poptorch_core.popart_without_effect(executor.options)
+    if unmodelled:
+        notes.append("PopART options accepted with no effect on the emulator: " + ", ".join(unmodelled))
     try:
         blocks = block_table(executor).to_dict()
     except Exception as error:  # advice is optional: say why it is missing, never fail the run
