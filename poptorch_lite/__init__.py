@@ -7,11 +7,12 @@ ipusim programs) and `runtime` (PoplarExecutor runs it; executable cache, profil
 import importlib
 
 from .api import enums, options
-from .api.arguments import ICustomArgParser, registerCustomArgParser
-from .api.blocks import (BeginBlock, Block, BlockError, BlockFunction, LegacyBeginBlockFn, NameScope, module_repr,
-                         removeBlocks)
+from .api.arguments import ICustomArgParser, registerCustomArgParser, registerGeometricCustomArgParsers
+from .api.blocks import (BeginBlock, Block, BlockError, BlockFunction, LegacyBeginBlockFn, NameScope, getIpuTensorId,
+                         module_repr, removeBlocks)
 from .api.data import AsynchronousDataAccessor, DataLoader
-from .api.errors import Error, RecoverableError, UnrecoverableError
+from .api.attributes import accessAttributes
+from .api.errors import Error, RecoverableError, UnrecoverableError, createPoptorchError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
@@ -25,6 +26,7 @@ from .api.options import Options, TensorLocationSettings, setLogLevel
 _ON_FIRST_USE = {
     "optim": ("poptorch_lite.api.optim", None),
     "poptorch_core": ("poptorch_lite.api.poptorch_core", None),
+    "profiling": ("poptorch_lite.api.profiling", None),
     **{name: ("poptorch_lite.api.strategies", name)
        for name in ("ParallelPhasedExecution", "Phase", "PipelinedExecution", "SerialPhasedExecution",
                     "ShardedExecution", "Stage", "StrategyError")},
@@ -32,6 +34,7 @@ _ON_FIRST_USE = {
     "UnsupportedOpError": ("poptorch_lite.compiler.aten", "UnsupportedOpError"),
     "CompileError": ("poptorch_lite.compiler.lowering", "CompileError"),
     **{name: ("poptorch_lite.runtime.executor", name) for name in ("PoplarExecutor", "inferenceModel", "load",
+                                                                   "poptorchAtExit",
                                                                    "registerPostCompileHook", "registerPreCompileHook",
                                                                    "trainingModel")},
 }
@@ -60,9 +63,11 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "MeanReductionStrategy", "NameScope", "Options", "OutputMode", "ParallelPhasedExecution", "Phase",
            "PipelinedExecution", "PoplarExecutor", "RecoverableError", "ReductionType",
            "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError",
-           "SyncPattern", "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "cond",
-           "dynamic_slice", "dynamic_update", "for_loop", "identity_loss", "inferenceModel",
-           "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
-           "module_repr", "nop", "op_placement", "optim", "registerCustomArgParser",
-           "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "setLogLevel",
-           "set_available_memory", "trainingModel"]
+           "SyncPattern", "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError",
+           "accessAttributes", "cond", "createPoptorchError", "dynamic_slice", "dynamic_update", "for_loop",
+           "getIpuTensorId", "identity_loss", "inferenceModel", "ipuHardwareIsAvailable",
+           "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load", "module_repr", "nop",
+           "op_placement", "optim", "poptorchAtExit", "poptorch_core", "profiling",
+           "registerCustomArgParser", "registerGeometricCustomArgParsers", "registerPostCompileHook",
+           "registerPreCompileHook", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]
+registerGeometricCustomArgParsers()

@@ -437,3 +437,93 @@ def test_popart_options_are_checked_when_a_model_is_made_and_unmodelled_ones_lis
     assert any("enableOutlining, mergeVarUpdate" in n for n in profile["notes"])
     with pytest.raises(KeyError, match="not a PopART session option"):
         opts._Popart.get("enableOutlinin")
+
+
+# ---- top-level names -----------------------------------------------------------------------------
+
+def test_profiling_channel_tracepoints_land_in_the_profile(tmp_path):
+    import json
+    channel = poptorch.profiling.Channel("MyApp")
+    with channel.tracepoint("prepare"):
+        sum(range(1000))
+
+    class Data:
+        def __getitem__(self, i):
+            return torch.ones(2) * i
+
+        def size(self):
+            return 10
+
+    data = channel.instrument(Data(), "__getitem__", "size")
+    assert data[3][0] == 3 and data.size() == 10
+    with pytest.raises(AttributeError):
+        channel.instrument(Data(), "missing")
+    model = poptorch.inferenceModel(Matmul(), poptorch.Options().enableProfiling(str(tmp_path)).modelName("p"))
+    model(torch.ones(2, 2), torch.ones(2, 2))
+    model.destroy()
+    events = json.load(open(tmp_path / "p" / "host_trace.json"))["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"MyApp.prepare", "MyApp.Data.__getitem__", "MyApp.Data.size", "poptorch.compile",
+            "poptorch.execute"} <= names
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_access_attributes_reads_registered_and_json_attributes():
+    from poptorch_lite.api.attributes import attributes_id, release
+    attrs = {"alpha": 0.5}
+    key = attributes_id(attrs)
+    assert poptorch.accessAttributes(key) is attrs
+    assert poptorch.accessAttributes(attributes_id(None)) == {}
+    assert poptorch.accessAttributes('{"a": 1}') == {"a": 1}
+    release(key)
+    with pytest.raises(ValueError, match="no attributes registered"):
+        poptorch.accessAttributes(key)
+    with pytest.raises(ValueError, match="Invalid attribute_id_str"):
+        poptorch.accessAttributes("other")
+    with pytest.raises(ValueError, match="Wrong type"):
+        poptorch.accessAttributes(3)
+
+
+def test_get_ipu_tensor_id_names_tensors_inside_a_capture():
+    seen = {}
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            y = x + 1
+            seen["ids"] = (poptorch.getIpuTensorId(x), poptorch.getIpuTensorId(y), poptorch.getIpuTensorId(x))
+            return y
+
+    poptorch.inferenceModel(Model()).compile(torch.ones(2))
+    a, b, again = seen["ids"]
+    assert a == again and a != b
+    with pytest.raises(poptorch.Error, match="only call getIpuTensorId on an IPU tensor"):
+        poptorch.getIpuTensorId(torch.ones(2))
+
+
+def test_create_poptorch_error_has_poptorchs_fields():
+    error = poptorch.createPoptorchError("went wrong")
+    assert isinstance(error, poptorch.Error) and error.type == "poptorch_py_error"
+    assert error.message == "went wrong" and error.location == "" and "'poptorch_py_error': went wrong" in str(error)
+
+
+def test_poptorch_at_exit_releases_compiled_models():
+    model = poptorch.inferenceModel(Matmul())
+    model(torch.ones(2, 2), torch.ones(2, 2))
+    assert model.isCompiled()
+    poptorch.poptorchAtExit()
+    assert not model.isCompiled() and not model.isAttachedToDevice()
+
+
+def test_register_geometric_custom_arg_parsers_uses_poptorch_geometric_when_present(monkeypatch, tmp_path):
+    poptorch.registerGeometricCustomArgParsers()      # not installed: nothing to do
+    package = tmp_path / "poptorch_geometric"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "types.py").write_text("CALLS = []\ndef registerCustomArgParsers():\n    CALLS.append(1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        poptorch.registerGeometricCustomArgParsers()
+        assert sys.modules["poptorch_geometric.types"].CALLS == [1]
+    finally:
+        for name in ("poptorch_geometric.types", "poptorch_geometric"):
+            sys.modules.pop(name, None)

@@ -96,6 +96,14 @@ class BlockTrace:
     next_auto_id: int = 0
     scopes: list = field(default_factory=list)       # the open NameScopes, outermost first
     _begin_block_ids: dict = field(default_factory=dict)
+    _tensor_ids: dict = field(default_factory=dict)  # id(tensor) -> (number, tensor kept alive)
+
+    def tensor_id(self, tensor) -> int:
+        """A number for each distinct tensor the capture's code holds (getIpuTensorId)."""
+        entry = self._tensor_ids.get(id(tensor))
+        if entry is None or entry[1] is not tensor:
+            entry = self._tensor_ids[id(tensor)] = (len(self._tensor_ids) + 1, tensor)
+        return entry[0]
 
     @property
     def scope(self) -> str:
@@ -270,6 +278,16 @@ def removeBlocks(module: torch.nn.Module) -> None:
         hooks = submodule._forward_pre_hooks
         for handle_id in [k for k, hook in hooks.items() if isinstance(hook, BeginBlockHook)]:
             del hooks[handle_id]
+
+
+def getIpuTensorId(tensor: torch.Tensor) -> int:  # pylint: disable=invalid-name
+    """The id of a tensor on the IPU: while a model is being captured, a number for each distinct
+    tensor its code holds (the same tensor, the same id). Outside a capture no tensor is on the IPU."""
+    trace = active_trace()
+    if trace is None or not isinstance(tensor, torch.Tensor):
+        raise BlockError("You may only call getIpuTensorId on an IPU tensor: a tensor inside a model's forward "
+                         "while the model compiles")
+    return trace.tensor_id(tensor)
 
 
 class NameScope:

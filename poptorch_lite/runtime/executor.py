@@ -8,6 +8,7 @@ records the simulated cycles of each step for the profiler.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import datetime
@@ -34,6 +35,7 @@ from ..api.errors import Error, UnsupportedAttributeError
 from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
+from ..api.profiling import Channel
 from ..compiler.executable import Executable, compile_model, target_of
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.lowering import program_key
@@ -42,6 +44,8 @@ from . import anchors, cache, saved, timeline
 from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
+TRACE = Channel("poptorch")   # the host tracepoints of compiled models (poptorch.profiling)
+_LIVE: "weakref.WeakSet[PoplarExecutor]" = weakref.WeakSet()   # models poptorchAtExit releases
 
 # The public methods and properties of PopTorch's compiled model (PopTorch's PoplarExecutor).
 POPTORCH_METHODS = frozenset({
@@ -159,6 +163,8 @@ class PoplarExecutor:
             batching.check_inference_options(options)
             self._optimizer = None
             self._resolve_mean_strategy()
+
+        _LIVE.add(self)
 
     def _resolve_mean_strategy(self) -> None:
         """The model's options name the mean-reduction strategy it runs with (PopTorch chooses it
@@ -282,7 +288,8 @@ class PoplarExecutor:
         for hook in list(PoplarExecutor._precompile_hooks.values()):
             hook()
         start = time.perf_counter()
-        loaded = self._compile_or_load_paused(args, kwargs, lock_timeout=lock_timeout)
+        with TRACE.tracepoint("compile"):
+            loaded = self._compile_or_load_paused(args, kwargs, lock_timeout=lock_timeout)
         self._compilation_time = datetime.timedelta(seconds=time.perf_counter() - start)
         for hook in list(PoplarExecutor._postcompile_hooks.values()):
             hook()
@@ -473,7 +480,8 @@ class PoplarExecutor:
         self._outputs.clear()
         for anchor in self._anchors:
             anchor.values = []
-        record = self._run_schedule(exe)
+        with TRACE.tracepoint("execute"):
+            record = self._run_schedule(exe)
         self._anchored = {a.short_name: a.result() for a in self._anchors if a.values}
         self.last_run = record
         if self._profiler is not None:
@@ -905,3 +913,11 @@ def registerPreCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.Remova
 def registerPostCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
     """Call `hook()` after every model compiles (or loads from the executable cache)."""
     return _register_hook(PoplarExecutor._postcompile_hooks, hook, "Post")
+
+
+@atexit.register
+def poptorchAtExit() -> None:  # pylint: disable=invalid-name
+    """Release what compiled models still hold (PopTorch: the devices): each is destroyed (trained
+    weights copied back to the host, engines closed, profiles finished). Runs at exit."""
+    for model in list(_LIVE):
+        model.destroy()

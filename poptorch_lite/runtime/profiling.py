@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from ipusim.report import advisor
 from ipusim.report import profile as ipprofile
 
 from ..api import batching, poptorch_core
+from ..api import profiling as host_profiling
 from ..compiler.backward_split import WEIGHT_GRADIENT
 from ..compiler.executable import build_executable, training_schedule
 from ..compiler.lowering import program_key
@@ -43,18 +45,28 @@ class Profiler:
         self.session = ipprofile.ProfileSession(self.directory, model_profile(executor, name),
                                                 trace_calls=trace_calls, advice=advice_text)
         # Tied to the executable: destroy() or collecting the model drops it; exit runs it too.
-        self._finish = ipprofile.finish_on_collect(exe, self.session)
+        self._finish = weakref.finalize(exe, _finish, self.session, self.directory)
 
     def called(self, record) -> None:
-        """Account one call (executor.RunRecord); the first call also writes the files."""
+        """Account one call (executor.RunRecord); the first call also writes the files (and the
+        host tracepoints so far, poptorch.profiling)."""
         first = self.session.recording.calls == 0
         self.session.add(record.steps)
         if first:
             self.session.write_early()
+            host_profiling.write_host_trace(self.directory)
 
     def finish(self) -> str | None:
         """Write everything and print the summary now (at most once); returns the summary."""
         return self._finish()
+
+
+def _finish(session, directory: str) -> str | None:
+    """The session's files and summary, and the host tracepoints (host_trace.json)."""
+    text = session.finish()
+    if text is not None:
+        host_profiling.write_host_trace(directory)
+    return text
 
 
 # =========================================================================================
