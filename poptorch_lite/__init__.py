@@ -18,7 +18,7 @@ from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode
                         MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                       set_available_memory)
-from .api.options import Options, TensorLocationSettings, setLogLevel
+from .api.options import ConfigFileError, Options, TensorLocationSettings, setLogLevel
 
 # Names whose modules bring in the device emulator (ipusim, Numba) or the compiler: imported on first
 # use, so that a process that only loads data (an AsynchronousDataAccessor's, spawned, which imports
@@ -27,6 +27,7 @@ _ON_FIRST_USE = {
     "optim": ("poptorch_lite.api.optim", None),
     "poptorch_core": ("poptorch_lite.api.poptorch_core", None),
     "profiling": ("poptorch_lite.api.profiling", None),
+    "importPoptorchMetadataFromFile": ("poptorch_lite.runtime.saved", "importPoptorchMetadataFromFile"),
     **{name: ("poptorch_lite.api.strategies", name)
        for name in ("ParallelPhasedExecution", "Phase", "PipelinedExecution", "SerialPhasedExecution",
                     "ShardedExecution", "Stage", "StrategyError")},
@@ -58,16 +59,17 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CommGroupType", "CompileError", "ConnectionType", "DataLoader", "DataLoaderMode", "Error",
-           "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn", "Liveness",
-           "MeanReductionStrategy", "NameScope", "Options", "OutputMode", "ParallelPhasedExecution", "Phase",
-           "PipelinedExecution", "PoplarExecutor", "RecoverableError", "ReductionType",
-           "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage", "StrategyError",
-           "SyncPattern", "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError",
-           "accessAttributes", "cond", "createPoptorchError", "dynamic_slice", "dynamic_update", "for_loop",
-           "getIpuTensorId", "identity_loss", "inferenceModel", "ipuHardwareIsAvailable",
-           "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load", "module_repr", "nop",
-           "op_placement", "optim", "poptorchAtExit", "poptorch_core", "profiling",
-           "registerCustomArgParser", "registerGeometricCustomArgParsers", "registerPostCompileHook",
-           "registerPreCompileHook", "removeBlocks", "setLogLevel", "set_available_memory", "trainingModel"]
+           "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader",
+           "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn",
+           "Liveness", "MeanReductionStrategy", "NameScope", "Options", "OutputMode",
+           "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "RecoverableError",
+           "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
+           "StrategyError", "SyncPattern", "TensorLocationSettings", "UnrecoverableError",
+           "UnsupportedOpError", "accessAttributes", "cond", "createPoptorchError", "dynamic_slice",
+           "dynamic_update", "for_loop", "getIpuTensorId", "identity_loss", "importPoptorchMetadataFromFile",
+           "inferenceModel", "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor",
+           "isRunningOnIpu", "load", "module_repr", "nop", "op_placement", "optim", "poptorchAtExit",
+           "poptorch_core", "profiling", "registerCustomArgParser", "registerGeometricCustomArgParsers",
+           "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "setLogLevel",
+           "set_available_memory", "trainingModel"]
 registerGeometricCustomArgParsers()

@@ -326,6 +326,9 @@ def test_compile_and_export_then_load_runs_without_compiling(tmp_path):
     again.loadExecutable(exported)
     a, b = torch.randn(3, 3), torch.randn(3, 3)
     torch.testing.assert_close(again(a, b), a @ b)
+    import pickle
+    metadata = pickle.loads(poptorch.importPoptorchMetadataFromFile(exported))
+    assert metadata.training is False and metadata.model is None and len(metadata.call[0]) == 2
     (tmp_path / "junk.poptorch").write_bytes(b"not a model")
     with pytest.raises(poptorch.Error, match="Invalid file"):
         poptorch.load(str(tmp_path / "junk.poptorch"))
@@ -527,3 +530,13 @@ def test_register_geometric_custom_arg_parsers_uses_poptorch_geometric_when_pres
     finally:
         for name in ("poptorch_geometric.types", "poptorch_geometric"):
             sys.modules.pop(name, None)
+
+
+def test_docs_poptorch_api_md_is_generated_from_the_code():
+    import pathlib
+    from poptorch_lite import surface
+    docs = pathlib.Path(__file__).parent.parent / "docs" / "poptorch-api.md"
+    assert docs.read_text() == surface.markdown(), "run: python -m poptorch_lite.surface > docs/poptorch-api.md"
+    text = surface.markdown()
+    assert "| `load` | yes |" in text and "| `Options.maxRepeatLogs` | yes |" in text
+    assert "(see its class)" not in text          # every provided name says what it does

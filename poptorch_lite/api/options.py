@@ -855,7 +855,9 @@ class Options(_OptionGroup):
 
     @property
     def _Popart(self) -> _PopartOptions:
-        """PopART options, recorded as given (advanced users)."""
+        """PopART session options (advanced users): checked against the
+        options PopTorch passes to PopART when a model is made; see popart.py
+        for what the emulator does with each."""
         return self._popart
 
     # --- values read by the runtime --------------------------------------

@@ -120,6 +120,9 @@ def collection_paused():
 
 
 class PoplarExecutor:
+    """A model compiled for emulated IPUs (what trainingModel / inferenceModel return): calling it
+    runs the schedule on the device and returns the outputs shaped by the output mode."""
+
     # registerPreCompileHook / registerPostCompileHook: called, in order, around every compile
     _precompile_hooks: dict[int, Callable] = collections.OrderedDict()
     _postcompile_hooks: dict[int, Callable] = collections.OrderedDict()
@@ -241,6 +244,7 @@ class PoplarExecutor:
 
     @property
     def model(self) -> torch.nn.Module:
+        """The wrapped torch model."""
         return self._user_model
 
     @property
@@ -258,6 +262,7 @@ class PoplarExecutor:
 
     # ---- compile ------------------------------------------------------------------------------
     def isCompiled(self) -> bool:
+        """Whether the model has an executable (compiled or loaded, and not destroyed)."""
         return self._executable is not None
 
     def compile(self, *args, **kwargs) -> None:
@@ -412,6 +417,7 @@ class PoplarExecutor:
             self._write_rng_state(self._rng_state)
 
     def copyWeightsToHost(self) -> None:
+        """Copy the weights from the device into the model's parameters and buffers."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         exe = self._executable
@@ -425,6 +431,7 @@ class PoplarExecutor:
         self._host_weights_version += 1
 
     def detachFromDevice(self) -> None:
+        """Detach from the device (trained weights copied to the host first)."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         if not self._is_attached:
@@ -434,6 +441,7 @@ class PoplarExecutor:
         self._is_attached = False
 
     def attachToDevice(self) -> None:
+        """Attach to the (emulated) device again after detachFromDevice; copies the weights to it."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         if self._is_attached:
@@ -442,9 +450,11 @@ class PoplarExecutor:
         self.copyWeightsToDevice()
 
     def isAttachedToDevice(self) -> bool:
+        """Whether the model is attached to its (emulated) device."""
         return self._is_attached
 
     def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy the weights to the host if a training call changed them since; True if it did."""
         if self._dirty_host_weights:
             self._dirty_host_weights = False
             self.copyWeightsToHost()
@@ -452,6 +462,7 @@ class PoplarExecutor:
         return False
 
     def destroy(self) -> None:
+        """Release the executable (trained weights copied to the host first); compiled again on use."""
         if self._executable is None:
             return
         if self._training:
@@ -647,6 +658,7 @@ class PoplarExecutor:
 
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
+        """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
         if self._executable is not None:
@@ -860,10 +872,13 @@ def torch_dtype(dtype) -> torch.dtype:
 
 
 def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:
+    """Wrap `model` for training on emulated IPUs: each call runs forward, backward and the
+    optimiser's update on the device (default optimizer: SGD, lr 0.01)."""
     return PoplarExecutor(model, options, True, optimizer)
 
 
 def inferenceModel(model: torch.nn.Module, options: Options | None = None) -> PoplarExecutor:
+    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device."""
     return PoplarExecutor(model, options, False)
 
 

@@ -70,6 +70,20 @@ def write(filename: str, saved: SavedModel, executable) -> None:
 def read(filename: str) -> tuple[SavedModel, Any]:
     """The model data and the executable (its engine loaded) of a file `write` made; an Error
     names what is wrong with any other file."""
+    payloads = _payloads(filename)
+    saved = pickle.loads(payloads[0])
+    executable = cache.deserialize(payloads[1])
+    executable.engine.load()
+    return saved, executable
+
+
+def importPoptorchMetadataFromFile(filename: str) -> bytes:  # pylint: disable=invalid-name
+    """The model data of a saved file (the first payload, a pickled :class:`SavedModel`), checked,
+    without loading its executable."""
+    return bytes(_payloads(filename)[0])
+
+
+def _payloads(filename: str) -> list[memoryview]:
     try:
         with open(filename, "rb") as f:
             data = f.read()
@@ -94,7 +108,4 @@ def read(filename: str) -> tuple[SavedModel, Any]:
             raise Error(f"Invalid file {filename}: truncated or corrupt")
         payloads.append(payload)
         offset += entry["bytes"]
-    saved = pickle.loads(payloads[0])
-    executable = cache.deserialize(payloads[1])
-    executable.engine.load()
-    return saved, executable
+    return payloads
