@@ -322,6 +322,10 @@ def test_compile_and_export_then_load_runs_without_compiling(tmp_path):
     inference.compileAndExport(exported, torch.randn(3, 3), torch.randn(3, 3), export_model=False)
     with pytest.raises(poptorch.Error, match="export_model=False"):
         poptorch.load(exported)
+    directory = tmp_path / "exports"
+    directory.mkdir()
+    inference.save(str(directory))                       # a directory: saved as model.poptorch in it
+    assert [p.name for p in directory.iterdir()] == ["model.poptorch"]
     again = poptorch.inferenceModel(Matmul())
     again.loadExecutable(exported)
     a, b = torch.randn(3, 3), torch.randn(3, 3)

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import gc
 import math
+import os
 import sys
 import time
 import weakref
@@ -808,6 +809,9 @@ class PoplarExecutor:
         with `save_rng_state` the device's random generator state."""
         if self._executable is None:
             raise errors.make(NO_EXECUTABLE_ERR)
+        if os.path.isdir(filename):
+            directory, filename = filename, os.path.join(filename, "model.poptorch")
+            cache.logger.warning("save(): %s is a directory, saving the model to %s", directory, filename)
         if self._training:
             self.copyWeightsToHostIfNeeded()
         data = saved.SavedModel(self._training, self._options, self._call.with_tensors([t for _, t in self._call.tensors]))
