@@ -375,6 +375,8 @@ def test_every_poptorch_method_exists_and_a_missing_one_is_named(monkeypatch):
     monkeypatch.setattr(executor, "POPTORCH_METHODS", executor.POPTORCH_METHODS | {"replicaGroupingOf"})
     with pytest.raises(NotImplementedError, match=r"PoplarExecutor.replicaGroupingOf .* is not supported"):
         model.replicaGroupingOf
+    with pytest.raises(NotImplementedError, match=r"PoplarExecutor._debugGetPopartIR .* is not supported"):
+        model._debugGetPopartIR()
     with pytest.raises(AttributeError, match="'Matmul' object has no attribute 'nothing'"):
         model.nothing
 
@@ -544,3 +546,34 @@ def test_docs_poptorch_api_md_is_generated_from_the_code():
     text = surface.markdown()
     assert "| `load` | yes |" in text and "| `Options.maxRepeatLogs` | yes |" in text
     assert "(see its class)" not in text          # every provided name says what it does
+
+
+def test_poptorch_attribute_forms_of_options():
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(2, 4)
+    assert (opts.Distributed.distributed_process_id, opts.Distributed.num_distributed_processes) == (2, 4)
+    opts.TensorLocations.setWeightLocation(poptorch.TensorLocationSettings().useOnChipStorage(False))
+    assert opts.TensorLocations.location_weight["onChip"] is False
+    assert opts.TensorLocations.location_activation is None
+    with pytest.raises(KeyError, match="'minElementsForOffChip' is not set"):
+        opts.TensorLocations.location_weight["minElementsForOffChip"]
+
+
+def test_running_an_offline_model_is_poptorchs_assertion():
+    model = poptorch.inferenceModel(Matmul(), poptorch.Options().useOfflineIpuTarget())
+    with pytest.raises(AssertionError, match="offline device"):
+        model(torch.ones(2, 2), torch.ones(2, 2))
+
+
+def test_log_lines_follow_stdout_redirection():
+    import contextlib
+    import io
+    poptorch.setLogLevel("INFO")
+    try:
+        for _ in range(2):                 # a handler made under one redirection writes to the next
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                logging.getLogger("poptorch_lite").info("hello")
+            assert "hello" in out.getvalue()
+    finally:
+        poptorch.setLogLevel("WARN")

@@ -52,6 +52,23 @@ _LOG_LEVELS = {
 _LOG_NUMBERS = dict(enumerate(_LOG_LEVELS))
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a record is logged (a
+    handler made before stdout was redirected, by pytest's capture or
+    ``contextlib.redirect_stdout``, keeps writing to the redirection)."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setLogLevel(level) -> None:
     """Set how much ``poptorch_lite`` logs: ``TRACE``, ``DEBUG``, ``INFO``,
     ``WARN``, ``ERR``, ``CRITICAL``, ``OFF``, or PopTorch's numbers for them,
@@ -74,7 +91,7 @@ def setLogLevel(level) -> None:
     logging.addLevelName(TRACE, "TRACE")
     logger.setLevel(number)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(
             logging.Formatter("[%(asctime)s] [poptorch_lite] [%(levelname)s] "
                               "%(message)s"))
@@ -512,6 +529,11 @@ class _DistributedOptions(_OptionGroup):
         super().__init__(distributed_process_id=0, num_distributed_processes=1)
         self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
 
+    distributed_process_id = _value("distributed_process_id",
+                                    "Same as processId.")
+    num_distributed_processes = _value("num_distributed_processes",
+                                       "Same as numProcesses.")
+
     @property
     def processId(self) -> int:
         """Id of this process, in ``[0, numProcesses)``."""
@@ -592,6 +614,25 @@ class TensorLocationSettings(_OptionGroup):
     use_io_tiles_to_store = _value("use_io_tiles_to_store",
                                    "Whether stores go through I/O tiles.")
 
+    # PopTorch's names for the settings (``settings["onChip"]``)
+    _KEYS = {"onChip": "on_chip",
+             "useReplicatedTensorSharding": "use_replicated_tensor_sharding",
+             "minElementsForOffChip": "min_elements_for_off_chip",
+             "minElementsForReplicatedTensorSharding":
+             "min_elements_for_replicated_tensor_sharding",
+             "useIOTilesToLoad": "use_io_tiles_to_load",
+             "useIOTilesToStore": "use_io_tiles_to_store"}
+
+    def __getitem__(self, key: str):
+        """A setting by PopTorch's name (``"onChip"``, ...); KeyError if unset."""
+        if key not in self._KEYS:
+            raise KeyError(f"TensorLocationSettings has no setting {key!r}; "
+                           f"settings: {', '.join(self._KEYS)}.")
+        value = self._values[self._KEYS[key]]
+        if value is None:
+            raise KeyError(f"TensorLocationSettings: {key!r} is not set.")
+        return value
+
     def useOnChipStorage(self,
                          use: Optional[bool] = True
                          ) -> "TensorLocationSettings":
@@ -648,6 +689,13 @@ class _TensorLocationOptions(_OptionGroup):
                             for c in _TENSOR_CLASSES})
 
     num_io_tiles = _value("num_io_tiles", "Tiles reserved for I/O per IPU.")
+    location_activation = _value("location_activation",
+                                 "Settings for activations, or None.")
+    location_weight = _value("location_weight", "Settings for weights, or None.")
+    location_optimizer = _value("location_optimizer",
+                                "Settings for optimiser state, or None.")
+    location_accumulator = _value("location_accumulator",
+                                  "Settings for accumulators, or None.")
 
     def _location(self, tensor_class: str, location) -> None:
         if not isinstance(location, TensorLocationSettings):

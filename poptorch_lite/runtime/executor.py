@@ -48,6 +48,11 @@ NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 TRACE = Channel("poptorch")   # the host tracepoints of compiled models (poptorch.profiling)
 _LIVE: "weakref.WeakSet[PoplarExecutor]" = weakref.WeakSet()   # models poptorchAtExit releases
 
+class OfflineDeviceError(Error, RuntimeError, AssertionError):
+    """A model for an offline target (``useOfflineIpuTarget``) was called: it can only compile.
+    (PopTorch reports it as an AssertionError, so it is one too.)"""
+
+
 # The public methods and properties of PopTorch's compiled model (PopTorch's PoplarExecutor).
 POPTORCH_METHODS = frozenset({
     "attachToDevice", "compile", "compileAndExport", "compilationTime", "copyNamedBuffersToDevice",
@@ -55,6 +60,8 @@ POPTORCH_METHODS = frozenset({
     "detachFromDevice", "getAnchoredTensor", "getComputeLatency", "getHostIpuLatency", "getIpuHostLatency",
     "getLatency", "getPerfCounters", "getTensorNames", "isAttachedToDevice", "isCompiled", "loadExecutable",
     "load_state_dict", "model", "options", "rng_state", "save", "setOptimizer"})
+# PopTorch's methods that show PopART's own data, which the emulator does not have.
+POPART_ONLY = frozenset({"_debugGetPopartIR"})
 
 
 @dataclass
@@ -476,7 +483,7 @@ class PoplarExecutor:
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._options.connection_type == ConnectionType.Never:
-            raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
+            raise OfflineDeviceError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
         if self._executable is None:
             self._compile_or_load(args, kwargs)
@@ -845,7 +852,7 @@ class PoplarExecutor:
         naming it (not an AttributeError about the user's model)."""
         if name.startswith("__") or name == "_user_model":
             raise AttributeError(name)
-        if name in POPTORCH_METHODS:
+        if name in POPTORCH_METHODS or name in POPART_ONLY:
             raise UnsupportedAttributeError(
                 f"PoplarExecutor.{name} (PopTorch's compiled model) is not supported by poptorch_lite (PopTorch's "
                 f"API on emulated IPUs). help(poptorch_lite.PoplarExecutor) lists what the compiled model provides.",
