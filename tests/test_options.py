@@ -501,8 +501,10 @@ def test_set_log_level():
         assert logger.level == logging.DEBUG
         setLogLevel("off")
         assert not logger.isEnabledFor(logging.CRITICAL)
-        with pytest.raises(ValueError, match="TRACE, DEBUG, INFO, WARN"):
+        with pytest.raises(ValueError, match="Unknown log level: LOUD. Valid values are DEBUG, ERR, INFO, OFF"):
             setLogLevel("LOUD")
+        with pytest.raises(ValueError, match="Invalid log level integer 5"):
+            setLogLevel(5)
         # PopTorch's numbers: 0 trace, 1 debug, 2 info, 3 warn, 4 err, 6 off
         setLogLevel(2)
         assert logger.isEnabledFor(logging.INFO) and not logger.isEnabledFor(logging.DEBUG)

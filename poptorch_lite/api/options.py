@@ -71,18 +71,20 @@ class _StdoutHandler(logging.StreamHandler):
 
 def setLogLevel(level) -> None:
     """Set how much ``poptorch_lite`` logs: ``TRACE``, ``DEBUG``, ``INFO``,
-    ``WARN``, ``ERR``, ``CRITICAL``, ``OFF``, or PopTorch's numbers for them,
-    0 to 6 in that order."""
+    ``WARN``, ``ERR``, ``OFF`` (and ``CRITICAL``), or PopTorch's numbers for
+    them: 0 TRACE, 1 DEBUG, 2 INFO, 3 WARN, 4 ERR, 6 OFF."""
     if isinstance(level, str):
         key = level.strip().upper()
         if key not in _LOG_LEVELS:
-            raise ValueError(f"Unknown log level {level!r}: use one of "
-                             f"{', '.join(_LOG_LEVELS)}.")
+            raise ValueError(f"Unknown log level: {level}. Valid values are "
+                             "DEBUG, ERR, INFO, OFF, TRACE and WARN (TRACE, "
+                             "DEBUG, INFO, WARN, ERR, CRITICAL, OFF, from the "
+                             "most to the least).")
     elif isinstance(level, numbers.Integral) and not isinstance(level, bool):
         key = _LOG_NUMBERS.get(int(level))
-        if key is None:
-            numbered = ", ".join(f"{i} ({name})" for i, name in _LOG_NUMBERS.items())
-            raise ValueError(f"Unknown log level {level!r}: use {numbered}, "
+        if key is None or key == "CRITICAL":    # PopTorch has no level 5
+            numbered = ", ".join(f"{i} ({name})" for i, name in _LOG_NUMBERS.items() if name != "CRITICAL")
+            raise ValueError(f"Invalid log level integer {level!r}: use {numbered}, "
                              "or the level's name.")
     else:
         raise TypeError(f"setLogLevel expects a level name or number, got "

@@ -508,7 +508,7 @@ class PoplarExecutor:
         if self._training:
             self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
             self._dirty_host_weights = True
-        return self._shape_outputs(exe)
+        return _refuse_backward(self._shape_outputs(exe))
 
     def _count_batch_norm_batches(self, micro_batches: int) -> None:
         """num_batches_tracked is a host-side counter (used only with momentum=None, which the
@@ -861,6 +861,19 @@ class PoplarExecutor:
 
     def __repr__(self):
         return module_repr(self._user_model)
+
+
+def _backward_error():
+    raise errors.make("backward() cannot be called explicitly on outputs of a PopTorch model. If you're using a "
+                      "trainingModel, the backwards pass is performed automatically when invoking the model. If "
+                      "you're using an inferenceModel, you should use a trainingModel instead.")
+
+
+def _refuse_backward(outputs):
+    """The outputs, each tensor's backward() an error: the device ran the backward pass already."""
+    for t in flatten_values(outputs, torch.Tensor):
+        t.backward = _backward_error
+    return outputs
 
 
 def unwrapped_module(cls: type, state: dict) -> torch.nn.Module:
