@@ -124,7 +124,7 @@ def test_max_repeat_logs_limits_a_repeating_warning(caplog):
         poptorch.Options().maxRepeatLogs(-1)
 
 
-def test_name_scopes_land_in_op_names_and_the_placement_table():
+def test_name_scopes_land_in_op_names_and_the_placement_table(tmp_path):
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -141,9 +141,13 @@ def test_name_scopes_land_in_op_names_and_the_placement_table():
     scopes = {r.op: r.scope for r in table}
     assert scopes["aten.mm"] == "encoder/attention" and scopes["aten.relu"] == "encoder"
     assert scopes["aten.add"] == "" and "scope" in str(table)
-    model = poptorch.inferenceModel(Model())
+    model = poptorch.inferenceModel(Model(), poptorch.Options().enableProfiling(str(tmp_path)).modelName("s"))
     model(torch.ones(2, 3))
     names = {v.name for g in model._executable.engine.device.graphs for v in g.variables}
+    model.destroy()
+    import json
+    operations = json.load(open(tmp_path / "s" / "profile.json"))["operations"]
+    assert any(op["name"].startswith("encoder/attention/") for op in operations)
     assert any("/encoder/attention/" in n for n in names)
     assert any("/encoder/" in n and "attention" not in n for n in names)
     with pytest.raises(poptorch.BlockError, match="without '/'"):

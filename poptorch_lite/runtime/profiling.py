@@ -120,7 +120,8 @@ def operations(exe) -> list[dict]:
                 moved += cost.exchange_bytes
                 tiles += [t.tiles for q in walk(p) if isinstance(q, Execute) for t in q.compute_set.tables]
             made = sum(int(tensors[v.name].sum()) for v in graph.variables[first_var:end_var] if v.name in tensors)
-            rows.append({"name": node.outputs[0].name if node.outputs else node.op, "op": node.op, "aten": node.aten,
+            name = node.outputs[0].name if node.outputs else node.op
+            rows.append({"name": f"{node.scope}/{name}" if node.scope else name, "op": node.op, "aten": node.aten,
                          "source": node.source, "module": node.module,
                          "block": None if node.block is None else str(node.block), "stage": node.stage,
                          "ipu": sp.ipu, "pass": node.pass_, "cycles": busy.total, "compute": busy.compute,
