@@ -1419,6 +1419,10 @@ class Options(_OptionGroup):
         """Every option as plain data."""
         out = super().toDict()
         out["execution_strategy"] = repr(self.execution_strategy)
+        # PopTorch's number for the kind of strategy: 0 pipelined, 1 sharded, 2 phased
+        strategy = self.execution_strategy
+        out["execution_mode"] = 1 if isinstance(strategy, strategies.ShardedExecution) else (
+            0 if isinstance(strategy, strategies.PipelinedExecution) else 2)
         out["Training"] = self._training.toDict()
         out["Distributed"] = self._distributed.toDict()
         out["TensorLocations"] = self._tensor_locations.toDict()
