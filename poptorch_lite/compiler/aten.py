@@ -33,9 +33,10 @@ from ..api.blocks import DEFAULT_REGION
 from ..api.cpu_ops import cpu_call
 from ..api.custom_ops import call_spec, registered_custom_op
 from ..api.errors import Error
+from ..api.options import REPEATED
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
-from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
+from . import control_flow, library, recurrent  # noqa: F401  (register the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
 from .multiconv import member_attrs
 from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
@@ -68,10 +69,11 @@ class Site:
     phase: int | None
     pass_: str
     source: str
+    scope: str = ""
 
     def template(self) -> Node:
         return Node("", [], [], block=self.block, stage=self.stage, ipu=self.ipu, phase=self.phase,
-                    pass_=self.pass_, source=self.source)
+                    pass_=self.pass_, source=self.source, scope=self.scope)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
         a = annotation_of(n)
         if a is not None and a.block is not None:
             p = placement[a.block]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source)
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source, a.scope)
     for n in nodes:  # by their inputs
         if n in sites:
             continue
@@ -115,13 +117,14 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
         if placed:
             pick = max if pass_of(n) == "fwd" else min
             s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
-            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source)
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source, s.scope)
     for n in reversed(nodes):  # by their first consumer
         if n in sites:
             continue
         users = [sites[u] for u in n.users if u in sites]
         if users:
-            sites[n] = Site(users[0].block, users[0].stage, users[0].ipu, users[0].phase, pass_of(n), users[0].source)
+            u = users[0]
+            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, pass_of(n), u.source, u.scope)
         else:
             p = placement.blocks[0]
             sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), "")
@@ -348,7 +351,9 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
     uses are dropped first)."""
     joint.graph_module.graph.eliminate_dead_code()
     placement, sites = place(joint, strategy)
-    return Lowerer(joint, sites).run(), placement
+    ir = Lowerer(joint, sites).run()
+    control_flow.check_scopes(ir)
+    return ir, placement
 
 
 # =========================================================================================
@@ -1729,7 +1734,8 @@ def _available_memory(c, x, proportion):
     if not planned:
         a = annotation_of(c.node)
         logger.warning("set_available_memory at %s: the tensor was not made by a matrix multiplication or a "
-                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>")
+                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>",
+                       extra=REPEATED)
     for node in planned:
         node.attrs["available_memory_proportion"] = float(proportion)
     return x
@@ -1766,6 +1772,10 @@ def decompositions() -> dict:
     return table
 
 
+for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # device loops and branches, dynamic
+    lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
+
+
 def ops_table() -> list[tuple[str, str]]:
     """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
     rows = {}
@@ -1787,7 +1797,12 @@ def ops_markdown() -> str:
              "source line and the module.", "",
              "Torch functions captured as another: `F.dropout` as `aten.native_dropout` (one op with its",
              "mask), `F.ctc_loss` as `poptorch_lite.ctc_loss` (`compiler/library.py`); attention runs",
-             "PyTorch's math backend (matmuls, softmax, dropout).", "",
+             "PyTorch's math backend (matmuls, softmax, dropout). `nn.LSTM`, `nn.GRU` and `nn.RNN`",
+             "(`torch.lstm`, `gru`, `rnn_tanh`, `rnn_relu`) are one `poptorch_lite.*_layer` op per layer",
+             "and direction, each a device loop over the time steps, with its backward op",
+             "(`compiler/recurrent.py`). PopTorch's `for_loop`, `cond`, `nop`, `dynamic_slice` and",
+             "`dynamic_update` are ops of their own; a loop or branch body is the ops between its",
+             "markers (`compiler/control_flow.py`).", "",
              "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
     lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
     return "\n".join(lines) + "\n"

@@ -56,6 +56,7 @@ class Node:
     source: str = ""
     aten: str = ""                # the ATen op the node was lowered from ("aten.convolution.default")
     module: str = ""              # the module that made the call ("model.layer1.conv (Conv2d)")
+    scope: str = ""               # the NameScopes it was made in ("encoder/attention")
 
     def __repr__(self):
         attrs = ", ".join(f"{k}={v}" for k, v in self.attrs.items())
@@ -84,6 +85,7 @@ class IRGraph:
         if like is not None:
             node.block, node.stage, node.ipu, node.phase = like.block, like.stage, like.ipu, like.phase
             node.pass_, node.source, node.aten, node.module = like.pass_, like.source, like.aten, like.module
+            node.scope = like.scope
         for v in outs:
             v.producer = node
         self.nodes.append(node)

@@ -363,7 +363,7 @@ class Lowering:
             lower = LOWER.get(n.op)
             if lower is None:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
-            ctx.name = f"{self.prefix}{sp.name}/{n.op}"
+            ctx.name = f"{self.prefix}{sp.name}/{n.scope + '/' if n.scope else ''}{n.op}"
             first, first_var = len(body.programs), len(g.variables)
             outs = lower(ctx, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
@@ -874,3 +874,7 @@ def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, 
         out[(src, dst)] = max(1, peak)
     return out
 
+
+from . import control_flow  # noqa: E402  (device loops and branches, dynamic slices: their lowerings)
+
+LOWER.update(control_flow.IR)

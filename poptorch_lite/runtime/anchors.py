@@ -51,6 +51,11 @@ class Anchor:
         return values[0] if len(values) == 1 else torch.stack(values)
 
 
+def names(trained: set[str]) -> list[str]:
+    """The long names a model can anchor, given the parameters it trains."""
+    return [f"{p}{w}" for p in KINDS for w in sorted(trained)]
+
+
 def resolve(anchored: dict, options, training: bool, trained: set[str], dtypes: dict,
             scaled: bool = False) -> list[Anchor]:
     """The anchors of `Options.anchored_tensors`, checked against the compiled model (`trained`:
@@ -69,8 +74,8 @@ def resolve(anchored: dict, options, training: bool, trained: set[str], dtypes: 
             if not training:
                 why = "an inference model has no weight updates, so it has no tensor to anchor"
             else:
-                names = [f"{p}{w}" for p in KINDS for w in sorted(trained)]
-                shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+                known = names(trained)
+                shown = ", ".join(known[:6]) + (", ..." if len(known) > 6 else "")
                 why = (f"the anchorable tensors are a trained parameter's gradient and updated value "
                        f"({shown})")
             raise Error(f"Options.anchorTensor({short!r}, {long_name!r}): the model has no tensor {long_name!r}: "

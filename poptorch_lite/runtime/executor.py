@@ -8,14 +8,18 @@ records the simulated cycles of each step for the profiler.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import datetime
 import gc
 import math
+import os
 import sys
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -24,23 +28,40 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from ..api import arguments, batching, replica_groups
+from ..api import arguments, batching, poptorch_core, replica_groups
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
-from ..api.errors import Error
+from ..api import errors
+from ..api.errors import Error, UnsupportedAttributeError
 from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
+from ..api.profiling import Channel
 from ..compiler.executable import Executable, compile_model, loss_scaling, target_of
 from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.ir_json import popart_ir
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
-from . import anchors, cache, host_calls, overlap
+from . import anchors, cache, host_calls, overlap, saved, timeline
 from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
+TRACE = Channel("poptorch")   # the host tracepoints of compiled models (poptorch.profiling)
+_LIVE: "weakref.WeakSet[PoplarExecutor]" = weakref.WeakSet()   # models poptorchAtExit releases
+
+class OfflineDeviceError(Error, RuntimeError, AssertionError):
+    """A model for an offline target (``useOfflineIpuTarget``) was called: it can only compile.
+    (PopTorch reports it as an AssertionError, so it is one too.)"""
+
+
+# The public methods and properties of PopTorch's compiled model (PopTorch's PoplarExecutor).
+POPTORCH_METHODS = frozenset({
+    "attachToDevice", "compile", "compileAndExport", "compilationTime", "copyNamedBuffersToDevice",
+    "copyWeightsToDevice", "copyWeightsToHost", "copyWeightsToHostIfNeeded", "cycleCount", "destroy",
+    "detachFromDevice", "getAnchoredTensor", "getComputeLatency", "getHostIpuLatency", "getIpuHostLatency",
+    "getLatency", "getPerfCounters", "getTensorNames", "isAttachedToDevice", "isCompiled", "loadExecutable",
+    "load_state_dict", "model", "options", "rng_state", "save", "setOptimizer"})
 
 
 @dataclass
@@ -108,6 +129,13 @@ def collection_paused():
 
 
 class PoplarExecutor:
+    """A model compiled for emulated IPUs (what trainingModel / inferenceModel return): calling it
+    runs the schedule on the device and returns the outputs shaped by the output mode."""
+
+    # registerPreCompileHook / registerPostCompileHook: called, in order, around every compile
+    _precompile_hooks: dict[int, Callable] = collections.OrderedDict()
+    _postcompile_hooks: dict[int, Callable] = collections.OrderedDict()
+
     def __init__(self, model: torch.nn.Module, options: Options | None, training: bool, optimizer=None):
         options = options if options is not None else Options()
         options._freeze()  # the user's options can no longer change...
@@ -117,6 +145,7 @@ class PoplarExecutor:
         if self._options.defaultOutputMode():
             self._options.outputMode(batching.resolve_output_mode(options, training))
         self._options._freeze()
+        poptorch_core.parse_options(self._options)
         self._user_model = model
         self._training = training
         self._executable: Executable | None = None
@@ -133,6 +162,8 @@ class PoplarExecutor:
         self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
         self._loss_scaling_steps: set[int] = set()  # steps after which automatic loss scaling updates
         self._variable_groups: dict[str, replica_groups.VariableGrouping] = {}   # per-replica variables
+        self._compilation_time: datetime.timedelta | None = None
+        self._rng_state: list[int] | None = None     # set before compiling: written when the model compiles
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -146,6 +177,8 @@ class PoplarExecutor:
             batching.check_inference_options(options)
             self._optimizer = None
             self._resolve_mean_strategy()
+
+        _LIVE.add(self)
 
     def _resolve_mean_strategy(self) -> None:
         """The model's options name the mean-reduction strategy it runs with (PopTorch chooses it
@@ -222,6 +255,7 @@ class PoplarExecutor:
 
     @property
     def model(self) -> torch.nn.Module:
+        """The wrapped torch model."""
         return self._user_model
 
     @property
@@ -239,6 +273,7 @@ class PoplarExecutor:
 
     # ---- compile ------------------------------------------------------------------------------
     def isCompiled(self) -> bool:
+        """Whether the model has an executable (compiled or loaded, and not destroyed)."""
         return self._executable is not None
 
     def compile(self, *args, **kwargs) -> None:
@@ -255,15 +290,29 @@ class PoplarExecutor:
                                   for (_, t), plan in zip(call.tensors, plans)])
 
     def _compile(self, call: arguments.CallArguments) -> None:
-        with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
+        with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}",
+                  disable=not self._options.show_compilation_progress_bar) as bar:
             margs, mkwargs = self._micro_batch_args(call)
             executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
                                        self._optimizer if self._training else None, self._named_weights(),
                                        progress=bar.update, variable_groups=self._variable_groups)
         self._install(executable)
 
-    @collection_paused()
     def _compile_or_load(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
+        """Compile (or load from the executable cache) between the registered pre- and post-compile
+        hooks, timing it (`compilationTime`)."""
+        for hook in list(PoplarExecutor._precompile_hooks.values()):
+            hook()
+        start = time.perf_counter()
+        with TRACE.tracepoint("compile"):
+            loaded = self._compile_or_load_paused(args, kwargs, lock_timeout=lock_timeout)
+        self._compilation_time = datetime.timedelta(seconds=time.perf_counter() - start)
+        for hook in list(PoplarExecutor._postcompile_hooks.values()):
+            hook()
+        return loaded
+
+    @collection_paused()
+    def _compile_or_load_paused(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
         """Compile for this call's inputs, or load the executable from the cache when
         ``options.cache_path`` is set and holds an entry for it; returns True when loaded.
         Python's cyclic garbage collector waits until the executable is made (`collection_paused`).
@@ -391,8 +440,11 @@ class PoplarExecutor:
             base = self._options.random_seed if self._options.random_seed is not None else torch.initial_seed()
             for ipu, seed in low.seeds.items():
                 exe.engine.writeTensor(seed, rnd.seed_words((int(base) * 1_000_003 + ipu) % 2 ** 64))
+        if self._rng_state is not None:
+            self._write_rng_state(self._rng_state)
 
     def copyWeightsToHost(self) -> None:
+        """Copy the weights from the device into the model's parameters and buffers."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         exe = self._executable
@@ -414,6 +466,7 @@ class PoplarExecutor:
         self._host_weights_version += 1
 
     def detachFromDevice(self) -> None:
+        """Detach from the device (trained weights copied to the host first)."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         if not self._is_attached:
@@ -423,6 +476,7 @@ class PoplarExecutor:
         self._is_attached = False
 
     def attachToDevice(self) -> None:
+        """Attach to the (emulated) device again after detachFromDevice; copies the weights to it."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         if self._is_attached:
@@ -431,9 +485,11 @@ class PoplarExecutor:
         self.copyWeightsToDevice()
 
     def isAttachedToDevice(self) -> bool:
+        """Whether the model is attached to its (emulated) device."""
         return self._is_attached
 
     def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy the weights to the host if a training call changed them since; True if it did."""
         if self._dirty_host_weights:
             self._dirty_host_weights = False
             self.copyWeightsToHost()
@@ -441,6 +497,7 @@ class PoplarExecutor:
         return False
 
     def destroy(self) -> None:
+        """Release the executable (trained weights copied to the host first); compiled again on use."""
         if self._executable is None:
             return
         if self._training:
@@ -453,7 +510,7 @@ class PoplarExecutor:
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._options.connection_type == ConnectionType.Never:
-            raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
+            raise OfflineDeviceError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
         if self._executable is None:
             self._compile_or_load(args, kwargs)
@@ -469,7 +526,8 @@ class PoplarExecutor:
         self._outputs.clear()
         for anchor in self._anchors:
             anchor.values = []
-        record = self._run_schedule(exe)
+        with TRACE.tracepoint("execute"):
+            record = self._run_schedule(exe)
         self._anchored = {a.short_name: a.result() for a in self._anchors if a.values}
         self.last_run = record
         if self._profiler is not None:
@@ -477,7 +535,7 @@ class PoplarExecutor:
         if self._training:
             self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
             self._dirty_host_weights = True
-        return self._shape_outputs(exe)
+        return _refuse_backward(self._shape_outputs(exe))
 
     def _count_batch_norm_batches(self, micro_batches: int) -> None:
         """num_batches_tracked is a host-side counter (used only with momentum=None, which the
@@ -647,6 +705,7 @@ class PoplarExecutor:
 
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
+        """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
         if self._executable is not None:
@@ -674,11 +733,174 @@ class PoplarExecutor:
 
         optimizer.state_dict = state_dict.__get__(optimizer)
 
+    # ---- what the run record and the device tell ---------------------------------------------
+    def cycleCount(self) -> int:
+        """The emulated cycles of the last call (its busiest IPU, step by step; replica 0's view:
+        replicas run in lockstep). Needs ``Options.logCycleCount(True)``, as in PopTorch."""
+        if not self._options._Popart.get("instrumentWithHardwareCycleCounter"):
+            raise errors.make("Cycle count logging is disabled. Please set option logCycleCount to True to enable.")
+        if self._executable is None or self.last_run is None:
+            raise errors.make("Please run the model at least once before obtaining cycle count.")
+        return int(self.last_run.cycles)
+
+    def getPerfCounters(self) -> dict:
+        """When each input was requested (``input``) and on the device (``input_complete``) and each
+        output sent (``output``) and on the host (``output_complete``) in the last call: per input
+        or output index, one time in seconds per micro-batch and replica (runtime/timeline.py)."""
+        if self._executable is None or self.last_run is None:
+            return timeline.empty()
+        outputs = len(flatten_values(self._executable.ir.outputs))
+        return timeline.perf_counters(self.last_run, self._executable, outputs)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first input requested to the last on the device."""
+        return timeline.latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the last input on the device to the last output sent."""
+        return timeline.latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first output sent to the last on the host."""
+        return timeline.latency(self.getPerfCounters(), "output", min, "output_complete", max)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) round trip: first input requested to last output on the host."""
+        return timeline.latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getTensorNames(self) -> list[str]:
+        """The device tensors ``Options.anchorTensor`` can return for this compiled model: each
+        trained parameter's ``Gradient___<name>`` and ``UpdatedVar___<name>``."""
+        if self._executable is None:
+            raise errors.make("Model must be compiled before calling getTensorNames")
+        trained = set(self._executable.lowering.accumulators) if self._training else set()
+        return anchors.names(trained)
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long compiling (or loading from the executable cache) took."""
+        if self._executable is None or self._compilation_time is None:
+            raise errors.make("Please compile the model before obtaining compilation time.")
+        if not self._options.show_compilation_progress_bar:
+            raise errors.make("Please set showCompilationProgressBar option to obtain compilation time.")
+        return self._compilation_time
+
+    @property
+    def rng_state(self) -> list[int]:
+        """The device's random generator state: the base seed, then each replica's per-IPU seeds
+        (64-bit) as the model's random ops will next use them."""
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        exe = self._executable
+        base = self._options.random_seed if self._options.random_seed is not None else torch.initial_seed()
+        words = []
+        for low in exe.lowerings:
+            for ipu in sorted(low.seeds):
+                low_word, high_word = (int(w) for w in exe.engine.readTensor(low.seeds[ipu]))
+                words.append(low_word | high_word << 32)
+        return [int(base)] + words
+
+    @rng_state.setter
+    def rng_state(self, state: list[int]) -> None:
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        self._write_rng_state(list(state))
+        self._rng_state = list(state)
+
+    def _write_rng_state(self, state: list[int]) -> None:
+        exe = self._executable
+        seeds = [(low, ipu) for low in exe.lowerings for ipu in sorted(low.seeds)]
+        if len(state) != 1 + len(seeds) or not all(isinstance(v, int) and 0 <= v < 2 ** 64 for v in state):
+            raise errors.make(f"rng_state: this model's state is {1 + len(seeds)} integers in [0, 2**64) (the "
+                              f"base seed and {len(seeds)} device seeds, as rng_state returns), got {state!r}")
+        for (low, ipu), value in zip(seeds, state[1:]):
+            exe.engine.writeTensor(low.seeds[ipu], rnd.seed_words(value))
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Write the buffers named by ``Options.updatableNamedBuffers`` (only those) to every
+        replica, for example after changing them on the host."""
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        names = self._options._Popart.get("updatableNamedBuffers")
+        if not names:
+            raise errors.make("No named buffers marked as updatable via updatableNamedBuffers option")
+        buffers = dict(torch.nn.Module.named_buffers(self._user_model))
+        missing = [n for n in names if n not in buffers]
+        if missing:
+            raise errors.make(f"updatableNamedBuffers names {missing}, which the model does not have as buffers "
+                              f"(its buffers: {sorted(buffers)})")
+        exe = self._executable
+        for low in exe.lowerings:
+            for name in names:
+                t = low.weights.get(name)
+                if t is None:
+                    continue   # a buffer the compiled program does not use
+                value = buffers[name].detach().cpu().numpy().astype(t.dtype)
+                if name in low.weight_buffers:
+                    exe.engine.writeRemoteBuffer(low.weight_buffers[name], value)
+                else:
+                    exe.engine.writeTensor(t, value)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """``load_state_dict`` of the wrapped model, then the weights copied to the device."""
+        out = self._user_model.load_state_dict(state_dict, strict)
+        if self._executable is not None and self._is_attached:
+            self.copyWeightsToDevice()
+        return out
+
+    # ---- a compiled model in a file ------------------------------------------------------------
+    def compileAndExport(self, filename: str, *args, export_model: bool = True, **kwargs) -> None:
+        """Compile for these inputs (unless compiled) and save the model to `filename`
+        (``poptorch.load`` reads it back; runtime/saved.py)."""
+        self.compile(*args, **kwargs)
+        self.save(filename, export_model)
+
+    def save(self, filename: str, export_model: bool = True, save_rng_state: bool = True) -> None:
+        """Save the compiled model: its executable, options and the call it was compiled for; with
+        `export_model` also the torch model and its optimiser (``poptorch.load`` restores them);
+        with `save_rng_state` the device's random generator state."""
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        if os.path.isdir(filename):
+            directory, filename = filename, os.path.join(filename, "model.poptorch")
+            cache.logger.warning("save(): %s is a directory, saving the model to %s", directory, filename)
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+        data = saved.SavedModel(self._training, self._options, self._call.with_tensors([t for _, t in self._call.tensors]))
+        if export_model:
+            data.model = self._user_model
+            if self._training:
+                data.optimizer = self._optimizer
+                data.optimizer_state = self._optimizer.state_dict()
+        if save_rng_state:
+            data.rng_state = self.rng_state
+        saved.write(filename, data, self._executable)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Use the executable saved in `filename` (by compileAndExport or save) instead of compiling;
+        the file's model must be this one's (same inputs, options and software)."""
+        data, executable = saved.read(filename)
+        if data.training != self._training:
+            raise errors.make(f"{filename} holds a {'training' if data.training else 'inference'} model; this is a "
+                              f"{'training' if self._training else 'inference'} model")
+        self._call = arguments.bind(self._forward(), *data.call)
+        self._install(executable)
+        if self._training:
+            self.setOptimizer(self._optimizer)
+        if data.rng_state is not None:
+            self.rng_state = data.rng_state
+
     def __getattr__(self, name: str):
         """Attributes the executor does not have are the wrapped model's (`poptorch_model.linear`),
-        as in PopTorch; reading a trained weight copies the weights back from the device first."""
+        as in PopTorch; reading a trained weight copies the weights back from the device first. A
+        method of PopTorch's compiled model that this one lacks is an UnsupportedAttributeError
+        naming it (not an AttributeError about the user's model)."""
         if name.startswith("__") or name == "_user_model":
             raise AttributeError(name)
+        if name in POPTORCH_METHODS:
+            raise UnsupportedAttributeError(
+                f"PoplarExecutor.{name} (PopTorch's compiled model) is not supported by poptorch_lite (PopTorch's "
+                f"API on emulated IPUs). help(poptorch_lite.PoplarExecutor) lists what the compiled model provides.",
+                name=name, obj=self)
         value = getattr(self._user_model, name)
         if isinstance(value, torch.nn.Parameter):   # PopTorch's per-replica variables: W.replicaGrouping(...)
             full = next(n for n, p in torch.nn.Module.named_parameters(self._user_model) if p is value)
@@ -709,6 +931,19 @@ class PoplarExecutor:
         return module_repr(self._user_model)
 
 
+def _backward_error():
+    raise errors.make("backward() cannot be called explicitly on outputs of a PopTorch model. If you're using a "
+                      "trainingModel, the backwards pass is performed automatically when invoking the model. If "
+                      "you're using an inferenceModel, you should use a trainingModel instead.")
+
+
+def _refuse_backward(outputs):
+    """The outputs, each tensor's backward() an error: the device ran the backward pass already."""
+    for t in flatten_values(outputs, torch.Tensor):
+        t.backward = _backward_error
+    return outputs
+
+
 def unwrapped_module(cls: type, state: dict) -> torch.nn.Module:
     """A saved model, loaded as the user's class (not the weight-syncing one it had when saved)."""
     module = cls.__new__(cls)
@@ -729,10 +964,67 @@ def torch_dtype(dtype) -> torch.dtype:
 
 
 def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:
+    """Wrap `model` for training on emulated IPUs: each call runs forward, backward and the
+    optimiser's update on the device (default optimizer: SGD, lr 0.01)."""
     return PoplarExecutor(model, options, True, optimizer)
 
 
 def inferenceModel(model: torch.nn.Module, options: Options | None = None) -> PoplarExecutor:
+    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device."""
     return PoplarExecutor(model, options, False)
 
 
+
+
+def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:
+    """The compiled model saved in `filename` by ``compileAndExport`` or ``save`` (with
+    ``export_model``): the torch model, its optimiser and options, the executable (not compiled
+    again) and the device's random state. `edit_opts_fn` may change the options first."""
+    data, executable = saved.read(filename)
+    if data.model is None:
+        raise errors.make(f"{filename} was saved with export_model=False: make the model with "
+                          f"poptorch.inferenceModel / trainingModel, then call model.loadExecutable({filename!r})")
+    options = data.options.clone()
+    if edit_opts_fn is not None:
+        edit_opts_fn(options)
+    if data.training:
+        optimizer = data.optimizer
+        if optimizer is not None and data.optimizer_state is not None:
+            optimizer.load_state_dict(data.optimizer_state)
+        model = trainingModel(data.model, options, optimizer)
+    else:
+        model = inferenceModel(data.model, options)
+    model._call = arguments.bind(model._forward(), *data.call)
+    model._install(executable)
+    if data.training:
+        model.setOptimizer(model._optimizer)
+    if data.rng_state is not None:
+        model.rng_state = data.rng_state
+    return model
+
+
+def _register_hook(hooks: dict, hook: Callable, when: str) -> torch.utils.hooks.RemovableHandle:
+    if not callable(hook):
+        raise RuntimeError(f"{when}-compile hook must be callable, got {hook!r}")
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def registerPreCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
+    """Call `hook()` before every model compiles (or loads from the executable cache), after the
+    hooks registered before it; ``handle.remove()`` unregisters it."""
+    return _register_hook(PoplarExecutor._precompile_hooks, hook, "Pre")
+
+
+def registerPostCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
+    """Call `hook()` after every model compiles (or loads from the executable cache)."""
+    return _register_hook(PoplarExecutor._postcompile_hooks, hook, "Post")
+
+
+@atexit.register
+def poptorchAtExit() -> None:  # pylint: disable=invalid-name
+    """Release what compiled models still hold (PopTorch: the devices): each is destroyed (trained
+    weights copied back to the host, engines closed, profiles finished). Runs at exit."""
+    for model in list(_LIVE):
+        model.destroy()
