@@ -200,7 +200,7 @@ def test_validation_names_what_is_wrong():
     with pytest.raises(prof.ProfileError, match=r"steps\[0\]: missing required field 'cycles'") as error:
         prof.validate(broken)
     assert "supersteps[0].count: -1 is below the minimum 0" in str(error.value)
-    with pytest.raises(prof.ProfileError, match="reads version 2; the file has version 99"):
+    with pytest.raises(prof.ProfileError, match="reads versions 2 and 3; the file has version 99"):
         prof.validate({**doc, "version": 99})
 
 
@@ -257,9 +257,10 @@ def profiled(tmp_path_factory):
 
 @pytest.mark.slow
 def test_model_profile_files(profiled):
-    assert profiled["early"] == ["profile.json", "trace.json"]       # written after the first call
+    assert profiled["early"] == ["host_trace.json", "profile.json", "trace.json"]       # written after the first call
     files = sorted(os.listdir(profiled["dir"]))
-    assert files == ["memory.png", "pipeline.png", "profile.json", "trace.json", "utilisation.png"]
+    assert files == ["host_trace.json", "memory.png", "pipeline.png", "profile.html", "profile.json", "trace.json",
+                     "utilisation.png"]
     doc = prof.load(str(profiled["dir"]))
     assert doc["source"] == "poptorch_lite" and doc["name"] == "training" and not doc["estimated"]
     assert doc["target"]["num_tiles"] == 64 and doc["num_ipus"] == 4
