@@ -113,7 +113,7 @@ if __name__ == "__main__":
     main()
 """
 
-GRAPHCORE_TWIN = TWIN_PHASES + """
+GRAPHCORE_TWIN = TWIN_PHASES.format() + """
 import sys
 import torch
 import torch.nn as nn
