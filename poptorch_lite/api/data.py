@@ -774,6 +774,25 @@ def _watch_host(settings: "_WorkerSettings", start_parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _how_the_worker_ended(process) -> str:
+    """What the host knows of a worker process that ended without reporting
+    an error: its exit code or signal, or, for a fork of the zygote whose
+    zygote ended first, that it lost its zygote (its exit code is unknown)."""
+    if getattr(process, "status_lost", False):
+        if process.pid is None:
+            return ("The AsynchronousDataAccessor worker process was never "
+                    "started: its zygote ended (or could not fork it) first.")
+        return (f"The AsynchronousDataAccessor worker process (pid "
+                f"{process.pid}) lost the zygote it was forked from, which "
+                f"ended first: the process stops by itself, without "
+                f"reporting an error, and its exit code is unknown.")
+    code = process.exitcode
+    how = (f"was killed by signal {signal.Signals(-code).name}"
+           if code is not None and code < 0 else f"exited with code {code}")
+    return (f"The AsynchronousDataAccessor worker process (pid {process.pid}) "
+            f"{how} without reporting an error.")
+
+
 def _host_alive(settings: "_WorkerSettings", start_parent: int) -> bool:
     if os.getppid() != start_parent:
         return False  # our parent died: we were re-parented
@@ -1164,12 +1183,8 @@ class AsynchronousDataAccessor:
     def _death_error(self) -> RuntimeError:
         process = self._process
         process.join(timeout=1)
-        code = process.exitcode
-        how = (f"was killed by signal {signal.Signals(-code).name}"
-               if code is not None and code < 0 else f"exited with code {code}")
-        self._broken = (f"The AsynchronousDataAccessor worker process (pid "
-                        f"{process.pid}) {how} without reporting an error. "
-                        f"Create a new accessor to load data again.")
+        self._broken = (f"{_how_the_worker_ended(process)} Create a new "
+                        f"accessor to load data again.")
         self._done = True
         return RuntimeError(self._broken)
 
