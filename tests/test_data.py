@@ -448,30 +448,37 @@ def test_async_rebatched_iterable_dataset():
         assert [b.tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_async_loading_overlaps_consumption():
-    count, delay = 8, 0.05
+def wait_until(condition, seconds: float = 60) -> bool:
+    """Poll `condition` until it holds or `seconds` have passed; whether it holds."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return condition()
 
-    def run(mode):
-        loader = DataLoader(options(), Slow(count, delay), mode=mode,
+
+def test_async_loading_overlaps_consumption():
+    """While the caller computes on an item, the worker process loads the next one; a Sync
+    loader loads each item only when it is asked for."""
+    count = 8
+
+    def loaded_ahead(mode):
+        """For each item: how many more the dataset had loaded once the caller was done with it
+        (an Async caller computes until the next item is loaded)."""
+        dataset = Counting(count)
+        loader = DataLoader(options(), dataset, mode=mode,
                             async_options=None
                             if mode == DataLoaderMode.Sync else FORK)
-        begin, loads, consumed = time.monotonic(), [], []
-        for item in loader:
-            start = time.monotonic()
-            time.sleep(delay)  # the model's compute
-            consumed.append((start, time.monotonic()))
-            loads.append(tuple(item[0, 1:].tolist()))
+        ahead = []
+        for number, _ in enumerate(loader):
+            if mode != DataLoaderMode.Sync:
+                wait_until(lambda: dataset.loaded.value >= min(number + 2, count))
+            ahead.append(dataset.loaded.value - (number + 1))
         loader.terminate()
-        overlaps = sum(
-            load[0] < done[1] and load[1] > done[0]
-            for load, done in zip(loads[1:], consumed[:-1]))
-        return time.monotonic() - begin, overlaps
+        return ahead
 
-    sync_time, sync_overlaps = run(DataLoaderMode.Sync)
-    async_time, async_overlaps = run(DataLoaderMode.Async)
-    assert sync_overlaps == 0 and sync_time >= 2 * count * delay
-    assert async_overlaps >= count // 2
-    assert async_time < 0.85 * sync_time
+    assert loaded_ahead(DataLoaderMode.Sync) == [0] * count
+    ahead = loaded_ahead(DataLoaderMode.Async)
+    assert all(1 <= n <= 3 for n in ahead[:-1]), ahead  # (then the next epoch starts)
 
 
 def test_buffer_size_bounds_loading_ahead():
@@ -480,12 +487,11 @@ def test_buffer_size_bounds_loading_ahead():
                                   sharing_strategy=SharingStrategy.Fork) as acc:
         iterator = iter(acc)
         next(iterator)  # held by the caller: one of the 3 slots
-        deadline = time.monotonic() + 5
-        while dataset.loaded.value < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
+        assert wait_until(lambda: dataset.loaded.value >= 3)
+        time.sleep(0.3)  # (time for a fourth load that must not happen)
         assert dataset.loaded.value == 3
         next(iterator)  # releases the first slot
+        assert wait_until(lambda: dataset.loaded.value >= 4)
         time.sleep(0.3)
         assert dataset.loaded.value == 4
 
@@ -494,9 +500,7 @@ def test_early_preload_loads_before_iteration():
     dataset = Counting(10)
     with AsynchronousDataAccessor(dataset, buffer_size=2, early_preload=True,
                                   sharing_strategy=SharingStrategy.Fork) as acc:
-        deadline = time.monotonic() + 5
-        while dataset.loaded.value < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: dataset.loaded.value >= 2)
         assert dataset.loaded.value == 2
         assert [label.item() for _, label in acc] == list(range(10))
 
@@ -593,7 +597,7 @@ def test_killed_worker_is_reported():
     with pytest.raises(RuntimeError, match="killed by signal SIGKILL"):
         for _ in iterator:
             pass
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 60  # (the host notices; it does not wait for data)
     accessor.terminate()
 
 
@@ -711,13 +715,8 @@ def test_worker_does_not_outlive_its_host(tmp_path, exit_mode):
     script = tmp_path / "host.py"
     script.write_text(
         HOST_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    start = time.monotonic()
     result = subprocess.run([sys.executable, str(script), exit_mode],
-                            capture_output=True, text=True, timeout=60,
+                            capture_output=True, text=True, timeout=120,
                             check=True, env={**os.environ, "PYTHONPATH": REPO})
     worker = int(result.stdout.split()[0])
-    deadline = time.monotonic() + 5
-    while alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive(worker)
-    assert time.monotonic() - start < 60
+    assert wait_until(lambda: not alive(worker))
