@@ -3,6 +3,7 @@ import collections
 import gc
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import subprocess
@@ -103,6 +104,41 @@ class ExitsAt(Numbered):
         if index == self.at:
             os._exit(3)
         return super().__getitem__(index)
+
+
+class SlowToExit(Numbered):
+    """Its worker process, once stopped, takes 2 s more to exit after closing its pipes (a
+    finalizer its first sample registers there). With `tensors` False, samples are plain ints."""
+
+    def __init__(self, length, tensors):
+        super().__init__(length)
+        self.tensors = tensors
+
+    def __getitem__(self, index):
+        if index == 0:
+            multiprocessing.util.Finalize(None, time.sleep, args=(2, ), exitpriority=0)
+        return super().__getitem__(index) if self.tensors else index
+
+
+def refuse():
+    raise ValueError("this sample cannot be rebuilt in the host")
+
+
+class Refused:
+    """Pickled in the worker process; unpickling it in the host raises."""
+
+    def __reduce__(self):
+        return refuse, ()
+
+
+class RefusedAt(Numbered):
+
+    def __init__(self, length, at):
+        super().__init__(length)
+        self.at = at
+
+    def __getitem__(self, index):
+        return Refused() if index == self.at else super().__getitem__(index)
 
 
 class Counting(Numbered):
@@ -584,6 +620,37 @@ def test_worker_death_is_reported_not_waited_for():
         with pytest.raises(RuntimeError, match="exited with code 3"):
             list(acc)
         with pytest.raises(RuntimeError, match="exited with code 3"):
+            iter(acc)
+
+
+@pytest.mark.parametrize("tensors", [True, False])
+def test_a_worker_slow_to_exit_is_reported_with_its_exit_code(tensors):
+    """The host finds the worker's pipes closed (and, with tensors, the items in flight no longer
+    fetchable) seconds before the worker has exited: it waits for the exit status rather than
+    report none, or report the fetch."""
+    with AsynchronousDataAccessor(SlowToExit(10, tensors),
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        iterator = iter(acc)
+        next(iterator)
+        worker = acc._process.pid
+        os.kill(worker, signal.SIGTERM)  # it stops cleanly, reporting no error
+        with pytest.raises(RuntimeError, match=rf"\(pid {worker}\) exited with code 0 "
+                                               "without reporting an error"):
+            for _ in iterator:
+                pass
+
+
+def test_an_item_the_host_cannot_receive_ends_the_epoch_with_an_error_not_a_gap():
+    with AsynchronousDataAccessor(RefusedAt(6, 2),
+                                  sharing_strategy=SharingStrategy.Fork) as acc:
+        iterator = iter(acc)
+        assert [label.item() for _, label in (next(iterator), next(iterator))] == [0, 1]
+        with pytest.raises(RuntimeError, match="(?s)could not receive an item.*ValueError.*"
+                                               "cannot be rebuilt in the host"):
+            next(iterator)
+        with pytest.raises(StopIteration):  # not sample 3: the epoch lost sample 2
+            next(iterator)
+        with pytest.raises(RuntimeError, match="could not receive an item"):
             iter(acc)
 
 
