@@ -783,7 +783,7 @@ def test_worker_does_not_outlive_its_host(tmp_path, exit_mode):
     script.write_text(
         HOST_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, str(script), exit_mode],
-                            capture_output=True, text=True, timeout=120,
+                            capture_output=True, text=True, timeout=900,
                             check=True, env={**os.environ, "PYTHONPATH": REPO})
     worker = int(result.stdout.split()[0])
     assert wait_until(lambda: not alive(worker))

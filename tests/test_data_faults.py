@@ -27,6 +27,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # Scripts run in subprocesses import this checkout's packages, whatever is installed.
 SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.path.dirname(TESTS)}
 ASYNC_MODES = [DataLoaderMode.Async, DataLoaderMode.AsyncRebatched]
+# Seconds a script may take before it counts as hung: it starts interpreters that import torch
+# (seconds of CPU each), which on a loaded machine take minutes.
+HUNG = 900
 
 
 class Squares(torch.utils.data.Dataset):
@@ -131,7 +134,7 @@ def test_the_accessor_process_imports_what_the_dataset_needs_not_the_emulator(tm
     imports them only when it uses them."""
     script = tmp_path / "imports.py"
     script.write_text(IMPORTS_SCRIPT.format(tests=TESTS))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HUNG, check=False,
                           env=SCRIPT_ENV)
     assert done.stdout.split("\n")[:2] == ["host []", "accessor []"], done.stdout + done.stderr
 
@@ -150,10 +153,12 @@ SCRIPT = textwrap.dedent("""
             return super().__getitem__(index)
 
     if __name__ == "__mp_main__" and "ACCESSOR_IMPORT_GATE" in os.environ:
-        # the spawned accessor process (the zygote) imports the script again: it finishes only
-        # once the test creates this file (at most 60 s)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.environ["ACCESSOR_IMPORT_GATE"]) and time.monotonic() < deadline:
+        # the spawned accessor process (the zygote) imports the script again: torch imported, it
+        # says so (GATE.reached) and finishes only once the test creates GATE (at most 600 s)
+        gate = os.environ["ACCESSOR_IMPORT_GATE"]
+        open(gate + ".reached", "w").close()
+        deadline = time.monotonic() + 600
+        while not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     if __name__ == "__main__":
@@ -241,6 +246,13 @@ def assert_gone(pids, within: float, context="") -> None:
     assert not [p for p in pids if alive(p)], context
 
 
+def wait_for_file(path, within: float = HUNG) -> None:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {within} s"
+        time.sleep(0.01)
+
+
 def wait_for_pids_line(process, tmp_path):
     line = process.stdout.readline()
     assert line.startswith("pids"), line + (tmp_path / "stderr.txt").read_text()
@@ -258,7 +270,7 @@ def check_an_end(tmp_path, how, workers, strategy=SharingStrategy.FileSystem):
     if how == "sigint":
         os.killpg(host, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
     interrupted = time.monotonic()
-    out, err = finish(process, tmp_path, 300)
+    out, err = finish(process, tmp_path, HUNG)
     ended = time.monotonic()
     assert_gone(tree, 60, err)
     assert "resource_tracker" not in err and "leaked" not in err, err
@@ -316,11 +328,12 @@ def test_a_host_killed_before_its_accessor_started_leaves_nothing(tmp_path):
     process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_GATE=str(gate))
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
+    wait_for_file(tmp_path / "import-gate.reached")
     assert not temporary_files(tmp_path)  # the dataset is pickled, not yet read: its file has no name
     os.kill(host, signal.SIGKILL)
     process.wait(timeout=60)
     gate.touch()
-    assert_gone(below, 60)  # the accessor's interpreter may take seconds to import torch
+    assert_gone(below, 60)
     assert not temporary_files(tmp_path)
     err = finish(process, tmp_path, 60)[1]
     assert "leaked" not in err and "Traceback" not in err, err
@@ -336,10 +349,11 @@ def test_ctrl_c_while_the_accessor_starts_stops_everything_with_one_traceback(tm
     process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_GATE=str(gate))
     host = wait_for_pids_line(process, tmp_path)
     tree = descendants(host)
+    wait_for_file(tmp_path / "import-gate.reached")
     os.killpg(host, signal.SIGINT)
     interrupted = time.monotonic()
     gate.touch()
-    _, err = finish(process, tmp_path, 120)
+    _, err = finish(process, tmp_path, HUNG)
     ended = time.monotonic()
     assert_gone(tree, 60, err)
     assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err
@@ -432,7 +446,7 @@ def test_a_fault_is_a_clear_error_or_a_clean_stop(tmp_path, fault, mode, workers
     process = subprocess.Popen([sys.executable, str(script), fault, mode.name, str(workers)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env=SCRIPT_ENV)
-    hang = threading.Timer(180, os.killpg, (process.pid, signal.SIGKILL))  # no hang passes unseen
+    hang = threading.Timer(HUNG, os.killpg, (process.pid, signal.SIGKILL))  # no hang passes unseen
     hang.start()
     try:
         lines = [process.stdout.readline().strip()]
@@ -523,7 +537,7 @@ def test_a_forked_accessor_does_not_hang_in_torch_after_the_host_ran_parallel_op
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True, env=SCRIPT_ENV)
     try:
-        out, err = process.communicate(timeout=300)  # (it hung before: a hang fails, slowness does not)
+        out, err = process.communicate(timeout=HUNG)  # (it hung before)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
