@@ -15,9 +15,9 @@ from .api.attributes import accessAttributes
 from .api.errors import Error, RecoverableError, UnrecoverableError, createPoptorchError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
-                        MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
+                        MatMulSerializationMode, MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
 from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
-                      set_available_memory)
+                      recomputationCheckpoint, serializedMatMul, set_available_memory)
 from .api.options import ConfigFileError, Options, TensorLocationSettings, setLogLevel
 
 # Names whose modules bring in the device emulator (ipusim, Numba) or the compiler: imported on first
@@ -61,7 +61,7 @@ __version__ = "0.1.0"
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
            "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader",
            "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn",
-           "Liveness", "MeanReductionStrategy", "NameScope", "Options", "OutputMode",
+           "Liveness", "MatMulSerializationMode", "MeanReductionStrategy", "NameScope", "Options", "OutputMode",
            "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "RecoverableError",
            "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
            "StrategyError", "SyncPattern", "TensorLocationSettings", "UnrecoverableError",
@@ -69,7 +69,7 @@ __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "Bloc
            "dynamic_update", "for_loop", "getIpuTensorId", "identity_loss", "importPoptorchMetadataFromFile",
            "inferenceModel", "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor",
            "isRunningOnIpu", "load", "module_repr", "nop", "op_placement", "optim", "poptorchAtExit",
-           "poptorch_core", "profiling", "registerCustomArgParser", "registerGeometricCustomArgParsers",
-           "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "setLogLevel",
+           "poptorch_core", "profiling", "recomputationCheckpoint", "registerCustomArgParser", "registerGeometricCustomArgParsers",
+           "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "serializedMatMul", "setLogLevel",
            "set_available_memory", "trainingModel"]
 registerGeometricCustomArgParsers()

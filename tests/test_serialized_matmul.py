@@ -3,10 +3,14 @@ product runs as `factor` smaller products along the mode's dimension; the peak o
 memory falls, cycles follow the pieces, values are the plain product's (bit-identical for row
 and column pieces, within float32 rounding of a sum of `factor` partial products for the
 reducing dimension)."""
+import re
+
 import numpy as np
 import pytest
+import torch
 
 import ipusim as ip
+import poptorch_lite as poptorch
 from ipusim.ops import matmul as mm
 
 T = ip.Target.test(64, 256 * 1024)
@@ -73,3 +77,78 @@ def test_a_factor_must_divide_the_dimension():
         mm.serialized_matmul(g, a, b, prog, "input_channels", 7)
     with pytest.raises(ValueError, match="unknown serialisation mode"):
         mm.serialized_matmul(g, a, b, prog, "rows", 2)
+
+
+# ---- poptorch.serializedMatMul ---------------------------------------------------------------------
+class Product(torch.nn.Module):
+    """x @ w1 @ w2, both products serialised."""
+
+    def __init__(self, mode, factor, keep_precision=False):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(200, 40) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(40, 40) * 0.1)
+        self.mode, self.factor, self.keep = mode, factor, keep_precision
+
+    def forward(self, x, y=None):
+        h = poptorch.serializedMatMul(x, self.w1, self.mode, self.factor, self.keep)
+        out = poptorch.serializedMatMul(h, self.w2, self.mode, self.factor, self.keep)
+        if y is None:
+            return out
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+@pytest.mark.parametrize("mode", list(poptorch.MatMulSerializationMode))
+def test_inference_gives_torch_values(mode):
+    torch.manual_seed(0)
+    model = Product(mode, 5 if mode is not poptorch.MatMulSerializationMode.Disabled else 0)
+    x = torch.rand(2, 10, 200)
+    got = poptorch.inferenceModel(model)(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", list(poptorch.MatMulSerializationMode))
+def test_training_serialises_the_gradients_and_learns_as_the_plain_product(mode):
+    runs = []
+    for m in (mode, poptorch.MatMulSerializationMode.Disabled):
+        torch.manual_seed(0)
+        model = Product(m, 4 if m is not poptorch.MatMulSerializationMode.Disabled else 0)
+        training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        x, y = torch.rand(8, 200), torch.rand(8, 40)
+        training(x, y)
+        runs.append(([p.detach().clone() for p in (model.w1, model.w2)], training._executable))
+    (serial, exe), (plain, _) = runs
+    for s, p in zip(serial, plain):
+        torch.testing.assert_close(s, p, rtol=1e-5, atol=1e-6)
+    names = [p.name for p in exe.engine.programs]
+    pieces = sum(1 for node in exe.engine.programs for n in ip.device.program.walk(node)
+                 if isinstance(n, ip.device.program.OpProgram) and re.search(r"/piece\d+$", n.name))
+    if mode is poptorch.MatMulSerializationMode.Disabled:
+        assert pieces == 0
+    else:
+        # two forward products, both weights' gradients and h's gradient (none for the data), 4 pieces each
+        assert pieces == 5 * 4, names
+
+
+@pytest.mark.parametrize("mode, factor, message", [
+    (poptorch.MatMulSerializationMode.InputChannels, 3,
+     "Invalid serialisation factor 3 for input channels dimension 10"),
+    (poptorch.MatMulSerializationMode.ReducingDim, 7, "Invalid serialisation factor 7 for reducing dimension 200"),
+    (poptorch.MatMulSerializationMode.OutputChannels, 0, "Invalid serialisation factor 0"),
+    ("input_channels", 2, "mode must be a poptorch.MatMulSerializationMode"),
+])
+def test_poptorch_errors(mode, factor, message):
+    with pytest.raises(poptorch.Error, match=message):
+        poptorch.serializedMatMul(torch.rand(2, 10, 200), torch.rand(200, 40), mode, factor)
+
+
+def test_keep_precision_for_half_inputs():
+    torch.manual_seed(0)
+    x, w = torch.rand(1, 10, 200).half(), torch.rand(200, 45).half()
+
+    class Half(torch.nn.Module):
+        def forward(self, x, w):
+            return poptorch.serializedMatMul(x, w, poptorch.MatMulSerializationMode.ReducingDim, 10, True)
+
+    got = poptorch.inferenceModel(Half())(x, w)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), x.float() @ w.float(), rtol=0.01, atol=0.05)

@@ -1611,6 +1611,18 @@ def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
 
 
+@lowers(torch.ops.poptorch_lite.recomputation_checkpoint,
+        doc="checkpoint (recomputationCheckpoint: kept, not recomputed, when recomputation is on)")
+def _recomputation_checkpoint(c, x):
+    return c.one("checkpoint", [x], x.shape, x.dtype)
+
+
+@lowers(torch.ops.poptorch_lite.serialized_matmul, doc="matmul in `factor` pieces (serializedMatMul)")
+def _serialized_matmul(c, a, b, mode, factor, keep_precision):
+    return c.one("matmul", [a, b], a.shape[:-1] + (b.shape[-1],), c.out_dtype(), serialization=str(mode),
+                 factor=int(factor), keep_precision=bool(keep_precision))
+
+
 PLANNED = frozenset({"matmul", "conv2d"})   # IR ops whose planner takes a temporary-memory budget
 
 

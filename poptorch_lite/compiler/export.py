@@ -57,8 +57,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
 from ..api.errors import Error
-from ..api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
-                       set_available_memory)
+from ..api.ops import (_recomputation_checkpoint, cond, dynamic_slice, dynamic_update, for_loop, identity_loss,
+                       ipu_print_tensor, nop, serializedMatMul, set_available_memory)
 from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
 from . import control_flow, library, recurrent
 from .ir import flatten_values, map_values
@@ -78,7 +78,8 @@ FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_p
              set_available_memory: library.available_memory, for_loop: control_flow.traced_for_loop,
              cond: control_flow.traced_cond, nop: control_flow.traced_nop,
              dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
-             **recurrent.FUNCTIONS}
+             _recomputation_checkpoint: library.recomputation_checkpoint,
+             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS}
 
 # Device control flow: the bodies are the model's own code, traced under the annotator (their ops
 # annotated, nested loops and branches captured too); inference only, as in PopTorch.

@@ -461,6 +461,12 @@ def _copy(ctx, n, ins):
     return [out]
 
 
+@lowers("checkpoint")
+def _checkpoint(ctx, n, ins):
+    """recomputationCheckpoint: the value itself (recomputation stashes it instead of recomputing it)."""
+    return [ins[0]]
+
+
 @lowers("assign")
 def _assign(ctx, n, ins):
     """A buffer's new value (functionalised in-place update) copied into the buffer."""
@@ -499,7 +505,11 @@ def _memory(a):
 
 @lowers("matmul")
 def _matmul(ctx, n, ins):
-    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(n.attrs))]
+    a = n.attrs
+    if a.get("serialization", "none") != "none":
+        return [mm.serialized_matmul(ctx.graph, ins[0], ins[1], ctx.prog, a["serialization"], a["factor"], ctx.name,
+                                     keep_precision=a["keep_precision"], **_memory(a))]
+    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(a))]
 
 
 def _conv_args(a):
