@@ -15,6 +15,7 @@ import ipusim as ip
 from ipusim import schedules
 
 from ..api.enums import Liveness
+from . import recompute
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
@@ -97,8 +98,12 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
     weight-update programs when training (`optimizer` given) and build the Engine (not loaded).
     A schedule with separate weight-gradient ops gets its stages' backwards split in two
-    (`backward_split`)."""
+    (`backward_split`); with recomputation (`recompute`: PopART's autoRecomputation, on by
+    default for pipelined training over several IPUs) the stages that recompute get an R before
+    each B of the schedule."""
     partition_backward(ir, schedule.split_backward)
+    mode = recompute.recomputation_mode(options, placement.schedule_kind, optimizer is not None, stage_ipus)
+    schedule = schedule.with_recomputation(recompute.apply(ir, mode, placement.schedule_kind))
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
     device = ip.Device(target, per_replica * replicas)
