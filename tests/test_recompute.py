@@ -2,7 +2,10 @@
 backward re-runs the stage's forward from what the forward stashed (its inputs, checkpoints and
 random seed) instead of reading stashed activations. Stashed bytes fall, cycles rise, values stay
 bit-identical, under every schedule kind, with replicas, an off-chip stash and phases;
-PopTorch's default (Pipeline for pipelined training over several IPUs) holds."""
+PopTorch's default (Pipeline for pipelined training over several IPUs) holds; profiles, the
+schedule comparison and the balance advice account for the R ops."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -379,3 +382,38 @@ def test_recomputation_checkpoint_outside_a_model():
     assert poptorch.recomputationCheckpoint((x,)) == (x,)
     with pytest.raises(ValueError, match="must be tensors"):
         poptorch.recomputationCheckpoint(x, 3)
+
+
+# ---- the profile, the pricing and the advice ----------------------------------------------------
+def test_profiles_show_r_and_the_stash(tmp_path):
+    torch.manual_seed(0)
+    opts = poptorch.Options().setExecutionStrategy(TUTORIAL_STRATEGY).enableProfiling(str(tmp_path))
+    opts.Emulator.setTarget(SMALL)
+    opts.Training.gradientAccumulation(8)
+    training = poptorch.trainingModel(TrainingModelWithLoss(Network()), opts)
+    training(*BATCH)
+    summary = training._profiler.finish()
+    from ipusim.report import advisor, pricing, profile
+    doc = profile.load(str(tmp_path / "training" / "profile.json"))
+    ex = doc["execution"]
+    assert ex["schedule"]["recomputed_stages"] == [0, 1, 2]
+    assert any(o["kind"] == "R" for s in ex["steps"] for o in s["ops"])
+    assert [st["recompute"] is not None for st in ex["stages"]] == [True, True, True, False]
+    assert "Recomputation: stage 0 (IPU 0)" in summary and "stashed activations per IPU" in summary
+    with open(tmp_path / "training" / "trace.json") as f:
+        trace = json.load(f)
+    lanes = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("args", {}).get("kind") == "R"]
+    assert lanes and all(e["name"].startswith("R") for e in lanes)
+    comparison = pricing.compare(doc)
+    for row in comparison.rows:
+        if row.price is not None:
+            assert row.schedule.recomputed_stages
+    assert "recompute their forward before each backward" in " ".join(comparison.header)
+    assert "without recomputation" in doc["blocks"]["source"]
+    pipeline = advisor.Pipeline.of_schedule(ex["schedule"])
+    assert pipeline.recompute
+    table = advisor.BlockTable.from_dict(doc["blocks"])
+    on = advisor.advise(table, advisor.target_of(doc), pipeline).current
+    off = advisor.advise(table, advisor.target_of(doc), advisor.Pipeline(**{**pipeline.__dict__, "recompute": False})).current
+    assert on.backward[0] > off.backward[0] and on.backward[3] == off.backward[3]
+    assert on.cycles > off.cycles and on.max_tile_bytes[0] <= off.max_tile_bytes[0]
