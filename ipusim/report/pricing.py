@@ -49,7 +49,7 @@ def _stash_bytes(doc: dict) -> list[int]:
     reads from forwards (the block table's fwd -> bwd flows into the stage's blocks; the table
     describes the model without recomputation). A profile that recomputes stashes less than
     that: there, the stashed activations each IPU holds, divided by the micro-batches the
-    profiled schedule keeps in flight on it (stage s on IPU s)."""
+    profiled schedule keeps in flight on it (the stages of one IPU in equal shares)."""
     stages = doc["execution"]["stages"]
     sched = doc["execution"]["schedule"]
     if sched and sched.get("recomputed_stages"):
@@ -197,6 +197,9 @@ def _profiled_schedule(sched: dict, n: int, g: int, d: int) -> schedules.Schedul
         return schedules.sharded_schedule(n, training=True, gradient_accumulation=g, device_iterations=d)
     makers = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule,
               "ZB-H1": schedules.zb_h1_schedule, "ZB-H2": schedules.zb_h2_schedule}
+    if strategy == "Interleaved1F1B":
+        ipus = sched["num_ipus"]
+        return schedules.interleaved_1f1b_schedule(ipus, n // ipus, gradient_accumulation=g, device_iterations=d)
     if strategy in makers:
         return makers[strategy](n, gradient_accumulation=g, device_iterations=d)
     raise ValueError(f"cannot rebuild the profiled schedule {strategy!r} to compare against")
