@@ -175,6 +175,7 @@ def test_recomputation_stashes_less_costs_cycles_and_changes_no_value(tutorial_r
     assert sum(on["total"]) < sum(off["total"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, ipus", [("GPipe", (0, 1, 2, 3)), ("1F1B", (0, 1, 2, 3)), ("ZB-H1", (0, 1, 2, 3)),
                                         ("ZB-H2", (0, 1, 2, 3)), ("Interleaved1F1B", (0, 1, 0, 1))])
 def test_every_schedule_kind_recomputes_with_the_same_values(kind, ipus):
