@@ -33,7 +33,9 @@ recompute.cpp, transforms/streamingmemory.cpp):
 - sharded execution: PopART applies `Pipeline` only to pipelines and annotates the other modes
   within one graph (liveness-driven checkpoints), which this emulator does not model: an error;
 - a pipeline over one IPU is not pipelined by PopTorch, so `Pipeline` there is an error too;
-- inference: nothing to recompute (no backward).
+- inference: nothing to recompute (no backward);
+- a loop or branch whose body draws random numbers is stashed, not recomputed (its draws
+  advance the seed as they go).
 """
 from __future__ import annotations
 
@@ -72,17 +74,10 @@ def recomputation_mode(options, schedule_kind: str, training: bool, stage_ipus) 
     if not training:
         return NONE
     ipus = len(set(stage_ipus))
-    value = options._Popart.options.get("autoRecomputation")
+    value = options._Popart.get("autoRecomputation")   # a RecomputationType: checked when the model was made
     if value is None:
         return PIPELINE if schedule_kind == "pipelined" and ipus > 1 else NONE
-    try:
-        mode = int(value)
-    except (TypeError, ValueError):
-        mode = None
-    if isinstance(value, bool) or mode not in MODES or mode != value:
-        raise RecomputationError(
-            f"_Popart.set('autoRecomputation', {value!r}): the value must be a RecomputationType, one of "
-            + ", ".join(f"{k} ({v})" for k, v in MODES.items()))
+    mode = int(value)
     if mode == NONE:
         return NONE
     if schedule_kind == "sharded":
@@ -135,7 +130,7 @@ def _recompute_stage(ir: IRGraph, stage: int, *, keep_sent: bool, final: bool) -
     fwd = [n for n in ir.nodes if n.pass_ == "fwd" and n.stage == stage]
     backward = [n for n in ir.nodes if n.pass_ != "fwd" and n.stage == stage]
     made_by = {v.id: n for n in fwd for v in n.outputs}
-    kept = {id(n) for n in fwd if n.op in _KEPT} | _weight_views(fwd, made_by)
+    kept = {id(n) for n in fwd if n.op in _KEPT or _draws_in_body(n)} | _weight_views(fwd, made_by)
     if keep_sent:   # PopART's implicit pipeline recomputation stashes what goes to another stage
         elsewhere = {v.id for n in ir.nodes if n.stage != stage for v in n.inputs}
         kept |= {id(n) for n in fwd if any(v.id in elsewhere for v in n.outputs)}
@@ -173,6 +168,13 @@ def _recompute_stage(ir: IRGraph, stage: int, *, keep_sent: bool, final: bool) -
     for n in backward:
         n.inputs = [clone_of.get(v.id, v) for v in n.inputs]
     return True
+
+
+def _draws_in_body(n: Node) -> bool:
+    """Whether a loop or branch draws random numbers in its body (from the IPU's live seed, which
+    it advances): kept, not recomputed, as a recomputation must draw what its forward drew."""
+    return any(m.op in RANDOM_OPS or _draws_in_body(m) for key in ("body", "then", "else")
+               for m in n.attrs.get(key, ()) if isinstance(m, Node))
 
 
 def _weight_views(fwd: list[Node], made_by: dict) -> set[int]:
