@@ -1,0 +1,74 @@
+"""PopTorch names that applications (Graphcore's BERT application, optimum-graphcore) use beyond
+the tutorials: the optimisers' base class and variable attributes, AdamW without bias
+correction, the model unwrapping of poptorch._impl, hardware queries under an emulated
+attachment, poptorch.Attribute."""
+import copy
+
+import pytest
+import torch
+
+import poptorch_lite as poptorch
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        out = self.linear(x)
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def test_poptorch_optimisers_share_a_base_class():
+    params = Regression().parameters
+    for make in (lambda: poptorch.optim.SGD(params(), lr=0.1), lambda: poptorch.optim.Adam(params()),
+                 lambda: poptorch.optim.AdamW(params()), lambda: poptorch.optim.RMSprop(params()),
+                 lambda: poptorch.optim.LAMB(params())):
+        assert isinstance(make(), poptorch.optim.Optimizer)
+    assert not isinstance(torch.optim.SGD(params(), lr=0.1), poptorch.optim.Optimizer)
+
+
+def test_variable_attributes_as_poptorch():
+    opt = poptorch.optim.AdamW(Regression().parameters(), lr=0.01, loss_scaling=None)
+    attrs = opt.variable_attrs
+    assert not attrs.isConstant("lr") and not attrs.isConstant("weight_decay")
+    assert attrs.isConstant("loss_scaling")  # not given: constant, as in PopTorch
+    attrs.markAsConstant("weight_decay")
+    assert attrs.isConstant("weight_decay")
+    attrs.markAsVariable("loss_scaling")
+    assert not attrs.isConstant("loss_scaling")
+    with pytest.raises(AssertionError, match="Unknown attribute no_such"):
+        attrs.markAsConstant("no_such")
+
+
+def adamw_reference(model, batches, lr, betas, eps, bias_correction):
+    """PopTorch's AdamW by hand: decoupled weight decay 0, moments with or without bias correction."""
+    m = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    v = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for t, (x, y) in enumerate(batches, 1):
+        model.zero_grad()
+        model(x, y)[1].backward()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                m[n] = betas[0] * m[n] + (1 - betas[0]) * p.grad
+                v[n] = betas[1] * v[n] + (1 - betas[1]) * p.grad ** 2
+                bc1, bc2 = (1 - betas[0] ** t, 1 - betas[1] ** t) if bias_correction else (1.0, 1.0)
+                p -= lr / bc1 * m[n] / (v[n].sqrt() / bc2 ** 0.5 + eps)
+    return model
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_adamw_with_and_without_bias_correction_matches_reference(bias_correction):
+    torch.manual_seed(0)
+    model = Regression()
+    ref = copy.deepcopy(model)
+    batches = [(torch.randn(4, 6), torch.randn(4, 3)) for _ in range(4)]
+    opt = poptorch.optim.AdamW(model.parameters(), lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0,
+                               bias_correction=bias_correction)
+    training = poptorch.trainingModel(model, poptorch.Options(), opt)
+    for x, y in batches:
+        training(x, y)
+    adamw_reference(ref, batches, 0.05, (0.8, 0.9), 1e-6, bias_correction)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
