@@ -72,3 +72,26 @@ def test_adamw_with_and_without_bias_correction_matches_reference(bias_correctio
     adamw_reference(ref, batches, 0.05, (0.8, 0.9), 1e-6, bias_correction)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_unwrap_and_rewrap_a_trained_model():
+    """poptorch._impl: unwrapped, the model and its tensors have their own classes and the trained
+    weights; rewrapped, reading weights after another call syncs them again."""
+    from poptorch_lite import _impl
+    torch.manual_seed(0)
+    model = Regression()
+    before = model.linear.weight.detach().clone()
+    training = poptorch.trainingModel(model, poptorch.Options(), poptorch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    training(x, y)
+    assert type(model) is not Regression
+    _impl.unwrapModelIfNecessary(model)
+    assert type(model) is Regression and type(model.linear.weight) is torch.nn.Parameter
+    trained = model.linear.weight.detach().clone()
+    assert not torch.equal(trained, before)
+    copy.deepcopy(model)  # a plain module again
+    _impl.rewrapModelIfNecessary(model)
+    assert type(model) is not Regression and isinstance(model, Regression)
+    training(x, y)
+    assert not torch.equal(model.linear.weight.detach(), trained)  # synced from the device again
+    _impl.unwrapModelIfNecessary(Regression())  # not wrapped: nothing to do
