@@ -95,3 +95,34 @@ def test_unwrap_and_rewrap_a_trained_model():
     training(x, y)
     assert not torch.equal(model.linear.weight.detach(), trained)  # synced from the device again
     _impl.unwrapModelIfNecessary(Regression())  # not wrapped: nothing to do
+
+
+def test_attribute_scopes_nest_and_leave_values_alone():
+    with poptorch.Attribute(__outline={"layer": "embedding"}):
+        assert poptorch.Attribute.current() == {"__outline": {"layer": "embedding"}}
+        with poptorch.Attribute(__outline={"layer": "encoder", "extra": 1}):
+            assert poptorch.Attribute.current() == {"__outline": {"layer": "encoder", "extra": 1}}
+        assert poptorch.Attribute.current() == {"__outline": {"layer": "embedding"}}
+    assert poptorch.Attribute.current() == {}
+    with pytest.raises(ValueError, match="__outline must be a dict"):
+        poptorch.Attribute(__outline="layer")
+
+    class Scoped(Regression):
+        def forward(self, x, y):
+            with poptorch.Attribute(__outline={"layer": "head"}):
+                return super().forward(x, y)
+
+    torch.manual_seed(0)
+    model = Scoped()
+    x = torch.randn(4, 6)
+    plain = poptorch.inferenceModel(copy.deepcopy(model))(x, torch.zeros(4, 3))[0]
+    torch.testing.assert_close(plain, model(x, torch.zeros(4, 3))[0], rtol=1e-6, atol=1e-6)
+
+
+def test_rebatched_worker_size_outside_async_rebatched_is_ignored_with_a_warning():
+    """PopTorch ignores rebatched_worker_size unless the mode is AsyncRebatched (optimum-graphcore's
+    trainer always passes one); the emulator says it has no effect."""
+    data = torch.utils.data.TensorDataset(torch.arange(12.0))
+    with pytest.warns(UserWarning, match="rebatched_worker_size=4 has no effect"):
+        loader = poptorch.DataLoader(poptorch.Options(), data, batch_size=4, rebatched_worker_size=4)
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
