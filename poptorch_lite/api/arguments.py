@@ -16,6 +16,8 @@ fine); a difference is a `poptorch.Error` naming the argument and what changed.
 from __future__ import annotations
 
 import abc
+import importlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -266,3 +268,15 @@ def _bind(forward: Callable, args, kwargs) -> inspect.BoundArguments:
 def bind(forward: Callable, args, kwargs) -> CallArguments:
     """Bind a call to `forward` (a bound method, usually `model.forward`), defaults filled in."""
     return CallArguments(_bind(forward, args, kwargs))
+
+
+def registerGeometricCustomArgParsers() -> None:  # pylint: disable=invalid-name
+    """Register PopTorch Geometric's argument parsers (its data and batch types as model
+    arguments) when ``poptorch_geometric`` is installed; nothing otherwise."""
+    try:
+        if importlib.util.find_spec("poptorch_geometric") is None:
+            return
+        types = importlib.import_module("poptorch_geometric.types")
+    except ImportError:
+        return
+    types.registerCustomArgParsers()

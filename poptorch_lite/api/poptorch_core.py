@@ -19,6 +19,7 @@ PopTorch's C++ core is a compiled module; its own tests (and some programs) impo
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from typing import Any
 
@@ -166,6 +167,9 @@ def _check_group(prefix: str, values: dict, reference: dict) -> None:
         if name == "_Popart" and not prefix:
             _check_popart(value)
             continue
+        if name == "Emulator" and not prefix:
+            _check_emulator(value, reference[name])
+            continue
         with errors.context(f"option: {path}"):
             if name not in reference:
                 kind = popart.value_kind(value) or type(value).__name__
@@ -189,6 +193,28 @@ def _check_popart(values: dict) -> None:
             _log_set(name, value)
 
 
+def _check_emulator(values: dict, reference: dict) -> None:
+    """The emulator's own options (``Options.Emulator``), each checked by its setter: their values
+    may be of more than one type (a host-thread count or 'auto', a target name or an ipusim.Target)."""
+    from .options import Options  # pylint: disable=import-outside-toplevel
+    if not isinstance(values, dict):
+        raise errors.make(f"Option group Emulator must be a dict, got {values!r}")
+    group = Options().Emulator
+    setters = {"target": group.setTarget, "mode": group.setMode, "host_threads": group.setHostThreads,
+               "pipeline_schedule": group.setPipelineSchedule}
+    for name, value in values.items():
+        path = f"Emulator.{name}"
+        with errors.context(f"option: {path}"):
+            if name not in reference:
+                raise errors.make(f"Unknown option {path}.{popart._hint(name, reference)}")
+            if value is not None or name != "target":
+                try:
+                    setters[name](value)
+                except (TypeError, ValueError) as error:
+                    raise errors.make(f"Value {value!r} for option {path} out of range: {error}") from None
+            _log_set(name, value)
+
+
 def _validateOptions(options: dict) -> None:  # pylint: disable=invalid-name
     """Parse `options` (``Options.toDict()``) as the compiler does: every option must be one
     ``Options`` has (``_Popart``: one PopTorch passes to PopART) with a value of its type. Logs
@@ -197,3 +223,31 @@ def _validateOptions(options: dict) -> None:  # pylint: disable=invalid-name
         raise errors.make(f"_validateOptions expects the dict of Options.toDict(), got {type(options).__name__}")
     with errors.context("parseSessionOptions"):
         _check_group("", options, _reference())
+
+
+def parse_options(options) -> None:
+    """What the compiler does first with a model's options (``PoplarExecutor``, when the model is
+    made): parse them as ``_validateOptions`` does, and apply the process-wide setting they carry,
+    the limit on repeated log lines (``Options.maxRepeatLogs``), counting repeats afresh."""
+    from .options import repeat_limit  # pylint: disable=import-outside-toplevel
+    _validateOptions(options.toDict())
+    repeat_limit.limit = options.max_repeat_logs
+    repeat_limit.counts.clear()
+    unmodelled = tuple(popart_without_effect(options))
+    if unmodelled and unmodelled not in _LISTED:
+        _LISTED.add(unmodelled)
+        logger.warning("PopART options accepted with no effect on the emulator: %s", ", ".join(unmodelled))
+
+
+_LISTED: set = set()   # the lists of options without effect already logged (each once per process)
+
+
+def popart_without_effect(options) -> list[str]:
+    """The PopART options the user set on `options` that the emulator does not model."""
+    from .options import Options  # pylint: disable=import-outside-toplevel
+    return popart.without_effect(options._Popart.options, _default_popart(Options))
+
+
+@functools.cache
+def _default_popart(options_class) -> dict:
+    return dict(options_class()._Popart.options)
