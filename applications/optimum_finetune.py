@@ -5,10 +5,12 @@ the same model with transformers.Trainer on the CPU, on generated data; print th
     python applications/optimum_finetune.py --model bert --trainer cpu
 
 Both start from the same weights (built from a small config with a fixed seed: nothing is
-downloaded), see the same generated data and take optimiser steps of the same effective batch:
+downloaded), see the same generated data in the same order (both trainers' samplers are replaced
+by a sequential one; their own shuffle differently) and take optimiser steps of the same effective
+batch:
 IPUTrainer with micro-batch 2, gradient accumulation 8 and 2 device iterations (a call makes two
 updates of 16 samples, the model pipelined over 2 IPUs with layers_per_ipu), transformers.Trainer
-with batches of 16 and twice the steps. Both use AdamW without bias correction (IPUTrainer's
+with batches of 16 and twice the steps. Both use AdamW without bias correction and with eps 1e-8 (IPUTrainer's
 choice; transformers' own AdamW with correct_bias=False on the CPU), a constant learning rate and no
 gradient clipping (IPUTrainer has none). After training, each trainer evaluates the model on the
 training and on the evaluation set (IPUTrainer through inferenceModel) and predicts the evaluation
@@ -100,6 +102,16 @@ def accuracy(kind: str):
     return metric
 
 
+def in_order(trainer_class):
+    """`trainer_class` feeding the training set in its order (IPUTrainer's and Trainer's random
+    samplers draw different permutations from the same seed)."""
+    class InOrder(trainer_class):
+        def _get_train_sampler(self):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+    InOrder.__name__ = trainer_class.__name__
+    return InOrder
+
+
 def run_ipu(kind: str, steps: int, train, evaluation, out_dir: str) -> dict:
     from optimum.graphcore import IPUConfig, IPUTrainer, IPUTrainingArguments
     ipu_config = IPUConfig(layers_per_ipu=[2, 2], ipus_per_replica=2, gradient_accumulation_steps=ACCUMULATION,
@@ -111,7 +123,7 @@ def run_ipu(kind: str, steps: int, train, evaluation, out_dir: str) -> dict:
                                 lr_scheduler_type="constant", fp32=True, logging_steps=max(1, steps // 5),
                                 report_to=[], dataloader_drop_last=True, seed=0, save_strategy="no",
                                 disable_tqdm=True)
-    trainer = IPUTrainer(model=make_model(kind), ipu_config=ipu_config, args=args, train_dataset=train,
+    trainer = in_order(IPUTrainer)(model=make_model(kind), ipu_config=ipu_config, args=args, train_dataset=train,
                          eval_dataset=evaluation, compute_metrics=accuracy(kind))
     return _train_and_evaluate(trainer, evaluation, updates=steps * DEVICE_ITERATIONS)
 
@@ -124,8 +136,9 @@ def run_cpu(kind: str, steps: int, train, evaluation, out_dir: str) -> dict:
                              lr_scheduler_type="constant", logging_steps=max(1, steps // 5), report_to=[],
                              dataloader_drop_last=True, seed=0, save_strategy="no", max_grad_norm=0.0,
                              disable_tqdm=True, no_cuda=True)
-    optimizer = AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, correct_bias=False, no_deprecation_warning=True)
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+    optimizer = AdamW(model.parameters(), lr=1e-3, eps=args.adam_epsilon, weight_decay=0.0, correct_bias=False,
+                      no_deprecation_warning=True)
+    trainer = in_order(Trainer)(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                       compute_metrics=accuracy(kind), optimizers=(optimizer, None))
     return _train_and_evaluate(trainer, evaluation, updates=steps * DEVICE_ITERATIONS)
 
