@@ -53,8 +53,10 @@ def test_iputrainer_matches_transformers_trainer_on_the_cpu(tmp_path):
     # inferenceModel, 2 IPUs) gives the CPU's loss.
     assert ipu["initial_eval_loss"] == pytest.approx(cpu["initial_eval_loss"], rel=1e-5)
     # Four optimiser steps of 16 samples each (2 per IPUTrainer step: gradient accumulation 8,
-    # device iterations 2); the samplers shuffle differently, so the losses agree loosely.
+    # device iterations 2, two pipeline stages), the samples in the same order: the trained models
+    # agree to float32 rounding (measured: 3e-7 relative on the training set's loss).
     assert ipu["updates"] == cpu["updates"] == 4
-    assert ipu["train_loss"] == pytest.approx(cpu["train_loss"], rel=0.05)
+    assert ipu["train_loss"] == pytest.approx(cpu["train_loss"], rel=1e-4)
+    assert ipu["eval_loss"] == pytest.approx(cpu["eval_loss"], rel=1e-4)
     assert ipu["predict_shape"] == cpu["predict_shape"] == [32, 2]
     assert [entry["step"] for entry in ipu["log"]] == [1, 2]
