@@ -16,6 +16,7 @@ from ipusim import schedules
 
 from ..api.enums import Liveness
 from ..api.multiconv import entered_groups, reset_groups
+from . import recompute
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
@@ -92,7 +93,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
-                              device_loss_scale=training and automatic_loss_scaling(options) is not None,
+                              device_loss_scale=training,
                               downcast_to_half=options.Precision.downcasts_to_half, per_replica=grouped,
                               source_excludes=options.source_location_excludes)
     finally:
@@ -109,8 +110,12 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
     weight-update programs when training (`optimizer` given) and build the Engine (not loaded).
     A schedule with separate weight-gradient ops gets its stages' backwards split in two
-    (`backward_split`)."""
+    (`backward_split`); with recomputation (`recompute`: PopART's autoRecomputation, on by
+    default for pipelined training over several IPUs) the stages that recompute get an R before
+    each B of the schedule."""
     partition_backward(ir, schedule.split_backward)
+    mode = recompute.recomputation_mode(options, placement.schedule_kind, optimizer is not None, stage_ipus)
+    schedule = schedule.with_recomputation(recompute.apply(ir, mode, placement.schedule_kind))
     check_host_io(ir, placement, options)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
@@ -118,7 +123,7 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     programs: list = []
     locations = tensor_locations(options, placement)
     als = automatic_loss_scaling(options) if optimizer is not None else None
-    scaling = LossScaling(als, loss_scaling(optimizer)) if als is not None else None
+    scaling = LossScaling(als, loss_scaling(optimizer)) if optimizer is not None else None
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
@@ -130,7 +135,8 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     updates = build_updates(lowerings, optimizer, options, named_weights, variable_groups or {}) \
         if optimizer is not None else UpdatePlan()
     if scaling is not None:
-        scaling.build(lowerings, updates.configs)
+        if scaling.automatic:
+            scaling.build(lowerings, updates.configs)
         updates.loss_scaling = scaling
     engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
     return Executable(lowerings, engine, schedule, ir, placement, updates)

@@ -380,11 +380,12 @@ class PoplarExecutor:
         trained = set(executable.lowering.accumulators) if self._training else set()
         dtypes = {name: w.dtype for name, w in self._named_weights().items()}
         self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes,
-                                        scaled=executable.updates.loss_scaling is not None)
+                                        scaled=executable.updates.automatic_loss_scaling)
         self._is_attached = True
         self.copyWeightsToDevice()
         scaling = executable.updates.loss_scaling
-        self._loss_scaling_steps = group_ends(executable.schedule) if scaling is not None else set()
+        self._loss_scaling_steps = group_ends(executable.schedule) if executable.updates.automatic_loss_scaling \
+            else set()
         if scaling is not None:
             scaling.initialise(executable.engine)
 
@@ -631,8 +632,9 @@ class PoplarExecutor:
         return _execute(exe.engine, op, self._op_runs(exe, op)[2], report)
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
-        """Each step: every IPU runs its op (on host threads, see step_threads), then the channel
-        copies; the step lasts as long as its busiest IPU. The programs, their order and their
+        """Each step: every IPU runs its op (on host threads, see step_threads; an IPU that
+        recomputes runs its R and then its B), then the channel copies; the step lasts as long
+        as its busiest IPU. The programs, their order and their
         cycles are fixed when the model is compiled, so the record of a call is the same on every
         call: the first call makes it, the others reuse it (unless a program branches on device
         data or a profiler wants each call's reports)."""
@@ -643,8 +645,9 @@ class PoplarExecutor:
         start = time.perf_counter()
         with exe.engine.running(threads):  # one setting of the kernel and BLAS threads for the whole call
             for t, step in enumerate(exe.schedule.steps):
-                if team is not None and len(step.ops) > 1:
-                    parts = team.map(lambda op: self._run_op(exe, op, not reuse), step.ops)
+                per_ipu = step.by_ipu()
+                if team is not None and len(per_ipu) > 1:
+                    parts = team.map(lambda ops: [e for op in ops for e in self._run_op(exe, op, not reuse)], per_ipu)
                 else:
                     parts = [self._run_op(exe, op, not reuse) for op in step.ops]
                 sends = [self._send(exe, op, not reuse) for op in step.ops]
@@ -728,7 +731,7 @@ class PoplarExecutor:
             if p is not None and p._executable is not None:
                 read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
             out = original(opt_self)
-            if p is not None and p._executable is not None and p._executable.updates.loss_scaling is not None:
+            if p is not None and p._executable is not None and p._executable.updates.automatic_loss_scaling:
                 out["ipu_state"] = p._executable.updates.loss_scaling.ipu_state(p._executable.engine)
             return out
 
