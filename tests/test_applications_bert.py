@@ -15,8 +15,6 @@ import sys
 import pytest
 import torch
 
-import poptorch_lite
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDINS = os.path.join(ROOT, "applications", "standins")
 EXAMPLES = os.environ.get("GRAPHCORE_EXAMPLES", "/work/ext/examples")
@@ -88,9 +86,6 @@ def test_tokenizer_standin_gives_the_application_sequence_length(tmp_path):
 @pytest.mark.skipif(not os.path.isfile(os.path.join(BERT, "tests", "cpu_ipu_test.py")),
                     reason=f"Graphcore's BERT application is not at {BERT}: set GRAPHCORE_EXAMPLES to a checkout "
                            f"of graphcore/examples")
-@pytest.mark.skipif(not hasattr(poptorch_lite, "MatMulSerializationMode"),
-                    reason="the BERT application uses poptorch.serializedMatMul and recomputationCheckpoint, "
-                           "which poptorch_lite does not provide yet")
 def test_bert_application_cpu_ipu_match(tmp_path):
     """The application's own test, as written: the IPU's losses (two pipeline stages, gradient
     accumulation 10, AdamW) equal the CPU's within its atol=1e-6 for 10 steps, with the

@@ -14,17 +14,12 @@ import sys
 
 import pytest
 
-import poptorch_lite
-
 pytest.importorskip("transformers", reason="the application tests need transformers (.ci/install-applications)")
 pytest.importorskip("optimum", reason="the optimum-graphcore test needs optimum-graphcore 0.7.1 "
                                       "(.ci/install-applications)")
 if importlib.util.find_spec("optimum.graphcore") is None:  # imported by the run, where poptorch is this project
     pytest.skip("the optimum-graphcore test needs optimum-graphcore 0.7.1 (.ci/install-applications)",
                 allow_module_level=True)
-if not hasattr(poptorch_lite, "MatMulSerializationMode"):
-    pytest.skip("optimum-graphcore imports poptorch.MatMulSerializationMode (serialised matmuls), which "
-                "poptorch_lite does not provide yet", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "applications", "optimum_finetune.py")
