@@ -23,6 +23,7 @@ from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode
                         MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
                         ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
 from .api.multiconv import MultiConv
+from .api.op_attributes import Attribute
 from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                       recomputationCheckpoint, serializedMatMul, set_available_memory)
 from .api.options import ConfigFileError, Options, TensorLocationSettings, setLogLevel
@@ -69,7 +70,8 @@ __version__ = "0.1.0"
 
 phases.mark("import-poptorch_lite:end")
 
-__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU",
+__all__ = ["AsynchronousDataAccessor", "Attribute", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
+           "CPU",
            "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader", "DataLoaderMode",
            "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn", "Liveness",
            "MatMulSerializationMode", "MeanReductionStrategy", "MultiConv", "MultiConvPlanType", "NameScope",

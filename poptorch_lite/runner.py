@@ -4,7 +4,8 @@
     poptorch-lite run -m package.module [args ...]
     python -m poptorch_lite run script.py [args ...]
 
-For the run (and the processes it spawns, such as asynchronous data loaders) `import poptorch`
+For the run (and the Python processes it starts: asynchronous data loaders, and scripts it runs
+with `subprocess`, through PYTHONPATH) `import poptorch`
 and `import poptorch.<sub>` give `poptorch_lite` and its API modules (`poptorch_lite.api.<sub>`), `import popdist` gives
 this project's `popdist` (with `popdist.poptorch`) and `import popart` PopART's names that PopTorch programs
 use (`poptorch_lite.api.popart`: its enums and session options), even when a Poplar SDK is installed. Nothing
@@ -35,6 +36,7 @@ TARGET = "poptorch_lite"
 POPART = "popart"
 POPART_TARGET = "poptorch_lite.api.popart"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIM_VARIABLE = "POPTORCH_LITE_SHIM"   # the run's shim directory, inherited by the processes it starts
 SHIM = """\
 # Created by poptorch_lite.runner for one run: `import poptorch` in a process spawned by the run
 # means poptorch_lite there too.
@@ -158,9 +160,31 @@ def _spawn_shim() -> str:
     return directory
 
 
-def run_program(program: str, args: list[str], as_module: bool = False) -> None:
+def propagate() -> str:
+    """Make Python processes this one starts alias `poptorch` too: the spawn shim goes first on
+    sys.path (multiprocessing's children) and on PYTHONPATH (any `python` a script runs, such as
+    an application's tests launching its training script), this project last. Returns the shim
+    directory."""
+    shim = os.environ.get(SHIM_VARIABLE)
+    if not shim or not os.path.isdir(shim):
+        shim = _spawn_shim()
+        os.environ[SHIM_VARIABLE] = shim
+    if shim not in sys.path:
+        sys.path.insert(1, shim)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in (shim, PROJECT_ROOT)]
+    os.environ["PYTHONPATH"] = os.pathsep.join([shim, *parts, PROJECT_ROOT])
+    return shim
+
+
+def run_program(program: str, args: list[str], as_module: bool = False, ipu_hardware: str | None = None) -> None:
     """Run `program` (a script path, or a module name when `as_module`) as `__main__` with
-    `sys.argv[1:] = args`, PopTorch imports resolving to this project."""
+    `sys.argv[1:] = args`, PopTorch imports resolving to this project. `ipu_hardware` (an
+    architecture such as "ipu2") presents the emulated IPUs to PopTorch's hardware queries as
+    attached IPUs of it, for the run and the processes it starts."""
+    if ipu_hardware is not None:
+        from .api.hardware import HARDWARE_VARIABLE, attached_version
+        os.environ[HARDWARE_VARIABLE] = ipu_hardware
+        attached_version()  # checks the name
     if as_module:
         if importlib.util.find_spec(program) is None:
             raise SystemExit(f"poptorch-lite run: no module named {program!r}")
@@ -171,7 +195,7 @@ def run_program(program: str, args: list[str], as_module: bool = False) -> None:
             raise SystemExit(f"poptorch-lite run: no such file: {program!r}")
         sys.argv = [program, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(program))
-    sys.path.insert(1, _spawn_shim())
+    propagate()
     install()
     if as_module:
         runpy.run_module(program, run_name="__main__", alter_sys=True)
@@ -188,6 +212,10 @@ def parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a PopTorch script or module unchanged",
                               description="Run a PopTorch script (or -m module) unchanged on emulated IPUs.")
     run.add_argument("-m", dest="module", action="store_true", help="PROGRAM is a module name, as in python -m")
+    run.add_argument("--ipu-hardware", metavar="ARCH", choices=["ipu1", "ipu2", "ipu21"],
+                     help="answer PopTorch's hardware queries (ipuHardwareIsAvailable, ipuHardwareVersion) as a "
+                          "machine with IPUs of this architecture attached: the emulated ones (for applications "
+                          "that refuse to run without IPUs); sets POPTORCH_LITE_IPU_HARDWARE")
     run.add_argument("program", help="the script to run (or the module, with -m)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the program's arguments")
     return p
@@ -195,4 +223,4 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     options = parser().parse_args(argv)
-    run_program(options.program, options.args, as_module=options.module)
+    run_program(options.program, options.args, as_module=options.module, ipu_hardware=options.ipu_hardware)

@@ -48,7 +48,7 @@ def reference_step(opt, w, g, state, wdt, sdt):
             d = d + wd * w
         m = state["exp_avg"] = stored(b1 * state.get("exp_avg", 0) + (1 - b1) * d, sdt)
         v = state["exp_avg_sq"] = stored(b2 * state.get("exp_avg_sq", 0) + (1 - b2) * d * d, sdt)
-        correct = name != "LAMB" or opt.bias_correction
+        correct = opt.bias_correction
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if correct else (1.0, 1.0)
         if name != "LAMB":
             return stored(w - lr / bc1 * m / (np.sqrt(v) / math.sqrt(bc2) + eps), wdt)
@@ -78,6 +78,7 @@ CASES = {
     "sgd_nesterov": lambda: optim.SGD(lr=0.05, momentum=0.8, nesterov=True),
     "adam": lambda: optim.Adam(lr=0.01, weight_decay=0.1),
     "adamw": lambda: optim.AdamW(lr=0.01, betas=(0.8, 0.99), loss_scaling=128.0),
+    "adamw_no_bias": lambda: optim.AdamW(lr=0.01, betas=(0.8, 0.99), bias_correction=False),
     "rmsprop": lambda: optim.RMSprop(lr=0.01),
     "rmsprop_centered_momentum": lambda: optim.RMSprop(lr=0.01, alpha=0.9, weight_decay=0.05, momentum=0.5,
                                                        centered=True),

@@ -171,3 +171,28 @@ def test_unmodified_training_script_with_async_loader(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     first, last = map(float, out.stdout.split("losses ")[1].split())
     assert last < first
+
+
+def test_python_processes_a_run_starts_alias_poptorch(tmp_path):
+    """A script the run starts with subprocess (as an application's tests start its training
+    script) imports this project as poptorch, and sees the emulated IPUs as attached hardware when
+    the run was given --ipu-hardware."""
+    child = tmp_path / "child.py"
+    child.write_text("import poptorch\nprint('child', poptorch.__name__, poptorch.ipuHardwareVersion())\n")
+    parent = tmp_path / "parent.py"
+    parent.write_text("import subprocess, sys\n"
+                      f"out = subprocess.run([sys.executable, {str(child)!r}], capture_output=True, text=True)\n"
+                      "print(out.stdout, out.stderr)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("POPTORCH_LITE_SHIM", "POPTORCH_LITE_IPU_HARDWARE")}
+    out = subprocess.run([sys.executable, "-m", "poptorch_lite", "run", "--ipu-hardware", "ipu2", str(parent)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "child poptorch 2" in out.stdout, out.stdout
+
+
+def test_ipu_hardware_names_an_architecture(monkeypatch):
+    monkeypatch.setenv("POPTORCH_LITE_IPU_HARDWARE", "ipu21")
+    assert poptorch_lite.ipuHardwareIsAvailable(64) and poptorch_lite.ipuHardwareVersion() == 21
+    monkeypatch.setenv("POPTORCH_LITE_IPU_HARDWARE", "mk2")
+    with pytest.raises(ValueError, match="names no IPU architecture: use one of ipu1, ipu2, ipu21"):
+        poptorch_lite.ipuHardwareVersion()

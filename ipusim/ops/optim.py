@@ -5,7 +5,8 @@ Semantics follow torch.optim (SGD, Adam, AdamW, RMSprop) and PopTorch's LAMB, wi
 - SGD: d += wd*w; with momentum, buf = d on the first step, else momentum*buf + (1-dampening)*d,
   and d = d + momentum*buf (nesterov) or buf; w -= lr*d.
 - Adam: d += wd*w; AdamW instead w *= 1 - lr*wd (decoupled). m = b1*m + (1-b1)*d,
-  v = b2*v + (1-b2)*d^2, w -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+  v = b2*v + (1-b2)*d^2, w -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps) (without
+  `bias_correction`, PopTorch's option: w -= lr * m / (sqrt(v) + eps)).
 - RMSprop: d += wd*w; sq = alpha*sq + (1-alpha)*d^2; centered: ga = alpha*ga + (1-alpha)*d and
   avg = sqrt(sq - ga^2) + eps, else avg = sqrt(sq) + eps; with momentum buf = momentum*buf + d/avg
   and w -= lr*buf, else w -= lr*d/avg.
@@ -143,7 +144,7 @@ def lamb_direction_element(w, wi, g, gi, m, mi, v, vi, u, ui, ls, wd, beta1, bet
 def vertex_scalars(kind, flags, step, p3, p4, p6, s0, i0, s1, i1):
     """(bias corrections, LAMB trust ratio) of one vertex at this step."""
     bc1, bc2, trust = 1.0, 1.0, 1.0
-    if kind == ADAM_KIND or (kind == LAMB_DIRECTION and flags & BIAS_CORRECTION):
+    if (kind == ADAM_KIND or kind == LAMB_DIRECTION) and flags & BIAS_CORRECTION:
         bc1 = 1.0 - p3 ** step
         bc2 = 1.0 - p4 ** step
     elif kind == LAMB_APPLY:
@@ -581,15 +582,18 @@ class SGD(Optimiser):
 
 @dataclass(eq=False)
 class Adam(Optimiser):
-    """torch.optim.Adam (L2 weight decay added to the gradient), without amsgrad."""
+    """torch.optim.Adam (L2 weight decay added to the gradient), without amsgrad; PopTorch's
+    `bias_correction=False` drops the moments' bias corrections."""
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     loss_scaling: float = 1.0
     state_dtype: str | dict = "float32"
+    bias_correction: bool = True
     KIND: ClassVar[int] = ADAM_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "beta1", "beta2", "eps")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "bias_correction")
     DECOUPLED: ClassVar[bool] = False
 
     def check(self):
@@ -601,7 +605,8 @@ class Adam(Optimiser):
                 "beta1": self.betas[0], "beta2": self.betas[1], "eps": self.eps}
 
     def layout(self):
-        return Layout(("exp_avg", "exp_avg_sq", None), True, DECOUPLED if self.DECOUPLED else 0)
+        return Layout(("exp_avg", "exp_avg_sq", None), self.bias_correction,
+                      (DECOUPLED if self.DECOUPLED else 0) | (BIAS_CORRECTION if self.bias_correction else 0))
 
 
 @dataclass(eq=False)

@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -344,8 +345,9 @@ class DataLoader(torch.utils.data.DataLoader):
                         f"({loader_batch_size}) must be <= the combined batch "
                         f"size ({combined}).")
         elif rebatched_worker_size is not None:
-            raise ValueError("DataLoader: rebatched_worker_size is only used "
-                             "with mode=DataLoaderMode.AsyncRebatched.")
+            # PopTorch ignores it in the other modes (optimum-graphcore always passes one): say so
+            warnings.warn(f"DataLoader: rebatched_worker_size={rebatched_worker_size} has no effect with "
+                          f"mode={mode}; it sets the workers' batch only with DataLoaderMode.AsyncRebatched")
 
         super().__init__(dataset,
                          batch_size=loader_batch_size,

@@ -61,12 +61,45 @@ def mean_reduction_strategy(options, optimizer, training: bool):
     return MeanReductionStrategy.Running if half and not combined else MeanReductionStrategy.Post
 
 
-class _PoptorchOptimizer:
-    """Mixin: records PopTorch's extra arguments on every parameter group."""
+class VariableAttributes:
+    """Which of an optimiser's attributes are variable (may change through `setOptimizer`) and
+    which constant, as PopTorch tracks them (`optimizer.variable_attrs`): those given a value when
+    the optimiser was made are variable, the others constant. On the emulator every hyperparameter
+    is a device tensor whichever it is, so the marks change no value and no compile."""
+
+    def __init__(self, variable_attributes, allowed_attributes):
+        self._variable_attributes = list(variable_attributes)
+        self._allowed_attributes = list(allowed_attributes)
+
+    def _check(self, attr: str) -> None:
+        if attr not in self._allowed_attributes:
+            raise AssertionError(f"Unknown attribute {attr}, allowed values: {self._allowed_attributes}")
+
+    def isConstant(self, attr: str) -> bool:
+        """True if `attr` is marked constant."""
+        return attr not in self._variable_attributes
+
+    def markAsConstant(self, attr: str) -> None:
+        """Mark `attr` constant."""
+        self._check(attr)
+        self._variable_attributes = [a for a in self._variable_attributes if a != attr]
+
+    def markAsVariable(self, attr: str) -> None:
+        """Mark `attr` variable."""
+        self._check(attr)
+        if attr not in self._variable_attributes:
+            self._variable_attributes.append(attr)
+
+
+class Optimizer:
+    """The base of PopTorch's optimisers (`isinstance(opt, poptorch.optim.Optimizer)`): records
+    PopTorch's extra arguments on every parameter group, and which attributes are variable."""
 
     def _poptorch_defaults(self, loss_scaling, accum_type, **extra):
         if loss_scaling is not None and not loss_scaling > 0:
             raise ValueError(f"loss_scaling must be > 0, got {loss_scaling}")
+        given = {k for k, v in (("loss_scaling", loss_scaling), ("accum_type", accum_type), *extra.items())
+                 if v is not None}
         self.defaults.setdefault("loss_scaling", 1.0 if loss_scaling is None else float(loss_scaling))
         self.defaults.setdefault("accum_type", accum_type)
         for k, v in extra.items():
@@ -74,9 +107,12 @@ class _PoptorchOptimizer:
         for group in self.param_groups:
             for k in ("loss_scaling", "accum_type", *extra):
                 group.setdefault(k, self.defaults[k])
+        poptorch_keys = {"loss_scaling", "accum_type", *extra}
+        variable = [k for k, v in self.defaults.items() if k in given or (k not in poptorch_keys and v is not None)]
+        self.variable_attrs = VariableAttributes(variable, list(self.defaults))
 
 
-class SGD(_PoptorchOptimizer, torch.optim.SGD):
+class SGD(Optimizer, torch.optim.SGD):
     def __init__(self, params, lr=0.01, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                  maximize=False, foreach=None, differentiable=False, loss_scaling=None, velocity_scaling=None,
                  use_combined_accum=None, accum_type=None, velocity_accum_type=None, max_grad_norm=None):
@@ -89,7 +125,7 @@ class SGD(_PoptorchOptimizer, torch.optim.SGD):
                                 use_combined_accum=use_combined_accum)
 
 
-class Adam(_PoptorchOptimizer, torch.optim.Adam):
+class Adam(Optimizer, torch.optim.Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  loss_scaling=None, accum_type=None, first_order_momentum_accum_type=None,
@@ -103,15 +139,13 @@ class Adam(_PoptorchOptimizer, torch.optim.Adam):
                                 max_grad_norm=max_grad_norm)
 
 
-class AdamW(_PoptorchOptimizer, torch.optim.AdamW):
+class AdamW(Optimizer, torch.optim.AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  loss_scaling=None, bias_correction=True, accum_type=None, first_order_momentum_accum_type=None,
                  second_order_momentum_accum_type=None, max_grad_norm=None):
         if amsgrad or maximize:
             raise ValueError("AdamW(amsgrad=True or maximize=True) is not supported on the IPU")
-        if not bias_correction:
-            raise ValueError("AdamW(bias_correction=False) is not supported; use LAMB(bias_correction=False)")
         torch.optim.AdamW.__init__(self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._poptorch_defaults(loss_scaling, accum_type, bias_correction=bias_correction,
                                 first_order_momentum_accum_type=first_order_momentum_accum_type,
@@ -119,7 +153,7 @@ class AdamW(_PoptorchOptimizer, torch.optim.AdamW):
                                 max_grad_norm=max_grad_norm)
 
 
-class RMSprop(_PoptorchOptimizer, torch.optim.RMSprop):
+class RMSprop(Optimizer, torch.optim.RMSprop):
     def __init__(self, params, lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                  foreach=None, maximize=False, differentiable=False, capturable=False, loss_scaling=None,
                  accum_type=None, first_order_momentum_accum_type=None, second_order_momentum_accum_type=None):
@@ -132,7 +166,7 @@ class RMSprop(_PoptorchOptimizer, torch.optim.RMSprop):
                                 second_order_momentum_accum_type=second_order_momentum_accum_type)
 
 
-class LAMB(_PoptorchOptimizer, torch.optim.Optimizer):
+class LAMB(Optimizer, torch.optim.Optimizer):
     """Layer-wise adaptive moments (You et al. 2019) with PopTorch's options."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, bias_correction=True,

@@ -777,7 +777,8 @@ def _zeros_ones(c, *args, **kwargs):
     return _full(c, c.out_meta().shape, value)
 
 
-@lowers(aten.empty, aten.empty_like, aten.empty_permuted, aten.empty_strided, doc="constant (zeros)")
+@lowers(aten.empty, aten.empty_like, aten.empty_permuted, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
+        doc="constant (zeros)")
 def _empty(c, *args, **kwargs):
     return _full(c, c.out_meta().shape, 0.0)
 

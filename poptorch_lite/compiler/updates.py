@@ -38,7 +38,8 @@ def _device_optimiser(optimizer: torch.optim.Optimizer, group: dict, ls: float) 
         raise ValueError("max_grad_norm (gradient clipping) is not supported by the emulated optimisers")
     if isinstance(optimizer, torch.optim.AdamW):
         return dev.AdamW(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                         weight_decay=group["weight_decay"], loss_scaling=ls)
+                         weight_decay=group["weight_decay"], loss_scaling=ls,
+                         bias_correction=bool(group.get("bias_correction", True)))
     if isinstance(optimizer, torch.optim.Adam):
         if group.get("amsgrad"):
             raise ValueError("Adam(amsgrad=True) is not supported on the IPU")

@@ -245,6 +245,7 @@ class PoplarExecutor:
 
         for name, cls in (("Model", SyncedModel), ("Parameter", SyncedParameter), ("Buffer", SyncedBuffer)):
             cls.__name__ = cls.__qualname__ = f"Poptorch{user_cls.__name__ if name == 'Model' else name}"
+        SyncedModel._poptorch_wrappers = (user_cls, SyncedParameter, SyncedBuffer)
         for p in torch.nn.Module.parameters(self._user_model):
             if type(p) is torch.nn.Parameter:
                 p.__class__ = SyncedParameter
@@ -944,6 +945,40 @@ class PoplarExecutor:
 
     def __repr__(self):
         return module_repr(self._user_model)
+
+
+def unwrap_model(model: torch.nn.Module) -> None:
+    """PopTorch's `_impl.unwrapModelIfNecessary`: a model wrapped for weight sync (and its
+    parameters and buffers) gets back its own classes, with the trained weights copied to the
+    host first; nothing happens to a model that is not wrapped. `rewrap_model` undoes it."""
+    wrappers = getattr(type(model), "_poptorch_wrappers", None)
+    if wrappers is None:
+        return
+    model.copyWeightsToHostIfNeeded()
+    user_cls, parameter_cls, buffer_cls = wrappers
+    for p in torch.nn.Module.parameters(model):
+        if type(p) is parameter_cls:
+            p.__class__ = torch.nn.Parameter
+    for b in torch.nn.Module.buffers(model):
+        if type(b) is buffer_cls:
+            b.__class__ = torch.Tensor
+    model.__dict__["_poptorch_unwrapped"] = type(model)
+    model.__class__ = user_cls
+
+
+def rewrap_model(model: torch.nn.Module) -> None:
+    """PopTorch's `_impl.rewrapModelIfNecessary`: the wrapping `unwrap_model` took off, put back."""
+    synced = model.__dict__.pop("_poptorch_unwrapped", None)
+    if synced is None:
+        return
+    _, parameter_cls, buffer_cls = synced._poptorch_wrappers
+    for p in torch.nn.Module.parameters(model):
+        if type(p) is torch.nn.Parameter:
+            p.__class__ = parameter_cls
+    for b in torch.nn.Module.buffers(model):
+        if type(b) is torch.Tensor:
+            b.__class__ = buffer_cls
+    model.__class__ = synced
 
 
 def _backward_error():
