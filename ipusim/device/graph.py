@@ -184,13 +184,25 @@ class Graph:
 
 
 class Device:
-    """Several IPUs of one target, each with its own graph and tile memory."""
+    """Several IPUs of one target, each with its own graph and tile memory.
 
-    def __init__(self, target: Target = GC200, num_ipus: int = 1):
+    `replicas` > 1: the IPUs are one replica standing for that many identical ones, as an estimate
+    prices them (the Engine in estimate mode): global syncs span every replica's IPUs and
+    `CrossReplicaCopy` reaches the neighbouring replica; nothing can run with values."""
+
+    def __init__(self, target: Target = GC200, num_ipus: int = 1, replicas: int = 1):
         if num_ipus < 1:
             raise ValueError(f"a device needs at least one IPU, got {num_ipus}")
+        if replicas < 1:
+            raise ValueError(f"a device stands for at least one replica, got {replicas}")
         self.target = target
+        self.replicas = int(replicas)
         self.graphs = [Graph(target, i, self) for i in range(num_ipus)]
+
+    @property
+    def sync_ipus(self) -> int:
+        """The IPUs a global sync spans: every replica's."""
+        return self.num_ipus * getattr(self, "replicas", 1)
 
     @classmethod
     def of(cls, graph_or_device) -> "Device":
@@ -199,7 +211,7 @@ class Device:
         g = graph_or_device
         if g.device is None:
             g.device = dev = cls.__new__(cls)
-            dev.target, dev.graphs = g.target, [g]
+            dev.target, dev.graphs, dev.replicas = g.target, [g], 1
         return g.device
 
     @property

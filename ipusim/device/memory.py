@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .program import Copy, Execute, InterIpuCopy, Program, RemoteCopy, StreamCopy, walk
+from .program import Copy, CrossReplicaCopy, Execute, InterIpuCopy, Program, RemoteCopy, StreamCopy, walk
 from .target import Target
 from .mapping import tile_counts
 from .tensor import Variable
@@ -119,7 +119,7 @@ def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
 
 
 def supersteps(program: Program) -> list[Program]:
-    return [p for p in walk(program) if isinstance(p, (Execute, Copy, InterIpuCopy, StreamCopy, RemoteCopy))]
+    return [p for p in walk(program) if isinstance(p, (Execute, Copy, InterIpuCopy, CrossReplicaCopy, StreamCopy, RemoteCopy))]
 
 
 def touched(step: Program) -> list[Variable]:

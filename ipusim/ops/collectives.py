@@ -21,6 +21,14 @@ IPU sends one chunk to the next while it receives one from the previous, so a ri
 `Parallel` round costing the link time of one chunk (`Target.inter_ipu_cycles`) plus a global
 sync. `link_rounds` groups any list of independent copies into such rounds.
 
+Priced once (`all_reduce_priced`): on a device standing for its replicas (estimate mode) the ring
+is replica 0's part of it: in each step it receives one chunk from the replica before it
+(`CrossReplicaCopy`, priced as that link copy plus a global sync over every replica's IPUs) and
+adds it into its own, then in the all-gather receives the finished chunks. Its tiles hold
+exactly what replica 0's hold in the emulated ring; a step costs replica 0's share of it, which
+differs from the slowest replica's by the chunks' sizes (n//R or n//R+1 elements) and how each
+chunk lies on the tiles.
+
 All-gather (R tensors of shape S -> on every replica an (R, *S) tensor, row j from replica j) uses
 the same ring with whole tensors as chunks. Broadcast scatters the root's chunks to the replicas
 that own them in the all-gather above, then runs that all-gather (the root receives nothing).
@@ -37,7 +45,7 @@ from numba import njit, prange
 
 from ..device.graph import Device, Graph
 from ..device.kernels import JIT, kernel_view, ld, st
-from ..device.program import Copy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
+from ..device.program import Copy, CrossReplicaCopy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
 from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
@@ -211,6 +219,43 @@ def all_reduce(device: Device, tensors, prog: Sequence, op: str = "sum", name: s
 
     prog.add(OpProgram(name, body, fast, tuple(tensors), tuple(outs)))
     return outs
+
+
+def all_reduce_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op: str = "sum",
+                      name: str = "all_reduce", *, gw_link: bool = False) -> Tensor:
+    """Replica 0's part of `all_reduce(..., in_place=True)` over `replicas` replicas of `t`, for a
+    device that stands for them (estimate mode; see the module doc): the same receive buffers,
+    additions and link copies, no values. `gw_link`: the ring leaves the IPU-Link domain."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{name}: unknown reduction {op!r}; use one of {REDUCE_OPS}")
+    if t.dtype.name not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: reductions need float32 or float16 tensors, got {t.dtype.name}")
+    scale = 1.0 / replicas if op == "mean" else 1.0
+    body = Sequence(name=name)
+    flat = t.flatten()
+    chunks = chunk_bounds(t.numel, replicas)
+    for s in range(replicas - 1):   # reduce-scatter: replica 0 receives chunk (R-1-s) mod R and adds it
+        b, e = chunks[(replicas - 1 - s) % replicas]
+        if e == b:
+            continue
+        acc = flat[b:e]
+        recv = graph.addVariable(acc.dtype, (e - b,), f"{name}/step{s}/recv", category="temporaries",
+                                 always_live=False)
+        recv.var.mapping = acc.tile_map()
+        body.add(CrossReplicaCopy(acc, recv, gw_link))
+        cs = graph.addComputeSet(f"{name}/step{s}")
+        _add_vertices(graph, cs, acc, recv, scale if s == replicas - 2 else 1.0)
+        body.add(Execute(cs))
+    for s in range(replicas - 1):   # all-gather: replica 0 receives chunk -s mod R
+        b, e = chunks[(-s) % replicas]
+        if e > b:
+            body.add(CrossReplicaCopy(flat[b:e], flat[b:e], gw_link))
+
+    def fast(io):
+        raise RuntimeError(f"{name}: a ring priced for {replicas} replicas the device does not hold has no values")
+
+    prog.add(OpProgram(name, body, fast, (t,), (t,)))
+    return t
 
 
 def all_gather(device: Device, tensors, prog: Sequence, name: str = "all_gather") -> list[Tensor]:

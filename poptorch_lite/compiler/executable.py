@@ -13,8 +13,9 @@ import torch
 
 import ipusim as ip
 from ipusim import schedules
+from ipusim.device.memory import check_fits
 
-from ..api.enums import Liveness
+from ..api.enums import ConnectionType, Liveness
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
@@ -32,6 +33,7 @@ class Executable:
         self.ir = ir
         self.placement = placement
         self.updates = updates
+        self.out_of_memory: ip.OutOfMemoryError | None = None  # estimate mode: the report of what does not fit
         self.in_channels = collections.defaultdict(list)    # (replica, key) -> channels into it
         self.out_channels = collections.defaultdict(list)   # (replica, key) -> channels out of it
         for r, low in enumerate(lowerings):
@@ -61,11 +63,17 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress)
     progress(15)
     schedule = build_schedule(placement, options, training)
+    pricing = options.Emulator.mode == "estimate"   # asked for: a model that does not fit is a finding, not an error
     try:
         executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
-                                      optimizer, named_weights)
+                                      optimizer, named_weights, check_memory=not pricing)
     except ip.OutOfMemoryError as error:
         raise model_out_of_memory(error, placement, placement.num_ipus) from None
+    if pricing:
+        try:
+            check_fits(executable.engine.memory)
+        except ip.OutOfMemoryError as error:
+            executable.out_of_memory = model_out_of_memory(error, placement, placement.num_ipus)
     progress(35)
     executable.engine.load()
     progress(25)
@@ -100,7 +108,10 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     partition_backward(ir, schedule.split_backward)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
-    device = ip.Device(target, per_replica * replicas)
+    # an estimate prices one replica standing for all of them (their collectives modelled, not emulated)
+    priced = replicas if estimating(options) else 1
+    replicas //= priced
+    device = ip.Device(target, per_replica * replicas, replicas=priced)
     programs: list = []
     locations = tensor_locations(options, placement)
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
@@ -111,8 +122,19 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     for low in lowerings:
         low.build()
     updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
-    engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
+    engine = ip.Engine(device, programs, mode=engine_mode(options), check_memory=check_memory)
     return Executable(lowerings, engine, schedule, ir, placement, updates)
+
+
+def estimating(options) -> bool:
+    """Whether the model is compiled to be priced, not run: Emulator.setMode("estimate"), or an
+    offline target (useOfflineIpuTarget: PopTorch compiles for IPUs that are not there). The
+    programs, plans, tile mappings, memory and cycles are a run's; no storage, no values."""
+    return options.Emulator.mode == "estimate" or options.connection_type == ConnectionType.Never
+
+
+def engine_mode(options) -> str:
+    return "estimate" if estimating(options) else options.Emulator.mode
 
 
 def tensor_locations(options, placement) -> Locations:

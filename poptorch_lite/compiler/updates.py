@@ -111,7 +111,9 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     all-gather of the updated shards. Off-chip optimiser state, accumulators and weights are
     streamed from Streaming Memory around their use."""
     plan = UpdatePlan()
-    replicas = len(lowerings)
+    first = lowerings[0]
+    priced = first.device.replicas > 1   # one replica standing for all (estimate mode): collectives priced
+    replicas = len(lowerings) * first.device.replicas
     group_of = _param_groups(optimizer, named_params)
     divisor = reduction_divisor(options, replicas)
     configs = {gi: device_config(optimizer, g, divisor) for gi, g in enumerate(optimizer.param_groups)}
@@ -121,7 +123,6 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     min_offload = (location.min_elements_for_off_chip or 0) if location is not None else 0
     shard = replicas > 1 and location is not None and bool(location.use_replicated_tensor_sharding)
     min_shard = (location.min_elements_for_replicated_tensor_sharding or 0) if location is not None else 0
-    first = lowerings[0]
     device = first.device
     names = [n for n in first.accumulators if n in group_of]
     by_ipu: dict[int, list[str]] = {}
@@ -130,7 +131,8 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     for ipu0, weight_names in sorted(by_ipu.items()):
         indices = []
         if replicas > 1:
-            indices.append(first.add_program(_all_reduce(device, lowerings, weight_names, ipu0)))
+            indices.append(first.add_program(_all_reduce_priced(first, weight_names, ipu0, replicas) if priced
+                                             else _all_reduce(device, lowerings, weight_names, ipu0)))
         gathers = ip.Sequence(name=f"all-gather shards ipu{ipu0}")
         for r, low in enumerate(lowerings):
             seq = ip.Sequence(name=f"weight update replica {r} ipu{ipu0 + r * (len(device.graphs) // replicas)}")
@@ -154,7 +156,12 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                     seq.add(p)
                 if r == 0 or sharded:
                     plan.states.setdefault(name, []).append((cfg, w_upd))
-                if sharded:
+                if sharded and priced:  # every replica's shard reaching every other, as below
+                    for lo, hi in bounds:
+                        for _ in range(replicas - 1):
+                            gathers.add(ip.CrossReplicaCopy(w.flatten()[lo:hi], w.flatten()[lo:hi],
+                                                            gw_link(device, replicas)))
+                elif sharded:
                     lo, hi = bounds[r]
                     for q, other in enumerate(lowerings):
                         if q != r:
@@ -190,6 +197,26 @@ def _streamed(low, g, w, acc, state_tensors, plan: UpdatePlan) -> tuple[list, li
             loads.append(ip.RemoteCopy(table[name], t))
             stores.append(ip.RemoteCopy(t, table[name]))
     return loads, stores
+
+
+def gw_link(device, replicas: int) -> bool:
+    """Whether a ring over the replicas leaves the IPU-Link domain (its slowest hops on GW-Links)."""
+    return device.num_ipus * replicas > device.target.ipus_per_link_domain
+
+
+def _all_reduce_priced(low, names: list[str], ipu0: int, replicas: int) -> ip.Sequence:
+    """Replica 0's part of the accumulators' ring all-reduce, for a lowering standing for all
+    replicas (estimate mode): `collectives.all_reduce_priced`."""
+    seq = ip.Sequence(name=f"gradient all-reduce ipu{ipu0}")
+    for name in names:
+        acc, buf = low.accumulators[name], low.accumulator_buffers.get(name)
+        if buf is not None:
+            seq.add(ip.RemoteCopy(buf, acc))
+        collectives.all_reduce_priced(low.graph(acc.ipu), acc, replicas, seq, "sum", f"all_reduce/{name}",
+                                      gw_link=gw_link(low.device, replicas))
+        if buf is not None:
+            seq.add(ip.RemoteCopy(acc, buf))
+    return seq
 
 
 def _all_reduce(device, lowerings, names: list[str], ipu0: int) -> ip.Sequence:
