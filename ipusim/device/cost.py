@@ -221,7 +221,15 @@ def _cached(program: Program, target: Target, num_ipus: int, memo: dict, gsync: 
     key = id(program)
     if key in memo:
         return memo[key][1]
-    cost = _estimate(program, target, num_ipus, memo, gsync)
+    twin = getattr(program, "twin", None)
+    if twin is not None:  # a copy of another op's node (replay): its cost, on its own IPU
+        node, was, now = twin
+        cost = _cached(node, target, num_ipus, memo, gsync)
+        if was != now:
+            cost = Cost(cost.total, {now if i == was else i: c for i, c in cost.per_ipu.items()}, cost.exchange_bytes,
+                        cost.inter_ipu_bytes, cost.host_bytes)
+    else:
+        cost = _estimate(program, target, num_ipus, memo, gsync)
     memo[key] = (program, cost)  # keep the node alive so its id stays unique
     return cost
 

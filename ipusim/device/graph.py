@@ -27,6 +27,7 @@ class Graph:
         self.streams: dict[str, DataStream] = {}
         self.remote_buffers: dict[str, RemoteBuffer] = {}
         self._names: dict[str, int] = {}
+        self._recording: list | None = None   # replay.record: what the graph makes, in order
 
     def _unique(self, name: str) -> str:
         n = self._names.get(name, 0)
@@ -41,6 +42,8 @@ class Graph:
             raise ValueError(f"variable {name!r}: negative dimension in shape {shape}")
         var = Variable(self._unique(name), as_dtype(dtype), shape, self.ipu, always_live, category)
         self.variables.append(var)
+        if self._recording is not None:
+            self._recording.append(var)
         return Tensor(var)
 
     def clone(self, t: Tensor, name: str | None = None, *, dtype=None, category: str | None = None,
@@ -131,6 +134,8 @@ class Graph:
     def addComputeSet(self, name: str = "cs") -> ComputeSet:
         cs = ComputeSet(self._unique(name), self.ipu)
         self.compute_sets.append(cs)
+        if self._recording is not None:
+            self._recording.append(cs)
         return cs
 
     def addVertex(self, cs: ComputeSet, vertex_type: VertexType, tile: int, fields: dict,
@@ -164,6 +169,8 @@ class Graph:
             raise ValueError(f"a stream named {name!r} already exists on IPU {self.ipu}")
         s = DataStream(name, as_dtype(dtype), tuple(shape), self.ipu, direction)
         self.streams[name] = s
+        if self._recording is not None:
+            self._recording.append(None)   # a host stream: what made it cannot be replayed
         return s
 
     def addRemoteBuffer(self, name: str, dtype, shape, repeats: int = 1) -> RemoteBuffer:
@@ -174,6 +181,8 @@ class Graph:
             raise ValueError(f"remote buffer {name!r} needs at least one slot, got repeats={repeats}")
         b = RemoteBuffer(name, as_dtype(dtype), tuple(shape), self.ipu, int(repeats))
         self.remote_buffers[name] = b
+        if self._recording is not None:
+            self._recording.append(None)   # a remote buffer: what made it cannot be replayed
         return b
 
     def addHostToDeviceFIFO(self, name: str, dtype, shape) -> DataStream:

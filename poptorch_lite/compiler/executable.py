@@ -114,10 +114,12 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     device = ip.Device(target, per_replica * replicas, replicas=priced)
     programs: list = []
     locations = tensor_locations(options, placement)
+    templates: dict = {}  # op templates shared by the replicas' lowerings (ipusim.device.replay)
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
-                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {})
+                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {},
+                          templates=templates)
                  for r in range(replicas)]
     for low in lowerings:
         low.build()

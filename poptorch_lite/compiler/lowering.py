@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
 from ipusim.ops import index as index_ops
@@ -33,6 +35,8 @@ from ipusim.ops import matmul as mm
 from ipusim.ops import random as rnd
 from ipusim.ops import reduce as reduce_ops
 from ipusim.ops import softmax as sm
+
+from ipusim.device import replay
 
 from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
@@ -111,7 +115,7 @@ class Lowering:
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
                  replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
-                 accumulator_dtypes: dict[str, str] | None = None):
+                 accumulator_dtypes: dict[str, str] | None = None, templates: dict | None = None):
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
@@ -136,6 +140,9 @@ class Lowering:
         self.seeds: dict[int, ip.Tensor] = {}
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
+        # op templates (ipusim.device.replay): the ops a node of the same structure built, shared by
+        # the lowerings of one compile; a node with no template of its own maps to None
+        self.templates: dict = {} if templates is None else templates
 
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
@@ -339,7 +346,7 @@ class Lowering:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
             ctx.name = f"{self.prefix}{sp.name}/{n.op}"
             first, first_var = len(body.programs), len(g.variables)
-            outs = lower(ctx, n, ins)
+            outs = self._lower_node(ctx, lower, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
             for v, t in zip(n.outputs, outs):
                 if t is not None:
@@ -385,6 +392,68 @@ class Lowering:
                 sp.output_streams.append((name, i))
         if outs.programs:
             sp.outputs = self.add_program(outs)
+
+
+    def _lower_node(self, ctx: "Context", lower, n: Node, ins: list) -> list:
+        """The node's lowering, or the template of an earlier node of the same op, attributes and
+        input structure made again for these tensors (a model's repeated layers plan once)."""
+        if n.op in VIEW_OPS or n.op in UNREPLAYED:
+            return lower(ctx, n, ins)
+        key = (n.op, attributes_key(n.attrs), tuple((v.dtype, tuple(v.shape)) for v in n.outputs),
+               replay.signature(ins))
+        template = self.templates.get(key)
+        if template is not None:
+            try:
+                programs, outs = template.replay(ctx.graph, ins, ctx.name, template.name)
+            except replay.NotReplayable:
+                return lower(ctx, n, ins)
+            for p in programs:
+                ctx.prog.add(p)
+            return outs
+        if key in self.templates:  # seen, not replayable
+            return lower(ctx, n, ins)
+        prog, local = ctx.prog, ip.Sequence()
+        random_ops = ctx.random_ops
+        ctx.prog = local
+        try:
+            with replay.record(ctx.graph) as made:
+                outs = lower(ctx, n, ins)
+        finally:
+            ctx.prog = prog
+        for p in local.programs:
+            prog.add(p)
+        template = None
+        if ctx.random_ops == random_ops:  # a random op takes a seed modifier of its own
+            try:
+                template = replay.Template(ctx.graph, ins, made, list(local.programs), list(outs))
+                template.name = ctx.name
+            except replay.NotReplayable:
+                template = None
+        self.templates[key] = template
+        return outs
+
+
+UNREPLAYED = {"print_tensor"}
+"""Ops whose lowering does more than build on its graph (a host stream): never replayed."""
+
+
+def attributes_key(attrs) -> object:
+    """A node's attributes as a hashable key (arrays by content)."""
+    if isinstance(attrs, dict):
+        return tuple(sorted((k, attributes_key(v)) for k, v in attrs.items()))
+    if isinstance(attrs, (list, tuple)):
+        return (type(attrs).__name__,) + tuple(attributes_key(v) for v in attrs)
+    if isinstance(attrs, np.ndarray):
+        return ("ndarray", replay.digest(attrs))
+    if hasattr(attrs, "detach") and hasattr(attrs, "numpy"):   # a torch tensor
+        return ("tensor", replay.digest(attrs.detach().cpu().numpy()))
+    if isinstance(attrs, slice):
+        return ("slice", attrs.start, attrs.stop, attrs.step)
+    try:
+        hash(attrs)
+    except TypeError:
+        return ("repr", repr(attrs))
+    return (type(attrs).__name__, attrs)
 
 
 # =========================================================================================

@@ -620,6 +620,14 @@ class PoplarExecutor:
             results[v.id] = plan.gather(per_step)
         return map_values(exe.ir.outputs, lambda v: results[v.id], rebuild=True)
 
+    def estimate(self):
+        """What the last call cost and what the model needs, per IPU (fits, memory by kind, bubble)
+        and per call (cycles, samples per second): a `runtime.estimate.Estimate`; print its
+        `text()`. In estimate mode (Options.Emulator.setMode("estimate")) a call prices the model
+        without values."""
+        from .estimate import summary
+        return summary(self)
+
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
         if not self._training:
