@@ -48,7 +48,7 @@ def digest(*arrays) -> bytes:
 def tensor_signature(t: Tensor) -> tuple:
     v = t.var
     m = v.mapping
-    key = (v.dtype.str, v.shape, v.category, v.always_live, v.constant is not None, m.size, digest(m.starts, m.tiles))
+    key = (v.dtype.str, v.shape, v.category, v.always_live, v.constant is not None, m.digest)
     if t.strided:
         view = ("strided", t.offset, t.shape, t.strides)
     else:
