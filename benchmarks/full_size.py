@@ -225,6 +225,15 @@ CONFIGS = {
         "bert_base_128_pod16", f"{APPS}: nlp/bert/pytorch configs_pretraining.yml pretrain_base_128",
         _bert(BertConfig(**BERT_BASE, replicas=4, gradient_accumulation=512), bias_correction=False),
         32 * 512 * 4, BERT_LEAVES_OUT),
+    "optimum_bert_large_pod64": Config(
+        "optimum_bert_large_pod64",
+        "optimum-graphcore's Graphcore/bert-large-ipu IPUConfig (optimum_version 1.0.0: layers_per_ipu [3, 7, 7, 7], "
+        "matmul_proportion [0.1, 0.15, 0.15, 0.15], replication 16, gradient accumulation 512, RTS, optimiser state "
+        "off chip, recomputation every layer, half partials), as a public project copies it; the Hub page itself is "
+        "not reachable here. Micro-batch 8 as the BERT application (the IPUConfig does not set it)",
+        _bert(BertConfig(**BERT_LARGE, matmul_proportion=[0.1, 0.15, 0.15, 0.15], replicas=16,
+                         gradient_accumulation=512)),
+        8 * 512 * 16, BERT_LEAVES_OUT),
 }
 
 
