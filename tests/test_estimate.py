@@ -172,3 +172,22 @@ def test_estimate_mode_reports_what_does_not_fit_instead_of_failing():
     opts.Emulator.setTarget(ip.Target.test(num_tiles=4, bytes_per_tile=2048))
     with pytest.raises(ip.OutOfMemoryError):
         poptorch.trainingModel(_TwoIpus(), opts).compile(torch.randn(4, 32), torch.randint(0, 10, (4,)))
+
+
+@pytest.mark.parametrize("shape, tile", [((64, 32), 3), ((7, 5, 3), 0), ((1000,), 15), ((3, 4), 5)])
+def test_a_broadcast_scalars_exchange_costs_what_the_general_walk_says(shape, tile):
+    """A scalar broadcast to a tensor (an optimiser's running-mean share times a weight's gradient)
+    is priced in work per run of the destination's map; the general walk over the same elements
+    named one by one gives the same cycles and bytes."""
+    from ipusim.device import cost
+    target = ip.Target.test(num_tiles=16)
+    g = ip.Graph(target)
+    s = g.addVariable("float16", (2,), "s")
+    g.setTileMapping(s, tile)
+    d = g.addVariable("float16", shape, "d")
+    g.map_linearly(d, grain=4)
+    broadcast = s[:1].reshape((1,) * len(shape)).broadcast(shape)
+    listed = ip.Tensor.of_runs(s.var, np.zeros(int(np.prod(shape)), np.int64), np.ones(int(np.prod(shape)), np.int64),
+                               shape)
+    assert broadcast.strided and not any(broadcast.strides) and not listed.strided
+    assert cost._exchange_cycles(broadcast, d, target) == cost._exchange_cycles(listed, d, target)

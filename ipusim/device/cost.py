@@ -115,7 +115,17 @@ def _exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int
     """
     n = target.num_tiles
     dst_map = dst.tile_map()
-    if src.distinct and src.blocks is None and src.var.mapping.mapped and dst_map.mapped:
+    if src.strided and src.numel > 1 and not any(src.strides) and dst_map.mapped:
+        # one element to every position (a broadcast scalar): its tile sends it once, every other
+        # tile receives its positions, in work per run of the destination's map
+        recv = dst_map.counts(n).astype(np.int64)
+        tile = int(src.var.mapping.at(np.array([src.offset]))[0])
+        local = np.zeros(n, np.int64)
+        local[tile], recv[tile] = recv[tile], 0
+        sent = np.zeros(n, np.int64)
+        sent[tile] = int(recv.any())
+        moved_total = int(recv.sum())
+    elif src.distinct and src.blocks is None and src.var.mapping.mapped and dst_map.mapped:
         # every element sent once: one walk over the runs
         starts, lengths = src.runs()
         m = src.var.mapping

@@ -164,8 +164,15 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         by_kind = {k: zero() for k in KINDS}
         starts: dict[int, list[np.ndarray]] = {}
         ends: dict[int, list[np.ndarray]] = {}
+        # variables with one tile map and itemsize (a stash's slots, repeated layers) share one
+        # read-only array of bytes per tile: memory follows the distinct maps, not the variables
+        shared: dict[tuple[bytes, int], np.ndarray] = {}
         for v in g.variables:
-            b = tile_bytes(v, n)
+            key = (v.mapping.digest, v.dtype.itemsize)
+            b = shared.get(key)
+            if b is None:
+                b = shared[key] = tile_bytes(v, n)
+                b.flags.writeable = False
             per_tensor[v.name] = b
             kinds[v.name] = kind_of(v, exchanged)
             by_cat[v.category] = by_cat.get(v.category, zero()) + b
