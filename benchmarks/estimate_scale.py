@@ -3,7 +3,8 @@
 Each config is compiled and one call priced in a fresh process (so its peak RSS is its own),
 `--repeats` times; the table gives the median wall time of compile and call, the highest peak RSS,
 and what the estimate says: fits or not, cycles per weight update, bubble, samples per second.
-Targets: at most 60 s and 4 GB per config on a 2-core machine.
+Targets: at most 60 s and 4 GB per config on a 2-core machine. CPU time (user + system of the
+process) is printed beside the wall time: on a loaded machine it is the steadier figure.
 
     python benchmarks/estimate_scale.py [--configs bert_large_128_pod16,...] [--repeats 3]
 """
@@ -25,7 +26,8 @@ def one(name: str) -> dict:
     import full_size
     priced = full_size.estimate(name)
     est = priced.model.estimate()
-    return {"seconds": priced.compile_seconds, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": priced.compile_seconds, "cpu_seconds": priced.cpu_seconds, "peak_mb": usage.ru_maxrss / 1024,
             "fits": est.fits, "cycles_per_step": est.cycles_per_step, "bubble": est.bubble_fraction,
             "samples_per_second": est.samples_per_second, "text": est.text()}
 
@@ -55,16 +57,17 @@ def main() -> None:
                 sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = runs[-1]
-        rows.append((name, statistics.median(x["seconds"] for x in runs), max(x["peak_mb"] for x in runs), r))
-        print(f"{name}: {', '.join(f'{x['seconds']:.1f} s' for x in runs)}; peak {max(x['peak_mb'] for x in runs):,.0f} MB",
-              file=sys.stderr, flush=True)
+        rows.append((name, statistics.median(x["seconds"] for x in runs), statistics.median(x["cpu_seconds"] for x in runs),
+                     max(x["peak_mb"] for x in runs), r))
+        print(f"{name}: {', '.join(f'{x['seconds']:.1f} s ({x['cpu_seconds']:.1f} s CPU)' for x in runs)}; "
+              f"peak {max(x['peak_mb'] for x in runs):,.0f} MB", file=sys.stderr, flush=True)
         if args.show:
             print(r["text"], file=sys.stderr)
-    print(f"\n| config | compile + call s (median of {args.repeats}) | peak RSS MB | fits | cycles per weight update "
-          f"| bubble | samples/s |")
-    print("|---|---|---|---|---|---|---|")
-    for name, seconds, peak, r in rows:
-        print(f"| {name} | {seconds:.1f} | {peak:,.0f} | {'yes' if r['fits'] else 'no'} | {r['cycles_per_step']:,} "
+    print(f"\n| config | compile + call s (median of {args.repeats}) | CPU s | peak RSS MB | fits | cycles per weight "
+          f"update | bubble | samples/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, seconds, cpu, peak, r in rows:
+        print(f"| {name} | {seconds:.1f} | {cpu:.1f} | {peak:,.0f} | {'yes' if r['fits'] else 'no'} | {r['cycles_per_step']:,} "
               f"| {100 * r['bubble']:.1f}% | {r['samples_per_second']:,.0f} |")
 
 
