@@ -191,3 +191,27 @@ def test_a_broadcast_scalars_exchange_costs_what_the_general_walk_says(shape, ti
                                shape)
     assert broadcast.strided and not any(broadcast.strides) and not listed.strided
     assert cost._exchange_cycles(broadcast, d, target) == cost._exchange_cycles(listed, d, target)
+
+
+def test_a_profiled_estimate_writes_the_profile_of_a_run(tmp_path):
+    """Profiling an estimate: the replayed layers' programs have their costs like every other node,
+    the files are written and the report tool reads them with the balance advice."""
+    import subprocess
+    import sys
+    runs = {}
+    for mode in ("fast", "estimate"):
+        zoo = model_zoo.MODELS["bert_style"]()
+        model = model_zoo.with_blocks(zoo)
+        opts = model_zoo.options(zoo, "pipelined", 8)
+        opts.Emulator.setMode(mode)
+        opts.enableProfiling(str(tmp_path / mode))
+        x, labels = zoo.inputs(1, 8, 1)
+        training = poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1))
+        training(x[0].flatten(0, 1), labels[0].flatten(0, 1))
+        training.destroy()
+        runs[mode] = json.loads((tmp_path / mode / "training" / "profile.json").read_text())
+    for key in ("memory", "programs", "execution", "blocks", "operations"):
+        assert json.dumps(runs["estimate"][key]) == json.dumps(runs["fast"][key]), key
+    out = subprocess.run([sys.executable, "-m", "ipusim.report", str(tmp_path / "estimate" / "training")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "Balance advice" in out or "balance" in out.lower()

@@ -253,6 +253,8 @@ def _cached(program: Program, target: Target, num_ipus: int, memo: dict, gsync: 
     if twin is not None:  # a copy of another op's node (replay): its cost, on its own IPU
         node, was, now = twin
         cost = _cached(node, target, num_ipus, memo, gsync)
+        for c in program.children():  # every node has its cost, as profiles list them
+            _cached(c, target, num_ipus, memo, gsync)
         if was != now:
             cost = Cost(cost.total, {now if i == was else i: c for i, c in cost.per_ipu.items()}, cost.exchange_bytes,
                         cost.inter_ipu_bytes, cost.host_bytes)
