@@ -81,6 +81,7 @@ def test_validate_options_accepts_what_options_make_and_logs_it(caplog):
     assert "poptorch.Options added FINAL to dotChecks" in text
     assert "poptorch.Options set engineOptions[debug.allowOutOfMemory] to true" in text
     assert "poptorch.Options set output_mode to value 2" in text
+    assert "poptorch.Options set execution_mode to value 0" in text
 
 
 @pytest.mark.parametrize("key, value, match", [

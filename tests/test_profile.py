@@ -257,9 +257,10 @@ def profiled(tmp_path_factory):
 
 @pytest.mark.slow
 def test_model_profile_files(profiled):
-    assert profiled["early"] == ["profile.json", "trace.json"]       # written after the first call
+    assert profiled["early"] == ["host_trace.json", "profile.json", "trace.json"]       # written after the first call
     files = sorted(os.listdir(profiled["dir"]))
-    assert files == ["memory.png", "pipeline.png", "profile.html", "profile.json", "trace.json", "utilisation.png"]
+    assert files == ["host_trace.json", "memory.png", "pipeline.png", "profile.html", "profile.json", "trace.json",
+                     "utilisation.png"]
     doc = prof.load(str(profiled["dir"]))
     assert doc["source"] == "poptorch_lite" and doc["name"] == "training" and not doc["estimated"]
     assert doc["target"]["num_tiles"] == 64 and doc["num_ipus"] == 4

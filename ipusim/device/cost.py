@@ -113,7 +113,7 @@ def _exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int
     Work is per run of the source's elements and per run of its mapping, once for every distinct
     run however many destinations receive it (`routes`).
     """
-    n = target.num_tiles
+    n = target.total_tiles
     dst_map = dst.tile_map()
     if src.strided and src.numel > 1 and not any(src.strides) and dst_map.mapped:
         # one element to every position (a broadcast scalar): its tile sends it once, every other

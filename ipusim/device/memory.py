@@ -5,7 +5,10 @@ Liveness: the program is flattened into its supersteps in order (a Repeat body o
 branches of an If). A not-always-live tensor is live from the first superstep that touches it
 to the last, except that a `RemoteCopy` loading it from Streaming Memory starts a new live range
 (the tensor's previous contents are dead): a tensor kept off chip occupies tiles only between
-its load and its last use. The peak of a tile is the most bytes live on it at any superstep.
+its load and its last use. A range that reaches into a loop (`Repeat`) from outside it, or out
+of it, covers the whole body: the tensor is live on every iteration (a loop-carried state, a
+tensor every iteration reads), not only up to where the body last touches it. The peak of a tile
+is the most bytes live on it at any superstep.
 Remote buffers are reported as off-chip bytes per IPU, outside tile memory.
 
 Kinds: every byte of a tile's peak belongs to one kind (`KINDS`): its tensor's category, except
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .program import Copy, CrossReplicaCopy, Execute, InterIpuCopy, Program, RemoteCopy, StreamCopy, walk
+from .program import Copy, CrossReplicaCopy, Execute, InterIpuCopy, Program, RemoteCopy, Repeat, StreamCopy, walk
 from .target import Target
 from .mapping import tile_counts
 from .tensor import Variable
@@ -118,8 +121,31 @@ def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
     return var.mapping.counts(num_tiles) * var.dtype.itemsize
 
 
+SUPERSTEPS = (Execute, Copy, InterIpuCopy, CrossReplicaCopy, StreamCopy, RemoteCopy)
+
+
 def supersteps(program: Program) -> list[Program]:
-    return [p for p in walk(program) if isinstance(p, (Execute, Copy, InterIpuCopy, CrossReplicaCopy, StreamCopy, RemoteCopy))]
+    return [p for p in walk(program) if isinstance(p, SUPERSTEPS)]
+
+
+def loop_spans(programs: list[Program]) -> list[tuple[int, int]]:
+    """[first, last] superstep of the body of every Repeat of more than one iteration, in the
+    numbering of `supersteps` over `programs` in turn."""
+    spans, at = [], 0
+
+    def visit(p: Program) -> None:
+        nonlocal at
+        first = at
+        if isinstance(p, SUPERSTEPS):
+            at += 1
+        for c in p.children():
+            visit(c)
+        if isinstance(p, Repeat) and p.count > 1 and at > first:
+            spans.append((first, at - 1))
+
+    for p in programs:
+        visit(p)
+    return spans
 
 
 def touched(step: Program) -> list[Variable]:
@@ -130,8 +156,9 @@ def touched(step: Program) -> list[Variable]:
     return [step.src.var, step.dst.var]
 
 
-def live_ranges(steps: list[Program]) -> dict[int, list[list[int]]]:
-    """Variable id -> [first, last] superstep ranges; a remote load opens a new range."""
+def live_ranges(steps: list[Program], loops: list[tuple[int, int]] = ()) -> dict[int, list[list[int]]]:
+    """Variable id -> [first, last] superstep ranges; a remote load opens a new range. A range
+    that crosses the bounds of a loop body (`loops`, as `loop_spans`) is widened to all of it."""
     ranges: dict[int, list[list[int]]] = {}
     for i, s in enumerate(steps):
         reload = isinstance(s, RemoteCopy) and s.loads
@@ -141,6 +168,12 @@ def live_ranges(steps: list[Program]) -> dict[int, list[list[int]]]:
                 r.append([i, i])
             else:
                 r[-1][1] = i
+    for first, last in sorted(loops, key=lambda span: span[0] - span[1]):   # outer loops first
+        for rs in ranges.values():
+            for r in rs:
+                inside = first <= r[0] <= last, first <= r[1] <= last
+                if inside[0] != inside[1] and r[0] <= last and r[1] >= first:
+                    r[0], r[1] = min(r[0], first), max(r[1], last)
     return ranges
 
 
@@ -153,11 +186,11 @@ def kind_of(var: Variable, exchanged: set[int]) -> str:
 def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
     """One report per IPU graph for the given programs."""
     steps = [s for p in programs for s in supersteps(p)]
-    ranges = live_ranges(steps)
+    ranges = live_ranges(steps, loop_spans(programs))
     exchanged = {s.dst.var.id for s in steps if isinstance(s, Copy)}
     reports = []
     for g in graphs:
-        n = g.target.num_tiles
+        n = g.target.total_tiles
         zero = lambda: np.zeros(n, dtype=np.int64)  # noqa: E731
         always, by_cat, per_tensor = zero(), {}, {}
         kinds, tensor_ranges = {}, {}

@@ -21,10 +21,17 @@ IPU sends one chunk to the next while it receives one from the previous, so a ri
 `Parallel` round costing the link time of one chunk (`Target.inter_ipu_cycles`) plus a global
 sync. `link_rounds` groups any list of independent copies into such rounds.
 
-Priced once (`all_reduce_priced`): on a device standing for its replicas (estimate mode) the ring
-is replica 0's part of it: in each step it receives one chunk from the replica before it
-(`CrossReplicaCopy`, priced as that link copy plus a global sync over every replica's IPUs) and
-adds it into its own, then in the all-gather receives the finished chunks. Its tiles hold
+Reduce-scatter and the all-gather of shards are the two halves of the all-reduce on their own
+(replicated tensor sharding: each replica updates only its shard of a reduced tensor, then the
+shards are gathered): after `reduce_scatter` replica r holds the reduction of its shard, chunk
+(r+1) mod R (`shard_bounds`), and `all_gather_shards` sends every shard around the ring in place.
+Each costs (R-1) ring steps of one chunk, half of the all-reduce.
+
+Priced once (`all_reduce_priced`, `reduce_scatter_priced`, `all_gather_shards_priced`): on a
+device standing for its replicas (estimate mode) the ring is replica 0's part of it: in each step
+it receives one chunk from the replica before it (`CrossReplicaCopy`, priced as that link copy
+plus a global sync over every replica's IPUs) and adds it into its own, then in the all-gather
+receives the finished chunks. Its tiles hold
 exactly what replica 0's hold in the emulated ring; a step costs replica 0's share of it, which
 differs from the slowest replica's by the chunks' sizes (n//R or n//R+1 elements) and how each
 chunk lies on the tiles.
@@ -221,20 +228,83 @@ def all_reduce(device: Device, tensors, prog: Sequence, op: str = "sum", name: s
     return outs
 
 
-def all_reduce_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op: str = "sum",
-                      name: str = "all_reduce", *, gw_link: bool = False) -> Tensor:
-    """Replica 0's part of `all_reduce(..., in_place=True)` over `replicas` replicas of `t`, for a
-    device that stands for them (estimate mode; see the module doc): the same receive buffers,
-    additions and link copies, no values. `gw_link`: the ring leaves the IPU-Link domain."""
+def shard_bounds(n: int, replicas: int) -> list[tuple[int, int]]:
+    """The elements [begin, end) of a flattened tensor of n elements that replica r holds reduced
+    after `reduce_scatter` (and sends in `all_gather_shards`): ring chunk (r+1) mod R."""
+    chunks = chunk_bounds(n, replicas)
+    return [chunks[(r + 1) % replicas] for r in range(replicas)]
+
+
+def reduce_scatter(device: Device, tensors, prog: Sequence, op: str = "sum",
+                   name: str = "reduce_scatter") -> list[tuple[int, int]]:
+    """Reduce the replicas' tensors in place so that replica r's shard (`shard_bounds`, returned)
+    holds the sum (or mean) over the replicas; its other elements hold partial sums of the ring
+    (strict mode) and are not to be read."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{name}: unknown reduction {op!r}; use one of {REDUCE_OPS}")
+    tensors = list(tensors)
+    graphs = _check(device, tensors, name, floats=True)
+    replicas = len(tensors)
+    scale = 1.0 / replicas if op == "mean" else 1.0
+    n = tensors[0].numel
+    chunks = chunk_bounds(n, replicas)
+    shards = shard_bounds(n, replicas)
+    flats = [t.flatten() for t in tensors]
+    body = Sequence(name=name)
+    if replicas > 1:
+        _reduce_scatter_steps(body, graphs, flats, chunks, scale, name)
+    bounds = np.asarray([b for b, _ in chunks] + [n], dtype=np.int64)
+
+    def fast(io):
+        x = np.stack([np.ascontiguousarray(io.read(t)).reshape(-1) for t in tensors])
+        res = np.empty(n, dtype=tensors[0].dtype)
+        ring_sum_whole(kernel_view(x), bounds, scale, kernel_view(res))
+        for f, (b, e) in zip(flats, shards):
+            if e > b:
+                io.write(f[b:e], res[b:e])
+
+    prog.add(OpProgram(name, body, fast, tuple(tensors), tuple(f[b:e] for f, (b, e) in zip(flats, shards) if e > b)))
+    return shards
+
+
+def all_gather_shards(device: Device, tensors, prog: Sequence, name: str = "all_gather_shards") -> None:
+    """In place: every replica's shard (`shard_bounds`) of its tensor reaches every other replica,
+    over the same ring as the all-reduce's second half."""
+    tensors = list(tensors)
+    _check(device, tensors, name)
+    replicas = len(tensors)
+    n = tensors[0].numel
+    flats = [t.flatten() for t in tensors]
+    shards = shard_bounds(n, replicas)
+    body = Sequence(name=name)
+    if replicas > 1:
+        _all_gather_steps(body, flats, chunk_bounds(n, replicas))
+
+    def fast(io):
+        for r, (b, e) in enumerate(shards):
+            if e > b:
+                value = np.array(io.read(flats[r][b:e]), copy=True)
+                for d in range(replicas):
+                    if d != r:
+                        io.write(flats[d][b:e], value)
+
+    written = tuple(flats[d][b:e] for r, (b, e) in enumerate(shards) for d in range(replicas) if d != r and e > b)
+    prog.add(OpProgram(name, body, fast, tuple(f[b:e] for f, (b, e) in zip(flats, shards) if e > b), written))
+
+
+def _check_priced(t: Tensor, op: str, name: str) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"{name}: unknown reduction {op!r}; use one of {REDUCE_OPS}")
     if t.dtype.name not in FLOAT_DTYPES:
         raise TypeError(f"{name}: reductions need float32 or float16 tensors, got {t.dtype.name}")
-    scale = 1.0 / replicas if op == "mean" else 1.0
-    body = Sequence(name=name)
-    flat = t.flatten()
-    chunks = chunk_bounds(t.numel, replicas)
-    for s in range(replicas - 1):   # reduce-scatter: replica 0 receives chunk (R-1-s) mod R and adds it
+
+
+def _reduce_scatter_priced_steps(graph: Graph, body: Sequence, flat: Tensor, replicas: int, scale: float,
+                                 name: str, gw_link: bool) -> None:
+    """Replica 0's part of the ring's reduce-scatter: in step s it receives chunk (R-1-s) mod R
+    from the replica before it and adds it into its own."""
+    chunks = chunk_bounds(flat.numel, replicas)
+    for s in range(replicas - 1):
         b, e = chunks[(replicas - 1 - s) % replicas]
         if e == b:
             continue
@@ -246,16 +316,56 @@ def all_reduce_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op
         cs = graph.addComputeSet(f"{name}/step{s}")
         _add_vertices(graph, cs, acc, recv, scale if s == replicas - 2 else 1.0)
         body.add(Execute(cs))
-    for s in range(replicas - 1):   # all-gather: replica 0 receives chunk -s mod R
+
+
+def _all_gather_priced_steps(body: Sequence, flat: Tensor, replicas: int, gw_link: bool) -> None:
+    """Replica 0's part of the ring's all-gather: in step s it receives chunk -s mod R in place."""
+    chunks = chunk_bounds(flat.numel, replicas)
+    for s in range(replicas - 1):
         b, e = chunks[(-s) % replicas]
         if e > b:
             body.add(CrossReplicaCopy(flat[b:e], flat[b:e], gw_link))
 
+
+def _priced(prog: Sequence, name: str, body: Sequence, t: Tensor, replicas: int) -> None:
     def fast(io):
         raise RuntimeError(f"{name}: a ring priced for {replicas} replicas the device does not hold has no values")
 
     prog.add(OpProgram(name, body, fast, (t,), (t,)))
+
+
+def all_reduce_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op: str = "sum",
+                      name: str = "all_reduce", *, gw_link: bool = False) -> Tensor:
+    """Replica 0's part of `all_reduce(..., in_place=True)` over `replicas` replicas of `t`, for a
+    device that stands for them (estimate mode; see the module doc): the same receive buffers,
+    additions and link copies, no values. `gw_link`: the ring leaves the IPU-Link domain."""
+    _check_priced(t, op, name)
+    body = Sequence(name=name)
+    flat = t.flatten()
+    _reduce_scatter_priced_steps(graph, body, flat, replicas, 1.0 / replicas if op == "mean" else 1.0, name, gw_link)
+    _all_gather_priced_steps(body, flat, replicas, gw_link)
+    _priced(prog, name, body, t, replicas)
     return t
+
+
+def reduce_scatter_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op: str = "sum",
+                          name: str = "reduce_scatter", *, gw_link: bool = False) -> tuple[int, int]:
+    """Replica 0's part of `reduce_scatter` over `replicas` replicas of `t` (estimate mode); returns
+    replica 0's shard."""
+    _check_priced(t, op, name)
+    body = Sequence(name=name)
+    _reduce_scatter_priced_steps(graph, body, t.flatten(), replicas, 1.0 / replicas if op == "mean" else 1.0,
+                                 name, gw_link)
+    _priced(prog, name, body, t, replicas)
+    return shard_bounds(t.numel, replicas)[0]
+
+
+def all_gather_shards_priced(t: Tensor, replicas: int, prog: Sequence, name: str = "all_gather_shards", *,
+                             gw_link: bool = False) -> None:
+    """Replica 0's part of `all_gather_shards` over `replicas` replicas of `t` (estimate mode)."""
+    body = Sequence(name=name)
+    _all_gather_priced_steps(body, t.flatten(), replicas, gw_link)
+    _priced(prog, name, body, t, replicas)
 
 
 def all_gather(device: Device, tensors, prog: Sequence, name: str = "all_gather") -> list[Tensor]:

@@ -59,7 +59,6 @@ accumulate), max and min do one compare per vector (`w = width`, 1 instruction):
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -858,6 +857,24 @@ def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: fl
 _REDUCTIONS: dict = {}
 
 
+@dataclass(eq=False)
+class _FastOnFirstUse:
+    """A reduction's `fast_reduction`, made when first asked for and kept (a priced model never
+    asks); unlike a closure it pickles with the executable."""
+    plan: ReducePlan
+    op: int
+    in_dtype: object
+    partial_dtype: object
+    scale: float
+    shape: tuple
+    made: "FastReduction | None" = None
+
+    def __call__(self) -> "FastReduction":
+        if self.made is None:
+            self.made = fast_reduction(self.plan, self.op, self.in_dtype, self.partial_dtype, self.scale, self.shape)
+        return self.made
+
+
 def planned_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dtype, out_dtype, scale: float,
                       shape: tuple[int, ...]) -> tuple[ReducePlan, Callable[[], FastReduction]]:
     """`plan_reduction` of the reduction of a tensor of `shape` through its view `g`, and a function
@@ -870,7 +887,7 @@ def planned_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dt
 
     def make():
         plan = plan_reduction(g, target, op, in_dtype, partial_dtype, out_dtype, scale != 1.0, tiles)
-        return plan, functools.cache(lambda: fast_reduction(plan, op, in_dtype, partial_dtype, scale, shape))
+        return plan, _FastOnFirstUse(plan, op, in_dtype, partial_dtype, scale, tuple(shape))
     plan, fast = remembered(_REDUCTIONS, key, make)
     return replace(plan, partial=plan.partial.of_geometry(g)), fast
 

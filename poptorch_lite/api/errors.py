@@ -70,6 +70,11 @@ def make(message: str, *, cls: type = Error, type: str = Error.type,  # pylint: 
     return error
 
 
+def createPoptorchError(msg: str) -> Error:  # pylint: disable=invalid-name
+    """A ``poptorch.Error`` raised from Python (type ``poptorch_py_error``), as PopTorch makes them."""
+    return make(msg)
+
+
 _local = threading.local()
 
 

@@ -200,6 +200,71 @@ class DotCheck(str, enum.Enum):
         return self.value
 
 
+# ---- graph patterns -----------------------------------------------------------------------------
+
+# PopART's pre-alias patterns: name -> (enabled at PatternsLevel.Default, mandatory: enabled at
+# Minimal). ``willow/src/patterns/*.cpp`` registers them (PatternCreator(name, enabled, mandatory)).
+PATTERNS: dict[str, tuple[bool, bool]] = {
+    **{name: (True, True) for name in """
+        AllReduceToIdentity Atan2Arg0GradOp Atan2Arg1GradOp ConvDataGrad ConvFlipWeightsGradOp ConvTranspose
+        CosGradOp CoshOp DivArg0GradOp DivArg1GradOp AbsGradOp SinGradOp ExpGradOp Expm1GradOp FmodArg0GradOp
+        RandomNormalLikeOpPattern RandomUniformLikeOpPattern ZerosLikeOpPattern Log1pGradOp LogGradOp LoopScanOut
+        MatMulOp MatMulLhsGradOp MatMulRhsGradOp MulArgGradOp PowArg0GradOp PowArg1GradOp ReciprocalGradOp
+        ScanToLoop SqrtGradOp SubtractArg1GradOp""".split()},
+    **{name: (True, False) for name in """
+        ConvFlipWeightsDoubleFlip DecomposeBinaryConstScalar ExpandCast InitAccumulate LambSerialisedWeight
+        NegativeOneScale NlllWithSoftmaxGradDirect OpToIdentity PackedDataBlock PadSum PostNRepl PreUniRepl
+        RemoveUnnecessaryLossGradCast SoftmaxGradDirect SplitGradOpToConcat SplitOp SumToAdd
+        TransposeToIdentityOrReshapePattern UpsampleToResize""".split()},
+    **{name: (False, False) for name in "LSTMOp Slice2SliceSubsample SplitGather TiedGather TiedGatherAccumulate".split()},
+}
+# Patterns that are not pre-alias patterns (PopART handles them apart), on at Default and All.
+SPECIAL_PATTERNS = ("InPlace", "UpdateInplacePrioritiesForIpu")
+
+
+def check_pattern(name: str) -> None:
+    """An Error naming `name`, with the closest pattern names, unless PopART has that pattern."""
+    if name not in PATTERNS and name not in SPECIAL_PATTERNS:
+        raise errors.make(f"Unknown pattern {name!r}.{_hint(name, [*PATTERNS, *SPECIAL_PATTERNS])} "
+                          "popart.PATTERNS lists PopART's patterns.")
+
+
+class Patterns:
+    """A set of PopART graph patterns: ``Patterns(PatternsLevel.Default)``, ``Patterns(["PadSum",
+    ...])``, then ``enablePattern(name, on)`` and ``isPatternEnabled(name)``. The emulator does
+    not run PopART's patterns (its graph comes from PyTorch's decompositions); the set is checked
+    and recorded, as ``Options._Popart.setPatterns`` does."""
+
+    def __init__(self, level_or_names=PatternsLevel.Default):
+        self.runtime_asserts = True
+        if isinstance(level_or_names, (list, tuple)):
+            for name in level_or_names:
+                check_pattern(name)
+            self.enabled = {name: name in level_or_names for name in [*PATTERNS, *SPECIAL_PATTERNS]}
+            return
+        level = PatternsLevel(level_or_names)
+        self.enabled = {name: (level == PatternsLevel.All or (level == PatternsLevel.Default and on)
+                               or (level == PatternsLevel.Minimal and mandatory))
+                        for name, (on, mandatory) in PATTERNS.items()}
+        self.enabled.update({name: level in (PatternsLevel.Default, PatternsLevel.All) for name in SPECIAL_PATTERNS})
+
+    def enablePattern(self, name: str, enabled: bool) -> "Patterns":
+        check_pattern(name)
+        self.enabled[name] = bool(enabled)
+        return self
+
+    def isPatternEnabled(self, name: str) -> bool:
+        check_pattern(name)
+        return self.enabled[name]
+
+    def enableRuntimeAsserts(self, enabled: bool) -> "Patterns":
+        self.runtime_asserts = bool(enabled)
+        return self
+
+    def __repr__(self) -> str:
+        return "Patterns(" + ", ".join(n for n, on in self.enabled.items() if on) + ")"
+
+
 # ---- the session options PopTorch passes to PopART ---------------------------------------------
 
 @dataclass(frozen=True)
@@ -355,7 +420,17 @@ def check_option(name: str, value: Any) -> SessionOption:
         for key in value:
             if not isinstance(key, str):
                 raise errors.make(f"Option {name} maps names (str) to values, got the key {key!r}")
+            if name == "patterns":
+                check_pattern(key)
     return option
+
+
+def without_effect(values: dict, defaults: dict) -> list[str]:
+    """The PopART options set in `values` (other than at their `defaults`) that the emulator
+    accepts but does not model."""
+    return sorted(name for name, value in values.items()
+                  if name in SESSION_OPTIONS and SESSION_OPTIONS[name].effect is None
+                  and not (name in defaults and defaults[name] == value))
 
 
 def _members(enum_class) -> list:

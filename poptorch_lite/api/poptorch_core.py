@@ -19,6 +19,7 @@ PopTorch's C++ core is a compiled module; its own tests (and some programs) impo
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from typing import Any
 
@@ -197,3 +198,31 @@ def _validateOptions(options: dict) -> None:  # pylint: disable=invalid-name
         raise errors.make(f"_validateOptions expects the dict of Options.toDict(), got {type(options).__name__}")
     with errors.context("parseSessionOptions"):
         _check_group("", options, _reference())
+
+
+def parse_options(options) -> None:
+    """What the compiler does first with a model's options (``PoplarExecutor``, when the model is
+    made): parse them as ``_validateOptions`` does, and apply the process-wide setting they carry,
+    the limit on repeated log lines (``Options.maxRepeatLogs``), counting repeats afresh."""
+    from .options import repeat_limit  # pylint: disable=import-outside-toplevel
+    _validateOptions(options.toDict())
+    repeat_limit.limit = options.max_repeat_logs
+    repeat_limit.counts.clear()
+    unmodelled = tuple(popart_without_effect(options))
+    if unmodelled and unmodelled not in _LISTED:
+        _LISTED.add(unmodelled)
+        logger.warning("PopART options accepted with no effect on the emulator: %s", ", ".join(unmodelled))
+
+
+_LISTED: set = set()   # the lists of options without effect already logged (each once per process)
+
+
+def popart_without_effect(options) -> list[str]:
+    """The PopART options the user set on `options` that the emulator does not model."""
+    from .options import Options  # pylint: disable=import-outside-toplevel
+    return popart.without_effect(options._Popart.options, _default_popart(Options))
+
+
+@functools.cache
+def _default_popart(options_class) -> dict:
+    return dict(options_class()._Popart.options)

@@ -56,6 +56,7 @@ class Node:
     source: str = ""
     aten: str = ""                # the ATen op the node was lowered from ("aten.convolution.default")
     module: str = ""              # the module that made the call ("model.layer1.conv (Conv2d)")
+    scope: str = ""               # the NameScopes it was made in ("encoder/attention")
 
     def __repr__(self):
         attrs = ", ".join(f"{k}={v}" for k, v in self.attrs.items())
@@ -74,15 +75,20 @@ class IRGraph:
     outputs: object = None                                      # pytree of Values (model outputs)
     loss: Value | None = None
     grads: dict[str, Value] = field(default_factory=dict)       # parameter name -> gradient value
+    host_io: dict[tuple, Any] = field(default_factory=dict)     # ("input" | "output", index) -> OverlapMode
+    # node outputs are named by op and a number counted per graph: the same model compiled twice
+    # in one process gets the same names (profiles, memory reports)
+    numbers: Any = field(default_factory=itertools.count, repr=False)
 
     def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
             **attrs) -> list[Value]:
         """Append a node; `out_specs` are (shape, dtype) pairs; placement copied from `like`."""
-        outs = [Value(tuple(int(d) for d in shape), np.dtype(dtype), f"{op}{next(_ids)}") for shape, dtype in out_specs]
+        outs = [Value(tuple(int(d) for d in shape), np.dtype(dtype), f"{op}{next(self.numbers)}") for shape, dtype in out_specs]
         node = Node(op, list(inputs), outs, attrs)
         if like is not None:
             node.block, node.stage, node.ipu, node.phase = like.block, like.stage, like.ipu, like.phase
             node.pass_, node.source, node.aten, node.module = like.pass_, like.source, like.aten, like.module
+            node.scope = like.scope
         for v in outs:
             v.producer = node
         self.nodes.append(node)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 
 import numpy as np
 
@@ -27,7 +28,8 @@ from ipusim.device.program import Execute, walk
 from ipusim.report import advisor
 from ipusim.report import profile as ipprofile
 
-from ..api import batching
+from ..api import batching, poptorch_core
+from ..api import profiling as host_profiling
 from ..compiler.backward_split import WEIGHT_GRADIENT
 from ..compiler.executable import build_executable, training_schedule
 from ..compiler.lowering import program_key
@@ -43,18 +45,28 @@ class Profiler:
         self.session = ipprofile.ProfileSession(self.directory, model_profile(executor, name),
                                                 trace_calls=trace_calls, advice=advice_text)
         # Tied to the executable: destroy() or collecting the model drops it; exit runs it too.
-        self._finish = ipprofile.finish_on_collect(exe, self.session)
+        self._finish = weakref.finalize(exe, _finish, self.session, self.directory)
 
     def called(self, record) -> None:
-        """Account one call (executor.RunRecord); the first call also writes the files."""
+        """Account one call (executor.RunRecord); the first call also writes the files (and the
+        host tracepoints so far, poptorch.profiling)."""
         first = self.session.recording.calls == 0
         self.session.add(record.steps)
         if first:
             self.session.write_early()
+            host_profiling.write_host_trace(self.directory)
 
     def finish(self) -> str | None:
         """Write everything and print the summary now (at most once); returns the summary."""
         return self._finish()
+
+
+def _finish(session, directory: str) -> str | None:
+    """The session's files and summary, and the host tracepoints (host_trace.json)."""
+    text = session.finish()
+    if text is not None:
+        host_profiling.write_host_trace(directory)
+    return text
 
 
 # =========================================================================================
@@ -108,7 +120,8 @@ def operations(exe) -> list[dict]:
                 moved += cost.exchange_bytes
                 tiles += [t.tiles for q in walk(p) if isinstance(q, Execute) for t in q.compute_set.tables]
             made = sum(int(tensors[v.name].sum()) for v in graph.variables[first_var:end_var] if v.name in tensors)
-            rows.append({"name": node.outputs[0].name if node.outputs else node.op, "op": node.op, "aten": node.aten,
+            name = node.outputs[0].name if node.outputs else node.op
+            rows.append({"name": f"{node.scope}/{name}" if node.scope else name, "op": node.op, "aten": node.aten,
                          "source": node.source, "module": node.module,
                          "block": None if node.block is None else str(node.block), "stage": node.stage,
                          "ipu": sp.ipu, "pass": node.pass_, "cycles": busy.total, "compute": busy.compute,
@@ -124,6 +137,9 @@ def model_profile(executor, name: str) -> ipprofile.StaticProfile:
     notes = []
     if exe.replicas > 1:
         notes.append(f"{exe.replicas} replicas: IPUs {exe.placement.num_ipus}*r.. belong to replica r")
+    unmodelled = poptorch_core.popart_without_effect(executor.options)
+    if unmodelled:
+        notes.append("PopART options accepted with no effect on the emulator: " + ", ".join(unmodelled))
     try:
         blocks = block_table(executor).to_dict()
     except Exception as error:  # advice is optional: say why it is missing, never fail the run
@@ -190,7 +206,9 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
         tile_bytes.append(own.clip(min=0))
     # the advisor knows whole backwards: a split backward's weight-gradient half counts as backward
     whole = {"fwd": "fwd", "bwd": "bwd", WEIGHT_GRADIENT: "bwd"}
-    flows = [advisor.Flow(v.id, v.nbytes, (whole[ch.src[0]], ch.src[1]), (whole[ch.dst[0]], ch.dst[1]))
+    # values numbered in the order the capture made them (IR ids count across compiles)
+    number = {i: k for k, i in enumerate(sorted({v.id for ch in low.channels for v in ch.values}))}
+    flows = [advisor.Flow(number[v.id], v.nbytes, (whole[ch.src[0]], ch.src[1]), (whole[ch.dst[0]], ch.dst[1]))
              for ch in low.channels for v in ch.values if (whole[ch.src[0]], ch.src[1]) != (whole[ch.dst[0]], ch.dst[1])]
     update = [sum(engine.costs[i].total for i in exe.updates.programs.get(b, [])) for b in range(n)]
     return advisor.BlockTable(names, [body(("fwd", b)) for b in range(n)],
