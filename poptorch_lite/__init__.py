@@ -19,11 +19,11 @@ from .api.attributes import accessAttributes
 from .api.errors import Error, RecoverableError, UnrecoverableError, createPoptorchError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
-                        MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode, ReductionType, SharingStrategy,
-                        SyncPattern, VariableRetrievalMode)
+                        MatMulSerializationMode, MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
+                        ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
 from .api.multiconv import MultiConv
 from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
-                      set_available_memory)
+                      recomputationCheckpoint, serializedMatMul, set_available_memory)
 from .api.options import ConfigFileError, Options, TensorLocationSettings, setLogLevel
 from .api.overlap import set_overlap_for_input, set_overlap_for_output
 
@@ -65,21 +65,20 @@ def __dir__():
 
 __version__ = "0.1.0"
 
-__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CPU", "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader",
-           "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn",
-           "Liveness", "MeanReductionStrategy", "MultiConv", "MultiConvPlanType", "NameScope", "Options",
-           "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution",
-           "PoplarExecutor", "RecoverableError", "ReductionType", "SerialPhasedExecution",
-           "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
-           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "VariableRetrievalMode",
-           "accessAttributes", "cond", "createPoptorchError", "ctc_beam_search_decoder", "custom_op",
-           "dynamic_slice", "dynamic_update", "for_loop", "fps", "getIpuTensorId", "identity_loss",
-           "importPoptorchMetadataFromFile", "inferenceModel", "ipuHardwareIsAvailable",
-           "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load", "module_repr", "nearest",
-           "nop", "op_placement", "optim", "poptorchAtExit", "poptorch_core", "profiling",
-           "registerCustomArgParser", "registerGeometricCustomArgParsers", "registerPostCompileHook",
-           "registerPreCompileHook", "register_custom_op", "removeBlocks", "setLogLevel",
-           "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel",
-           "unregister_custom_op"]
+__all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction", "CPU",
+           "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader", "DataLoaderMode",
+           "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn", "Liveness",
+           "MatMulSerializationMode", "MeanReductionStrategy", "MultiConv", "MultiConvPlanType", "NameScope",
+           "Options", "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution",
+           "PoplarExecutor", "RecoverableError", "ReductionType", "SerialPhasedExecution", "ShardedExecution",
+           "SharingStrategy", "Stage", "StrategyError", "SyncPattern", "TensorLocationSettings",
+           "UnrecoverableError", "UnsupportedOpError", "VariableRetrievalMode", "accessAttributes", "cond",
+           "createPoptorchError", "ctc_beam_search_decoder", "custom_op", "dynamic_slice", "dynamic_update",
+           "for_loop", "fps", "getIpuTensorId", "identity_loss", "importPoptorchMetadataFromFile", "inferenceModel",
+           "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load",
+           "module_repr", "nearest", "nop", "op_placement", "optim", "poptorchAtExit", "poptorch_core", "profiling",
+           "recomputationCheckpoint", "registerCustomArgParser", "registerGeometricCustomArgParsers",
+           "registerPostCompileHook", "registerPreCompileHook", "register_custom_op", "removeBlocks",
+           "serializedMatMul", "setLogLevel", "set_available_memory", "set_overlap_for_input",
+           "set_overlap_for_output", "trainingModel", "unregister_custom_op"]
 registerGeometricCustomArgParsers()

@@ -8,7 +8,8 @@ to the last, except that a `RemoteCopy` loading it from Streaming Memory starts 
 its load and its last use. A range that reaches into a loop (`Repeat`) from outside it, or out
 of it, covers the whole body: the tensor is live on every iteration (a loop-carried state, a
 tensor every iteration reads), not only up to where the body last touches it. The peak of a tile
-is the most bytes live on it at any superstep.
+is the most bytes live on it at any superstep; per category (temporaries, activations, ...), the
+most bytes of it live on the IPU at once.
 Remote buffers are reported as off-chip bytes per IPU, outside tile memory.
 
 Kinds: every byte of a tile's peak belongs to one kind (`KINDS`): its tensor's category, except
@@ -55,6 +56,7 @@ class MemoryReport:
     kinds: dict[str, str] = field(repr=False, default_factory=dict)          # tensor name -> kind
     live_ranges: dict[str, list] = field(repr=False, default_factory=dict)   # tensor name -> [first, last]
                                                                              # supersteps (absent: always live)
+    live_peak_by_category: dict[str, int] = field(default_factory=dict)  # not-always-live bytes, most at once
 
     @property
     def peak(self) -> np.ndarray:
@@ -105,6 +107,7 @@ class MemoryReport:
                 "vertex_state_bytes": int(self.vertex_state.sum()), "code_bytes": int(self.code.sum()),
                 "off_chip_bytes": self.off_chip_bytes,
                 "by_category": {k: int(v.sum()) for k, v in self.by_category.items()},
+                "live_peak_by_category": dict(self.live_peak_by_category),
                 "per_tile_bytes": self.peak.tolist()}
 
 
@@ -200,6 +203,7 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         # variables with one tile map and itemsize (a stash's slots, repeated layers) share one
         # read-only array of bytes per tile: memory follows the distinct maps, not the variables
         shared: dict[tuple[bytes, int], np.ndarray] = {}
+        by_step: dict[str, np.ndarray] = {}   # category -> change of its live bytes at each superstep
         for v in g.variables:
             key = (v.mapping.digest, v.dtype.itemsize)
             b = shared.get(key)
@@ -214,9 +218,12 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
                 by_kind[kinds[v.name]] += b
             else:
                 tensor_ranges[v.name] = [tuple(r) for r in ranges.get(v.id, ())]
+                delta = by_step.setdefault(v.category, np.zeros(len(steps) + 1, dtype=np.int64))
                 for first, last in ranges.get(v.id, ()):
                     starts.setdefault(first, []).append(b)
                     ends.setdefault(last, []).append(b)
+                    delta[first] += int(b.sum())
+                    delta[last + 1] -= int(b.sum())
         live, peak, curve = zero(), zero(), []
         peak_at = np.full(n, -1, dtype=np.int64)
         for i in range(len(steps)):
@@ -250,9 +257,10 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         by_cat["vertex_state"], by_cat["code"] = state, code
         by_kind["vertex_state"], by_kind["code"] = state, code
         off_chip = sum(b.nbytes * b.repeats for b in g.remote_buffers.values())
+        live_peaks = {cat: int(np.cumsum(d).max(initial=0)) for cat, d in by_step.items()}
         reports.append(MemoryReport(g.ipu, g.target, always, peak, state, code, by_cat, per_tensor,
                                     np.asarray(curve, dtype=np.int64), off_chip, by_kind, peak_at, kinds,
-                                    tensor_ranges))
+                                    tensor_ranges, live_peaks))
     return reports
 
 

@@ -145,10 +145,8 @@ def _steps(doc: dict, cols: Columns, strings: Strings) -> dict:
         live = {b["ipu"]: b["bytes"] for b in s["live_bytes"]}
         for i in range(n):
             row[base + i] = rows.setdefault(busy.get(i, idle) + (live.get(i, 0),), len(rows))
-        for op in s["ops"]:
+        for op in s["ops"]:    # one op per IPU and step: its last (the B a recompute R precedes)
             k = base + op["ipu"]
-            if kind[k]:
-                continue        # one op per IPU and step
             kind[k] = codes.get(op["kind"], 0)
             stage[k] = -1 if op["stage"] is None else op["stage"]
             micro[k] = -1 if op["micro_batch"] is None else op["micro_batch"]

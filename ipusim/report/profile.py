@@ -354,6 +354,7 @@ def _memory_section(static: StaticProfile) -> dict:
             "not_always_live_peak_bytes": int(r.not_always_live_peak.sum()),
             "vertex_state_bytes": int(r.vertex_state.sum()), "code_bytes": int(r.code.sum()),
             "by_category": {k: int(v.sum()) for k, v in r.by_category.items()},
+            "live_peak_by_category": dict(r.live_peak_by_category),
             "per_tile": {"always_live": r.always_live.tolist(), "not_always_live_peak": r.not_always_live_peak.tolist(),
                          "vertex_state": r.vertex_state.tolist(), "code": r.code.tolist(), "peak": r.peak.tolist()},
             "by_kind": {k: int(r.peak_by_kind[k].sum()) for k in KINDS},
@@ -391,7 +392,8 @@ def _program_live_peaks(static: StaticProfile) -> np.ndarray:
 def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list[dict]]:
     """Per stage: forward/backward cycles per micro-batch (all its program runs on its IPU, and
     the compute body alone; the backward is B and W together when a schedule splits it, and
-    `weight_gradient` is then W alone); per IPU: the weight update. `steps` are (call, step) pairs."""
+    `weight_gradient` is then W alone; `recompute`, R, when the stage recomputes its forward
+    before its backward); per IPU: the weight update. `steps` are (call, step) pairs."""
     per_op: dict[tuple, dict[tuple, list[int]]] = {}
     for call, s in steps:
         for e in s.events:
@@ -417,7 +419,7 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
 
     stages = [{"stage": st.stage, "ipu": st.ipu, "blocks": list(st.blocks),
                "forward": summary(("F", st.stage)), "backward": summary(("B", st.stage)),
-               "weight_gradient": summary(("W", st.stage))}
+               "weight_gradient": summary(("W", st.stage)), "recompute": summary(("R", st.stage))}
               for st in static.stages]
     updates = [{"ipu": ipu, "cycles": v["cycles_per_micro_batch"]}
                for ipu in range(static.num_ipus) if (v := summary(("U", ipu))) is not None]
@@ -425,7 +427,7 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
 
 
 def _stage_work(stage: dict) -> float:
-    return sum((stage[k] or {}).get("cycles_per_micro_batch", 0.0) for k in ("forward", "backward"))
+    return sum((stage.get(k) or {}).get("cycles_per_micro_batch", 0.0) for k in ("forward", "backward", "recompute"))
 
 
 def _longest_stage(stages: list[dict], steps: list[dict]) -> dict | None:
@@ -444,6 +446,7 @@ def _longest_stage(stages: list[dict], steps: list[dict]) -> dict | None:
     return {"stage": st["stage"], "ipu": st["ipu"], "blocks": st["blocks"], "cycles_per_micro_batch": work[k],
             "forward_cycles": (st["forward"] or {}).get("cycles_per_micro_batch", 0.0),
             "backward_cycles": (st["backward"] or {}).get("cycles_per_micro_batch", 0.0),
+            "recompute_cycles": (st.get("recompute") or {}).get("cycles_per_micro_batch", 0.0),
             "share_of_work": work[k] / total, "balanced_share": 1.0 / len(stages),
             "critical_fraction": critical / run if run else 0.0}
 
@@ -456,7 +459,8 @@ def schedule_summary(schedule) -> dict | None:
             "num_groups": schedule.num_groups, "num_steps": schedule.num_steps, "ramp_up": schedule.ramp_up(),
             "main": schedule.main(), "ramp_down": schedule.ramp_down(),
             "bubble_fraction": schedule.bubble_fraction(),
-            "bubble_fraction_per_ipu": [schedule.bubble_fraction(i) for i in range(schedule.num_ipus)]}
+            "bubble_fraction_per_ipu": [schedule.bubble_fraction(i) for i in range(schedule.num_ipus)],
+            "recomputed_stages": list(schedule.recomputed_stages)}
 
 
 def _execution_section(static: StaticProfile, rec: Recording) -> dict:
@@ -573,10 +577,10 @@ def _lay_out_scheduled(tr: _Trace, static: StaticProfile, step, start: int, args
                 tr.x(seg.name, ipu + 1, seg.kind, t, seg.cycles, eargs)
                 t += seg.cycles
             cursor[ipu] = t0 + c.total
-            if e.op is not None and e.op.ipu == ipu:
-                span = spans.setdefault(ipu, [t0, t0 + c.total, e.op])
+            if e.op is not None and e.op.ipu == ipu:   # an op's span on the ops lane (an R, then its B)
+                span = spans.setdefault((ipu, id(e.op)), [t0, t0 + c.total, e.op])
                 span[1] = t0 + c.total
-    for ipu, (t0, t1, op) in spans.items():
+    for (ipu, _), (t0, t1, op) in spans.items():
         tr.x(op_label(op), ipu + 1, "ops", t0, t1 - t0,
              {**args, "kind": op.kind, "stage": op.stage, "micro_batch": op.global_micro_batch})
     io = {i: start for i in range(static.num_ipus)}
@@ -744,7 +748,8 @@ def summary(doc: dict) -> str:
     ls = ex["longest_stage"]
     if ls:
         parts = f"forward {ls['forward_cycles']:,.0f}" + (f" + backward {ls['backward_cycles']:,.0f}"
-                                                          if ls["backward_cycles"] else "")
+                                                          if ls["backward_cycles"] else "") + \
+            (f" + recompute {ls['recompute_cycles']:,.0f}" if ls.get("recompute_cycles") else "")
         lines.append(f"Longest stage: stage {ls['stage']} on IPU {ls['ipu']} (blocks {', '.join(map(str, ls['blocks']))}), "
                      f"{ls['cycles_per_micro_batch']:,.0f} cycles per micro-batch ({parts}): "
                      f"{100 * ls['share_of_work']:.1f}% of the work of all stages ({100 * ls['balanced_share']:.1f}% "
@@ -759,6 +764,13 @@ def summary(doc: dict) -> str:
                          f"({_pct(m['max_tile_bytes'] / m['tile_capacity_bytes']).strip()})"
                          + ("  OUT OF MEMORY" if not m["fits"] else "")
                          + "  largest: " + ", ".join(f"{k.replace('_', ' ')} {_mib(v)}" for k, v in top))
+    recomputed = [st for st in ex["stages"] if st.get("recompute")]
+    if recomputed:
+        stash = {m["ipu"]: m["by_category"].get("stashed_activations", 0) for m in doc["memory"]["ipus"]}
+        lines.append("Recomputation: " + ", ".join(
+            f"stage {st['stage']} (IPU {st['ipu']}) {st['recompute']['cycles_per_micro_batch']:,.0f} cycles per "
+            "micro-batch" for st in recomputed) + " recomputing the forward before the backward (R ops); stashed "
+            "activations per IPU " + " / ".join(_mib(stash.get(i, 0)).strip() for i in range(doc["num_ipus"])) + ".")
     if ex["inter_ipu"]["bytes_per_call"] or ex["host_bytes_per_call"]:
         lines.append(f"Traffic per {'call' if doc['source'] != 'ipusim' else 'first run'}: inter-IPU "
                      f"{ex['inter_ipu']['bytes_per_call']:,} B, host I/O {ex['host_bytes_per_call']:,} B.")
@@ -972,7 +984,8 @@ PROFILE_SCHEMA = {
                 "stages": {"type": "array", "items": {
                     "type": "object", "required": ["stage", "ipu", "blocks", "forward", "backward"],
                     "properties": {"stage": _INT, "ipu": _INT, "blocks": {"type": "array", "items": {"type": "string"}},
-                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS, "weight_gradient": _STAGE_PASS}}},
+                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS, "weight_gradient": _STAGE_PASS,
+                                   "recompute": _STAGE_PASS}}},
                 "updates": {"type": "array", "items": {"type": "object", "required": ["ipu", "cycles"],
                                                        "properties": {"ipu": _INT, "cycles": _NUM}}},
                 "longest_stage": {"type": ["object", "null"],

@@ -184,6 +184,19 @@ class CommGroupType(_Enum):
     NoGrouping = 3
 
 
+class MatMulSerializationMode(enum.Enum):
+    """The dimension ``serializedMatMul`` splits A[m, n] @ B[n, p] along.
+
+    - ``InputChannels``: m, the rows of the result (pieces of rows, no sum).
+    - ``ReducingDim``: n, the dimension summed over (the pieces' products are
+      added up).
+    - ``OutputChannels``: p, the columns of the result.
+    - ``Disabled``: an ordinary matrix multiplication.
+    """
+    InputChannels = "input_channels"
+    ReducingDim = "reducing_dim"
+    OutputChannels = "output_channels"
+    Disabled = "none"
 class VariableRetrievalMode(_Enum):
     """Which replicas' values of a grouped variable reach the host.
 

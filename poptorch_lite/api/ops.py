@@ -1,7 +1,8 @@
 """PopTorch's extra ops usable inside a model: they trace as single ops and run eagerly on the CPU too
-(where `ipu_print_tensor`, `set_available_memory` and `nop` are identities: they act on the device).
-`for_loop` and `cond` are device control flow: captured, their bodies become one loop or branch
-program (compiler/control_flow.py); on the CPU they run in Python."""
+(where `ipu_print_tensor`, `set_available_memory`, `nop` and `recomputationCheckpoint` are
+identities and `serializedMatMul` a plain product: they act on the device). `for_loop` and `cond`
+are device control flow: captured, their bodies become one loop or branch program
+(compiler/control_flow.py); on the CPU they run in Python."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ import numbers
 import torch
 from torch.overrides import handle_torch_function, has_torch_function, has_torch_function_unary
 
+from .enums import MatMulSerializationMode
 from .errors import Error
 from .printing import PrintFormat
 
@@ -179,3 +181,64 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int,  # noqa: A0
         return handle_torch_function(dynamic_update, (input, src, start), input, src, dim, start, size)
     first = _start_value(start)
     return torch.slice_scatter(input, src, dim, first, first + size, 1)
+
+
+def recomputationCheckpoint(*tensors):
+    """Mark values of a pipeline stage's forward that its backward keeps (stashes) instead of
+    recomputing them, when recomputation is on (PopART's ``autoRecomputation``, which PopTorch
+    turns on for pipelined training over several IPUs): the recomputation before the stage's
+    backward restarts from them. Returns the same values: one tensor for one, a tuple for
+    several, a list or tuple of the same type for one list or tuple. Outside a model, or with
+    recomputation off, it changes nothing."""
+    if len(tensors) == 1 and isinstance(tensors[0], (tuple, list)):
+        return type(tensors[0])(_recomputation_checkpoint(t) for t in tensors[0])
+    out = tuple(_recomputation_checkpoint(t) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
+def _recomputation_checkpoint(tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"recomputationCheckpoint: all inputs must be tensors, got {type(tensor).__name__}")
+    if has_torch_function_unary(tensor):  # traced: one torch function of its own per tensor
+        return handle_torch_function(_recomputation_checkpoint, (tensor,), tensor)
+    return tensor
+
+
+SERIALIZED_DIMS = {MatMulSerializationMode.InputChannels: ("input channels", -2, "lhs"),
+                   MatMulSerializationMode.ReducingDim: ("reducing", -1, "lhs"),
+                   MatMulSerializationMode.OutputChannels: ("output channels", -1, "rhs")}
+
+
+def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode, factor: int = 0,
+                     keep_precision: bool = False) -> torch.Tensor:
+    """``lhs @ rhs`` computed on the device as `factor` smaller products one after the other,
+    which needs less temporary memory (and takes more cycles). For lhs [..., m, n] and rhs
+    [n, p], `mode` splits m (``InputChannels``), n (``ReducingDim``: the pieces' products are
+    summed) or p (``OutputChannels``); ``Disabled`` is a plain product. In training the two
+    gradient products are split along the same dimension. `factor` must divide that dimension.
+    `keep_precision` (float16 only): the sums a split makes (the forward's over ReducingDim, a
+    gradient's over InputChannels or OutputChannels) are kept in float32 and rounded once."""
+    if not isinstance(mode, MatMulSerializationMode):
+        raise Error(f"serializedMatMul: mode must be a poptorch.MatMulSerializationMode, got {mode!r}")
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Integral):
+        raise Error(f"serializedMatMul: factor must be an int, got {factor!r}")
+    if not isinstance(keep_precision, bool):
+        raise Error(f"serializedMatMul: keep_precision must be a bool, got {keep_precision!r}")
+    if not isinstance(lhs, torch.Tensor) or not isinstance(rhs, torch.Tensor):
+        raise Error("serializedMatMul multiplies two torch.Tensor values")
+    if mode is MatMulSerializationMode.Disabled:
+        return torch.matmul(lhs, rhs)
+    if lhs.dim() < 2 or rhs.dim() != 2:
+        raise Error(f"serializedMatMul splits lhs [..., m, n] @ rhs [n, p] (rhs a matrix, such as a weight); got "
+                    f"shapes {list(lhs.shape)} and {list(rhs.shape)}")
+    what, dim, operand = SERIALIZED_DIMS[mode]
+    size = (lhs if operand == "lhs" else rhs).shape[dim]
+    if factor < 1:
+        raise Error(f"Invalid serialisation factor {factor}. Serialisation factor must be a non-zero positive "
+                    "integer.")
+    if size % factor:
+        raise Error(f"Invalid serialisation factor {factor} for {what} dimension {size}. The {what} dimension "
+                    f"should be a multiple of the serialisation factor.")
+    if has_torch_function((lhs, rhs)):  # traced: one torch function of its own, arguments normalised
+        return handle_torch_function(serializedMatMul, (lhs, rhs), lhs, rhs, mode.value, int(factor), keep_precision)
+    return torch.matmul(lhs, rhs)

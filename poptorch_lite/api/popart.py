@@ -304,6 +304,10 @@ SESSION_OPTIONS: dict[str, SessionOption] = {
         groupNormStridedChannelGrouping scheduleNonWeightUpdateGradientConsumersEarly
         replicatedCollectivesSettings.prepareScheduleForMergingCollectives
         replicatedCollectivesSettings.mergeAllReduceCollectives"""),
+    "autoRecomputation": SessionOption(
+        "autoRecomputation", "uint64", enum=RecomputationType,
+        effect="which pipeline stages recompute their forward before their backward (poptorch_lite.compiler."
+               "recompute); Pipeline by default for pipelined training over more than one IPU, as in PopTorch"),
     "enableEngineCaching": SessionOption(
         "enableEngineCaching", "bool",
         effect="turns the executable cache on (Options.enableExecutableCaching)"),
@@ -321,7 +325,6 @@ SESSION_OPTIONS: dict[str, SessionOption] = {
         ("batchSerializationSettings.transformContext", BatchSerializationTransformContext),
         ("batchSerializationSettings.method", BatchSerializationMethod),
         ("batchSerializationSettings.batchSchedule", BatchSerializationBatchSchedule),
-        ("autoRecomputation", RecomputationType),
         ("mergeVarUpdate", MergeVarUpdateType),
         ("virtualGraphMode", VirtualGraphMode),
         ("syntheticDataMode", SyntheticDataMode),

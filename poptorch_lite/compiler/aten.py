@@ -1615,6 +1615,16 @@ def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
 
 
+@lowers(torch.ops.poptorch_lite.recomputation_checkpoint,
+        doc="checkpoint (recomputationCheckpoint: kept, not recomputed, when recomputation is on)")
+def _recomputation_checkpoint(c, x):
+    return c.one("checkpoint", [x], x.shape, x.dtype)
+
+
+@lowers(torch.ops.poptorch_lite.serialized_matmul, doc="matmul in `factor` pieces (serializedMatMul)")
+def _serialized_matmul(c, a, b, mode, factor, keep_precision):
+    return c.one("matmul", [a, b], a.shape[:-1] + (b.shape[-1],), c.out_dtype(), serialization=str(mode),
+                 factor=int(factor), keep_precision=bool(keep_precision))
 @lowers(torch.ops.poptorch_lite.loss_scale, doc="loss_scale (automatic loss scaling: times the device's loss scale)")
 def _loss_scale(c, x, initial):
     return c.one("loss_scale", [x], x.shape, x.dtype, initial=float(initial))

@@ -17,6 +17,7 @@ from ipusim.device.memory import check_fits
 
 from ..api.enums import ConnectionType, Liveness
 from ..api.multiconv import entered_groups, reset_groups
+from . import recompute
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
@@ -118,8 +119,12 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
     weight-update programs when training (`optimizer` given) and build the Engine (not loaded).
     A schedule with separate weight-gradient ops gets its stages' backwards split in two
-    (`backward_split`)."""
+    (`backward_split`); with recomputation (`recompute`: PopART's autoRecomputation, on by
+    default for pipelined training over several IPUs) the stages that recompute get an R before
+    each B of the schedule."""
     partition_backward(ir, schedule.split_backward)
+    mode = recompute.recomputation_mode(options, placement.schedule_kind, optimizer is not None, stage_ipus)
+    schedule = schedule.with_recomputation(recompute.apply(ir, mode, placement.schedule_kind))
     check_host_io(ir, placement, options)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)

@@ -60,8 +60,8 @@ from ..api import cluster, ctc_decoder
 from ..api.cpu_ops import cpu_op
 from ..api.custom_ops import custom_op
 from ..api.errors import Error
-from ..api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
-                       set_available_memory)
+from ..api.ops import (_recomputation_checkpoint, cond, dynamic_slice, dynamic_update, for_loop, identity_loss,
+                       ipu_print_tensor, nop, serializedMatMul, set_available_memory)
 from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
 from ..api.overlap import overlap_input, overlap_output
 from . import control_flow, library, recurrent
@@ -85,7 +85,8 @@ FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_p
              cluster.fps: library.fps, cluster.nearest: library.nearest, for_loop: control_flow.traced_for_loop,
              cond: control_flow.traced_cond, nop: control_flow.traced_nop,
              dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
-             **recurrent.FUNCTIONS}
+             _recomputation_checkpoint: library.recomputation_checkpoint,
+             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS}
 
 # Device control flow: the bodies are the model's own code, traced under the annotator (their ops
 # annotated, nested loops and branches captured too); inference only, as in PopTorch.

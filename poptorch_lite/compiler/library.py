@@ -9,8 +9,11 @@ lowered to ipusim's CTC ops (:mod:`.aten`).
 
 PopTorch's device ops are identities on the CPU that the capture must keep:
 ``poptorch_lite::print_tensor`` (``ipu_print_tensor``; its gradient is printed by another
-print_tensor in the backward) and ``poptorch_lite::available_memory`` (``set_available_memory``,
-read by the lowering of the matmul or convolution that made its input).
+print_tensor in the backward), ``poptorch_lite::available_memory`` (``set_available_memory``,
+read by the lowering of the matmul or convolution that made its input) and
+``poptorch_lite::recomputation_checkpoint`` (``recomputationCheckpoint``: a value the
+recomputation of a stage starts from, `compiler/recompute.py`). ``serializedMatMul`` is one op,
+``poptorch_lite::serialized_matmul``, whose gradients are serialised products too.
 """
 from __future__ import annotations
 
@@ -108,6 +111,59 @@ def _available_memory_fake(x, proportion):
 available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
 
 
+@torch.library.custom_op("poptorch_lite::recomputation_checkpoint", mutates_args=())
+def recomputation_checkpoint(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@recomputation_checkpoint.register_fake
+def _recomputation_checkpoint_fake(x):
+    return torch.empty_like(x)
+
+
+recomputation_checkpoint.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
+
+
+# The mode splitting each gradient product of a serialised A @ B, for the forward's mode: dA = dC @ B.T
+# and dB = A.T @ dC, split along the same dimension of the problem (PopART's serializeMatMuls).
+GRADIENT_MODES = {"input_channels": ("input_channels", "reducing_dim"),
+                  "reducing_dim": ("output_channels", "input_channels"),
+                  "output_channels": ("reducing_dim", "output_channels")}
+
+
+@torch.library.custom_op("poptorch_lite::serialized_matmul", mutates_args=())
+def serialized_matmul(lhs: torch.Tensor, rhs: torch.Tensor, mode: str, factor: int,
+                      keep_precision: bool) -> torch.Tensor:
+    return torch.mm(lhs, rhs)
+
+
+@serialized_matmul.register_fake
+def _serialized_matmul_fake(lhs, rhs, mode, factor, keep_precision):
+    return lhs.new_empty((lhs.shape[0], rhs.shape[1]))
+
+
+def _serialized_setup(ctx, inputs, output):
+    lhs, rhs, *ctx.attrs = inputs
+    ctx.save_for_backward(lhs, rhs)
+
+
+def _serialized_backward(ctx, grad):
+    lhs, rhs = ctx.saved_tensors
+    mode, factor, keep = ctx.attrs
+    lhs_mode, rhs_mode = GRADIENT_MODES[mode]
+    return (serialized_matmul(grad, rhs.t(), lhs_mode, factor, keep),
+            serialized_matmul(lhs.t(), grad, rhs_mode, factor, keep), None, None, None)
+
+
+serialized_matmul.register_autograd(_serialized_backward, setup_context=_serialized_setup)
+
+
+def functional_serialized_matmul(lhs, rhs, mode: str, factor: int, keep_precision: bool):
+    """``serializedMatMul`` as captured: lhs [..., m, n] folded to a matrix, the serialised
+    product, the result unfolded (its mode and factor checked by the API)."""
+    folded = lhs.reshape(-1, lhs.shape[-1])
+    out = serialized_matmul(folded, rhs, mode, factor, keep_precision)
+    return out.reshape(*lhs.shape[:-1], rhs.shape[-1])
 # ---- PopTorch's CTC beam search decoder and torch_cluster's fps and nearest ------------------------
 @torch.library.custom_op("poptorch_lite::ctc_beam_search_decoder", mutates_args=())
 def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int, beam_width: int,

@@ -1,8 +1,9 @@
 """Lower the IR to ipusim: one program per stage and pass, channels between them, host streams.
 
-The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s), and for
+The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s), for
 the zero-bubble schedules ("wgrad", s), the weight-gradient half of the backward
-(`backward_split`). Each runs on its stage's IPU for one micro-batch. A value made by one stage
+(`backward_split`), and with recomputation ("recompute", s), the forward nodes the backward
+runs again (`recompute`). Each runs on its stage's IPU for one micro-batch. A value made by one stage
 program and used by another travels through a *channel*: after the producer runs for
 micro-batch k, a send program copies the
 values into slot k % S of the consumer's receive buffers (an `InterIpuCopy` between IPUs, an
@@ -13,6 +14,12 @@ slots, is the most micro-batches the schedule ever keeps in flight on that chann
 stashed activations cost exactly what the schedule needs. A value the weight-gradient program
 needs that its input-gradient program also uses comes to it from there (one transfer between
 IPUs, kept on chip until W runs), other values from their producer.
+
+A recomputed stage's recompute program runs right before its backward, in the same step: it
+receives the stash of its forward (the stage's inputs, checkpoints and random seed, which its
+forward receives or makes and sends on), and the backward reads its tensors directly (no
+channel), as well as the values the recompute program received; what the weight-gradient
+program needs of them reaches it from the backward.
 
 Model inputs enter by host streams in the stage programs that use them; model outputs leave by
 host streams in separate programs, run only for the micro-batches whose outputs are returned.
@@ -45,6 +52,7 @@ from .backward_split import WEIGHT_GRADIENT
 from .host_io import io_buffer, overlapped
 from .multiconv import lower_member
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
+from .recompute import RECOMPUTE
 
 
 class CompileError(Error, RuntimeError):
@@ -96,17 +104,18 @@ def stage_key(n: Node) -> tuple:
     return (n.pass_, n.stage)
 
 
-PASS_OF_KIND = {"F": "fwd", "B": "bwd", "W": WEIGHT_GRADIENT}
+PASS_OF_KIND = {"F": "fwd", "B": "bwd", "W": WEIGHT_GRADIENT, "R": RECOMPUTE}
 """The stage program a schedule's op runs: forward, backward (its input-gradient half when the
-backward is split) or weight gradient."""
+backward is split), weight gradient or recompute."""
 
-STASHES = {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT), ("bwd", WEIGHT_GRADIENT)}
-"""(producer pass, consumer pass) of the channels that keep values on a stage's IPU between the
-passes of one micro-batch: the stash."""
+STASHES = {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT), ("bwd", WEIGHT_GRADIENT), ("fwd", RECOMPUTE),
+           (RECOMPUTE, WEIGHT_GRADIENT)}
+"""(producer pass, consumer pass) of the channels that keep values between the passes of one
+micro-batch, on the consumer's IPU: the stash."""
 
 
 def program_key(op) -> tuple:
-    """(pass, stage) of the stage program a schedule op of kind F, B or W runs."""
+    """(pass, stage) of the stage program a schedule op of kind F, B, W or R runs."""
     return (PASS_OF_KIND[op.kind], op.stage)
 
 
@@ -154,6 +163,8 @@ class Lowering:
         self.channels: list[Channel] = []
         self._consts: dict[tuple, ip.Tensor] = {}
         self.seeds: dict[int, ip.Tensor] = {}
+        self.seed_modifiers: dict[Node, int] = {}   # random forward node -> its seed modifier
+        self.recomputed_copies: dict[tuple, list] = {}  # backward key -> copies of what its recompute made
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
         self.host_calls: list[HostCallSite] = []                  # poptorch.CPU ops
@@ -239,6 +250,7 @@ class Lowering:
         producer_key = {v.id: stage_key(n) for n in self.ir.nodes for v in n.outputs}
         producer = {v.id: n for n in self.ir.nodes for v in n.outputs}
         used_by = {(v.id, key) for key, sp in self.stage_programs.items() for n in sp.nodes for v in n.inputs}
+        route = Routes(self.stage_programs, producer_key, used_by, input_index)
         # channels: values crossing from one stage program to another, except views of a weight on
         # the consumer's IPU (a transposed weight the backward reads): the weight does not change
         # between a micro-batch's forward and backward, so the consumer takes the same view of it
@@ -255,6 +267,9 @@ class Lowering:
                             continue
                     if key[0] == WEIGHT_GRADIENT and src is not None and (v.id, ("bwd", key[1])) in used_by:
                         src = ("bwd", key[1])   # a value its B uses too reaches W from B
+                    src = route(v, key, src)
+                    if src == (RECOMPUTE, key[1]) and key[0] == "bwd":
+                        continue    # B reads its recompute program's tensors
                     if src is not None and src != key and v.id not in seen:
                         seen.add(v.id)
                         crossing.setdefault((src, key), []).append(v)
@@ -263,12 +278,34 @@ class Lowering:
             self.channels.append(Channel(src, dst, values, slots[(src, dst)]))
         for ch in self.channels:
             self._make_receive_buffers(ch)
-        rank = {"fwd": 0, "bwd": 1, WEIGHT_GRADIENT: 2}
+        rank = {"fwd": 0, RECOMPUTE: 1, "bwd": 2, WEIGHT_GRADIENT: 3}
         for key in sorted(self.stage_programs, key=lambda k: (k[0] != "fwd", k[1] if k[0] == "fwd" else -k[1],
                                                               rank[k[0]])):
             self._lower_stage(self.stage_programs[key], weight_ids, input_index)
+            if key[0] == RECOMPUTE:
+                self._share_recomputed(key, used_by)
         for ch in self.channels:
             self._make_send(ch)
+
+    def _share_recomputed(self, key: tuple, used_by: set) -> None:
+        """After lowering ("recompute", s): what it received is the backward's too, which runs
+        right after it on the same IPU; what it recomputed and the backward reads, the backward
+        copies first into tensors laid out as a stash's receive buffers (linearly), as it would
+        have received them without recomputation: every op of the backward then has the same
+        plan, and so the same order of sums, as without."""
+        backward = ("bwd", key[1])
+        made = {v.id for n in self.stage_programs[key].nodes for v in n.outputs}
+        g = self.graph(self.stage_programs[key].ipu)
+        for (vid, k), t in list(self.tensors.items()):
+            if k != key or (vid, backward) in self.tensors:
+                continue
+            if vid in made and (vid, backward) in used_by:
+                local = g.addVariable(t.dtype, t.shape, f"{self.prefix}{backward[0]}{backward[1]}/recomputed/{t.name}",
+                                      category="activations", always_live=False)
+                g.map_linearly(local, grain=4, min_elements_per_tile=64)
+                self.recomputed_copies.setdefault(backward, []).append(ip.Copy(t, local))
+                t = local
+            self.tensors[(vid, backward)] = t
 
     def _stash_off_chip(self, ch: Channel) -> bool:
         same_ipu = self.stage_programs[ch.src].ipu == self.stage_programs[ch.dst].ipu
@@ -280,8 +317,7 @@ class Lowering:
         stash) and, when there are several slots or they are off chip, receive programs."""
         dst_ipu = self.stage_programs[ch.dst].ipu
         g = self.graph(dst_ipu)
-        same_ipu = self.stage_programs[ch.src].ipu == dst_ipu
-        category = "stashed_activations" if same_ipu else "activations"
+        category = "stashed_activations" if (ch.src[0], ch.dst[0]) in STASHES else "activations"
         ch.off_chip = self._stash_off_chip(ch)
         ch.buffers = []
         name = f"{self.prefix}{ch.dst[0]}{ch.dst[1]}"
@@ -326,14 +362,19 @@ class Lowering:
         body = ip.Sequence(name=f"{self.prefix}{sp.name}")
         key = sp.key
         ctx = Context(self, g, body)
+        for copy in self.recomputed_copies.get(key, []):
+            body.add(copy)
         # off-chip weights used here come in from Streaming Memory first
         used = {weight_ids[v.id] for n in sp.nodes for v in n.inputs if v.id in weight_ids}
         used |= {weight_ids[chain[0].inputs[0].id] for chain in sp.weight_views.values()}
         for name in sorted(used & set(self.weight_buffers)):
             body.add(ip.RemoteCopy(self.weight_buffers[name], self.weights[name]))
-        # host inputs used by this stage program (overlapped ones through IO tiles: host_io.py)
+        # host inputs used by this stage program (overlapped ones through IO tiles: host_io.py; a
+        # recomputation receives them from its forward's stash)
         prefetch: dict = {}
         for v in {v.id: v for n in sp.nodes for v in n.inputs if v.id in input_index}.values():
+            if (v.id, key) in self.tensors:
+                continue
             name = f"{self.prefix}{sp.name}/input/{v.name}"
             t = g.addVariable(v.dtype, v.shape, name, category="host_io", always_live=False)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
@@ -372,6 +413,7 @@ class Lowering:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
             ctx.name = f"{self.prefix}{sp.name}/{n.scope + '/' if n.scope else ''}{n.op}"
             first, first_var = len(body.programs), len(g.variables)
+            ctx.node, ctx.inputs = n, ins
             outs = self._lower_node(ctx, lower, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
             if self.loss_scaling is not None:
@@ -499,7 +541,8 @@ def attributes_key(attrs) -> object:
 # Op lowerings: (context, node, input tensors) -> output tensors (None for outputs not needed)
 # =========================================================================================
 class Context:
-    """What an op lowering needs: the IPU's graph, the program being built, a name, the seed."""
+    """What an op lowering needs: the IPU's graph, the program being built, a name, the seed, and
+    the node being lowered with its input tensors."""
 
     def __init__(self, lowering: Lowering, graph: ip.Graph, prog: ip.Sequence):
         self.lowering = lowering
@@ -507,10 +550,19 @@ class Context:
         self.prog = prog
         self.name = ""
         self.random_ops = 0
+        self.node: Node | None = None
+        self.inputs: list = []
 
     def seed(self) -> tuple[ip.Tensor, int]:
-        """The seed tensor and a modifier distinct for every random op of this program."""
+        """The seed tensor and a modifier distinct for every random op of this program. A
+        recomputed random op gets what its forward drew with: the seed as the forward's program
+        saw it (its last input, from the stash) and the same modifier, so it draws the same bits."""
+        original = self.node.attrs.get("recomputes") if self.node is not None else None
+        if original is not None:
+            return self.inputs[-1], self.lowering.seed_modifiers[original]
         self.random_ops += 1
+        if self.node is not None:
+            self.lowering.seed_modifiers[self.node] = self.random_ops
         return self.lowering.seed(self.graph.ipu), self.random_ops
 
 
@@ -569,6 +621,21 @@ def _copy(ctx, n, ins):
     return [out]
 
 
+@lowers("checkpoint")
+def _checkpoint(ctx, n, ins):
+    """recomputationCheckpoint: the value itself (recomputation stashes it instead of recomputing it)."""
+    return [ins[0]]
+
+
+@lowers("seed_snapshot")
+def _seed_snapshot(ctx, n, ins):
+    """The IPU's seed as this forward program draws from it, for its recomputation (stashed)."""
+    seed = ctx.lowering.seed(ctx.graph.ipu)
+    out = ctx.graph.clone(seed, ctx.name, category="activations", always_live=False)
+    ctx.prog.add(ip.Copy(seed, out))
+    return [out]
+
+
 @lowers("assign")
 def _assign(ctx, n, ins):
     """A buffer's new value (functionalised in-place update) copied into the buffer."""
@@ -607,7 +674,11 @@ def _memory(a):
 
 @lowers("matmul")
 def _matmul(ctx, n, ins):
-    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(n.attrs))]
+    a = n.attrs
+    if a.get("serialization", "none") != "none":
+        return [mm.serialized_matmul(ctx.graph, ins[0], ins[1], ctx.prog, a["serialization"], a["factor"], ctx.name,
+                                     keep_precision=a["keep_precision"], **_memory(a))]
+    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(a))]
 
 
 def _conv_args(a):
@@ -863,6 +934,8 @@ def _batch_norm(ctx, n, ins):
         return [norm.batch_norm2d_inference(ctx.graph, x, running_mean, running_var, w, b, a["eps"], ctx.prog,
                                             name=ctx.name)]
     y, mean, var, inv_std = norm.batch_norm2d_train(ctx.graph, x, w, b, a["eps"], ctx.prog, name=ctx.name)
+    if "recomputes" in a:   # the forward updated the running statistics already
+        return [y, mean, var, inv_std]
     count = x.numel // x.shape[1]
     norm.update_running_stats(ctx.graph, running_mean, running_var, mean, var, a["momentum"], count, ctx.prog,
                               name=f"{ctx.name}/running_stats")
@@ -922,6 +995,36 @@ def weight_view(v: Value, producer: dict, weight_ids: dict) -> list[Node] | None
         chain.append(n)
         v = n.inputs[0]
     return chain[::-1] or None
+
+
+class Routes:
+    """Where a stage program of a recomputed stage takes an input from, when not from its
+    producer: its recompute program takes from the stage's forward whatever it did not make
+    (the forward received or made it, and stashes it); its backward takes from the recompute
+    program what that holds (made or received), and its weight gradient takes that from the
+    backward (from the recompute program when the stage's backward is all weight gradient); a
+    value of another stage's forward that this stage's forward received comes from there (one
+    transfer between IPUs)."""
+
+    def __init__(self, programs: dict, producer_key: dict, used_by: set, input_index: dict):
+        self.recomputed = {k[1] for k in programs if k[0] == RECOMPUTE}
+        self.backwards = {k[1] for k in programs if k[0] == "bwd"}
+        self.producer_key, self.used_by, self.input_index = producer_key, used_by, input_index
+
+    def __call__(self, v: Value, key: tuple, src: tuple | None) -> tuple | None:
+        pass_, s = key
+        if s not in self.recomputed or pass_ == "fwd":
+            return src
+        forward, recompute = ("fwd", s), (RECOMPUTE, s)
+        if pass_ == RECOMPUTE:
+            if src == key or (src is None and v.id not in self.input_index):
+                return src
+            return forward
+        if self.producer_key.get(v.id) == recompute or (v.id, recompute) in self.used_by:
+            return recompute if pass_ == "bwd" or s not in self.backwards else ("bwd", s)
+        if src is not None and src[0] == "fwd" and src[1] != s and (v.id, forward) in self.used_by:
+            return forward
+        return src
 
 
 def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, int]:

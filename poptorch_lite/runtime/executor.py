@@ -642,8 +642,9 @@ class PoplarExecutor:
         return _execute(exe.engine, op, self._op_runs(exe, op)[2], report)
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
-        """Each step: every IPU runs its op (on host threads, see step_threads), then the channel
-        copies; the step lasts as long as its busiest IPU. The programs, their order and their
+        """Each step: every IPU runs its op (on host threads, see step_threads; an IPU that
+        recomputes runs its R and then its B), then the channel copies; the step lasts as long
+        as its busiest IPU. The programs, their order and their
         cycles are fixed when the model is compiled, so the record of a call is the same on every
         call: the first call makes it, the others reuse it (unless a program branches on device
         data or a profiler wants each call's reports)."""
@@ -654,8 +655,9 @@ class PoplarExecutor:
         start = time.perf_counter()
         with exe.engine.running(threads):  # one setting of the kernel and BLAS threads for the whole call
             for t, step in enumerate(exe.schedule.steps):
-                if team is not None and len(step.ops) > 1:
-                    parts = team.map(lambda op: self._run_op(exe, op, not reuse), step.ops)
+                per_ipu = step.by_ipu()
+                if team is not None and len(per_ipu) > 1:
+                    parts = team.map(lambda ops: [e for op in ops for e in self._run_op(exe, op, not reuse)], per_ipu)
                 else:
                     parts = [self._run_op(exe, op, not reuse) for op in step.ops]
                 sends = [self._send(exe, op, not reuse) for op in step.ops]

@@ -153,11 +153,15 @@ def model_profile(executor, name: str) -> ipprofile.StaticProfile:
 # =========================================================================================
 # Re-lowering (same model, another split or target, compiled but not run)
 # =========================================================================================
-def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, replicas: int = 1):
+def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, replicas: int = 1, *,
+               recompute: bool = True):
     """The model lowered with its blocks on the given stages (stage s on IPU s) for `target`,
     compiled without checking memory and without loading: static costs and memory only.
-    Mirrors the executor's compile step."""
+    Mirrors the executor's compile step; without `recompute`, with autoRecomputation off."""
     exe, opts = executor._executable, executor.options
+    if not recompute:
+        opts = opts.clone()
+        opts._Popart.set("autoRecomputation", 0)
     num_stages = 1 + max(stage_of_block.values())
     ir = copy.deepcopy(exe.ir)
     for n in ir.nodes:
@@ -218,7 +222,9 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
 
 def block_table(executor) -> advisor.BlockTable:
     """The advisor's block table of a compiled model: the stage programs themselves when each
-    stage holds one block on its own IPU, else the model lowered with one block per stage."""
+    stage holds one block on its own IPU, else the model lowered with one block per stage. The
+    table describes the blocks without recomputation (the advisor recomputes the stages of each
+    split it weighs as the pipeline does): a model that recomputes is lowered again without."""
     exe = executor._executable
     placement = exe.placement
     order = block_order(placement)
@@ -227,10 +233,12 @@ def block_table(executor) -> advisor.BlockTable:
     split = [sum(1 for _, s in order if s == k) for k in range(placement.num_stages)] if identity else None
     if split is not None and 0 in split:
         split = None
-    if identity and len(names) == placement.num_stages and exe.replicas == 1:
+    recomputes = bool(exe.schedule.recomputed_stages)
+    if identity and len(names) == placement.num_stages and exe.replicas == 1 and not recomputes:
         return _table(exe, names, split, "stage programs")
-    per_block = _relowered(executor, {b: i for i, b in enumerate(names)}, exe.engine.target)
-    return _table(per_block, names, split, "model lowered with one block per stage")
+    per_block = _relowered(executor, {b: i for i, b in enumerate(names)}, exe.engine.target, recompute=False)
+    return _table(per_block, names, split, "model lowered with one block per stage"
+                  + (" without recomputation" if recomputes else ""))
 
 
 def advice_text(doc: dict) -> str:
