@@ -59,7 +59,8 @@ def main() -> None:
         r = runs[-1]
         rows.append((name, statistics.median(x["seconds"] for x in runs), statistics.median(x["cpu_seconds"] for x in runs),
                      max(x["peak_mb"] for x in runs), r))
-        print(f"{name}: {', '.join(f'{x['seconds']:.1f} s ({x['cpu_seconds']:.1f} s CPU)' for x in runs)}; "
+        times = ", ".join(f"{x['seconds']:.1f} s ({x['cpu_seconds']:.1f} s CPU)" for x in runs)
+        print(f"{name}: {times}; "
               f"peak {max(x['peak_mb'] for x in runs):,.0f} MB", file=sys.stderr, flush=True)
         if args.show:
             print(r["text"], file=sys.stderr)
