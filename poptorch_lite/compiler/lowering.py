@@ -478,7 +478,12 @@ class Lowering:
         input structure made again for these tensors (a model's repeated layers plan once)."""
         if n.op in VIEW_OPS or n.op in UNREPLAYED or "multiconv" in n.attrs:
             return lower(ctx, n, ins)
-        key = (n.op, attributes_key(n.attrs), tuple((v.dtype, tuple(v.shape)) for v in n.outputs),
+        original = n.attrs.get("recomputes")
+        if original in self.seed_modifiers:   # a recomputed random op: its forward's seed modifier
+            return lower(ctx, n, ins)
+        # a recomputed op plans as the op it repeats: the node it names is not part of its structure
+        attrs = {k: v for k, v in n.attrs.items() if k != "recomputes"} if original is not None else n.attrs
+        key = (n.op, attributes_key(attrs), tuple((v.dtype, tuple(v.shape)) for v in n.outputs),
                replay.signature(ins))
         template = self.templates.get(key)
         if template is not None:
