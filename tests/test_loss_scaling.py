@@ -97,6 +97,31 @@ def test_the_update_divides_by_the_scale_the_gradients_had():
         torch.testing.assert_close(model.w.detach(), (1 - 0.125 * step * x.float()).half())
 
 
+@pytest.mark.parametrize("optimizer_class", [poptorch.optim.SGD, poptorch.optim.Adam])
+def test_a_new_optimizers_loss_scaling_applies_from_the_next_call(optimizer_class):
+    """loss_scaling is a variable hyperparameter, as in PopTorch: the gradient seed reads it from
+    the device, so setOptimizer changes it without compiling again and the weights move as the
+    unscaled optimiser says whatever the scale."""
+    torch.manual_seed(0)
+    model, reference = Net(), Net()
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    training = poptorch.trainingModel(model, poptorch.Options(), optimizer_class(model.parameters(), lr=0.01))
+    eager = optimizer_class(reference.parameters(), lr=0.01)
+    executables = set()
+    for scale in (1.0, 128.0, 0.25):
+        training.setOptimizer(optimizer_class(model.parameters(), lr=0.01, loss_scaling=scale))
+        training(x, y)
+        executables.add(id(training._executable))
+        eager.zero_grad()
+        reference(x, y)[1].backward()
+        eager.step()
+    training.copyWeightsToHost()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(executables) == 1   # compiled once
+
+
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -197,6 +197,8 @@ class MatMulSerializationMode(enum.Enum):
     ReducingDim = "reducing_dim"
     OutputChannels = "output_channels"
     Disabled = "none"
+
+
 class VariableRetrievalMode(_Enum):
     """Which replicas' values of a grouped variable reach the host.
 

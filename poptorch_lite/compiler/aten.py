@@ -1625,7 +1625,10 @@ def _recomputation_checkpoint(c, x):
 def _serialized_matmul(c, a, b, mode, factor, keep_precision):
     return c.one("matmul", [a, b], a.shape[:-1] + (b.shape[-1],), c.out_dtype(), serialization=str(mode),
                  factor=int(factor), keep_precision=bool(keep_precision))
-@lowers(torch.ops.poptorch_lite.loss_scale, doc="loss_scale (automatic loss scaling: times the device's loss scale)")
+
+
+@lowers(torch.ops.poptorch_lite.loss_scale, doc="loss_scale (the gradient seed times the device's loss scale: the "
+                                                   "optimiser's loss_scaling, or automatic loss scaling's)")
 def _loss_scale(c, x, initial):
     return c.one("loss_scale", [x], x.shape, x.dtype, initial=float(initial))
 

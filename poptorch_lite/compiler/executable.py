@@ -102,7 +102,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
-                              device_loss_scale=training and automatic_loss_scaling(options) is not None,
+                              device_loss_scale=training,
                               downcast_to_half=options.Precision.downcasts_to_half, per_replica=grouped,
                               source_excludes=options.source_location_excludes)
     finally:
@@ -136,7 +136,7 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     locations = tensor_locations(options, placement)
     templates: dict = {}  # op templates shared by the replicas' lowerings (ipusim.device.replay)
     als = automatic_loss_scaling(options) if optimizer is not None else None
-    scaling = LossScaling(als, loss_scaling(optimizer)) if als is not None else None
+    scaling = LossScaling(als, loss_scaling(optimizer)) if optimizer is not None else None
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
@@ -148,7 +148,8 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     updates = build_updates(lowerings, optimizer, options, named_weights, variable_groups or {}) \
         if optimizer is not None else UpdatePlan()
     if scaling is not None:
-        scaling.build(lowerings, updates.configs)
+        if scaling.automatic:
+            scaling.build(lowerings, updates.configs)
         updates.loss_scaling = scaling
     engine = ip.Engine(device, programs, mode=engine_mode(options), check_memory=check_memory)
     return Executable(lowerings, engine, schedule, ir, placement, updates)

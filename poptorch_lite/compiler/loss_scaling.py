@@ -1,6 +1,10 @@
-"""Automatic loss scaling (`Options.Training.setAutomaticLossScaling(True)`), as PopART's
-automatic loss scaling transform does it.
+"""The loss scale of a training model, and automatic loss scaling
+(`Options.Training.setAutomaticLossScaling(True)`) as PopART's automatic loss scaling transform
+does it.
 
+- The optimiser's `loss_scaling` is a variable hyperparameter, as in PopTorch: the gradient seed
+  reads it from the device, so `setOptimizer` with another `loss_scaling` takes effect at the next
+  call without compiling again.
 - The gradient seed is the loss times the loss scale held in a device tensor (`loss_scale`, one
   per replica on the IPU of the loss; library op `poptorch_lite::loss_scale`), starting at the
   optimiser's `loss_scaling`; the optimisers divide by the same scale (their `loss_scaling`
@@ -80,9 +84,10 @@ def automatic_loss_scaling(options) -> Settings | None:
 
 
 class LossScaling:
-    """The device side of automatic loss scaling for one executable (all replicas)."""
+    """The device side of the loss scale of one training executable (all replicas): the scale
+    tensors, and with `settings` (automatic loss scaling) the statistics and the update program."""
 
-    def __init__(self, settings: Settings, initial: float):
+    def __init__(self, settings: Settings | None, initial: float):
         self.settings = settings
         self.initial = float(initial)            # the optimiser's loss_scaling when compiled
         self._scales: dict[int, ip.Tensor] = {}  # replica -> its loss-scale tensor (float32 scalar)
@@ -92,6 +97,11 @@ class LossScaling:
         self.counter: ip.Tensor | None = None
         self.program = -1                        # engine program run after a group's weight update
         self.tracked = 0
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the scale changes itself (automatic loss scaling)."""
+        return self.settings is not None
 
     # ---- lowering hooks -------------------------------------------------------------------------
     @property
@@ -110,7 +120,7 @@ class LossScaling:
 
     def tracks(self, node) -> bool:
         """Whether the statistics count this backward node's float16 results."""
-        if node.pass_ == "fwd" or node.op in VIEW_OPS:
+        if not self.automatic or node.pass_ == "fwd" or node.op in VIEW_OPS:
             return False
         if self.settings.tracking == 1:
             return node.op in CONV_AND_MATMUL
@@ -201,8 +211,9 @@ class LossScaling:
     # ---- host side ------------------------------------------------------------------------------
     def initialise(self, engine: ip.Engine) -> None:
         """Factor 1, loss scale = the optimiser's, no statistics, first update in a window."""
-        engine.writeTensor(self.factor, [1.0])
-        engine.writeTensor(self.counter, [0.0])
+        if self.automatic:
+            engine.writeTensor(self.factor, [1.0])
+            engine.writeTensor(self.counter, [0.0])
         for t in self.scales:
             engine.writeTensor(t, [self.initial])
         for s in self.stats.values():
@@ -211,6 +222,9 @@ class LossScaling:
             engine.writeTensor(flag, [True])
 
     def update_factor(self, engine: ip.Engine) -> float:
+        """The product of automatic loss scaling's changes so far (1 without it)."""
+        if not self.automatic:
+            return 1.0
         return float(engine.readTensor(self.factor).reshape(-1)[0])
 
     def loss_scale(self, engine: ip.Engine) -> float:
@@ -225,6 +239,8 @@ class LossScaling:
         self.initial = float(initial)
         for t in self.scales:
             engine.writeTensor(t, [self.initial * factor])
+        if not self.automatic:
+            return
         for _, cfg in configs:
             for g in engine.device.graphs:
                 h = cfg.hyper_on(g)

@@ -143,7 +143,7 @@ class Lowering:
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
-        self.loss_scaling = loss_scaling    # automatic loss scaling (compiler/loss_scaling.py), or None
+        self.loss_scaling = loss_scaling    # the loss scale of training (compiler/loss_scaling.py), or None
         self.device = device
         self.target = device.target
         self.programs = programs
@@ -754,7 +754,8 @@ def _nearest(ctx, n, ins):
 
 @lowers("loss_scale")
 def _loss_scale(ctx, n, ins):
-    """The gradient seed times the replica's loss-scale tensor (automatic loss scaling)."""
+    """The gradient seed times the replica's loss-scale tensor (the optimiser's loss_scaling, or
+    automatic loss scaling's)."""
     scale = ctx.lowering.loss_scaling.scale(ctx.lowering, ctx.graph)
     x = ins[0]
     factor = scale if x.dtype == scale.dtype else ew.cast(ctx.graph, scale, x.dtype, ctx.prog, f"{ctx.name}/scale")

@@ -86,8 +86,12 @@ class UpdatePlan:
         self.states: dict[str, list[tuple[dev.Optimiser, ip.Tensor]]] = {}
         self.state_buffers: dict[int, ip.RemoteBuffer] = {}  # state tensor variable id -> its Streaming Memory
         self.sharded: set[str] = set()      # weights whose optimiser state is sharded over the replicas
-        self.loss_scaling = None            # automatic loss scaling (compiler/loss_scaling.py), or None
+        self.loss_scaling = None            # the device's loss scale (compiler/loss_scaling.py), or None
         self.grouped: dict[str, list[int]] = {}   # per-replica variable -> the replica of each host slice
+
+    @property
+    def automatic_loss_scaling(self) -> bool:
+        return self.loss_scaling is not None and self.loss_scaling.automatic
 
 
 def _param_groups(optimizer, named_params: dict) -> dict[str, int]:

@@ -380,11 +380,12 @@ class PoplarExecutor:
         trained = set(executable.lowering.accumulators) if self._training else set()
         dtypes = {name: w.dtype for name, w in self._named_weights().items()}
         self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes,
-                                        scaled=executable.updates.loss_scaling is not None)
+                                        scaled=executable.updates.automatic_loss_scaling)
         self._is_attached = True
         self.copyWeightsToDevice()
         scaling = executable.updates.loss_scaling
-        self._loss_scaling_steps = group_ends(executable.schedule) if scaling is not None else set()
+        self._loss_scaling_steps = group_ends(executable.schedule) if executable.updates.automatic_loss_scaling \
+            else set()
         if scaling is not None:
             scaling.initialise(executable.engine)
 
@@ -753,7 +754,7 @@ class PoplarExecutor:
             if p is not None and p._executable is not None:
                 read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
             out = original(opt_self)
-            if p is not None and p._executable is not None and p._executable.updates.loss_scaling is not None:
+            if p is not None and p._executable is not None and p._executable.updates.automatic_loss_scaling:
                 out["ipu_state"] = p._executable.updates.loss_scaling.ipu_state(p._executable.engine)
             return out
 
