@@ -386,7 +386,7 @@ class PoplarExecutor:
         scaling = executable.updates.loss_scaling
         self._loss_scaling_steps = group_ends(executable.schedule) if executable.updates.automatic_loss_scaling \
             else set()
-        if scaling is not None:
+        if scaling is not None and not self._pricing:   # estimate mode: no device values to set
             scaling.initialise(executable.engine)
 
     # ---- host <-> device ----------------------------------------------------------------------
