@@ -8,6 +8,8 @@ The model, superstep by superstep (BSP):
 - `InterIpuCopy`: link time at the IPU-Link rate (with PopLibs' efficiency) plus a global sync;
   the links are full duplex, so copies in a `Parallel` where an IPU sends one and receives another
   overlap (the IPU is busy as long as the longer).
+- `CrossReplicaCopy`: one ring step among replicas priced once (estimate mode): the link time of
+  an inter-IPU copy (IPU-Links, or GW-Links out of the IPU-Link domain) plus a global sync.
 - `StreamCopy`: host link time (PCIe) plus latency and a global sync.
 - `RemoteCopy`: Streaming Memory time at the target's streaming bandwidth plus an internal sync
   (counted with host I/O).
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .program import (Copy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteCopy, Repeat,
+from .program import (Copy, CrossReplicaCopy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteCopy, Repeat,
                       Sequence, StreamCopy, Sync)
 from .target import Target
 from .mapping import TileMap, distinct_exchange, union_length
@@ -84,7 +86,25 @@ def overlapped(parts: list[dict[int, Cycles]]) -> dict[int, Cycles]:
     return out
 
 
+_EXCHANGES: dict = {}   # (structure of src, of dst, target) -> exchange_cycles: a model's repeated copies
+_EXCHANGES_KEPT = 1 << 14
+
+
 def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]:
+    """(cycles, bytes received across tiles) of an on-chip copy from src to dst, the same for every
+    copy between views of the same structure (the stash slots of every micro-batch, the receive
+    buffers of repeated layers): remembered by that structure (`replay.tensor_signature`)."""
+    from .replay import tensor_signature
+    key = (tensor_signature(src), tensor_signature(dst), target)
+    found = _EXCHANGES.get(key)
+    if found is None:
+        if len(_EXCHANGES) >= _EXCHANGES_KEPT:
+            _EXCHANGES.clear()
+        found = _EXCHANGES[key] = _exchange_cycles(src, dst, target)
+    return found
+
+
+def _exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]:
     """(cycles, bytes received across tiles) of an on-chip copy from src to dst.
 
     The exchange takes as long as its busiest tile: the most bytes a tile receives, or sends.
@@ -95,7 +115,17 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     """
     n = target.total_tiles
     dst_map = dst.tile_map()
-    if src.distinct and src.blocks is None and src.var.mapping.mapped and dst_map.mapped:
+    if src.strided and src.numel > 1 and not any(src.strides) and dst_map.mapped:
+        # one element to every position (a broadcast scalar): its tile sends it once, every other
+        # tile receives its positions, in work per run of the destination's map
+        recv = dst_map.counts(n).astype(np.int64)
+        tile = int(src.var.mapping.at(np.array([src.offset]))[0])
+        local = np.zeros(n, np.int64)
+        local[tile], recv[tile] = recv[tile], 0
+        sent = np.zeros(n, np.int64)
+        sent[tile] = int(recv.any())
+        moved_total = int(recv.sum())
+    elif src.distinct and src.blocks is None and src.var.mapping.mapped and dst_map.mapped:
         # every element sent once: one walk over the runs
         starts, lengths = src.runs()
         m = src.var.mapping
@@ -207,13 +237,29 @@ def _sum_by(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return keys[first], np.add.reduceat(values[order], first).astype(np.int64) if first.size else np.zeros(0, np.int64)
 
 
-def estimate(program: Program, target: Target, num_ipus: int, memo: dict | None = None) -> Cost:
-    """Static cost of a program node (cached per node in `memo`, keyed by id)."""
+def estimate(program: Program, target: Target, num_ipus: int, memo: dict | None = None,
+             sync_ipus: int | None = None) -> Cost:
+    """Static cost of a program node (cached per node in `memo`, keyed by id). Global syncs span
+    `sync_ipus` IPUs (default `num_ipus`; more when the device stands for several replicas)."""
     memo = {} if memo is None else memo
+    return _cached(program, target, num_ipus, memo, target.global_sync_cycles(sync_ipus or num_ipus))
+
+
+def _cached(program: Program, target: Target, num_ipus: int, memo: dict, gsync: int) -> Cost:
     key = id(program)
     if key in memo:
         return memo[key][1]
-    cost = _estimate(program, target, num_ipus, memo)
+    twin = getattr(program, "twin", None)
+    if twin is not None:  # a copy of another op's node (replay): its cost, on its own IPU
+        node, was, now = twin
+        cost = _cached(node, target, num_ipus, memo, gsync)
+        for c in program.children():  # every node has its cost, as profiles list them
+            _cached(c, target, num_ipus, memo, gsync)
+        if was != now:
+            cost = Cost(cost.total, {now if i == was else i: c for i, c in cost.per_ipu.items()}, cost.exchange_bytes,
+                        cost.inter_ipu_bytes, cost.host_bytes)
+    else:
+        cost = _estimate(program, target, num_ipus, memo, gsync)
     memo[key] = (program, cost)  # keep the node alive so its id stays unique
     return cost
 
@@ -222,9 +268,8 @@ def _leaf(ipus, total: int, kind: str, **bytes_) -> Cost:
     return Cost(total, {i: Cycles(**{kind: total}) for i in ipus}, **bytes_)
 
 
-def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
+def _estimate(p: Program, target: Target, num_ipus: int, memo: dict, gsync: int) -> Cost:
     sync = target.sync_cycles
-    gsync = target.global_sync_cycles(num_ipus)
     if isinstance(p, Execute):
         compute = int(p.compute_set.tile_cycles(target).max(initial=0))
         return Cost(compute + sync, {p.compute_set.ipu: Cycles(compute=compute, sync=sync)})
@@ -235,6 +280,9 @@ def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
         cyc = target.inter_ipu_cycles(p.src.nbytes)
         return Cost(cyc + gsync, {i: Cycles(inter_ipu=cyc, sync=gsync) for i in (p.src.ipu, p.dst.ipu)},
                     inter_ipu_bytes=p.src.nbytes)
+    if isinstance(p, CrossReplicaCopy):
+        cyc = (target.gw_link_cycles if p.gw_link else target.inter_ipu_cycles)(p.src.nbytes)
+        return Cost(cyc + gsync, {p.src.ipu: Cycles(inter_ipu=cyc, sync=gsync)}, inter_ipu_bytes=p.src.nbytes)
     if isinstance(p, StreamCopy):
         cyc = target.host_cycles(p.tensor.nbytes)
         return Cost(cyc + gsync, {p.tensor.ipu: Cycles(host=cyc, sync=gsync)}, host_bytes=p.tensor.nbytes)
@@ -247,14 +295,14 @@ def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
         return _leaf(ipus, cyc, "sync")
     if isinstance(p, Repeat):
         out = Cost()
-        out.add(estimate(p.body, target, num_ipus, memo), p.count)
+        out.add(_cached(p.body, target, num_ipus, memo, gsync), p.count)
         return out
     if isinstance(p, If):
         # Static worst case; the Engine charges the branch it actually runs.
-        a, b = (estimate(c, target, num_ipus, memo) for c in (p.then, p.else_))
+        a, b = (_cached(c, target, num_ipus, memo, gsync) for c in (p.then, p.else_))
         return a if a.total >= b.total else b
     if isinstance(p, Parallel):
-        parts = [estimate(c, target, num_ipus, memo) for c in p.programs]
+        parts = [_cached(c, target, num_ipus, memo, gsync) for c in p.programs]
         out = Cost(max((c.total for c in parts), default=0), overlapped([c.per_ipu for c in parts]))
         for c in parts:
             out.exchange_bytes += c.exchange_bytes
@@ -264,6 +312,6 @@ def _estimate(p: Program, target: Target, num_ipus: int, memo: dict) -> Cost:
     if isinstance(p, (Sequence, OpProgram)):
         out = Cost()
         for c in p.children():
-            out.add(estimate(c, target, num_ipus, memo))
+            out.add(_cached(c, target, num_ipus, memo, gsync))
         return out
     raise TypeError(f"cannot estimate cycles of {type(p).__name__}")

@@ -12,6 +12,10 @@ Modes (same program, same cycles and memory, different host work):
   vertex by vertex, each from its own tile's memory.
 - "fast": variable-major memory; an op's program runs as the op's whole-tensor kernel and its
   internal exchanges are accounted, not copied; other programs run as in strict mode.
+- "estimate": no tile memory and no host calls: a run charges each program's static cycles
+  (the same figures as the other modes) and computes no values, so shapes alone answer how much
+  memory and how many cycles a program takes. Reading or writing a tensor is an error; an If
+  charges its costlier branch (it cannot look at device data).
 
 Profiling (`profile_dir=DIR`): every run is recorded with the program nodes it executed, and
 DIR receives profile.json, trace.json and charts when the engine is closed or collected, or at
@@ -38,7 +42,11 @@ from .program import (Copy, DataStream, Execute, If, InterIpuCopy, OpProgram, Pa
                       RemoteCopy, Repeat, Sequence, StreamCopy, Sync, walk)
 from .tensor import Tensor, run_start
 
-MODES = ("strict", "fast")
+MODES = ("strict", "fast", "estimate")
+
+
+class EstimateModeError(RuntimeError):
+    """A tensor value was asked of an engine in estimate mode, which holds none."""
 
 
 @dataclass
@@ -67,7 +75,7 @@ class Engine:
                  check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None,
                  profile_dir: str | None = None):
         if mode not in MODES:
-            raise ValueError(f"unknown engine mode {mode!r}; use 'fast' or 'strict'")
+            raise ValueError(f"unknown engine mode {mode!r}; use 'fast', 'strict' or 'estimate'")
         self.device = Device.of(graph)
         self.target = self.device.target
         self.programs = [programs] if isinstance(programs, Program) else list(programs)
@@ -76,7 +84,11 @@ class Engine:
         if check_memory:
             check_fits(self.memory)
         self._costs: dict = {}
-        self.costs = [estimate(p, self.target, self.device.num_ipus, self._costs) for p in self.programs]
+        self.costs = [estimate(p, self.target, self.device.num_ipus, self._costs, self.device.sync_ipus)
+                      for p in self.programs]
+        if self.device.replicas > 1 and mode != "estimate":
+            raise ValueError(f"this device stands for {self.device.replicas} replicas it does not hold: it can only be "
+                             "priced (mode='estimate'); build every replica's IPUs to run it")
         self.host_state(threads)
         # Threads inside one kernel call. Kernels are small (one compute set, one op); on a
         # loaded or small machine the synchronisation of a parallel region costs more than the
@@ -91,6 +103,7 @@ class Engine:
         """Fresh HOST_STATE: no memory (load() makes it), no connected streams, no record, and a
         pool of `threads` host threads for Parallel programs."""
         self.mem = None
+        self.loaded = False
         self._plans: dict[int, object] = {}
         self._steps: list[list | None] = []
         self._streams: dict[tuple[int, str], object] = {}
@@ -104,6 +117,10 @@ class Engine:
 
     # ---- loading --------------------------------------------------------------------------
     def load(self) -> "Engine":
+        self.loaded = True
+        if self.mode == "estimate":  # no storage, nothing to plan: every program charges its static cost
+            self._plans, self._steps = {}, [[] for _ in self.programs]
+            return self
         from .storage import DeviceMemory
         self.mem = DeviceMemory(self.device, self.mode, self._op_internal())
         self._plans = {}
@@ -188,25 +205,31 @@ class Engine:
         return None
 
     def _require_loaded(self):
-        if self.mem is None:
+        if not self.loaded:
             raise RuntimeError("the engine is not loaded: call engine.load() before running or "
                                "reading and writing tensors")
 
+    def _require_values(self, what: str):
+        self._require_loaded()
+        if self.mode == "estimate":
+            raise EstimateModeError(f"{what}: an engine in estimate mode computes no values and holds no tensor "
+                                    "storage; use mode='fast' or 'strict' to run with values")
+
     # ---- host access ----------------------------------------------------------------------
     def readTensor(self, t: Tensor) -> np.ndarray:
-        self._require_loaded()
+        self._require_values("readTensor")
         return np.array(self.mem.read(t), copy=True)
 
     def writeTensor(self, t: Tensor, values) -> None:
-        self._require_loaded()
+        self._require_values("writeTensor")
         self.mem.write(t, np.asarray(values).astype(t.dtype, copy=False))
 
     def readRemoteBuffer(self, buffer: RemoteBuffer, slot: int = 0) -> np.ndarray:
-        self._require_loaded()
+        self._require_values("readRemoteBuffer")
         return self.mem[buffer.ipu].remote[buffer.name][slot].reshape(buffer.shape).copy()
 
     def writeRemoteBuffer(self, buffer: RemoteBuffer, values, slot: int = 0) -> None:
-        self._require_loaded()
+        self._require_values("writeRemoteBuffer")
         self.mem[buffer.ipu].remote[buffer.name][slot] = np.asarray(values, dtype=buffer.dtype).reshape(-1)
 
     def connectStream(self, name: str, data, ipu: int | None = None) -> None:
@@ -304,7 +327,9 @@ class Engine:
         return self._costs[id(node)][1]
 
     def _run(self, p: Program, report: RunReport) -> None:
-        if isinstance(p, Sequence):
+        if self.mode == "estimate":
+            self._charge(p, report)
+        elif isinstance(p, Sequence):
             for c in p.programs:
                 self._run(c, report)
         elif isinstance(p, OpProgram):
@@ -338,6 +363,20 @@ class Engine:
             report.charge(self.cost(p), p)
         else:
             raise TypeError(f"cannot run {type(p).__name__}")
+
+    def _charge(self, p: Program, report: RunReport) -> None:
+        """Estimate mode's walk (a profiled run): every leaf charged as a run charges it, nothing run;
+        an If is one leaf at its static (costlier branch) cost."""
+        if isinstance(p, Sequence):
+            for c in p.programs:
+                self._charge(c, report)
+        elif isinstance(p, Repeat):
+            for _ in range(p.count):
+                self._charge(p.body, report)
+        elif isinstance(p, Parallel):
+            self._run_parallel(p, report)
+        else:
+            report.charge(self.cost(p), p)
 
     def _run_parallel(self, p: Parallel, report: RunReport) -> None:
         parts = [RunReport(nodes=None if report.nodes is None else []) for _ in p.programs]

@@ -27,6 +27,7 @@ class Graph:
         self.streams: dict[str, DataStream] = {}
         self.remote_buffers: dict[str, RemoteBuffer] = {}
         self._names: dict[str, int] = {}
+        self._recording: list | None = None   # replay.record: what the graph makes, in order
 
     def _unique(self, name: str) -> str:
         n = self._names.get(name, 0)
@@ -41,6 +42,8 @@ class Graph:
             raise ValueError(f"variable {name!r}: negative dimension in shape {shape}")
         var = Variable(self._unique(name), as_dtype(dtype), shape, self.ipu, always_live, category)
         self.variables.append(var)
+        if self._recording is not None:
+            self._recording.append(var)
         return Tensor(var)
 
     def clone(self, t: Tensor, name: str | None = None, *, dtype=None, category: str | None = None,
@@ -136,6 +139,8 @@ class Graph:
     def addComputeSet(self, name: str = "cs") -> ComputeSet:
         cs = ComputeSet(self._unique(name), self.ipu)
         self.compute_sets.append(cs)
+        if self._recording is not None:
+            self._recording.append(cs)
         return cs
 
     def addVertex(self, cs: ComputeSet, vertex_type: VertexType, tile: int, fields: dict,
@@ -173,6 +178,8 @@ class Graph:
             raise ValueError(f"a stream named {name!r} already exists on IPU {self.ipu}")
         s = DataStream(name, as_dtype(dtype), tuple(shape), self.ipu, direction)
         self.streams[name] = s
+        if self._recording is not None:
+            self._recording.append(None)   # a host stream: what made it cannot be replayed
         return s
 
     def addRemoteBuffer(self, name: str, dtype, shape, repeats: int = 1) -> RemoteBuffer:
@@ -183,6 +190,8 @@ class Graph:
             raise ValueError(f"remote buffer {name!r} needs at least one slot, got repeats={repeats}")
         b = RemoteBuffer(name, as_dtype(dtype), tuple(shape), self.ipu, int(repeats))
         self.remote_buffers[name] = b
+        if self._recording is not None:
+            self._recording.append(None)   # a remote buffer: what made it cannot be replayed
         return b
 
     def addHostToDeviceFIFO(self, name: str, dtype, shape) -> DataStream:
@@ -193,13 +202,25 @@ class Graph:
 
 
 class Device:
-    """Several IPUs of one target, each with its own graph and tile memory."""
+    """Several IPUs of one target, each with its own graph and tile memory.
 
-    def __init__(self, target: Target = GC200, num_ipus: int = 1):
+    `replicas` > 1: the IPUs are one replica standing for that many identical ones, as an estimate
+    prices them (the Engine in estimate mode): global syncs span every replica's IPUs and
+    `CrossReplicaCopy` reaches the neighbouring replica; nothing can run with values."""
+
+    def __init__(self, target: Target = GC200, num_ipus: int = 1, replicas: int = 1):
         if num_ipus < 1:
             raise ValueError(f"a device needs at least one IPU, got {num_ipus}")
+        if replicas < 1:
+            raise ValueError(f"a device stands for at least one replica, got {replicas}")
         self.target = target
+        self.replicas = int(replicas)
         self.graphs = [Graph(target, i, self) for i in range(num_ipus)]
+
+    @property
+    def sync_ipus(self) -> int:
+        """The IPUs a global sync spans: every replica's."""
+        return self.num_ipus * getattr(self, "replicas", 1)
 
     @classmethod
     def of(cls, graph_or_device) -> "Device":
@@ -208,7 +229,7 @@ class Device:
         g = graph_or_device
         if g.device is None:
             g.device = dev = cls.__new__(cls)
-            dev.target, dev.graphs = g.target, [g]
+            dev.target, dev.graphs, dev.replicas = g.target, [g], 1
         return g.device
 
     @property

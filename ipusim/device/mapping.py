@@ -13,6 +13,8 @@ where the tile changes.
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from numba import njit
 
@@ -61,7 +63,7 @@ class TileMap:
     """The tiles of `size` consecutive elements, as runs (see the module doc). Immutable: the
     methods that change a mapping return a new map."""
 
-    __slots__ = ("size", "starts", "tiles")
+    __slots__ = ("size", "starts", "tiles", "_digest")
 
     def __init__(self, size: int, starts=None, tiles=None):
         """A map of `size` elements with runs beginning at `starts` (increasing, the first 0)
@@ -82,6 +84,18 @@ class TileMap:
             new[1:] = tiles[1:] != tiles[:-1]
             starts, tiles = starts[new], tiles[new]
         self.starts, self.tiles = starts, tiles
+        self._digest = None
+
+    @property
+    def digest(self) -> bytes:
+        """A digest of the runs: equal maps have equal digests (op templates, remembered costs)."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(self.size.to_bytes(8, "little"))
+            h.update(np.ascontiguousarray(self.starts).data)
+            h.update(np.ascontiguousarray(self.tiles).data)
+            self._digest = h.digest()
+        return self._digest
 
     # ---- making maps ------------------------------------------------------------------------
     @classmethod

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .program import Copy, Execute, InterIpuCopy, Program, RemoteCopy, Repeat, StreamCopy, walk
+from .program import Copy, CrossReplicaCopy, Execute, InterIpuCopy, Program, RemoteCopy, Repeat, StreamCopy, walk
 from .target import Target
 from .mapping import tile_counts
 from .tensor import Variable
@@ -124,7 +124,7 @@ def tile_bytes(var: Variable, num_tiles: int) -> np.ndarray:
     return var.mapping.counts(num_tiles) * var.dtype.itemsize
 
 
-SUPERSTEPS = (Execute, Copy, InterIpuCopy, StreamCopy, RemoteCopy)
+SUPERSTEPS = (Execute, Copy, InterIpuCopy, CrossReplicaCopy, StreamCopy, RemoteCopy)
 
 
 def supersteps(program: Program) -> list[Program]:
@@ -200,9 +200,16 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
         by_kind = {k: zero() for k in KINDS}
         starts: dict[int, list[np.ndarray]] = {}
         ends: dict[int, list[np.ndarray]] = {}
+        # variables with one tile map and itemsize (a stash's slots, repeated layers) share one
+        # read-only array of bytes per tile: memory follows the distinct maps, not the variables
+        shared: dict[tuple[bytes, int], np.ndarray] = {}
         by_step: dict[str, np.ndarray] = {}   # category -> change of its live bytes at each superstep
         for v in g.variables:
-            b = tile_bytes(v, n)
+            key = (v.mapping.digest, v.dtype.itemsize)
+            b = shared.get(key)
+            if b is None:
+                b = shared[key] = tile_bytes(v, n)
+                b.flags.writeable = False
             per_tensor[v.name] = b
             kinds[v.name] = kind_of(v, exchanged)
             by_cat[v.category] = by_cat.get(v.category, zero()) + b

@@ -169,6 +169,27 @@ class InterIpuCopy(Program):
 
 
 @dataclass(eq=False)
+class CrossReplicaCopy(Program):
+    """One step of a ring between replicas, made by all of them at once: each replica's `src`
+    goes to the next replica's `dst` (a tensor of the same IPU, mapped where the neighbour holds
+    it). Only a device standing for its replicas (`Device(replicas=R)`, priced in estimate
+    mode) has it; it is priced as an inter-IPU copy over IPU-Links, or over GW-Links when
+    `gw_link` (the ring leaves the IPU-Link domain)."""
+    src: Tensor
+    dst: Tensor
+    gw_link: bool = False
+
+    def __post_init__(self):
+        check_copy(self.src, self.dst, "CrossReplicaCopy")
+        if self.src.ipu != self.dst.ipu:
+            raise ValueError(f"CrossReplicaCopy from {self.src.name!r} (IPU {self.src.ipu}) to {self.dst.name!r} "
+                             f"(IPU {self.dst.ipu}): both are the same IPU of neighbouring replicas")
+
+    def ipus(self):
+        return {self.src.ipu}
+
+
+@dataclass(eq=False)
 class StreamCopy(Program):
     """Host stream to tensor (`StreamCopy(stream, tensor)`) or tensor to host stream."""
     src: DataStream | Tensor

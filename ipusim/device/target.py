@@ -47,6 +47,14 @@ class Target:
     # fitted: gc-iputraffictest's two-IPU example on an IPU-M2000 (both directions at once) is within
     # 2.8% of one full-duplex link per direction at the efficiency above (docs/calibration.md).
     links_per_ipu_pair: int = 1
+    # IPUs joined by IPU-Links in one domain: an IPU-POD64 rack is a 2D torus of IPU-Links; larger
+    # systems (POD128, POD256) join POD64 racks by GW-Links. Source: Graphcore IPU-POD128 datasheet
+    # (docs.graphcore.ai/projects/ipu-pod128-datasheet) and "Switched GW-Links in large scale Bow Pod
+    # systems" (docs.graphcore.ai/projects/switched-gwlinks).
+    ipus_per_link_domain: int = 64
+    # GW-Link bandwidth per IPU: two 100 Gbps GW-Link ports (east, west) per IPU-Machine of four IPUs.
+    # Source: the same two documents; the IPU's share of the ports is this project's assumption.
+    gw_link_bytes_per_s: float = 2 * 100e9 / 8 / 4
     # Host link: PCIe Gen4 x16, 64 GB/s. Source: Graphcore specs.
     host_link_bytes_per_s: float = 64e9
     # Fixed latency of a host stream copy, in cycles. Not published: default 2000 (~1.5 us at 1.33 GHz).
@@ -107,6 +115,10 @@ class Target:
             return 0
         rate = self.ipu_link_bytes_per_s * self.ipu_link_efficiency * self.links_per_ipu_pair
         return math.ceil(num_bytes / rate * self.clock_hz)
+
+    def gw_link_cycles(self, num_bytes: int) -> int:
+        """Cycles to move bytes to an IPU of another IPU-Link domain over the GW-Links."""
+        return math.ceil(num_bytes / self.gw_link_bytes_per_s * self.clock_hz)
 
     def host_cycles(self, num_bytes: int) -> int:
         """Cycles for a host stream copy of num_bytes over PCIe, plus its fixed latency."""

@@ -27,6 +27,15 @@ shards are gathered): after `reduce_scatter` replica r holds the reduction of it
 (r+1) mod R (`shard_bounds`), and `all_gather_shards` sends every shard around the ring in place.
 Each costs (R-1) ring steps of one chunk, half of the all-reduce.
 
+Priced once (`all_reduce_priced`, `reduce_scatter_priced`, `all_gather_shards_priced`): on a
+device standing for its replicas (estimate mode) the ring is replica 0's part of it: in each step
+it receives one chunk from the replica before it (`CrossReplicaCopy`, priced as that link copy
+plus a global sync over every replica's IPUs) and adds it into its own, then in the all-gather
+receives the finished chunks. Its tiles hold
+exactly what replica 0's hold in the emulated ring; a step costs replica 0's share of it, which
+differs from the slowest replica's by the chunks' sizes (n//R or n//R+1 elements) and how each
+chunk lies on the tiles.
+
 All-gather (R tensors of shape S -> on every replica an (R, *S) tensor, row j from replica j) uses
 the same ring with whole tensors as chunks. Broadcast scatters the root's chunks to the replicas
 that own them in the all-gather above, then runs that all-gather (the root receives nothing).
@@ -43,7 +52,7 @@ from numba import njit, prange
 
 from ..device.graph import Device, Graph
 from ..device.kernels import JIT, kernel_view, ld, st
-from ..device.program import Copy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
+from ..device.program import Copy, CrossReplicaCopy, Execute, InterIpuCopy, OpProgram, Parallel, Program, Sequence
 from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
@@ -281,6 +290,82 @@ def all_gather_shards(device: Device, tensors, prog: Sequence, name: str = "all_
 
     written = tuple(flats[d][b:e] for r, (b, e) in enumerate(shards) for d in range(replicas) if d != r and e > b)
     prog.add(OpProgram(name, body, fast, tuple(f[b:e] for f, (b, e) in zip(flats, shards) if e > b), written))
+
+
+def _check_priced(t: Tensor, op: str, name: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{name}: unknown reduction {op!r}; use one of {REDUCE_OPS}")
+    if t.dtype.name not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: reductions need float32 or float16 tensors, got {t.dtype.name}")
+
+
+def _reduce_scatter_priced_steps(graph: Graph, body: Sequence, flat: Tensor, replicas: int, scale: float,
+                                 name: str, gw_link: bool) -> None:
+    """Replica 0's part of the ring's reduce-scatter: in step s it receives chunk (R-1-s) mod R
+    from the replica before it and adds it into its own."""
+    chunks = chunk_bounds(flat.numel, replicas)
+    for s in range(replicas - 1):
+        b, e = chunks[(replicas - 1 - s) % replicas]
+        if e == b:
+            continue
+        acc = flat[b:e]
+        recv = graph.addVariable(acc.dtype, (e - b,), f"{name}/step{s}/recv", category="temporaries",
+                                 always_live=False)
+        recv.var.mapping = acc.tile_map()
+        body.add(CrossReplicaCopy(acc, recv, gw_link))
+        cs = graph.addComputeSet(f"{name}/step{s}")
+        _add_vertices(graph, cs, acc, recv, scale if s == replicas - 2 else 1.0)
+        body.add(Execute(cs))
+
+
+def _all_gather_priced_steps(body: Sequence, flat: Tensor, replicas: int, gw_link: bool) -> None:
+    """Replica 0's part of the ring's all-gather: in step s it receives chunk -s mod R in place."""
+    chunks = chunk_bounds(flat.numel, replicas)
+    for s in range(replicas - 1):
+        b, e = chunks[(-s) % replicas]
+        if e > b:
+            body.add(CrossReplicaCopy(flat[b:e], flat[b:e], gw_link))
+
+
+def _priced(prog: Sequence, name: str, body: Sequence, t: Tensor, replicas: int) -> None:
+    def fast(io):
+        raise RuntimeError(f"{name}: a ring priced for {replicas} replicas the device does not hold has no values")
+
+    prog.add(OpProgram(name, body, fast, (t,), (t,)))
+
+
+def all_reduce_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op: str = "sum",
+                      name: str = "all_reduce", *, gw_link: bool = False) -> Tensor:
+    """Replica 0's part of `all_reduce(..., in_place=True)` over `replicas` replicas of `t`, for a
+    device that stands for them (estimate mode; see the module doc): the same receive buffers,
+    additions and link copies, no values. `gw_link`: the ring leaves the IPU-Link domain."""
+    _check_priced(t, op, name)
+    body = Sequence(name=name)
+    flat = t.flatten()
+    _reduce_scatter_priced_steps(graph, body, flat, replicas, 1.0 / replicas if op == "mean" else 1.0, name, gw_link)
+    _all_gather_priced_steps(body, flat, replicas, gw_link)
+    _priced(prog, name, body, t, replicas)
+    return t
+
+
+def reduce_scatter_priced(graph: Graph, t: Tensor, replicas: int, prog: Sequence, op: str = "sum",
+                          name: str = "reduce_scatter", *, gw_link: bool = False) -> tuple[int, int]:
+    """Replica 0's part of `reduce_scatter` over `replicas` replicas of `t` (estimate mode); returns
+    replica 0's shard."""
+    _check_priced(t, op, name)
+    body = Sequence(name=name)
+    _reduce_scatter_priced_steps(graph, body, t.flatten(), replicas, 1.0 / replicas if op == "mean" else 1.0,
+                                 name, gw_link)
+    _priced(prog, name, body, t, replicas)
+    return shard_bounds(t.numel, replicas)[0]
+
+
+def all_gather_shards_priced(t: Tensor, replicas: int, prog: Sequence, name: str = "all_gather_shards", *,
+                             gw_link: bool = False) -> None:
+    """Replica 0's part of `all_gather_shards` over `replicas` replicas of `t` (estimate mode)."""
+    body = Sequence(name=name)
+    _all_gather_priced_steps(body, t.flatten(), replicas, gw_link)
+    _priced(prog, name, body, t, replicas)
 
 
 def all_gather(device: Device, tensors, prog: Sequence, name: str = "all_gather") -> list[Tensor]:

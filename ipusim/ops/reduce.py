@@ -62,6 +62,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 from llvmlite import ir
@@ -856,18 +857,37 @@ def fast_reduction(plan: ReducePlan, op: int, in_dtype, partial_dtype, scale: fl
 _REDUCTIONS: dict = {}
 
 
+@dataclass(eq=False)
+class _FastOnFirstUse:
+    """A reduction's `fast_reduction`, made when first asked for and kept (a priced model never
+    asks); unlike a closure it pickles with the executable."""
+    plan: ReducePlan
+    op: int
+    in_dtype: object
+    partial_dtype: object
+    scale: float
+    shape: tuple
+    made: "FastReduction | None" = None
+
+    def __call__(self) -> "FastReduction":
+        if self.made is None:
+            self.made = fast_reduction(self.plan, self.op, self.in_dtype, self.partial_dtype, self.scale, self.shape)
+        return self.made
+
+
 def planned_reduction(g: Geometry, target: Target, op: int, in_dtype, partial_dtype, out_dtype, scale: float,
-                      shape: tuple[int, ...]) -> tuple[ReducePlan, FastReduction]:
-    """`plan_reduction` and `fast_reduction` of the reduction of a tensor of `shape` through its
-    view `g`. Both depend only on the structure (shapes, tile map, target, op, dtypes, scale), so
-    the repeated layers of a model share them, as they share segment plans."""
+                      shape: tuple[int, ...]) -> tuple[ReducePlan, Callable[[], FastReduction]]:
+    """`plan_reduction` of the reduction of a tensor of `shape` through its view `g`, and a function
+    giving its `fast_reduction`, made on first use (a priced model never runs it). Both depend
+    only on the structure (shapes, tile map, target, op, dtypes, scale), so the repeated layers of
+    a model share them, as they share segment plans."""
     tiles = g.view.tile_map()
     key = (g.A, g.R, g.C, g.order, tuple(shape), target, op, np.dtype(in_dtype), np.dtype(partial_dtype),
            np.dtype(out_dtype), scale, structure(tiles))
 
     def make():
         plan = plan_reduction(g, target, op, in_dtype, partial_dtype, out_dtype, scale != 1.0, tiles)
-        return plan, fast_reduction(plan, op, in_dtype, partial_dtype, scale, shape)
+        return plan, _FastOnFirstUse(plan, op, in_dtype, partial_dtype, scale, tuple(shape))
     plan, fast = remembered(_REDUCTIONS, key, make)
     return replace(plan, partial=plan.partial.of_geometry(g)), fast
 
@@ -1008,7 +1028,7 @@ def reduce(graph: Graph, x: Tensor, axes, op: str, prog: Sequence, name: str | N
         body.add(Execute(cs2))
 
     def fast(io):
-        io.write(out, stored(fast_plan.run(io.read(x)), out_dt).reshape(out_shape))
+        io.write(out, stored(fast_plan().run(io.read(x)), out_dt).reshape(out_shape))
 
     prog.add(OpProgram(name, body, fast, (x,), (out,)))
     return result

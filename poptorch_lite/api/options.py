@@ -744,6 +744,9 @@ class _TensorLocationOptions(_OptionGroup):
         return self
 
 
+EMULATOR_MODES = ("fast", "strict", "estimate")
+
+
 class _EmulatorOptions(_OptionGroup):
     """What PopTorch does not have: the emulated IPU and how the emulator runs
     (``options.Emulator``). Defaults come from ``IPUSIM_TARGET``,
@@ -755,12 +758,13 @@ class _EmulatorOptions(_OptionGroup):
                          host_threads=_host_threads("IPUSIM_HOST_THREADS", os.environ.get("IPUSIM_HOST_THREADS",
                                                                                          AUTO_THREADS)),
                          pipeline_schedule="PopTorch")
-        if self._values["mode"] not in ("fast", "strict"):
-            raise ValueError(f"IPUSIM_MODE must be 'fast' or 'strict', got {self._values['mode']!r}")
+        if self._values["mode"] not in EMULATOR_MODES:
+            raise ValueError(f"IPUSIM_MODE must be 'fast', 'strict' or 'estimate', got {self._values['mode']!r}")
 
     target = _value("target", "Target name or ipusim.Target, None for the default (GC200, or Mk1 for "
                               "useOfflineIpuTarget(1)).")
-    mode = _value("mode", "'fast' (default) or 'strict' (every tile mapping and exchange checked).")
+    mode = _value("mode", "'fast' (default), 'strict' (every tile mapping and exchange checked) or 'estimate' "
+                          "(programs, memory and cycles without values: see docs/estimating.md).")
     host_threads = _value("host_threads", "Host threads running the IPUs of one step concurrently, or 'auto' "
                                           "(default): one, or one per core (at most one per op of the widest "
                                           "step), whichever timed calls find faster (up to three pairs "
@@ -779,9 +783,11 @@ class _EmulatorOptions(_OptionGroup):
         return self
 
     def setMode(self, mode: str) -> "_EmulatorOptions":
-        """'fast' runs each op's whole-tensor kernel; 'strict' runs every vertex from its tile's memory."""
-        if mode not in ("fast", "strict"):
-            raise ValueError(f"Emulator.setMode: mode must be 'fast' or 'strict', got {mode!r}")
+        """'fast' runs each op's whole-tensor kernel; 'strict' runs every vertex from its tile's memory;
+        'estimate' builds the same programs and accounts the same memory and cycles but computes no
+        values and allocates no tensor storage (a call returns meta tensors; docs/estimating.md)."""
+        if mode not in EMULATOR_MODES:
+            raise ValueError(f"Emulator.setMode: mode must be 'fast', 'strict' or 'estimate', got {mode!r}")
         self._set(mode=mode)
         return self
 

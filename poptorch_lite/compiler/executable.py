@@ -13,9 +13,10 @@ import torch
 
 import ipusim as ip
 from ipusim import schedules
+from ipusim.device.memory import check_fits
 
 from ..api import phases
-from ..api.enums import Liveness
+from ..api.enums import ConnectionType, Liveness
 from ..api.multiconv import entered_groups, reset_groups
 from . import recompute
 from .aten import decompositions, to_ir
@@ -38,6 +39,7 @@ class Executable:
         self.ir = ir
         self.placement = placement
         self.updates = updates
+        self.out_of_memory: ip.OutOfMemoryError | None = None  # estimate mode: the report of what does not fit
         self.in_channels = collections.defaultdict(list)    # (replica, key) -> channels into it
         self.out_channels = collections.defaultdict(list)   # (replica, key) -> channels out of it
         for r, low in enumerate(lowerings):
@@ -72,11 +74,18 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     progress(15)
     schedule = build_schedule(placement, options, training)
     phases.mark("compile:ir")
+    pricing = options.Emulator.mode == "estimate"   # asked for: a model that does not fit is a finding, not an error
     try:
         executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
-                                      optimizer, named_weights, variable_groups=variable_groups)
+                                      optimizer, named_weights, check_memory=not pricing,
+                                      variable_groups=variable_groups)
     except ip.OutOfMemoryError as error:
         raise model_out_of_memory(error, placement, placement.num_ipus) from None
+    if pricing:
+        try:
+            check_fits(executable.engine.memory)
+        except ip.OutOfMemoryError as error:
+            executable.out_of_memory = model_out_of_memory(error, placement, placement.num_ipus)
     progress(35)
     phases.mark("compile:lowered")
     executable.engine.load()
@@ -124,16 +133,20 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
     check_host_io(ir, placement, options)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
-    device = ip.Device(device_target(target, options), per_replica * replicas)
+    # an estimate prices one replica standing for all of them (their collectives modelled, not emulated)
+    priced = replicas if estimating(options) else 1
+    replicas //= priced
+    device = ip.Device(device_target(target, options), per_replica * replicas, replicas=priced)
     programs: list = []
     locations = tensor_locations(options, placement)
+    templates: dict = {}  # op templates shared by the replicas' lowerings (ipusim.device.replay)
     als = automatic_loss_scaling(options) if optimizer is not None else None
     scaling = LossScaling(als, loss_scaling(optimizer)) if optimizer is not None else None
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
                           accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {},
-                          loss_scaling=scaling)
+                          loss_scaling=scaling, templates=templates)
                  for r in range(replicas)]
     for low in lowerings:
         low.build()
@@ -143,8 +156,19 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
         if scaling.automatic:
             scaling.build(lowerings, updates.configs)
         updates.loss_scaling = scaling
-    engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
+    engine = ip.Engine(device, programs, mode=engine_mode(options), check_memory=check_memory)
     return Executable(lowerings, engine, schedule, ir, placement, updates)
+
+
+def estimating(options) -> bool:
+    """Whether the model is compiled to be priced, not run: Emulator.setMode("estimate"), or an
+    offline target (useOfflineIpuTarget: PopTorch compiles for IPUs that are not there). The
+    programs, plans, tile mappings, memory and cycles are a run's; no storage, no values."""
+    return options.Emulator.mode == "estimate" or options.connection_type == ConnectionType.Never
+
+
+def engine_mode(options) -> str:
+    return "estimate" if estimating(options) else options.Emulator.mode
 
 
 def tensor_locations(options, placement) -> Locations:

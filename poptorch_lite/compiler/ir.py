@@ -76,11 +76,14 @@ class IRGraph:
     loss: Value | None = None
     grads: dict[str, Value] = field(default_factory=dict)       # parameter name -> gradient value
     host_io: dict[tuple, Any] = field(default_factory=dict)     # ("input" | "output", index) -> OverlapMode
+    # node outputs are named by op and a number counted per graph: the same model compiled twice
+    # in one process gets the same names (profiles, memory reports)
+    numbers: Any = field(default_factory=itertools.count, repr=False)
 
     def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
             **attrs) -> list[Value]:
         """Append a node; `out_specs` are (shape, dtype) pairs; placement copied from `like`."""
-        outs = [Value(tuple(int(d) for d in shape), np.dtype(dtype), f"{op}{next(_ids)}") for shape, dtype in out_specs]
+        outs = [Value(tuple(int(d) for d in shape), np.dtype(dtype), f"{op}{next(self.numbers)}") for shape, dtype in out_specs]
         node = Node(op, list(inputs), outs, attrs)
         if like is not None:
             node.block, node.stage, node.ipu, node.phase = like.block, like.stage, like.ipu, like.phase

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
 from ipusim.ops import cluster, ctc_decoder
@@ -42,6 +44,8 @@ from ipusim.ops import matmul as mm
 from ipusim.ops import random as rnd
 from ipusim.ops import reduce as reduce_ops
 from ipusim.ops import softmax as sm
+
+from ipusim.device import replay
 
 from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
@@ -135,7 +139,7 @@ class Lowering:
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
                  replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
-                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None):
+                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None, templates: dict | None = None):
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
@@ -164,6 +168,9 @@ class Lowering:
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
         self.host_calls: list[HostCallSite] = []                  # poptorch.CPU ops
+        # op templates (ipusim.device.replay): the ops a node of the same structure built, shared by
+        # the lowerings of one compile; a node with no template of its own maps to None
+        self.templates: dict = {} if templates is None else templates
 
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
@@ -407,7 +414,7 @@ class Lowering:
             ctx.name = f"{self.prefix}{sp.name}/{n.scope + '/' if n.scope else ''}{n.op}"
             first, first_var = len(body.programs), len(g.variables)
             ctx.node, ctx.inputs = n, ins
-            outs = lower(ctx, n, ins)
+            outs = self._lower_node(ctx, lower, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
             if self.loss_scaling is not None:
                 self.loss_scaling.track(self, ctx, n, outs)
@@ -464,6 +471,75 @@ class Lowering:
         if outs.programs:
             sp.outputs = self.add_program(outs)
         sp.drain = [(mode, self.add_program(seq)) for mode, seq in drain.items()]
+
+
+    def _lower_node(self, ctx: "Context", lower, n: Node, ins: list) -> list:
+        """The node's lowering, or the template of an earlier node of the same op, attributes and
+        input structure made again for these tensors (a model's repeated layers plan once)."""
+        if n.op in VIEW_OPS or n.op in UNREPLAYED or "multiconv" in n.attrs:
+            return lower(ctx, n, ins)
+        original = n.attrs.get("recomputes")
+        if original in self.seed_modifiers:   # a recomputed random op: its forward's seed modifier
+            return lower(ctx, n, ins)
+        # a recomputed op plans as the op it repeats: the node it names is not part of its structure
+        attrs = {k: v for k, v in n.attrs.items() if k != "recomputes"} if original is not None else n.attrs
+        key = (n.op, attributes_key(attrs), tuple((v.dtype, tuple(v.shape)) for v in n.outputs),
+               replay.signature(ins))
+        template = self.templates.get(key)
+        if template is not None:
+            try:
+                programs, outs = template.replay(ctx.graph, ins, ctx.name, template.name)
+            except replay.NotReplayable:
+                return lower(ctx, n, ins)
+            for p in programs:
+                ctx.prog.add(p)
+            return outs
+        if key in self.templates:  # seen, not replayable
+            return lower(ctx, n, ins)
+        prog, local = ctx.prog, ip.Sequence()
+        random_ops = ctx.random_ops
+        ctx.prog = local
+        try:
+            with replay.record(ctx.graph) as made:
+                outs = lower(ctx, n, ins)
+        finally:
+            ctx.prog = prog
+        for p in local.programs:
+            prog.add(p)
+        template = None
+        if ctx.random_ops == random_ops:  # a random op takes a seed modifier of its own
+            try:
+                template = replay.Template(ctx.graph, ins, made, list(local.programs), list(outs))
+                template.name = ctx.name
+            except replay.NotReplayable:
+                template = None
+        self.templates[key] = template
+        return outs
+
+
+UNREPLAYED = {"print_tensor", "cpu_op", "loss_scale", "loop", "if"}
+"""Ops whose lowering does more than build on its graph (host streams and calls, the lowering's
+loss-scale tensors, device loops and branches lowering bodies of their own), and the members of a
+MultiConv (one plan for the group): never replayed."""
+
+
+def attributes_key(attrs) -> object:
+    """A node's attributes as a hashable key (arrays by content)."""
+    if isinstance(attrs, dict):
+        return tuple(sorted((k, attributes_key(v)) for k, v in attrs.items()))
+    if isinstance(attrs, (list, tuple)):
+        return (type(attrs).__name__,) + tuple(attributes_key(v) for v in attrs)
+    if isinstance(attrs, np.ndarray):
+        return ("ndarray", replay.digest(attrs))
+    if hasattr(attrs, "detach") and hasattr(attrs, "numpy"):   # a torch tensor
+        return ("tensor", replay.digest(attrs.detach().cpu().numpy()))
+    if isinstance(attrs, slice):
+        return ("slice", attrs.start, attrs.stop, attrs.step)
+    try:
+        hash(attrs)
+    except TypeError:
+        return ("repr", repr(attrs))
+    return (type(attrs).__name__, attrs)
 
 
 # =========================================================================================

@@ -128,9 +128,14 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
 
     A per-replica variable (`variable_groups`, `model.weight.replicaGrouping`) has its gradients
     summed within each replica group only (a ring all-reduce over the group's replicas); it is
-    not sharded."""
+    not sharded.
+
+    A lowering standing for all its replicas (`Device(replicas=R)`, estimate mode) prices replica
+    0's part of each ring (`collectives.*_priced`) instead of running it."""
     plan = UpdatePlan()
-    replicas = len(lowerings)
+    first = lowerings[0]
+    priced = first.device.replicas > 1   # one replica standing for all (estimate mode): collectives priced
+    replicas = len(lowerings) * first.device.replicas
     variable_groups = variable_groups or {}
     plan.grouped = {n: g.readers(replicas) for n, g in variable_groups.items()}
     group_of = _param_groups(optimizer, named_params)
@@ -142,7 +147,6 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     min_offload = (location.min_elements_for_off_chip or 0) if location is not None else 0
     shard = replicas > 1 and location is not None and bool(location.use_replicated_tensor_sharding)
     min_shard = (location.min_elements_for_replicated_tensor_sharding or 0) if location is not None else 0
-    first = lowerings[0]
     device = first.device
     names = [n for n in first.accumulators if n in group_of]
     by_ipu: dict[int, list[str]] = {}
@@ -154,11 +158,12 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
         plan.sharded |= sharded
         indices = []
         if replicas > 1:
-            indices.append(first.add_program(_reduce(device, lowerings, weight_names, sharded, ipu0,
-                                                     {n: g.reduction_groups(replicas) for n, g in
-                                                      variable_groups.items()})))
+            groups = {n: g.reduction_groups(replicas) for n, g in variable_groups.items()}
+            indices.append(first.add_program(
+                _reduce_priced(first, weight_names, sharded, ipu0, groups, replicas) if priced
+                else _reduce(device, lowerings, weight_names, sharded, ipu0, groups)))
         for r, low in enumerate(lowerings):
-            seq = ip.Sequence(name=f"weight update replica {r} ipu{ipu0 + r * (len(device.graphs) // replicas)}")
+            seq = ip.Sequence(name=f"weight update replica {r} ipu{ipu0 + r * (len(device.graphs) // len(lowerings))}")
             for name in weight_names:
                 cfg = configs[group_of[name]]
                 w, acc = low.weights[name], low.accumulators[name]
@@ -184,10 +189,11 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                     ew.unary(low.graph(count.ipu), "fill", count, seq, f"{count.name}/clear", out=count, scale=0.0)
             indices.append(first.add_program(seq))
         if sharded:
-            indices.append(first.add_program(_gather(device, lowerings, [n for n in weight_names if n in sharded],
-                                                     ipu0)))
+            names_sharded = [n for n in weight_names if n in sharded]
+            indices.append(first.add_program(_gather_priced(first, names_sharded, ipu0, replicas) if priced
+                                             else _gather(device, lowerings, names_sharded, ipu0)))
         plan.programs[ipu0] = indices
-    for name in plan.sharded:   # shards in the order of their elements (replica r holds chunk r + 1)
+    for name in plan.sharded if not priced else ():   # shards in element order (replica r holds chunk r + 1)
         order = np.argsort([b for b, _ in collectives.shard_bounds(first.weights[name].numel, replicas)], kind="stable")
         plan.states[name] = [plan.states[name][i] for i in order]
     return plan
@@ -242,6 +248,43 @@ def _reduce(device, lowerings, names: list[str], sharded: set, ipu0: int, groups
         else:
             _around(seq, accs, buffers,
                     lambda s: collectives.all_reduce(device, accs, s, "sum", f"all_reduce/{name}", in_place=True))
+    return seq
+
+
+def gw_link(device, replicas: int) -> bool:
+    """Whether a ring over the replicas leaves the IPU-Link domain (its slowest hops on GW-Links)."""
+    return device.num_ipus * replicas > device.target.ipus_per_link_domain
+
+
+def _reduce_priced(low, names: list[str], sharded: set, ipu0: int, groups: dict, replicas: int) -> ip.Sequence:
+    """`_reduce` for a lowering standing for all replicas (estimate mode): replica 0's part of each
+    ring (`collectives.all_reduce_priced`, `reduce_scatter_priced`; a per-replica variable's ring
+    over the replicas of replica 0's group)."""
+    seq = ip.Sequence(name=f"gradient reduction ipu{ipu0}")
+    for name in names:
+        acc, buf = low.accumulators[name], low.accumulator_buffers.get(name)
+        g = low.graph(acc.ipu)
+        if name in groups:
+            size = len(next(m for m in groups[name] if 0 in m))
+            if size > 1:
+                _around(seq, [acc], [buf], lambda s: collectives.all_reduce_priced(
+                    g, acc, size, s, "sum", f"all_reduce/{name}", gw_link=gw_link(low.device, size)))
+        elif name in sharded:
+            _around(seq, [acc], [buf], lambda s: collectives.reduce_scatter_priced(
+                g, acc, replicas, s, "sum", f"reduce_scatter/{name}", gw_link=gw_link(low.device, replicas)))
+        else:
+            _around(seq, [acc], [buf], lambda s: collectives.all_reduce_priced(
+                g, acc, replicas, s, "sum", f"all_reduce/{name}", gw_link=gw_link(low.device, replicas)))
+    return seq
+
+
+def _gather_priced(low, names: list[str], ipu0: int, replicas: int) -> ip.Sequence:
+    """`_gather` for a lowering standing for all replicas: replica 0's part of each ring."""
+    seq = ip.Sequence(name=f"all-gather shards ipu{ipu0}")
+    for name in names:
+        w = low.weights[name]
+        _around(seq, [w], [low.weight_buffers.get(name)], lambda s: collectives.all_gather_shards_priced(
+            w, replicas, s, f"all_gather_shards/{name}", gw_link=gw_link(low.device, replicas)))
     return seq
 
 

@@ -37,7 +37,7 @@ from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..api.profiling import Channel
-from ..compiler.executable import Executable, compile_model, loss_scaling, target_of
+from ..compiler.executable import Executable, compile_model, estimating, loss_scaling, target_of
 from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.ir_json import popart_ir
@@ -366,12 +366,13 @@ class PoplarExecutor:
         self._executable = executable
         self._record = None
         self._shutdown_threads()
-        self._threads = StepThreads(self._options.Emulator.host_threads, executable.schedule)
+        self._pricing = executable.engine.mode == "estimate"   # no values: nothing to feed, read or write
+        self._threads = StepThreads(1 if self._pricing else self._options.Emulator.host_threads, executable.schedule)
         self._op_plans: dict[int, tuple] = {}  # id(op) -> its feeds and programs (see _op_runs)
         # which micro-batch steps the call returns: fixed by the (frozen) options, so known once
         self._output_plan = batching.output_plan(opts, self._training)
         self._returned = set(self._output_plan.returned_steps)
-        if self._training and opts.num_processes > 1:
+        if self._training and opts.num_processes > 1 and not self._pricing:
             from .distributed import GradientAllReduce
             self._collective = GradientAllReduce(self)
         if opts.profile_dir is not None:
@@ -387,7 +388,7 @@ class PoplarExecutor:
         scaling = executable.updates.loss_scaling
         self._loss_scaling_steps = group_ends(executable.schedule) if executable.updates.automatic_loss_scaling \
             else set()
-        if scaling is not None:
+        if scaling is not None and not self._pricing:   # estimate mode: no device values to set
             scaling.initialise(executable.engine)
 
     # ---- host <-> device ----------------------------------------------------------------------
@@ -430,6 +431,8 @@ class PoplarExecutor:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         self._dirty_host_weights = False
         exe = self._executable
+        if self._pricing:  # estimate mode: the weights' shapes were all the compiler needed
+            return
         weights = self._named_weights()
         for r, low in enumerate(exe.lowerings):
             for name, t in low.weights.items():
@@ -451,6 +454,8 @@ class PoplarExecutor:
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         exe = self._executable
+        if self._pricing:  # estimate mode: the device holds no weights, the host's are unchanged
+            return
         low = exe.lowering
         weights = self._named_weights()
 
@@ -523,9 +528,10 @@ class PoplarExecutor:
 
     def _call_device(self, args, kwargs):
         """A call: compile on the first, then run the schedule and shape the outputs."""
-        if self._options.connection_type == ConnectionType.Never:
+        if self._options.connection_type == ConnectionType.Never and self._options.Emulator.mode != "estimate":
             raise OfflineDeviceError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
-                                     "model.compile(inputs) instead of model(inputs)")
+                                     "model.compile(inputs) instead of model(inputs), or price calls without "
+                                     "values with options.Emulator.setMode('estimate')")
         if self._executable is None:
             self._compile_or_load(args, kwargs)
             tensors = self._call.tensors
@@ -536,6 +542,12 @@ class PoplarExecutor:
         if not self._training:
             self._sync_from_training_model()
         exe = self._executable
+        if self._pricing:
+            record = self._run_schedule(exe)
+            self.last_run = record
+            if self._profiler is not None:
+                self._profiler.called(record)
+            return self._shape_outputs(exe)
         self._inputs = self._split_inputs(tensors)
         self._outputs.clear()
         for anchor in self._anchors:
@@ -697,6 +709,10 @@ class PoplarExecutor:
 
     def _shape_outputs(self, exe: Executable):
         plan = self._output_plan
+        if self._pricing:  # estimate mode: the outputs' shapes and dtypes, as meta tensors
+            return map_values(exe.ir.outputs, lambda v: torch.empty(plan.output_shape(tuple(v.shape)),
+                                                                     dtype=torch_dtype(v.dtype), device="meta"),
+                              rebuild=True)
         results = {}
         inputs = {v.id: i for i, v in enumerate(exe.ir.inputs)}
         for i, v in enumerate(flatten_values(exe.ir.outputs)):
@@ -719,12 +735,20 @@ class PoplarExecutor:
             results[v.id] = plan.gather(per_step)
         return map_values(exe.ir.outputs, lambda v: results[v.id], rebuild=True)
 
+    def estimate(self):
+        """What the last call cost and what the model needs, per IPU (fits, memory by kind, bubble)
+        and per call (cycles, samples per second): a `runtime.estimate.Estimate`; print its
+        `text()`. In estimate mode (Options.Emulator.setMode("estimate")) a call prices the model
+        without values."""
+        from .estimate import summary
+        return summary(self)
+
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
         """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
-        if self._executable is not None:
+        if self._executable is not None and not self._pricing:
             exe = self._executable
             write_hyperparameters(exe.engine, exe.updates, optimizer, self._options, exe.replicas)
             if exe.updates.loss_scaling is not None:

@@ -210,7 +210,9 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
         tile_bytes.append(own.clip(min=0))
     # the advisor knows whole backwards: a split backward's weight-gradient half counts as backward
     whole = {"fwd": "fwd", "bwd": "bwd", WEIGHT_GRADIENT: "bwd"}
-    flows = [advisor.Flow(v.id, v.nbytes, (whole[ch.src[0]], ch.src[1]), (whole[ch.dst[0]], ch.dst[1]))
+    # values numbered in the order the capture made them (IR ids count across compiles)
+    number = {i: k for k, i in enumerate(sorted({v.id for ch in low.channels for v in ch.values}))}
+    flows = [advisor.Flow(number[v.id], v.nbytes, (whole[ch.src[0]], ch.src[1]), (whole[ch.dst[0]], ch.dst[1]))
              for ch in low.channels for v in ch.values if (whole[ch.src[0]], ch.src[1]) != (whole[ch.dst[0]], ch.dst[1])]
     update = [sum(engine.costs[i].total for i in exe.updates.programs.get(b, [])) for b in range(n)]
     return advisor.BlockTable(names, [body(("fwd", b)) for b in range(n)],
