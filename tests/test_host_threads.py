@@ -17,6 +17,7 @@ import poptorch_lite as poptorch
 from ipusim.device import blas
 from ipusim.device.host_threads import HostThreads
 from ipusim.ops import elementwise as ew
+from ipusim.schedules.core import Op, Step
 from poptorch_lite.runtime import step_threads
 from poptorch_lite.runtime.step_threads import StepThreads
 from tutorial_model import Network, TrainingModelWithLoss
@@ -169,7 +170,8 @@ def test_threads_running_programs_at_once_share_blas_s_threads():
 
 # ---- how many threads a model's calls use ------------------------------------------------------
 def schedule(*widths):
-    return SimpleNamespace(steps=[SimpleNamespace(ops=[object()] * w) for w in widths])
+    """A schedule whose steps keep `widths` IPUs busy (one forward each)."""
+    return SimpleNamespace(steps=[Step(tuple(Op("F", ipu, 0, ipu, 0, 0) for ipu in range(w)), 0) for w in widths])
 
 
 def calls(policy, times, n=6):
