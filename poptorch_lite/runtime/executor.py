@@ -201,8 +201,17 @@ class PoplarExecutor:
             return False
 
         class SyncedModel(user_cls):
+            _poptorch_user_class = user_cls  # what `destroy` restores
+
             def copyWeightsToHostIfNeeded(self):
                 return sync()
+
+            def destroy(self):
+                """Release the training model wrapping this one (weights copied back first) and
+                unwrap it, so that it can be wrapped again."""
+                p = parent()
+                if p is not None:
+                    p.destroy()
 
             def __reduce_ex__(self, protocol):
                 """Saved (torch.save, pickle) as the user's class, with the trained weights."""
@@ -242,6 +251,8 @@ class PoplarExecutor:
 
         for name, cls in (("Model", SyncedModel), ("Parameter", SyncedParameter), ("Buffer", SyncedBuffer)):
             cls.__name__ = cls.__qualname__ = f"Poptorch{user_cls.__name__ if name == 'Model' else name}"
+        SyncedParameter._poptorch_user_class = torch.nn.Parameter
+        SyncedBuffer._poptorch_user_class = torch.Tensor
         for p in torch.nn.Module.parameters(self._user_model):
             if type(p) is torch.nn.Parameter:
                 p.__class__ = SyncedParameter
@@ -249,6 +260,17 @@ class PoplarExecutor:
             if type(b) is torch.Tensor:
                 b.__class__ = SyncedBuffer
         self._user_model.__class__ = SyncedModel
+        self._wrapper_class = SyncedModel
+
+    def _uninstall_weight_sync(self) -> None:
+        """The user's model, parameters and buffers back to their own classes (`destroy`)."""
+        model = self._user_model
+        if type(model) is not self._wrapper_class:
+            return
+        for t in (*torch.nn.Module.parameters(model), *torch.nn.Module.buffers(model)):
+            if is_wrapped(t):
+                t.__class__ = type(t)._poptorch_user_class
+        model.__class__ = type(model)._poptorch_user_class
 
     @property
     def model(self) -> torch.nn.Module:
@@ -320,6 +342,9 @@ class PoplarExecutor:
         ends with collectives between them (weight broadcast), which a process waiting for the
         lock would never join."""
         options = self._options
+        if self._training and type(self._user_model) is not self._wrapper_class:  # destroyed, now used again
+            check_unwrapped(self._user_model)
+            self._install_weight_sync()
         path = options.cache_path
         call = arguments.bind(self._forward(), args, kwargs)
         self._call = call
@@ -470,7 +495,8 @@ class PoplarExecutor:
         return False
 
     def destroy(self) -> None:
-        """Release the executable (trained weights copied to the host first); compiled again on use."""
+        """Release the executable (trained weights copied to the host first) and, for a training
+        model, unwrap the user's model so that it can be wrapped again; compiled again on use."""
         if self._executable is None:
             return
         if self._training:
@@ -479,6 +505,8 @@ class PoplarExecutor:
         self._shutdown_threads()
         self._executable = None
         self._is_attached = False
+        if self._training:
+            self._uninstall_weight_sync()
 
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -895,14 +923,34 @@ def torch_dtype(dtype) -> torch.dtype:
             np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
 
 
+def is_wrapped(obj) -> bool:
+    """Whether `obj` (a module, parameter or buffer) is wrapped by a training model."""
+    return getattr(type(obj), "_poptorch_user_class", None) is not None
+
+
+def check_unwrapped(model: torch.nn.Module) -> None:
+    """A model can be wrapped for training by one training model at a time (PopTorch's rule)."""
+    if is_wrapped(model):
+        raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. Call model.destroy() on the "
+                           "model to unwrap before wrapping again.")
+
+
 def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:
     """Wrap `model` for training on emulated IPUs: each call runs forward, backward and the
-    optimiser's update on the device (default optimizer: SGD, lr 0.01)."""
+    optimiser's update on the device (default optimizer: SGD, lr 0.01). `model` may be a
+    PoplarExecutor: its torch model is wrapped. A model is wrapped by one training model at a
+    time: ``model.destroy()`` unwraps it."""
+    if isinstance(model, PoplarExecutor):
+        model = model._user_model
+    check_unwrapped(model)
     return PoplarExecutor(model, options, True, optimizer)
 
 
 def inferenceModel(model: torch.nn.Module, options: Options | None = None) -> PoplarExecutor:
-    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device."""
+    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device.
+    `model` may be a PoplarExecutor: its torch model is used."""
+    if isinstance(model, PoplarExecutor):
+        model = model._user_model
     return PoplarExecutor(model, options, False)
 
 
