@@ -347,6 +347,8 @@ class PoplarExecutor:
             self._install_weight_sync()
         path = options.cache_path
         call = arguments.bind(self._forward(), args, kwargs)
+        for _, t in (*call.tensors, *self._named_weights().items()):
+            check_not_zero_sized(t)
         self._call = call
         if path is None:
             self._compile(call)
@@ -921,6 +923,13 @@ def printer(title: str, fmt: PrintFormat):
 def torch_dtype(dtype) -> torch.dtype:
     return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
             np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
+
+
+def check_not_zero_sized(t: torch.Tensor) -> None:
+    """An input, parameter or buffer with a dimension of size 0 has no place on the device (PopTorch's
+    error)."""
+    if 0 in t.shape:
+        raise errors.make(f"Zero-sized tensors are unsupported (Got shape [{', '.join(map(str, t.shape))}]).")
 
 
 def is_wrapped(obj) -> bool:
