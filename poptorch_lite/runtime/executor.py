@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import ipusim as ip
 from ipusim.ops import random as rnd
+from ipusim.report.profile import finish_collected
 
 from ..api import arguments, batching, poptorch_core
 from ..api.blocks import module_repr
@@ -512,6 +513,7 @@ class PoplarExecutor:
 
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        finish_collected()  # the profiles of models the garbage collector freed
         if self._options.connection_type == ConnectionType.Never:
             raise OfflineDeviceError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
@@ -1017,3 +1019,4 @@ def poptorchAtExit() -> None:  # pylint: disable=invalid-name
     weights copied back to the host, engines closed, profiles finished). Runs at exit."""
     for model in list(_LIVE):
         model.destroy()
+    finish_collected()
