@@ -10,15 +10,22 @@ from .api import enums, options
 from .api.arguments import ICustomArgParser, registerCustomArgParser, registerGeometricCustomArgParsers
 from .api.blocks import (BeginBlock, Block, BlockError, BlockFunction, LegacyBeginBlockFn, NameScope, getIpuTensorId,
                          module_repr, removeBlocks)
+from .api.cluster import fps, nearest
+from .api.cpu_ops import CPU
+from .api.ctc_decoder import ctc_beam_search_decoder
+from .api.custom_ops import custom_op, register_custom_op, unregister_custom_op
 from .api.data import AsynchronousDataAccessor, DataLoader
 from .api.attributes import accessAttributes
 from .api.errors import Error, RecoverableError, UnrecoverableError, createPoptorchError
 from .api.hardware import ipuHardwareIsAvailable, ipuHardwareVersion, isRunningOnIpu
 from .api.enums import (AutoStage, CommGroupType, ConnectionType, DataLoaderMode, HalfFloatCastingBehavior, Liveness,
-                        MeanReductionStrategy, OutputMode, ReductionType, SharingStrategy, SyncPattern)
+                        MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode, ReductionType, SharingStrategy,
+                        SyncPattern, VariableRetrievalMode)
+from .api.multiconv import MultiConv
 from .api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                       set_available_memory)
 from .api.options import ConfigFileError, Options, TensorLocationSettings, setLogLevel
+from .api.overlap import set_overlap_for_input, set_overlap_for_output
 
 # Names whose modules bring in the device emulator (ipusim, Numba) or the compiler: imported on first
 # use, so that a process that only loads data (an AsynchronousDataAccessor's, spawned, which imports
@@ -59,17 +66,20 @@ def __dir__():
 __version__ = "0.1.0"
 
 __all__ = ["AsynchronousDataAccessor", "AutoStage", "BeginBlock", "Block", "BlockError", "BlockFunction",
-           "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader",
+           "CPU", "CommGroupType", "CompileError", "ConfigFileError", "ConnectionType", "DataLoader",
            "DataLoaderMode", "Error", "HalfFloatCastingBehavior", "ICustomArgParser", "LegacyBeginBlockFn",
-           "Liveness", "MeanReductionStrategy", "NameScope", "Options", "OutputMode",
-           "ParallelPhasedExecution", "Phase", "PipelinedExecution", "PoplarExecutor", "RecoverableError",
-           "ReductionType", "SerialPhasedExecution", "ShardedExecution", "SharingStrategy", "Stage",
-           "StrategyError", "SyncPattern", "TensorLocationSettings", "UnrecoverableError",
-           "UnsupportedOpError", "accessAttributes", "cond", "createPoptorchError", "dynamic_slice",
-           "dynamic_update", "for_loop", "getIpuTensorId", "identity_loss", "importPoptorchMetadataFromFile",
-           "inferenceModel", "ipuHardwareIsAvailable", "ipuHardwareVersion", "ipu_print_tensor",
-           "isRunningOnIpu", "load", "module_repr", "nop", "op_placement", "optim", "poptorchAtExit",
-           "poptorch_core", "profiling", "registerCustomArgParser", "registerGeometricCustomArgParsers",
-           "registerPostCompileHook", "registerPreCompileHook", "removeBlocks", "setLogLevel",
-           "set_available_memory", "trainingModel"]
+           "Liveness", "MeanReductionStrategy", "MultiConv", "MultiConvPlanType", "NameScope", "Options",
+           "OutputMode", "OverlapMode", "ParallelPhasedExecution", "Phase", "PipelinedExecution",
+           "PoplarExecutor", "RecoverableError", "ReductionType", "SerialPhasedExecution",
+           "ShardedExecution", "SharingStrategy", "Stage", "StrategyError", "SyncPattern",
+           "TensorLocationSettings", "UnrecoverableError", "UnsupportedOpError", "VariableRetrievalMode",
+           "accessAttributes", "cond", "createPoptorchError", "ctc_beam_search_decoder", "custom_op",
+           "dynamic_slice", "dynamic_update", "for_loop", "fps", "getIpuTensorId", "identity_loss",
+           "importPoptorchMetadataFromFile", "inferenceModel", "ipuHardwareIsAvailable",
+           "ipuHardwareVersion", "ipu_print_tensor", "isRunningOnIpu", "load", "module_repr", "nearest",
+           "nop", "op_placement", "optim", "poptorchAtExit", "poptorch_core", "profiling",
+           "registerCustomArgParser", "registerGeometricCustomArgParsers", "registerPostCompileHook",
+           "registerPreCompileHook", "register_custom_op", "removeBlocks", "setLogLevel",
+           "set_available_memory", "set_overlap_for_input", "set_overlap_for_output", "trainingModel",
+           "unregister_custom_op"]
 registerGeometricCustomArgParsers()

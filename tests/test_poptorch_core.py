@@ -166,3 +166,20 @@ def test_runner_resolves_poptorch_core():
         for name in [n for n in sys.modules if n == "poptorch" or n.startswith("poptorch.")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("threads", [1, 3, "auto"])
+def test_validate_options_takes_each_kind_of_emulator_value(threads, monkeypatch):
+    """Emulator options may take more than one type (a thread count or 'auto'), whatever the
+    environment's default; each is checked by its setter."""
+    monkeypatch.setenv("IPUSIM_HOST_THREADS", "2")
+    monkeypatch.setattr(core, "_REFERENCE", None)
+    opts = poptorch.Options()
+    opts.Emulator.setHostThreads(threads)
+    core._validateOptions(opts.toDict())
+    good = opts.toDict()
+    with pytest.raises(poptorch.Error, match=r"Value 0 for option Emulator.host_threads out of range: "
+                                             r"Emulator.setHostThreads expects an int >= 1 or 'auto'"):
+        core._validateOptions({**good, "Emulator": {**good["Emulator"], "host_threads": 0}})
+    with pytest.raises(poptorch.Error, match=r"Unknown option Emulator.hostThreads"):
+        core._validateOptions({**good, "Emulator": {**good["Emulator"], "hostThreads": 2}})

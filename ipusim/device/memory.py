@@ -190,7 +190,7 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
     exchanged = {s.dst.var.id for s in steps if isinstance(s, Copy)}
     reports = []
     for g in graphs:
-        n = g.target.num_tiles
+        n = g.target.total_tiles
         zero = lambda: np.zeros(n, dtype=np.int64)  # noqa: E731
         always, by_cat, per_tensor = zero(), {}, {}
         kinds, tensor_ranges = {}, {}

@@ -54,7 +54,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import (box_runs, by_distinct_rows, gather_boxes, kernel_array, map_boxes, new_output, split_ranges,
+from .common import (GRAIN, box_runs, by_distinct_rows, gather_boxes, kernel_array, map_boxes, new_output, split_ranges,
                      store)
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_partials,
                      block_tiles, ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
@@ -364,24 +364,35 @@ def plan_conv(target: Target, geometry: ConvGeometry, dtype="float32", out_dtype
 
 
 # ---- building --------------------------------------------------------------------------------
-def _output(graph: Graph, plan: ConvPlan, dtype, shape, name: str, category: str) -> Tensor:
-    """The op's output variable: mapped block by block later, or linearly when partials are reduced."""
+def _output(graph: Graph, plan: ConvPlan, dtype, shape, name: str, category: str,
+            tile_range: range | None = None) -> Tensor:
+    """The op's output variable: mapped block by block later, or linearly (over `tile_range`, all
+    tiles by default) when partials are reduced."""
     if plan.reduction_split > 1:
-        return new_output(graph, dtype, shape, name, category=category)
+        if tile_range is None:
+            return new_output(graph, dtype, shape, name, category=category)
+        out = graph.addVariable(dtype, shape, name, category=category, always_live=False)
+        graph.map_linearly(out, grain=GRAIN, min_elements_per_tile=64, tiles=tile_range)
+        return out
     return graph.addVariable(dtype, shape, name, category=category, always_live=False)
 
 
 def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, wv: Tensor, out: Tensor,
-           outv: Tensor) -> None:
+           outv: Tensor, compute: Sequence | None = None, tile_range: range | None = None) -> None:
     """Exchanges and compute sets of one convolution in the general form: xv [G, B, Ci, H, W] and
-    wv [G, Co, Ci, KH, KW] are views of the operands, outv [G, B, Co, OH, OW] a view of `out`."""
+    wv [G, Co, Ci, KH, KW] are views of the operands, outv [G, B, Co, OH, OW] a view of `out`.
+    The operands' exchanges go to `body`, the rest (compute and any reduction, which touch only
+    the plan's tiles) to `compute` (default `body`); the plan's blocks go to the tiles of
+    `tile_range` (default all: a plan for a range is made on a target of that many tiles)."""
+    compute = body if compute is None else compute
+    tile_range = range(graph.target.num_tiles) if tile_range is None else tile_range
     geom = plan.geometry
     h, w = geom.h, geom.w
     kw = w.kernel
     first, extent = block_grid(geom.dims, plan.splits)  # per block: (g, b, co, oh, ow, ci, kh)
     g0, b0, c0, oh0, ow0, i0, k0 = first.T
     gb, bb, cob, ohb, owb, cib, khb = extent.T
-    tiles = block_tiles(len(first), graph.target.num_tiles)
+    tiles = tile_range.start + block_tiles(len(first), len(tile_range))
     # input rows and columns each block reads: one span per (output rows, taps) split, not per block
     step = [ceil_div(size, parts) for size, parts in zip(geom.dims, plan.splits)]
     rows, taps, cols = (ranges(geom.dims[d], plan.splits[d]) for d in (3, 6, 4))
@@ -417,9 +428,9 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
               "w": Field.strided(ws, ws_at[blk], 1, np.diff(ws_at)[blk]),
               "out": Field.strided(dst, dst_at[blk] + l0 * ow_b, 1, n * ow_b)}
     graph.addVertices(cs, CONV_VERTEX, tiles[blk], fields, params)
-    body.add(Execute(cs))
+    compute.add(Execute(cs))
     if reduction > 1:
-        reduce_partials(graph, body, dst, reduction, *block_partials(outv, first[:, :5], extent[:, :5], reduction, dst_at),
+        reduce_partials(graph, compute, dst, reduction, *block_partials(outv, first[:, :5], extent[:, :5], reduction, dst_at),
                         out, name)
 
 

@@ -472,7 +472,7 @@ def _execution_section(static: StaticProfile, rec: Recording) -> dict:
     for call, s in traced:
         critical = max(s.busy, key=lambda i: (s.busy[i].total, -i)) if s.busy else None
         programs = [e.program for e in s.events]
-        for e in s.events if call == 0 else ():
+        for e in [*s.events, *getattr(s, "overlapped", ())] if call == 0 else ():
             info = static.programs[e.program]
             exchange += info.cost.exchange_bytes
             inter += info.cost.inter_ipu_bytes
@@ -581,6 +581,12 @@ def _lay_out_scheduled(tr: _Trace, static: StaticProfile, step, start: int, args
     for ipu, (t0, t1, op) in spans.items():
         tr.x(op_label(op), ipu + 1, "ops", t0, t1 - t0,
              {**args, "kind": op.kind, "stage": op.stage, "micro_batch": op.global_micro_batch})
+    io = {i: start for i in range(static.num_ipus)}
+    for e in getattr(step, "overlapped", ()):   # host transfers on IO tiles, alongside the step's compute
+        for ipu, c in sorted(e.per_ipu.items()):
+            tr.x(f"{op_label(e.op)} {e.part} (overlapped)".strip(), ipu + 1, "host", io[ipu], c.total,
+                 {**args, "op": op_label(e.op), "part": e.part, "program": static.programs[e.program].name})
+            io[ipu] += c.total
 
 
 def _lay_out_node(tr: _Trace, node: Program, cost_of, t: int, args: dict) -> int:
@@ -746,7 +752,7 @@ def summary(doc: dict) -> str:
                      f"{100 * ls['share_of_work']:.1f}% of the work of all stages ({100 * ls['balanced_share']:.1f}% "
                      f"if balanced); its IPU sets the step time for {100 * ls['critical_fraction']:.1f}% of the run.")
     if doc["memory"]["ipus"]:
-        lines.append(f"Memory per IPU (capacity {_mib(tgt['num_tiles'] * tgt['bytes_per_tile'])}, "
+        lines.append(f"Memory per IPU (capacity {_mib((tgt['num_tiles'] + tgt.get('io_tiles', 0)) * tgt['bytes_per_tile'])}, "
                      f"{tgt['bytes_per_tile']:,} B per tile):")
         for m in doc["memory"]["ipus"]:
             top = sorted(m["by_category"].items(), key=lambda kv: -kv[1])[:3]

@@ -140,15 +140,55 @@ class Liveness(_Enum):
     OffChipAfterEachPhase = 3
 
 
-class CommGroupType(_Enum):
-    """How replicas are grouped for an input or a per-replica variable.
+class OverlapMode(enum.Enum):
+    """How far host transfers of an input or output (``set_overlap_for_input`` /
+    ``set_overlap_for_output``) overlap computation; they go through IO tiles
+    (``Options.TensorLocations.numIOTiles``).
 
-    - ``All``: one group of every replica (not valid for inputs).
-    - ``Consecutive``: groups of consecutive replicas, ``{0..k-1}, {k..2k-1}, ...``.
-    - ``Orthogonal``: with m = replicas / k groups, ``{0, m, 2m, ...}, {1, m+1, ...}, ...``.
-    - ``NoGrouping``: every replica on its own.
+    - ``NoOverlap``: the transfer happens when the tensor is needed, as without IO tiles.
+    - ``OverlapAccumulationLoop``: the next micro-batch of a gradient accumulation group is loaded
+      (and the previous one's output sent) while this one computes.
+    - ``OverlapDeviceIterationLoop``: the same across device iterations too: only the first input
+      and the last output of a call are not hidden.
+    """
+    NoOverlap = "no_overlap"
+    OverlapAccumulationLoop = "overlap_accumulation_loop"
+    OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class MultiConvPlanType(_Enum):
+    """How a ``MultiConv``'s convolutions are planned.
+
+    - ``Parallel``: side by side, each on its share of the IPU's tiles (default).
+    - ``Serial``: one after the other, each on all the tiles, as separate convolutions.
+    """
+    Parallel = 0
+    Serial = 1
+
+
+class CommGroupType(_Enum):
+    """How replicas are grouped for an input (``Options.inputReplicaGrouping``) or a per-replica
+    variable (``model.weight.replicaGrouping``); N replicas in groups of k.
+
+    - ``All``: one group of every replica (a variable's usual case; not valid for inputs).
+    - ``Consecutive``: groups {0 .. k-1}, {k .. 2k-1}, ...
+    - ``Orthogonal``: with m = N / k groups, {0, m, 2m, ...}, {1, m + 1, ...}, ...
+    - ``NoGrouping``: every replica a group of its own.
     """
     All = 0
     Consecutive = 1
     Orthogonal = 2
     NoGrouping = 3
+
+
+class VariableRetrievalMode(_Enum):
+    """Which replicas' values of a grouped variable reach the host.
+
+    - ``OnePerGroup``: one value per group, from the group's first replica.
+    - ``AllReplicas``: one value per replica.
+    """
+    OnePerGroup = 0
+    AllReplicas = 2

@@ -1035,6 +1035,37 @@ class Options(_OptionGroup):
                                              device_iterations))
         return self
 
+    @property
+    def input_groups(self) -> int:
+        """How many different inputs the replicas get: replicationFactor / input_group_size."""
+        return self.replication_factor // self.input_group_size
+
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: CommGroupType) -> "Options":
+        """Give each group of ``input_group_size`` replicas the same input: ``Consecutive`` groups
+        replicas {0 .. k-1}, {k .. 2k-1}, ...; ``Orthogonal`` groups {j, j + m, ...} for
+        m = replicationFactor / k; ``NoGrouping`` means groups of one. A call then consumes
+        micro_batch x deviceIterations x (replicationFactor / k) x gradientAccumulation samples.
+        Set ``replicationFactor`` first: k must divide it."""
+        group_type = _enum_arg("Options.inputReplicaGrouping: input_group_type",
+                               input_group_type, CommGroupType)
+        size = _int_arg("Options.inputReplicaGrouping: input_group_size",
+                        input_group_size)
+        if group_type == CommGroupType.NoGrouping:
+            size, group_type = 1, CommGroupType.Consecutive
+        if group_type == CommGroupType.All:
+            raise ValueError("Options.inputReplicaGrouping: input_group_type cannot be All (inputs are split "
+                             "between groups); use CommGroupType.Consecutive or Orthogonal.")
+        replicas = self.replication_factor
+        if replicas < size:
+            raise ValueError(f"Options.inputReplicaGrouping: input_group_size cannot be larger than "
+                             f"replication_factor ({size} > {replicas}); set replicationFactor first.")
+        if replicas % size:
+            raise ValueError(f"Options.inputReplicaGrouping: input_group_size must be a factor of "
+                             f"replication_factor ({size} does not divide {replicas}).")
+        self._set(input_group_size=size, input_cgt=group_type)
+        return self
+
     def replicationFactor(self, replication_factor: int) -> "Options":
         """Replicate the model this many times for data parallelism
         (multiplies the batch a call consumes and the IPUs used)."""
@@ -1283,45 +1314,6 @@ class Options(_OptionGroup):
             raise TypeError("Options.from_json expects a JSON string, got "
                             f"{string!r}.")
         _apply_json(self, string, "Options.from_json")
-        return self
-
-    def inputReplicaGrouping(self, input_group_size: int,
-                             input_group_type: CommGroupType) -> "Options":
-        """Give each group of ``input_group_size`` replicas the same input
-        (``input_group_type``: ``CommGroupType.Consecutive`` or
-        ``Orthogonal``; ``NoGrouping`` means groups of one). The group size
-        must divide ``replicationFactor`` (set it first).
-
-        The emulator does not model input replica groups yet: a group of more
-        than one replica is refused (every replica gets its own input)."""
-        group_type = _enum_arg("Options.inputReplicaGrouping: input_group_type",
-                               input_group_type, CommGroupType)
-        size = _int_arg("Options.inputReplicaGrouping: input_group_size",
-                        input_group_size)
-        if group_type == CommGroupType.NoGrouping:
-            size, group_type = 1, CommGroupType.Consecutive
-        if group_type == CommGroupType.All:
-            raise ValueError("Options.inputReplicaGrouping: input_group_type "
-                             "cannot be CommGroupType.All (inputs are split "
-                             "between groups); use Consecutive or Orthogonal.")
-        replicas = self.replication_factor
-        if size > replicas:
-            raise ValueError(f"Options.inputReplicaGrouping: input_group_size "
-                             f"({size}) cannot be larger than "
-                             f"replication_factor ({replicas}).")
-        if replicas % size:
-            raise ValueError(f"Options.inputReplicaGrouping: input_group_size "
-                             f"({size}) must be a factor of "
-                             f"replication_factor ({replicas}).")
-        if size != 1:
-            raise UnsupportedAttributeError(
-                f"Options.inputReplicaGrouping({size}, "
-                f"CommGroupType.{group_type.name}): input replica groups "
-                "are not modelled by poptorch_lite's emulator, which gives "
-                "every replica its own input; only input_group_size=1 (or "
-                "CommGroupType.NoGrouping) is supported.",
-                name="inputReplicaGrouping", obj=self)
-        self._set(input_group_size=size, input_cgt=group_type)
         return self
 
     def updatableNamedBuffers(self, buffers) -> "Options":

@@ -167,6 +167,9 @@ def _check_group(prefix: str, values: dict, reference: dict) -> None:
         if name == "_Popart" and not prefix:
             _check_popart(value)
             continue
+        if name == "Emulator" and not prefix:
+            _check_emulator(value, reference[name])
+            continue
         with errors.context(f"option: {path}"):
             if name not in reference:
                 kind = popart.value_kind(value) or type(value).__name__
@@ -187,6 +190,28 @@ def _check_popart(values: dict) -> None:
     for name, value in values.items():
         with errors.context(f"option: {name}"):
             popart.check_option(name, value)
+            _log_set(name, value)
+
+
+def _check_emulator(values: dict, reference: dict) -> None:
+    """The emulator's own options (``Options.Emulator``), each checked by its setter: their values
+    may be of more than one type (a host-thread count or 'auto', a target name or an ipusim.Target)."""
+    from .options import Options  # pylint: disable=import-outside-toplevel
+    if not isinstance(values, dict):
+        raise errors.make(f"Option group Emulator must be a dict, got {values!r}")
+    group = Options().Emulator
+    setters = {"target": group.setTarget, "mode": group.setMode, "host_threads": group.setHostThreads,
+               "pipeline_schedule": group.setPipelineSchedule}
+    for name, value in values.items():
+        path = f"Emulator.{name}"
+        with errors.context(f"option: {path}"):
+            if name not in reference:
+                raise errors.make(f"Unknown option {path}.{popart._hint(name, reference)}")
+            if value is not None or name != "target":
+                try:
+                    setters[name](value)
+                except (TypeError, ValueError) as error:
+                    raise errors.make(f"Value {value!r} for option {path} out of range: {error}") from None
             _log_set(name, value)
 
 

@@ -30,12 +30,15 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._decomp.decompositions import native_batch_norm_decomposition
 
 from ..api.blocks import DEFAULT_REGION
+from ..api.cpu_ops import cpu_call
+from ..api.custom_ops import call_spec, registered_custom_op
 from ..api.errors import Error
 from ..api.options import REPEATED
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
 from . import control_flow, library, recurrent  # noqa: F401  (register the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
+from .multiconv import member_attrs
 from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
 
 aten = torch.ops.aten
@@ -1209,7 +1212,8 @@ def _convolution(c, x, w, b, stride, padding, dilation, transposed, output_paddi
     out = c.out_meta().shape
     x2, w2 = _to_2d(c, x, nd), _to_2d(c, w, nd)
     op = "conv2d_backward_input" if transposed else "conv2d"
-    y = c.one(op, [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs)
+    y = c.one(op, [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs,
+              **({} if transposed else member_attrs(c)))
     if b is not None:
         y = c.binary("add", y, c.reshape(b, (1, -1, 1, 1)))
     return c.reshape(y, tuple(out))
@@ -1609,6 +1613,102 @@ def _ctc_backward(c, log_probs, targets, input_lengths, target_lengths, grad, bl
 @lowers(torch.ops.poptorch_lite.print_tensor, doc="print_tensor (ipu_print_tensor: a stream to the host, which prints)")
 def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
+
+
+@lowers(torch.ops.poptorch_lite.loss_scale, doc="loss_scale (automatic loss scaling: times the device's loss scale)")
+def _loss_scale(c, x, initial):
+    return c.one("loss_scale", [x], x.shape, x.dtype, initial=float(initial))
+
+
+@lowers(torch.ops.poptorch_lite.ctc_beam_search_decoder, doc="ctc_beam_search_decoder (PopTorch's CTC decoder)")
+def _ctc_decoder(c, probs, lengths, blank, beam_width, top_paths):
+    T, N, _ = probs.shape
+    return tuple(c.emit("ctc_beam_search_decoder", [probs, c.cast(lengths, np.int32)],
+                        [((N, top_paths), np.float32), ((N, top_paths), np.int32), ((N, top_paths, T), np.int32)],
+                        blank=int(blank), beam_width=int(beam_width), top_paths=int(top_paths)))
+
+
+@lowers(torch.ops.poptorch_lite.fps, doc="fps (farthest point sampling, torch_cluster's)")
+def _fps(c, src, ptr, ratio, random_start):
+    from ipusim.ops.cluster import segment_sizes
+    return c.one("fps", [c.cast(src, np.float32)], (sum(segment_sizes(ptr, ratio)),), np.int32, ptr=tuple(ptr),
+                 ratio=float(ratio), random_start=bool(random_start))
+
+
+@lowers(torch.ops.poptorch_lite.nearest, doc="nearest (nearest cluster, torch_cluster's)")
+def _nearest(c, x, y, batch_x, batch_y):
+    return c.one("nearest", [c.cast(x, np.float32), c.cast(y, np.float32), c.cast(batch_x, np.int32),
+                             c.cast(batch_y, np.int32)], (x.shape[0],), np.int32)
+
+
+def _overlap_mode(mode: str):
+    from ..api.enums import OverlapMode
+    return OverlapMode(mode)
+
+
+@lowers(torch.ops.poptorch_lite.overlap_input, doc="none: marks a model input for overlapped host I/O "
+                                                    "(set_overlap_for_input)", raw=True)
+def _overlap_input(c, n):
+    src = n.args[0]
+    v = c.env.get(src) if isinstance(src, torch.fx.Node) else None
+    if not (isinstance(v, Value) and v.kind == "input" and src.op == "placeholder"):
+        raise Error("poptorch.set_overlap_for_input applied on a node which is not a tensor input to the model.")
+    index = next(i for i, x in enumerate(c.ir.inputs) if x is v)
+    if len(src.users) > 1:
+        raise Error("poptorch.set_overlap_for_input must be the only op applied to an input. This is not the case "
+                    f"for input {index} to the model.")
+    c.ir.host_io[("input", index)] = _overlap_mode(n.args[1])
+    return v
+
+
+@lowers(torch.ops.poptorch_lite.overlap_output, doc="none: marks a returned tensor for overlapped host I/O "
+                                                     "(set_overlap_for_output)", raw=True)
+def _overlap_output(c, n):
+    def source(node):   # what a returned node returns: through the capture's detaches
+        while isinstance(node, torch.fx.Node) and node.target in (aten.detach.default, aten.detach_copy.default,
+                                                                  aten.alias.default):
+            node = node.args[0]
+        return node
+
+    returned = [source(o) for o in list(c.gm.graph.output_node().args[0])[:c.joint.num_outputs]]
+    if n not in returned:
+        raise Error("poptorch.set_overlap_for_output applied on a node which is not a tensor output to the model.")
+    if returned.count(n) + returned.count(n.args[0]) > 1:
+        raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that is returned twice. Please "
+                    "check all returned tensors including those nested in tuples/lists.")
+    c.ir.host_io[("output", returned.index(n))] = _overlap_mode(n.args[1])
+    return c.load(n.args[0])
+
+
+def _custom_definition(c, key: str):
+    call = call_spec(key)
+    try:
+        return call, registered_custom_op(call)
+    except LookupError as error:
+        raise c.error(str(error)) from None
+
+
+@lowers(torch.ops.poptorch_lite.custom_op, doc="custom_op (poptorch.custom_op: the registered kernel as vertices)")
+def _custom_op(c, inputs, key):
+    call, definition = _custom_definition(c, key)
+    specs = [(shape, np_dtype(dtype)) for shape, dtype in call.outputs]
+    return c.emit("custom_op", list(inputs), specs, call=call, definition=definition)
+
+
+@lowers(torch.ops.poptorch_lite.custom_op_backward, doc="custom_op_backward (the registered gradient kernel)")
+def _custom_op_backward(c, grads, inputs, outputs, key):
+    call, definition = _custom_definition(c, key)
+    wanted = [i for i, v in enumerate(inputs) if np.issubdtype(v.dtype, np.floating)]
+    specs = [(inputs[i].shape, inputs[i].dtype) for i in wanted]
+    return c.emit("custom_op_backward", [*grads, *inputs, *outputs], specs, call=call, definition=definition,
+                  counts=(len(grads), len(inputs), len(outputs)), wanted=tuple(wanted))
+
+
+@lowers(torch.ops.poptorch_lite.cpu_op, doc="cpu_op (poptorch.CPU: streams to the host, the host's function, "
+                                             "streams back)")
+def _cpu_op(c, inputs, key):
+    call = cpu_call(key)
+    return c.emit("cpu_op", list(inputs), [(shape, np_dtype(dtype)) for shape, dtype in call.outputs], call=call)
 
 
 PLANNED = frozenset({"matmul", "conv2d"})   # IR ops whose planner takes a temporary-memory budget

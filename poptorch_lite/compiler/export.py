@@ -56,10 +56,14 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
+from ..api import cluster, ctc_decoder
+from ..api.cpu_ops import cpu_op
+from ..api.custom_ops import custom_op
 from ..api.errors import Error
 from ..api.ops import (cond, dynamic_slice, dynamic_update, for_loop, identity_loss, ipu_print_tensor, nop,
                        set_available_memory)
 from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
+from ..api.overlap import overlap_input, overlap_output
 from . import control_flow, library, recurrent
 from .ir import flatten_values, map_values
 
@@ -75,7 +79,10 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
-             set_available_memory: library.available_memory, for_loop: control_flow.traced_for_loop,
+             set_available_memory: library.available_memory, custom_op: library.custom_op,
+             cpu_op: library.cpu_op, overlap_input: library.overlap_input,
+             overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
+             cluster.fps: library.fps, cluster.nearest: library.nearest, for_loop: control_flow.traced_for_loop,
              cond: control_flow.traced_cond, nop: control_flow.traced_nop,
              dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
              **recurrent.FUNCTIONS}
@@ -327,14 +334,19 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
                   trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
+                  device_loss_scale: bool = False, per_replica=frozenset(),
                   source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
     (``aten.decompositions()``: down to the ops the compiler lowers). With `downcast_to_half`
     (PopTorch's default) an op mixing float16 and float32 operands runs in float16
-    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. A frame
-    whose file name holds one of `source_excludes` is not taken as an op's source line."""
+    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. With
+    `device_loss_scale` (automatic loss scaling) the seed is scaled by the library op
+    ``loss_scale``, which the device reads from a tensor it updates. A parameter named in
+    `per_replica` (a per-replica variable, one value per replica group along its first dimension)
+    is traced as one replica sees it: its first slice. A frame whose file name holds one of
+    `source_excludes` is not taken as an op's source line."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
     params = dict(torch.nn.Module.named_parameters(model))
@@ -368,14 +380,18 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             found["loss"] = where
             wrt = [n for n in pnames if n in trainable]
             with fx_traceback.annotate({KEY: where}):
-                seed = loss * loss_scaling if loss_scaling != 1.0 else loss
+                if device_loss_scale:
+                    seed = library.loss_scale(loss, float(loss_scaling))
+                else:
+                    seed = loss * loss_scaling if loss_scaling != 1.0 else loss
             with fx_traceback.annotate({"pass": "bwd"}):
                 grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True)
             found["grads"] = [n for n, g in zip(wrt, grads) if g is not None]
             extra = [loss.detach()] + [g for g in grads if g is not None]
         return [t.detach() for t in tensors] + extra + [b[n] for n in bnames]
 
-    flat = [t.detach().requires_grad_(training and n in trainable) for n, t in params.items()]
+    flat = [(t[0] if n in per_replica else t).detach().requires_grad_(training and n in trainable)
+            for n, t in params.items()]
     flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
     table = decompositions
     with fx_traceback.preserve_node_meta():

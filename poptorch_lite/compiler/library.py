@@ -106,3 +106,177 @@ def _available_memory_fake(x, proportion):
 
 
 available_memory.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- PopTorch's CTC beam search decoder and torch_cluster's fps and nearest ------------------------
+@torch.library.custom_op("poptorch_lite::ctc_beam_search_decoder", mutates_args=())
+def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int, beam_width: int,
+                            top_paths: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ipusim.ops.ctc_decoder import decode
+    p, n, d = decode(probs.detach().float().numpy(), lengths.numpy(), blank, beam_width, top_paths)
+    return torch.from_numpy(p), torch.from_numpy(n), torch.from_numpy(d)
+
+
+@ctc_beam_search_decoder.register_fake
+def _ctc_beam_search_decoder_fake(probs, lengths, blank, beam_width, top_paths):
+    T, N, _ = probs.shape
+    return (probs.new_empty((N, top_paths), dtype=torch.float32), probs.new_empty((N, top_paths), dtype=torch.int32),
+            probs.new_empty((N, top_paths, T), dtype=torch.int32))
+
+
+@torch.library.custom_op("poptorch_lite::fps", mutates_args=())
+def fps(src: torch.Tensor, ptr: list[int], ratio: float, random_start: bool) -> torch.Tensor:
+    from ipusim.ops.cluster import fps_host
+    starts = torch.rand(len(ptr) - 1).numpy() if random_start else None
+    return torch.from_numpy(fps_host(src.detach().float().numpy(), ptr, ratio, starts))
+
+
+@fps.register_fake
+def _fps_fake(src, ptr, ratio, random_start):
+    from ipusim.ops.cluster import segment_sizes
+    return src.new_empty((sum(segment_sizes(ptr, ratio)),), dtype=torch.int64)
+
+
+@torch.library.custom_op("poptorch_lite::nearest", mutates_args=())
+def nearest(x: torch.Tensor, y: torch.Tensor, batch_x: torch.Tensor, batch_y: torch.Tensor) -> torch.Tensor:
+    from ipusim.ops.cluster import nearest_host
+    return torch.from_numpy(nearest_host(x.detach().float().numpy(), y.detach().float().numpy(), batch_x.numpy(),
+                                         batch_y.numpy()))
+
+
+@nearest.register_fake
+def _nearest_fake(x, y, batch_x, batch_y):
+    return x.new_empty((x.shape[0],), dtype=torch.int64)
+
+
+# ---- automatic loss scaling: the gradient seed scaled by a device tensor -----------------------------
+@torch.library.custom_op("poptorch_lite::loss_scale", mutates_args=())
+def loss_scale(x: torch.Tensor, initial: float) -> torch.Tensor:
+    """x times the loss scale: `initial` on the CPU, the device's loss-scale tensor on the IPU
+    (automatic loss scaling changes it as training runs)."""
+    return x * initial
+
+
+@loss_scale.register_fake
+def _loss_scale_fake(x, initial):
+    return torch.empty_like(x)
+
+
+def _loss_scale_backward(ctx, grad):
+    return loss_scale(grad, ctx.initial), None
+
+
+def _loss_scale_setup(ctx, inputs, output):
+    ctx.initial = inputs[1]
+
+
+loss_scale.register_autograd(_loss_scale_backward, setup_context=_loss_scale_setup)
+
+
+# ---- overlapped host I/O marks (api/overlap.py): identities the compiler reads -----------------------
+@torch.library.custom_op("poptorch_lite::overlap_input", mutates_args=())
+def overlap_input(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return x.clone()
+
+
+@overlap_input.register_fake
+def _overlap_input_fake(x, mode):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("poptorch_lite::overlap_output", mutates_args=())
+def overlap_output(x: torch.Tensor, mode: str) -> torch.Tensor:
+    return x.clone()
+
+
+@overlap_output.register_fake
+def _overlap_output_fake(x, mode):
+    return torch.empty_like(x)
+
+
+for _mark in (overlap_input, overlap_output):
+    _mark.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- custom ops (api/custom_ops.py): one op per call, its gradient another -------------------------
+def _spec(key: str):
+    from ..api.custom_ops import call_spec
+    return call_spec(key)
+
+
+@torch.library.custom_op("poptorch_lite::custom_op", mutates_args=())
+def custom_op(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    return [torch.zeros(shape, dtype=dtype) for shape, dtype in _spec(key).outputs]
+
+
+@custom_op.register_fake
+def _custom_op_fake(inputs, key):
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in _spec(key).outputs]
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point
+
+
+@torch.library.custom_op("poptorch_lite::custom_op_backward", mutates_args=())
+def custom_op_backward(grads: list[torch.Tensor], inputs: list[torch.Tensor], outputs: list[torch.Tensor],
+                       key: str) -> list[torch.Tensor]:
+    return [torch.zeros_like(t) for t in inputs if _differentiable(t)]
+
+
+@custom_op_backward.register_fake
+def _custom_op_backward_fake(grads, inputs, outputs, key):
+    return [torch.empty_like(t) for t in inputs if _differentiable(t)]
+
+
+def _custom_setup(ctx, inputs, output):
+    ctx.inputs, ctx.key = list(inputs[0]), inputs[1]
+    ctx.outputs = list(output)
+
+
+def _custom_backward(ctx, grads):
+    from ..api.custom_ops import registered_custom_op
+    from ..api.errors import Error
+    call = _spec(ctx.key)
+    try:
+        definition = registered_custom_op(call)
+    except LookupError as error:
+        raise Error(str(error)) from None
+    if definition.backward is None:
+        raise Error(f"custom op {call.describe()} is on the path of the loss's gradient but has no gradient "
+                    f"kernel: register it with poptorch_lite.register_custom_op({call.name!r}, {call.domain!r}, "
+                    f"{call.domain_version}, forward=..., backward=gradient_kernel)")
+    grads = [g if g is not None else torch.zeros_like(o) for g, o in zip(grads, ctx.outputs)]
+    made = iter(custom_op_backward(grads, ctx.inputs, ctx.outputs, ctx.key))
+    return [next(made) if _differentiable(t) else None for t in ctx.inputs], None
+
+
+custom_op.register_autograd(_custom_backward, setup_context=_custom_setup)
+
+
+# ---- CPU ops (api/cpu_ops.py): the host runs a Python function between two host streams ------------
+@torch.library.custom_op("poptorch_lite::cpu_op", mutates_args=())
+def cpu_op(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    from ..api.cpu_ops import cpu_call
+    return [torch.zeros(shape, dtype=dtype) for shape, dtype in cpu_call(key).outputs]
+
+
+@cpu_op.register_fake
+def _cpu_op_fake(inputs, key):
+    from ..api.cpu_ops import cpu_call
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in cpu_call(key).outputs]
+
+
+def _cpu_op_backward(ctx, grads):
+    from ..api.cpu_ops import cpu_call
+    from ..api.errors import Error
+    raise Error(f"CPU op {cpu_call(ctx.key).op.ID!r} is on the path of the loss's gradient: CPU ops are only "
+                "supported in inference models (as in PopTorch); detach its inputs or results, or move it out of "
+                "the training model")
+
+
+def _cpu_op_setup(ctx, inputs, output):
+    ctx.key = inputs[1]
+
+
+cpu_op.register_autograd(_cpu_op_backward, setup_context=_cpu_op_setup)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
+from ipusim.ops import cluster, ctc_decoder
+from ipusim.ops import custom as custom_ops
 from ipusim.ops import index as index_ops
 from ipusim.ops import scan as scan_ops
 from ipusim.ops import sort as sort_ops
@@ -36,6 +38,8 @@ from ipusim.ops import softmax as sm
 
 from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
+from .host_io import io_buffer, overlapped
+from .multiconv import lower_member
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
 
 
@@ -67,10 +71,21 @@ class StageProgram:
     """(node, first, end, first variable, end variable) per node: the programs `first:end` of the
     body sequence and the variables `first variable:end variable` of the IPU's graph its lowering
     made (what a profile's operations table reports)."""
+    prefetch: list[tuple[object, int]] = field(default_factory=list)  # (OverlapMode, program): inputs to IO tiles
+    drain: list[tuple[object, int]] = field(default_factory=list)     # (OverlapMode, program): outputs from IO tiles
 
     @property
     def name(self) -> str:
         return f"{self.key[0]}{self.key[1]}"
+
+
+@dataclass
+class HostCallSite:
+    """A CPU op: the function the host calls (api.cpu_ops.CpuCall), the streams bringing its
+    inputs to the host and those taking its results back."""
+    call: object
+    to_host: list[str]
+    from_host: list[str]
 
 
 def stage_key(n: Node) -> tuple:
@@ -111,10 +126,11 @@ class Lowering:
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
                  replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
-                 accumulator_dtypes: dict[str, str] | None = None):
+                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None):
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
+        self.loss_scaling = loss_scaling    # automatic loss scaling (compiler/loss_scaling.py), or None
         self.device = device
         self.target = device.target
         self.programs = programs
@@ -136,6 +152,7 @@ class Lowering:
         self.seeds: dict[int, ip.Tensor] = {}
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
+        self.host_calls: list[HostCallSite] = []                  # poptorch.CPU ops
 
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
@@ -307,15 +324,24 @@ class Lowering:
         used |= {weight_ids[chain[0].inputs[0].id] for chain in sp.weight_views.values()}
         for name in sorted(used & set(self.weight_buffers)):
             body.add(ip.RemoteCopy(self.weight_buffers[name], self.weights[name]))
-        # host inputs used by this stage program
+        # host inputs used by this stage program (overlapped ones through IO tiles: host_io.py)
+        prefetch: dict = {}
         for v in {v.id: v for n in sp.nodes for v in n.inputs if v.id in input_index}.values():
             name = f"{self.prefix}{sp.name}/input/{v.name}"
             t = g.addVariable(v.dtype, v.shape, name, category="host_io", always_live=False)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
             stream = g.addHostToDeviceFIFO(name, v.dtype, v.shape)
-            body.add(ip.StreamCopy(stream, t))
+            mode = self.ir.host_io.get(("input", input_index[v.id]))
+            if overlapped(mode):
+                buf = io_buffer(g, v.dtype, v.shape, f"{name}/io_tiles")
+                prefetch.setdefault(mode, ip.Sequence(name=f"{self.prefix}{sp.name}/prefetch")).add(
+                    ip.StreamCopy(stream, buf))
+                body.add(ip.Copy(buf, t))
+            else:
+                body.add(ip.StreamCopy(stream, t))
             self.tensors[(v.id, key)] = t
             sp.inputs.append((name, input_index[v.id]))
+        sp.prefetch = [(mode, self.add_program(seq)) for mode, seq in prefetch.items()]
         for n in sp.nodes:
             ins = []
             for v in n.inputs:
@@ -341,6 +367,8 @@ class Lowering:
             first, first_var = len(body.programs), len(g.variables)
             outs = lower(ctx, n, ins)
             sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
+            if self.loss_scaling is not None:
+                self.loss_scaling.track(self, ctx, n, outs)
             for v, t in zip(n.outputs, outs):
                 if t is not None:
                     self.tensors[(v.id, key)] = t
@@ -377,14 +405,23 @@ class Lowering:
         sp.body = self.add_program(body)
         # model outputs produced here
         outs = ip.Sequence(name=f"{self.prefix}{sp.name}/outputs")
+        drain: dict = {}
         for i, v in enumerate(flatten_values(self.ir.outputs)):
             if (v.id, key) in self.tensors and v.producer is not None and stage_key(v.producer) == key:
                 name = f"{self.prefix}{sp.name}/output/{i}"
                 stream = g.addDeviceToHostFIFO(name, v.dtype, v.shape)
-                outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
+                mode = self.ir.host_io.get(("output", i))
+                if overlapped(mode):
+                    buf = io_buffer(g, v.dtype, v.shape, f"{name}/io_tiles")
+                    outs.add(ip.Copy(self.tensors[(v.id, key)], buf))
+                    drain.setdefault(mode, ip.Sequence(name=f"{self.prefix}{sp.name}/drain")).add(
+                        ip.StreamCopy(buf, stream))
+                else:
+                    outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
                 sp.output_streams.append((name, i))
         if outs.programs:
             sp.outputs = self.add_program(outs)
+        sp.drain = [(mode, self.add_program(seq)) for mode, seq in drain.items()]
 
 
 # =========================================================================================
@@ -508,6 +545,8 @@ def _conv_args(a):
 
 @lowers("conv2d")
 def _conv2d(ctx, n, ins):
+    if "multiconv" in n.attrs:   # a convolution of a poptorch.MultiConv (compiler/multiconv.py)
+        return lower_member(ctx, n, ins, _conv_args)
     return [conv.conv2d(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs),
                         **_memory(n.attrs))]
 
@@ -520,6 +559,81 @@ def _print_tensor(ctx, n, ins):
     ctx.prog.add(ip.StreamCopy(ins[0], ctx.graph.addDeviceToHostFIFO(name, v.dtype, v.shape)))
     ctx.lowering.printed.append((name, n.attrs["title"], n.attrs["format"]))
     return [ins[0]]
+
+
+@lowers("custom_op")
+def _custom_op(ctx, n, ins):
+    """poptorch.custom_op: the registered kernel as the vertices of a compute set (ipusim.ops.custom)."""
+    d, call = n.attrs["definition"], n.attrs["call"]
+    return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], d.forward, ctx.prog,
+                             partition=d.partition, cycles=d.cycles, attributes=call.attribute_dict,
+                             name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("custom_op_backward")
+def _custom_op_backward(ctx, n, ins):
+    """The registered gradient kernel, given (grads, inputs, outputs); its results for the
+    floating-point inputs (None from the kernel: zeros)."""
+    d, call = n.attrs["definition"], n.attrs["call"]
+    kernel = custom_ops.GradientKernel(d.backward, n.attrs["counts"], n.attrs["wanted"], call.describe())
+    return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], kernel, ctx.prog,
+                             partition=d.partition, cycles=d.backward_cycles, attributes=call.attribute_dict,
+                             name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("ctc_beam_search_decoder")
+def _ctc_decoder(ctx, n, ins):
+    a = n.attrs
+    return list(ctc_decoder.ctc_beam_search_decoder(ctx.graph, *ins, ctx.prog, blank=a["blank"],
+                                                    beam_width=a["beam_width"], top_paths=a["top_paths"],
+                                                    name=ctx.name))
+
+
+@lowers("fps")
+def _fps(ctx, n, ins):
+    a = n.attrs
+    draws = None
+    if a["random_start"]:
+        seed, modifier = ctx.seed()
+        draws = rnd.uniform(ctx.graph, (len(a["ptr"]) - 1,), seed, ctx.prog, 0.0, 1.0, "float32",
+                            name=f"{ctx.name}/start", seed_modifier=modifier)
+    return [cluster.fps(ctx.graph, ins[0], a["ptr"], a["ratio"], ctx.prog, random_u=draws, name=ctx.name)]
+
+
+@lowers("nearest")
+def _nearest(ctx, n, ins):
+    return [cluster.nearest(ctx.graph, *ins, ctx.prog, name=ctx.name)]
+
+
+@lowers("loss_scale")
+def _loss_scale(ctx, n, ins):
+    """The gradient seed times the replica's loss-scale tensor (automatic loss scaling)."""
+    scale = ctx.lowering.loss_scaling.scale(ctx.lowering, ctx.graph)
+    x = ins[0]
+    factor = scale if x.dtype == scale.dtype else ew.cast(ctx.graph, scale, x.dtype, ctx.prog, f"{ctx.name}/scale")
+    return [ew.binary(ctx.graph, "mul", x, factor.broadcast((x.numel,)).reshape(x.shape), ctx.prog, ctx.name)]
+
+
+@lowers("cpu_op")
+def _cpu_op(ctx, n, ins):
+    """poptorch.CPU: each input leaves by a device-to-host stream, the host calls the function and
+    each result comes back by a host-to-device stream (the runtime connects them: HostCallSite)."""
+    name = f"{ctx.name}/{n.outputs[0].name}"
+    to_host, from_host, outs = [], [], []
+    for i, (t, v) in enumerate(zip(ins, n.inputs)):
+        stream = ctx.graph.addDeviceToHostFIFO(f"{name}/to_host/{i}", t.dtype, t.shape)
+        ctx.prog.add(ip.StreamCopy(t, stream))
+        to_host.append(stream.name)
+    for j, v in enumerate(n.outputs):
+        out = ctx.graph.addVariable(v.dtype, v.shape, f"{name}/result/{j}", category="activations",
+                                    always_live=False)
+        ctx.graph.map_linearly(out, grain=4, min_elements_per_tile=64)
+        stream = ctx.graph.addHostToDeviceFIFO(f"{name}/from_host/{j}", v.dtype, v.shape)
+        ctx.prog.add(ip.StreamCopy(stream, out))
+        from_host.append(stream.name)
+        outs.append(out)
+    ctx.lowering.host_calls.append(HostCallSite(n.attrs["call"], to_host, from_host))
+    return outs
 
 
 @lowers("conv2d_backward_input")

@@ -29,7 +29,7 @@ import ipusim as ip
 from ipusim.ops import random as rnd
 from ipusim.report.profile import finish_collected
 
-from ..api import arguments, batching, poptorch_core
+from ..api import arguments, batching, poptorch_core, replica_groups
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api import errors
@@ -38,11 +38,13 @@ from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..api.profiling import Channel
-from ..compiler.executable import Executable, compile_model, target_of
+from ..compiler.executable import Executable, compile_model, loss_scaling, target_of
+from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
+from ..compiler.ir_json import popart_ir
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
-from . import anchors, cache, saved, timeline
+from . import anchors, cache, host_calls, overlap, saved, timeline
 from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
@@ -61,15 +63,13 @@ POPTORCH_METHODS = frozenset({
     "detachFromDevice", "getAnchoredTensor", "getComputeLatency", "getHostIpuLatency", "getIpuHostLatency",
     "getLatency", "getPerfCounters", "getTensorNames", "isAttachedToDevice", "isCompiled", "loadExecutable",
     "load_state_dict", "model", "options", "rng_state", "save", "setOptimizer"})
-# PopTorch's methods that show PopART's own data, which the emulator does not have.
-POPART_ONLY = frozenset({"_debugGetPopartIR"})
 
 
 @dataclass
 class Event:
     """One program run on the device during a step: which op it serves, what part, its cycles."""
     op: object                      # the schedule's op (ipusim.schedules.Op)
-    part: str                       # "receive" | "compute" | "outputs" | "send" | "update"
+    part: str                       # "prefetch" | "receive" | "compute" | "outputs" | "drain" | "send" | "update"
     program: int                    # engine program index
     per_ipu: dict[int, ip.Cycles]   # busy cycles by kind on each IPU it touched
 
@@ -83,6 +83,7 @@ class StepRecord:
     events: list[Event]
     busy: dict[int, ip.Cycles]
     cycles: int
+    overlapped: list = field(default_factory=list)  # host transfers on IO tiles during the step (overlap.py)
 
 
 @dataclass
@@ -160,6 +161,8 @@ class PoplarExecutor:
         self._threads: StepThreads | None = None  # host threads running the IPUs of a step, per executable
         self._anchors: list[anchors.Anchor] = []    # Options.anchorTensor, resolved when compiled
         self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
+        self._loss_scaling_steps: set[int] = set()  # steps after which automatic loss scaling updates
+        self._variable_groups: dict[str, replica_groups.VariableGrouping] = {}   # per-replica variables
         self._compilation_time: datetime.timedelta | None = None
         self._rng_state: list[int] | None = None     # set before compiling: written when the model compiles
         if training:
@@ -315,7 +318,7 @@ class PoplarExecutor:
             margs, mkwargs = self._micro_batch_args(call)
             executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
                                        self._optimizer if self._training else None, self._named_weights(),
-                                       progress=bar.update)
+                                       progress=bar.update, variable_groups=self._variable_groups)
         self._install(executable)
 
     def _compile_or_load(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
@@ -351,6 +354,10 @@ class PoplarExecutor:
         for _, t in (*call.tensors, *self._named_weights().items()):
             check_not_zero_sized(t)
         self._call = call
+        if path is not None and self._variable_groups:
+            cache.logger.warning("Executable caching is off for a model with per-replica variables "
+                                 "(replicaGrouping): the cache key does not hold their grouping")
+            path = None
         if path is None:
             self._compile(call)
             return False
@@ -399,13 +406,21 @@ class PoplarExecutor:
         self._connect_streams()
         trained = set(executable.lowering.accumulators) if self._training else set()
         dtypes = {name: w.dtype for name, w in self._named_weights().items()}
-        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes)
+        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes,
+                                        scaled=executable.updates.loss_scaling is not None)
         self._is_attached = True
         self.copyWeightsToDevice()
+        scaling = executable.updates.loss_scaling
+        self._loss_scaling_steps = group_ends(executable.schedule) if scaling is not None else set()
+        if scaling is not None:
+            scaling.initialise(executable.engine)
 
     # ---- host <-> device ----------------------------------------------------------------------
     def _connect_streams(self) -> None:
         exe = self._executable
+        opts = self._options
+        self._input_group = [replica_groups.group_of(r, exe.replicas, opts.input_group_size, opts.input_cgt)
+                             for r in range(exe.replicas)]
         self._feed: dict[tuple, int] = {}
         self._inputs: list[np.ndarray] = []
         self._outputs: dict[int, dict[tuple, np.ndarray]] = collections.defaultdict(dict)
@@ -417,13 +432,15 @@ class PoplarExecutor:
                     exe.engine.connectStream(name, self._output_callback((r, key), index))
             for name, title, fmt in low.printed:
                 exe.engine.connectStream(name, printer(title, fmt))
+            host_calls.connect(exe.engine, low.host_calls)
 
     def _input_callback(self, key, index):
-        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout)."""
-        replicas = self._executable.replicas
+        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout); with
+        input replica groups, block k * G + g, g being replica r's group of the G."""
+        groups, block = self._options.input_groups, self._input_group[key[0]]
 
         def feed():
-            return self._inputs[index][self._feed[key] * replicas + key[0]]
+            return self._inputs[index][self._feed[key] * groups + block]
         return feed
 
     def _output_callback(self, key, index):
@@ -439,9 +456,11 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         exe = self._executable
         weights = self._named_weights()
-        for low in exe.lowerings:
+        for r, low in enumerate(exe.lowerings):
             for name, t in low.weights.items():
                 value = weights[name].detach().cpu().numpy().astype(t.dtype)
+                if name in self._variable_groups:   # a per-replica variable: this replica's slice
+                    value = value[self._variable_groups[name].host_index(r, exe.replicas)]
                 if name in low.weight_buffers:
                     exe.engine.writeRemoteBuffer(low.weight_buffers[name], value)
                 else:
@@ -459,10 +478,18 @@ class PoplarExecutor:
         exe = self._executable
         low = exe.lowering
         weights = self._named_weights()
+
+        def read(lowering, name):
+            return exe.engine.readRemoteBuffer(lowering.weight_buffers[name]) if name in lowering.weight_buffers \
+                else exe.engine.readTensor(lowering.weights[name])
+
         with torch.no_grad():
             for name, t in low.weights.items():
-                value = exe.engine.readRemoteBuffer(low.weight_buffers[name]) if name in low.weight_buffers \
-                    else exe.engine.readTensor(t)
+                if name in self._variable_groups:   # a per-replica variable: each slice from its replica
+                    readers = self._variable_groups[name].readers(exe.replicas)
+                    value = np.stack([read(exe.lowerings[r], name) for r in readers])
+                else:
+                    value = read(low, name)
                 weights[name].copy_(torch.from_numpy(value).to(weights[name].dtype))
         self._host_weights_version += 1
 
@@ -565,7 +592,7 @@ class PoplarExecutor:
     def _split_inputs(self, tensors: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
         """Each input as [micro-batches of the call, *micro-batch shape] in schedule order."""
         exe = self._executable
-        micro_batches = math.prod(batching.batch_factors(self._options, self._training))
+        micro_batches = math.prod(batching.input_factors(self._options, self._training))
         out = []
         for (_, t), v in zip(tensors, exe.ir.inputs):  # shapes checked when the call was matched
             arr = t.detach().cpu().numpy().astype(v.dtype, copy=False)
@@ -605,13 +632,21 @@ class PoplarExecutor:
                 if sp is None:
                     continue
                 feeds.append((r, key))
+                runs += [("prefetch", index) for _, index in sp.prefetch]
                 runs += [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[(r, key)] if ch.recv]
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
+                    runs += [("drain", index) for _, index in sp.drain]
             sends = [("send", ch.send[k % ch.slots]) for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
             plan = self._op_plans[id(op)] = (feeds, runs, sends)
         return plan
+
+    def _debugGetPopartIR(self) -> str:
+        """The compiled graph as JSON, in the layout of PopTorch's (PopART's IR): {"maingraph": [ops]}."""
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        return popart_ir(self._executable.ir)
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The tensor anchored as `short_name` (Options.anchorTensor) by the last call."""
@@ -644,6 +679,9 @@ class PoplarExecutor:
                 else:
                     parts = [self._run_op(exe, op, not reuse) for op in step.ops]
                 sends = [self._send(exe, op, not reuse) for op in step.ops]
+                if t in self._loss_scaling_steps:  # automatic loss scaling, after the group's weight update
+                    op = next(op for op in step.ops if op.kind == "U")
+                    sends.append(_execute(exe.engine, op, [("update", exe.updates.loss_scaling.program)], not reuse))
                 if reuse:
                     continue
                 events = [e for part in parts + sends for e in part]
@@ -656,6 +694,7 @@ class PoplarExecutor:
         self._threads.ran(threads, time.perf_counter() - start)
         if reuse:
             return self._record
+        overlap.hide_host_io(record, overlap.overlap_modes(exe), self._training)
         if self._profiler is None and exe.engine.fixed_reports:
             self._record = record
         return record
@@ -680,9 +719,9 @@ class PoplarExecutor:
             if v.id in inputs:
                 # An output that is a model input (or an op that reduces to one, such as dropout
                 # in inference) is the input's micro-batch as the device received it.
-                data = self._inputs[inputs[v.id]]
-                got = {(k, r): data[k * exe.replicas + r]
-                       for k in range(len(data) // exe.replicas) for r in range(exe.replicas)}
+                data, groups = self._inputs[inputs[v.id]], self._options.input_groups
+                got = {(k, r): data[k * groups + self._input_group[r]]
+                       for k in range(len(data) // groups) for r in range(exe.replicas)}
             elif v.kind == "const":  # a tensor made in forward and returned as it is
                 micro_batches = math.prod(batching.batch_factors(self._options, self._training)) // exe.replicas
                 got = {(k, r): v.data for k in range(micro_batches) for r in range(exe.replicas)}
@@ -702,8 +741,10 @@ class PoplarExecutor:
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
         if self._executable is not None:
-            write_hyperparameters(self._executable.engine, self._executable.updates, optimizer, self._options,
-                                  self._executable.replicas)
+            exe = self._executable
+            write_hyperparameters(exe.engine, exe.updates, optimizer, self._options, exe.replicas)
+            if exe.updates.loss_scaling is not None:
+                exe.updates.loss_scaling.new_optimizer(exe.engine, exe.updates.configs, loss_scaling(optimizer))
         self._optimizer = optimizer
         self._hook_optimizer_state()
 
@@ -717,7 +758,10 @@ class PoplarExecutor:
             p = parent()
             if p is not None and p._executable is not None:
                 read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
-            return original(opt_self)
+            out = original(opt_self)
+            if p is not None and p._executable is not None and p._executable.updates.loss_scaling is not None:
+                out["ipu_state"] = p._executable.updates.loss_scaling.ipu_state(p._executable.engine)
+            return out
 
         optimizer.state_dict = state_dict.__get__(optimizer)
 
@@ -884,12 +928,36 @@ class PoplarExecutor:
         naming it (not an AttributeError about the user's model)."""
         if name.startswith("__") or name == "_user_model":
             raise AttributeError(name)
-        if name in POPTORCH_METHODS or name in POPART_ONLY:
+        if name in POPTORCH_METHODS:
             raise UnsupportedAttributeError(
                 f"PoplarExecutor.{name} (PopTorch's compiled model) is not supported by poptorch_lite (PopTorch's "
                 f"API on emulated IPUs). help(poptorch_lite.PoplarExecutor) lists what the compiled model provides.",
                 name=name, obj=self)
-        return getattr(self._user_model, name)
+        value = getattr(self._user_model, name)
+        if isinstance(value, torch.nn.Parameter):   # PopTorch's per-replica variables: W.replicaGrouping(...)
+            full = next(n for n, p in torch.nn.Module.named_parameters(self._user_model) if p is value)
+            object.__setattr__(value, "replicaGrouping",
+                               lambda kind, shards, mode: self._group_variable(full, kind, shards, mode))
+        return value
+
+    def _group_variable(self, name: str, kind, shards: int, mode) -> None:
+        """Make parameter `name` a per-replica variable: replicas of one group (`kind`, groups of
+        `shards`) share a value and sum their gradients; the host keeps one value per group
+        (`OnePerGroup`) or per replica (`AllReplicas`) along the parameter's first dimension."""
+        from ..api.enums import CommGroupType, VariableRetrievalMode
+        if self._executable is not None:
+            raise Error(f"{name}.replicaGrouping: the model is already compiled; group variables before the first "
+                        "call (or compile())")
+        if not isinstance(kind, CommGroupType) or not isinstance(mode, VariableRetrievalMode):
+            raise Error(f"{name}.replicaGrouping expects (CommGroupType, int, VariableRetrievalMode), got "
+                        f"({kind!r}, {shards!r}, {mode!r})")
+        if kind == CommGroupType.All:
+            self._variable_groups.pop(name, None)
+            return
+        grouping = replica_groups.VariableGrouping(kind, int(shards), mode)
+        grouping.check(name, tuple(dict(torch.nn.Module.named_parameters(self._user_model))[name].shape),
+                       self._options.replication_factor)
+        self._variable_groups[name] = grouping
 
     def __repr__(self):
         return module_repr(self._user_model)
