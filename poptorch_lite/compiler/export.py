@@ -308,8 +308,9 @@ class JointGraph:
     """A captured model: one fx graph of ATen ops and what its inputs and outputs are.
 
     Placeholders are, in order, the parameters, the buffers and the tensor inputs; outputs are
-    the model's tensor outputs, then the loss (training), the gradients of ``grads``' parameters
-    and the new value of every buffer."""
+    the model's tensor outputs, the new value of each input the model changes in place (the
+    inputs numbered in ``input_updates``), then the loss (training), the gradients of ``grads``'
+    parameters and the new value of every buffer."""
 
     graph_module: torch.fx.GraphModule
     params: list[str]
@@ -319,6 +320,7 @@ class JointGraph:
     num_outputs: int
     loss: Optional[Annotation] = None       # where the final loss was computed (training)
     grads: list[str] = field(default_factory=list)
+    input_updates: list[int] = field(default_factory=list)  # inputs changed in place, in output order
 
     def output_values(self) -> list[torch.fx.Node]:
         return list(self.graph_module.graph.output_node().args[0])
@@ -412,10 +414,31 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
     index = itertools.count()
     output_tree = map_values(found["tree"], lambda t: Output(next(index)), torch.Tensor)
     num_outputs = next(index)
+    input_updates = _outputs_for_input_updates(gm, len(pnames) + len(bnames), num_outputs)
     joint_graph = JointGraph(gm, pnames, bnames, [n for n, _ in inputs], output_tree, num_outputs,
-                             found.get("loss"), found.get("grads", []))
+                             found.get("loss"), found.get("grads", []), input_updates)
     check_blocks(joint_graph)
     return joint_graph
+
+
+def _outputs_for_input_updates(gm: torch.fx.GraphModule, first_input: int, num_outputs: int) -> list[int]:
+    """A model input changed in place (``x += 1``, ``x.copy_(y)``, ``x[0] = 0``): functionalisation
+    writes its final value back with ``copy_`` onto the placeholder. Make that value an output
+    instead, after the model's own (PopTorch returns it from the device and copies it into the
+    caller's tensor); the inputs' numbers, in output order."""
+    graph = gm.graph
+    inputs = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder") if i >= first_input}
+    updates: dict[int, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in inputs:
+            updates[inputs[node.args[0]] - first_input] = node.args[1]
+            graph.erase_node(node)
+    if updates:
+        out = graph.output_node()
+        values = list(out.args[0])
+        out.args = (values[:num_outputs] + list(updates.values()) + values[num_outputs:],)
+        gm.recompile()
+    return list(updates)
 
 
 def check_blocks(joint: JointGraph) -> None:

@@ -76,6 +76,12 @@ class IRGraph:
     loss: Value | None = None
     grads: dict[str, Value] = field(default_factory=dict)       # parameter name -> gradient value
     host_io: dict[tuple, Any] = field(default_factory=dict)     # ("input" | "output", index) -> OverlapMode
+    input_updates: list[tuple[int, Value]] = field(default_factory=list)  # (input index, new value): in place
+
+    def returned(self) -> list[Value]:
+        """What the device sends to the host each call: the model's outputs, then the new values
+        of the inputs it changed in place (copied into the caller's tensors)."""
+        return flatten_values(self.outputs) + [v for _, v in self.input_updates]
 
     def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
             **attrs) -> list[Value]:

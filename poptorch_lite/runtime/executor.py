@@ -567,7 +567,7 @@ class PoplarExecutor:
         if self._training:
             self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
             self._dirty_host_weights = True
-        return _refuse_backward(self._shape_outputs(exe))
+        return _refuse_backward(self._shape_outputs(exe, tensors))
 
     def _count_batch_norm_batches(self, micro_batches: int) -> None:
         """num_batches_tracked is a host-side counter (used only with momentum=None, which the
@@ -711,11 +711,13 @@ class PoplarExecutor:
     def _wants_output(self, k: int) -> bool:
         return self._step_of(k) in self._returned
 
-    def _shape_outputs(self, exe: Executable):
+    def _shape_outputs(self, exe: Executable, tensors: list[tuple[str, torch.Tensor]]):
+        """The model's outputs as the call returns them; the inputs the model changed in place
+        get their new values (PopTorch copies them into the caller's tensors)."""
         plan = self._output_plan
         results = {}
         inputs = {v.id: i for i, v in enumerate(exe.ir.inputs)}
-        for i, v in enumerate(flatten_values(exe.ir.outputs)):
+        for i, v in enumerate(exe.ir.returned()):
             if v.id in inputs:
                 # An output that is a model input (or an op that reduces to one, such as dropout
                 # in inference) is the input's micro-batch as the device received it.
@@ -733,6 +735,16 @@ class PoplarExecutor:
             if missing:
                 raise RuntimeError(f"output {i} of micro-batch steps {missing} was not produced by the device")
             results[v.id] = plan.gather(per_step)
+        for index, v in exe.ir.input_updates:
+            name, tensor = tensors[index]
+            new = results[v.id]
+            if new.shape != tensor.shape:
+                raise Error(f"the model changes its input {name} in place, and its new value comes back from the "
+                            f"device with shape {list(new.shape)} (output mode {self._options.output_mode.name}), "
+                            f"not the input's {list(tensor.shape)}: use outputMode(poptorch.OutputMode.All), or "
+                            "change a copy of the input")
+            with torch.no_grad():
+                tensor.copy_(new)
         return map_values(exe.ir.outputs, lambda v: results[v.id], rebuild=True)
 
     # ---- optimiser ----------------------------------------------------------------------------
@@ -781,7 +793,7 @@ class PoplarExecutor:
         or output index, one time in seconds per micro-batch and replica (runtime/timeline.py)."""
         if self._executable is None or self.last_run is None:
             return timeline.empty()
-        outputs = len(flatten_values(self._executable.ir.outputs))
+        outputs = len(self._executable.ir.returned())
         return timeline.perf_counters(self.last_run, self._executable, outputs)
 
     def getHostIpuLatency(self) -> tuple[float, float, float]:
