@@ -420,3 +420,15 @@ def test_transformer_encoder_pipelined_over_two_ipus_trains_like_pytorch():
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert {n.ipu for n in training._executable.ir.nodes} == {0, 1}
+
+
+def test_bitwise_ops_of_integers_and_bools_match_torch():
+    class Model(nn.Module):
+        def forward(self, x, n):
+            i, j = (x[0] * 100).int(), (x[1] * 100).int()
+            return i & n.int(), i | 5, i ^ j, (x[0] > 0.5) ^ (x[1] > 0.5), (x[0] > 0.2) & (x[1] > 0.7)
+
+    torch.manual_seed(0)
+    args = (torch.rand(2, 10), torch.LongTensor([10]))
+    for got, want in zip(poptorch.inferenceModel(Model())(*args), Model()(*args)):
+        assert got.dtype == want.dtype and torch.equal(got, want)

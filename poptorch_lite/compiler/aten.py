@@ -934,16 +934,21 @@ for _packet, _fn in [(aten.eq, "eq"), (aten.ne, "ne"), (aten.gt, "gt"), (aten.ge
     LOWERINGS[_packet] = _comparison(_fn)
 
 
-def _bitwise(fn):
+def _bitwise(fn, logical):
     def lower(c, a, b):
-        if any(isinstance(v, Value) and v.dtype != np.bool_ for v in (a, b)):
-            raise c.error("bitwise ops on integers are not supported (on bool they are logical ops)")
-        return c.binary(fn, a, b, dtype=np.bool_)
-    lower.doc = f"binary {fn} (bool)"
+        dtype = c.out_dtype()
+        if dtype == np.bool_:
+            return c.binary(logical, a, b, dtype=np.bool_)
+        if dtype.kind not in "iu":
+            raise c.error(f"{fn} needs integer or bool operands, not {dtype.name}")
+        return c.binary(fn, a, b, dtype=dtype)
+    lower.doc = f"binary {logical} (bool), {fn} (integers)"
     return lower
 
 
-LOWERINGS.update({aten.bitwise_and: _bitwise("logical_and"), aten.bitwise_or: _bitwise("logical_or")})
+LOWERINGS.update({aten.bitwise_and: _bitwise("bitwise_and", "logical_and"),
+                  aten.bitwise_or: _bitwise("bitwise_or", "logical_or"),
+                  aten.bitwise_xor: _bitwise("bitwise_xor", "ne")})
 
 
 @lowers(aten.clamp, doc="binary max and min")
