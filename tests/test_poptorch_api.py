@@ -605,3 +605,20 @@ def test_docs_conformance_lists_every_left_out_test_with_its_reason():
     assert set(rows) == set(harness.LEFT_OUT)
     for node, reason in harness.LEFT_OUT.items():
         assert rows[node] == plain(reason), node
+
+
+def test_impl_is_dispatch_tracing_while_captured_and_ipu_tensors_are_the_captures():
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            tracing = poptorch._impl.isDispatchTracing()
+            seen.append(tracing)
+            device = "ipu" if tracing else None
+            return torch.ones((2, 3), device=device) + x, torch.zeros(3, device=torch.device("ipu:0")) + 1
+
+    assert poptorch._impl.isDispatchTracing() is False
+    out, ones = poptorch.inferenceModel(Model())(torch.tensor([1.0]))
+    assert seen and all(seen)
+    torch.testing.assert_close(out, torch.full((2, 3), 2.0))
+    torch.testing.assert_close(ones, torch.ones(3))

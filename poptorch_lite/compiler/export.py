@@ -164,6 +164,11 @@ _NOT_OPS = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "require
             "is_contiguous", "__index__", "__int__", "__float__", "item", "tolist", "element_size"}
 
 
+def _on_ipu(device) -> bool:
+    """Whether `device` names the IPU ("ipu", "ipu:0", torch.device("ipu"))."""
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "ipu"
+
+
 class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
@@ -186,6 +191,8 @@ class BlockAnnotator(TorchFunctionMode):
         if name.lstrip(".") in _NOT_OPS or getattr(func, "__name__", "") == "__get__":
             return func(*args, **kwargs)
         annotation = self.annotate(name)
+        if _on_ipu(kwargs.get("device")):   # a tensor made on the IPU while captured: the capture's device
+            kwargs = {**kwargs, "device": None}
         if func in CONTROL_FLOW and self.training:
             raise Error(f"poptorch.{CONTROL_FLOW[func]}() is only supported in inference ({annotation.source})")
         with fx_traceback.annotate({KEY: annotation}):
