@@ -76,9 +76,18 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
     return aten.native_dropout.default(x, p, True)[0] if training and p > 0 else x
 
 
+def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None) -> torch.Tensor:
+    """Distances between the rows of x1 [..., P, M] and x2 [..., R, M] as the p-norm of their
+    broadcast differences [..., P, R, M]: ATen's ``_cdist_forward`` and its backward have no
+    decomposition; this one's gradient is the norm's (zero at zero distance, as cdist's)."""
+    if p < 0:
+        raise ValueError(f"cdist only supports non-negative p values, got p={p}")
+    return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
+FUNCTIONS = {F.dropout: _dropout, torch.cdist: _cdist, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
              overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
