@@ -68,3 +68,28 @@ def test_an_input_whose_new_value_comes_back_in_another_shape_is_an_error():
     model = poptorch.inferenceModel(AddInPlace(), opts)
     with pytest.raises(poptorch.Error, match=r"changes its input x in place.*OutputMode.All"):
         model(torch.zeros(6, 1))
+
+
+class Buffered(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.register_buffer("count", torch.zeros(2))
+
+    def forward(self, x):
+        if self.how == "remove":
+            del self._buffers["count"]
+        elif self.how == "reassign":
+            self.count = x * 2
+        else:
+            self.count.copy_(self.count + x)
+        return x + 1
+
+
+def test_a_buffer_changed_in_place_is_kept_and_one_removed_or_reassigned_in_forward_is_an_error():
+    model = Buffered("copy")
+    poptorch.inferenceModel(model)(torch.ones(2))
+    with pytest.raises(poptorch.Error, match=r"Buffer count is removed from the model"):
+        poptorch.inferenceModel(Buffered("remove"))(torch.ones(2))
+    with pytest.raises(poptorch.Error, match=r"Buffer count is reassigned .*self\.count\.copy_\(src\)"):
+        poptorch.inferenceModel(Buffered("reassign"))(torch.ones(2))

@@ -350,6 +350,19 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
     return call.tensors, call.with_tensors
 
 
+def _check_buffers_kept(model: torch.nn.Module, buffers: dict) -> None:
+    """At the end of forward every buffer is still the model's, the same tensor (changed in
+    place at most): PopTorch's errors for a buffer removed or reassigned in forward."""
+    now = dict(torch.nn.Module.named_buffers(model))
+    for name, tensor in buffers.items():
+        if name not in now:
+            raise Error(f"Buffer {name} is removed from the model when calling the forward method.")
+        if now[name] is not tensor:
+            raise Error(f"Buffer {name} is reassigned within the model when calling the forward method. This is "
+                        f"not supported. Consider using self.{name}.copy_(src) to copy data from a source tensor, "
+                        "where src is the name of the source tensor.")
+
+
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
                   trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
                   device_loss_scale: bool = False, per_replica=frozenset(),
@@ -387,8 +400,12 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
                 root_hook.start()
             # attention as ATen's math composition (matmuls, softmax, dropout): the fused CPU
             # kernel's backward has no decomposition
-            with annotator, sdpa_kernel([SDPBackend.MATH]):
-                out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+            watch = model.register_forward_hook(lambda *_: _check_buffers_kept(model, b))
+            try:
+                with annotator, sdpa_kernel([SDPBackend.MATH]):
+                    out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+            finally:
+                watch.remove()
         # outputs in any nesting of tuples, namedtuples, lists and dicts (subclasses too)
         tensors = flatten_values(out, torch.Tensor)
         found["tree"] = out
