@@ -296,6 +296,9 @@ def test_copy_named_buffers_to_device_writes_only_those_buffers():
     other(x, x)
     with pytest.raises(poptorch.Error, match="No named buffers marked as updatable"):
         other.copyNamedBuffersToDevice()
+    unknown = poptorch.inferenceModel(Regression(), poptorch.Options().updatableNamedBuffers(["offset", "scale"]))
+    with pytest.raises(poptorch.Error, match=r"updatableNamedBuffers names \['scale'\].*its buffers: \['offset'\]"):
+        unknown(x, x)   # checked when compiled
 
 
 def test_compile_and_export_then_load_runs_without_compiling(tmp_path):

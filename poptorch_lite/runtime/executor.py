@@ -353,6 +353,7 @@ class PoplarExecutor:
         call = arguments.bind(self._forward(), args, kwargs)
         for _, t in (*call.tensors, *self._named_weights().items()):
             check_not_zero_sized(t)
+        self._check_updatable_buffers()
         self._call = call
         if path is not None and self._variable_groups:
             cache.logger.warning("Executable caching is off for a model with per-replica variables "
@@ -859,6 +860,16 @@ class PoplarExecutor:
         for (low, ipu), value in zip(seeds, state[1:]):
             exe.engine.writeTensor(low.seeds[ipu], rnd.seed_words(value))
 
+    def _check_updatable_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers; every name in ``Options.updatableNamedBuffers`` must be one of them
+        (checked when the model is compiled, as PopTorch does, and when they are copied)."""
+        buffers = dict(torch.nn.Module.named_buffers(self._user_model))
+        missing = [n for n in self._options._Popart.get("updatableNamedBuffers") or () if n not in buffers]
+        if missing:
+            raise errors.make(f"updatableNamedBuffers names {missing}, which the model does not have as buffers "
+                              f"(its buffers: {sorted(buffers)})")
+        return buffers
+
     def copyNamedBuffersToDevice(self) -> None:
         """Write the buffers named by ``Options.updatableNamedBuffers`` (only those) to every
         replica, for example after changing them on the host."""
@@ -867,11 +878,7 @@ class PoplarExecutor:
         names = self._options._Popart.get("updatableNamedBuffers")
         if not names:
             raise errors.make("No named buffers marked as updatable via updatableNamedBuffers option")
-        buffers = dict(torch.nn.Module.named_buffers(self._user_model))
-        missing = [n for n in names if n not in buffers]
-        if missing:
-            raise errors.make(f"updatableNamedBuffers names {missing}, which the model does not have as buffers "
-                              f"(its buffers: {sorted(buffers)})")
+        buffers = self._check_updatable_buffers()
         exe = self._executable
         for low in exe.lowerings:
             for name in names:
