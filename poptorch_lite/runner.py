@@ -146,7 +146,7 @@ def install() -> None:
     sys.modules[ALIAS] = importlib.import_module(ALIAS)
 
 
-def _spawn_shim() -> str:
+def spawn_shim() -> str:
     """A directory holding a `poptorch` package that calls `install()`: processes spawned by
     the run (multiprocessing's spawn and forkserver start a fresh interpreter that re-imports
     the program with the parent's sys.path) find it, and alias `poptorch` as this one does."""
@@ -171,7 +171,7 @@ def run_program(program: str, args: list[str], as_module: bool = False) -> None:
             raise SystemExit(f"poptorch-lite run: no such file: {program!r}")
         sys.argv = [program, *args]
         sys.path[0] = os.path.dirname(os.path.abspath(program))
-    sys.path.insert(1, _spawn_shim())
+    sys.path.insert(1, spawn_shim())
     install()
     if as_module:
         runpy.run_module(program, run_name="__main__", alter_sys=True)
