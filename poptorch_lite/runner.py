@@ -148,7 +148,7 @@ def install() -> None:
     sys.modules[ALIAS] = importlib.import_module(ALIAS)
 
 
-def _spawn_shim() -> str:
+def spawn_shim() -> str:
     """A directory holding a `poptorch` package that calls `install()`: processes spawned by
     the run (multiprocessing's spawn and forkserver start a fresh interpreter that re-imports
     the program with the parent's sys.path) find it, and alias `poptorch` as this one does."""
@@ -167,7 +167,7 @@ def propagate() -> str:
     directory."""
     shim = os.environ.get(SHIM_VARIABLE)
     if not shim or not os.path.isdir(shim):
-        shim = _spawn_shim()
+        shim = spawn_shim()
         os.environ[SHIM_VARIABLE] = shim
     if shim not in sys.path:
         sys.path.insert(1, shim)

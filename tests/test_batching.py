@@ -107,8 +107,8 @@ def test_inference_models_refuse_gradient_accumulation():
     check_inference_options(Options())
     options = make_options(accumulation=2)
     with pytest.raises(ValueError,
-                       match=r"gradientAccumulation\(1\).*got 2.*"
-                       r"Options.deviceIterations\(n\) instead"):
+                       match=r"gradientAccumulation to 1.*inferenceModel\(\)\. Use "
+                       r"poptorch.Options\(\).deviceIterations .* instead.*gradientAccumulation\(2\)"):
         check_inference_options(options)
     options = make_options(accumulation=2)
     options.setExecutionStrategy(strategies.PipelinedExecution("a", "b"))
@@ -116,7 +116,7 @@ def test_inference_models_refuse_gradient_accumulation():
         check_inference_options(options)
     options = make_options(accumulation=3)
     options.setExecutionStrategy(strategies.ShardedExecution())
-    with pytest.raises(ValueError, match="got 3") as info:
+    with pytest.raises(ValueError, match=r"gradientAccumulation\(3\)") as info:
         check_inference_options(options)
     assert "deviceIterations" not in str(info.value)
 

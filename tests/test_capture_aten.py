@@ -436,3 +436,36 @@ def test_transformer_encoder_pipelined_over_two_ipus_trains_like_pytorch():
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6, msg=name)
     assert {n.ipu for n in training._executable.ir.nodes} == {0, 1}
+
+
+def test_bitwise_ops_of_integers_and_bools_match_torch():
+    class Model(nn.Module):
+        def forward(self, x, n):
+            i, j = (x[0] * 100).int(), (x[1] * 100).int()
+            return i & n.int(), i | 5, i ^ j, (x[0] > 0.5) ^ (x[1] > 0.5), (x[0] > 0.2) & (x[1] > 0.7)
+
+    torch.manual_seed(0)
+    args = (torch.rand(2, 10), torch.LongTensor([10]))
+    for got, want in zip(poptorch.inferenceModel(Model())(*args), Model()(*args)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("p", [2.0, 3.0, 1.0, 0.0, float("inf")])
+def test_cdist_matches_torch_and_trains(p):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            d = torch.cdist(self.lin(x), y, p)
+            return d, poptorch.identity_loss(d.sum(), reduction="mean")
+
+    torch.manual_seed(0)
+    x, y = torch.rand(2, 3, 4), torch.rand(2, 5, 4)
+    model = Model()
+    torch.testing.assert_close(poptorch.inferenceModel(model)(x, y)[0], model(x, y)[0], rtol=1e-4, atol=1e-5)
+    if p in (2.0, 3.0):
+        before = model.lin.weight.detach().clone()
+        poptorch.trainingModel(model)(x, y)
+        assert not torch.equal(model.lin.weight.detach(), before)

@@ -54,12 +54,14 @@ class TwoStages(torch.nn.Module):
 def test_inference_with_gradient_accumulation_is_refused_when_the_model_is_created():
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(2)
-    with pytest.raises(poptorch.Error, match=r"gradientAccumulation\(1\).*deviceIterations"):
+    with pytest.raises(poptorch.Error, match=r"gradientAccumulation to 1.*deviceIterations.*gradientAccumulation\(2\)"):
         poptorch.inferenceModel(TwoStages(), opts)
 
 
 def test_pipeline_depth_errors_are_poptorch_errors():
-    with pytest.raises(poptorch.Error, match="2 stages runs 3 pipeline stages"):
+    with pytest.raises(poptorch.Error, match=r"number of pipeline stages \(3\).*model with 2 pipeline stages.*"
+                                             r"additional 1 stages"):
         poptorch.trainingModel(TwoStages())(torch.ones(1, 1))
-    with pytest.raises(poptorch.Error, match="2 stages needs at least 2 device iterations"):
+    with pytest.raises(poptorch.Error, match=r"deviceIterations must be greater than or equal to the number of "
+                                             r"pipeline stages \(2\)"):
         poptorch.inferenceModel(TwoStages())(torch.ones(1, 1))

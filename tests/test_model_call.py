@@ -426,3 +426,18 @@ def test_compiling_pauses_the_garbage_collector_and_leaves_it_as_it_was(monkeypa
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_zero_sized_input_or_weight_is_an_error_naming_its_shape():
+    class Scale(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(n))
+
+        def forward(self, x):
+            return x * self.w.sum()
+
+    with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got shape \[0, 2, 5\]\)"):
+        poptorch.inferenceModel(Scale(2))(torch.ones(0, 2, 5))
+    with pytest.raises(poptorch.Error, match=r"Zero-sized tensors are unsupported \(Got shape \[0\]\)"):
+        poptorch.inferenceModel(Scale(0))(torch.ones(1, 2))

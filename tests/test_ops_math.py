@@ -144,6 +144,21 @@ def test_selections_and_comparisons_agree_bit_for_bit_at_the_edges(op):
     np.testing.assert_array_equal(strict.view(np.uint8), fast.view(np.uint8))  # signs of zeros and NaNs too
 
 
+@pytest.mark.parametrize("op", ["bitwise_and", "bitwise_or", "bitwise_xor"])
+@pytest.mark.parametrize("dtype", ["int32", "uint32"])
+def test_bitwise_ops_on_integers_match_numpy_in_both_modes(op, dtype):
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(7)
+    a = np.concatenate([rng.integers(info.min, info.max, 200, dtype, endpoint=True), [info.min, info.max, 0, -1 % 256]])
+    b = np.concatenate([rng.integers(info.min, info.max, 200, dtype, endpoint=True), [info.max, info.min, 5, 3]])
+    a, b = a.astype(dtype), b.astype(dtype)
+    want = getattr(np, op)(a, b)
+    for mode in ("strict", "fast"):
+        got = run_binary(op, a, b, mode)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+
+
 def test_transcendental_maths_cost_more_than_rounding():
     def cycles(op):
         g = ip.Graph(TARGET)

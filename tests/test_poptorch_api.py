@@ -296,6 +296,9 @@ def test_copy_named_buffers_to_device_writes_only_those_buffers():
     other(x, x)
     with pytest.raises(poptorch.Error, match="No named buffers marked as updatable"):
         other.copyNamedBuffersToDevice()
+    unknown = poptorch.inferenceModel(Regression(), poptorch.Options().updatableNamedBuffers(["offset", "scale"]))
+    with pytest.raises(poptorch.Error, match=r"updatableNamedBuffers names \['scale'\].*its buffers: \['offset'\]"):
+        unknown(x, x)   # checked when compiled
 
 
 def test_compile_and_export_then_load_runs_without_compiling(tmp_path):
@@ -605,3 +608,20 @@ def test_docs_conformance_lists_every_left_out_test_with_its_reason():
     assert set(rows) == set(harness.LEFT_OUT)
     for node, reason in harness.LEFT_OUT.items():
         assert rows[node] == plain(reason), node
+
+
+def test_impl_is_dispatch_tracing_while_captured_and_ipu_tensors_are_the_captures():
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            tracing = poptorch._impl.isDispatchTracing()
+            seen.append(tracing)
+            device = "ipu" if tracing else None
+            return torch.ones((2, 3), device=device) + x, torch.zeros(3, device=torch.device("ipu:0")) + 1
+
+    assert poptorch._impl.isDispatchTracing() is False
+    out, ones = poptorch.inferenceModel(Model())(torch.tensor([1.0]))
+    assert seen and all(seen)
+    torch.testing.assert_close(out, torch.full((2, 3), 2.0))
+    torch.testing.assert_close(ones, torch.ones(3))

@@ -170,13 +170,48 @@ def test_engine_profile_files_schema_and_trace(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_engine_profile_is_written_when_the_engine_is_collected(tmp_path):
+def test_engine_profile_is_written_when_the_engine_is_freed(tmp_path):
     engine = two_ipu_engine(str(tmp_path))
     engine.run(1)
     assert not (tmp_path / "profile.json").exists()
+    engine.cycle = engine   # freed by the garbage collector, not when the last reference goes
     del engine
-    gc.collect()
+    written_while_collecting = []
+    watch = lambda phase, info: written_while_collecting.append((tmp_path / "profile.json").exists())
+    gc.callbacks.append(watch)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(watch)
+    # nothing is written from inside the collector (which can start in the middle of any
+    # allocation: an ast.parse, a print, an import); it waits for the next safe point
+    assert written_while_collecting == [False, False]
+    assert not (tmp_path / "profile.json").exists()
+    prof.finish_collected()
     assert prof.load(str(tmp_path))["execution"]["calls"] == 1
+    prof.finish_collected()    # once
+
+
+def test_a_profiled_model_freed_during_a_parse_finishes_after_it(tmp_path, capsys):
+    """Finishing a profile imports and compiles code: inside the collector, in the middle of an
+    ast.parse, that corrupted CPython 3.11's parser state (SystemError: AST constructor recursion
+    depth mismatch)."""
+    import ast
+    model = poptorch.inferenceModel(torch.nn.Linear(4, 4), poptorch.Options().enableProfiling(str(tmp_path)))
+    model(torch.ones(2, 4))
+    model.cycle = model
+    del model
+    source = "\n".join(f"def f{i}(x):\n    return [x + {i} for _ in range(3)]" for i in range(400))
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)   # collections during the parse's allocations
+    try:
+        ast.parse(source)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    poptorch.inferenceModel(torch.nn.Linear(4, 4))(torch.ones(2, 4))   # a model call finishes it
+    assert "Profile written to" in capsys.readouterr().out
+    assert (tmp_path / "inference" / "profile.html").exists()
 
 
 def test_profiling_off_records_nothing(tmp_path, monkeypatch):

@@ -400,14 +400,16 @@ def four_stage_pipeline():
 def test_training_pipeline_needs_gradient_accumulation_of_2n_minus_1():
     placement = four_stage_pipeline()
     validate_counts(placement, training=True, gradient_accumulation=7, device_iterations=1)
-    with pytest.raises(StrategyError, match=r"4 stages runs 7 pipeline stages.*6 but.*least 7"):
+    with pytest.raises(StrategyError, match=r"pipeline stages \(7\).*4 pipeline stages.*additional 3.*"
+                                              r"gradientAccumulation\(6\).*gradientAccumulation\(7\) or more"):
         validate_counts(placement, training=True, gradient_accumulation=6, device_iterations=100)
 
 
 def test_inference_pipeline_needs_device_iterations_of_n():
     placement = four_stage_pipeline()
     validate_counts(placement, training=False, gradient_accumulation=1, device_iterations=4)
-    with pytest.raises(StrategyError, match=r"4 stages needs at least 4 .*deviceIterations\(3\)"):
+    with pytest.raises(StrategyError, match=r"pipeline stages \(4\).*deviceIterations\(3\).*"
+                                              r"deviceIterations\(4\) or more"):
         validate_counts(placement, training=False, gradient_accumulation=1, device_iterations=3)
 
 

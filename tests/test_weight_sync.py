@@ -2,6 +2,7 @@
 or saving the model copies the trained weights back once; a saved model loads as the user's class."""
 import io
 
+import pytest
 import torch
 
 import poptorch_lite as poptorch
@@ -57,3 +58,30 @@ def test_a_trained_model_saves_as_the_users_class_with_trained_weights():
     assert type(loaded) is WithBatchNorm
     assert type(loaded.lin.weight) is torch.nn.Parameter and type(loaded.bn.running_mean) is torch.Tensor
     assert torch.equal(loaded.lin.weight, net.lin.weight) and not torch.equal(loaded.lin.weight, before)
+
+
+def test_a_model_is_wrapped_by_one_training_model_until_destroyed():
+    torch.manual_seed(0)
+    net = WithBatchNorm()
+    first = poptorch.trainingModel(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    first(torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match=r"already been wrapped in 'poptorch.trainingModel'. Call "
+                                           r"model.destroy\(\)"):
+        poptorch.trainingModel(net)
+    trained = net.lin.weight.detach().clone()
+    net.destroy()  # the user's model releases its training model, trained weights copied back
+    assert not first.isCompiled()
+    assert type(net) is WithBatchNorm and type(net.lin.weight) is torch.nn.Parameter
+    assert type(net.bn.running_mean) is torch.Tensor
+    assert torch.equal(net.lin.weight, trained)
+    # wrapped again, from the model or from a destroyed executor: training goes on from the trained weights
+    second = poptorch.trainingModel(first, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    assert second.model is net
+    second(torch.ones(2, 4))
+    assert not torch.equal(net.lin.weight, trained)
+    # a destroyed training model used again wraps the model again, unless another wraps it now
+    with pytest.raises(RuntimeError, match="already been wrapped"):
+        first(torch.ones(2, 4))
+    second.destroy()
+    first(torch.ones(2, 4))
+    assert type(net).__name__ == "PoptorchWithBatchNorm"

@@ -56,7 +56,8 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "abs_grad": (19, 2, True),       # (x, dy) -> dy * sign(x)
           "atan2": (20, 30, False), "fmod": (21, 15, False),
           "remainder": (22, 15, False),    # x - floor(x / y) * y (Python's %, torch.remainder)
-          "hypot": (23, 15, False)}
+          "hypot": (23, 15, False),
+          "bitwise_and": (24, 1, True), "bitwise_or": (25, 1, True), "bitwise_xor": (26, 1, True)}  # integers
 # Fast-mode NumPy equivalents of the correctly rounded ops (same bits as `apply_*`).
 # Each computes into `out` (the output's dtype).
 NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lambda x, p0, p1, out: np.abs(x, out=out),
@@ -330,6 +331,12 @@ def apply_binary(op, x, y):
             return np.nan
         r = np.fmod(np.float64(x), np.float64(y))
         return r + y if r != 0 and (r < 0) != (y < 0) else (math.copysign(0.0, y) if r == 0 else r)
+    if op == 24:
+        return int(x) & int(y)
+    if op == 25:
+        return int(x) | int(y)
+    if op == 26:
+        return int(x) ^ int(y)
     return math.hypot(x, y)
 
 

@@ -16,7 +16,9 @@ costs bookkeeping only. Times are cycles at the target clock.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import json
 import os
 import threading
@@ -1227,8 +1229,9 @@ class ProfileSession:
 
     `write_early()` writes profile.json and trace.json once the traced calls are in; `finish()`
     writes everything (profile with the totals of all calls, trace, charts, the page) and prints
-    the summary. `finish` runs once: at the end of the owner's life (a weakref finalizer, which also
-    runs at interpreter exit) or when called."""
+    the summary. `finish` runs once: at the end of the owner's life (`finish_on_collect`: when it is
+    freed, or at the next safe point when the garbage collector freed it, or at interpreter exit) or
+    when called."""
 
     def __init__(self, directory: str, static: StaticProfile, *, trace_calls: int = 1, cost_of=None,
                  advice: Callable[[dict], str] | None = None, echo: Callable[[str], None] = print):
@@ -1240,8 +1243,10 @@ class ProfileSession:
         self.echo = echo
         self.finished = False
         self.files: list[str] = []
+        finish_collected()
 
     def add(self, steps: list) -> None:
+        finish_collected()
         self.recording.add(steps)
 
     def write_early(self) -> None:
@@ -1278,9 +1283,51 @@ class ProfileSession:
         return text
 
 
-def finish_on_collect(owner, session: ProfileSession) -> weakref.finalize:
-    """Run `session.finish()` once, when `owner` is garbage collected or at interpreter exit."""
-    return weakref.finalize(owner, session.finish)
+# Finishing a profile writes files, draws charts (importing matplotlib on first use) and prints:
+# work that must not run inside Python's cyclic garbage collector, which starts at any allocation
+# (in the middle of an `ast.parse`, whose C state a nested compile corrupts, of a print to the same
+# stream, of an import). An owner the collector frees is finished at the next safe point instead:
+# `finish_collected()`, called when a profile session is made or records a call, by poptorch_lite's
+# model calls, and at interpreter exit.
+_collecting = False
+_collected: list[Callable[[], object]] = []
+_collected_lock = threading.Lock()
+
+
+def _track_collection(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_track_collection)
+
+
+def _finish_when_safe(finish: Callable[[], object]) -> None:
+    if _collecting:
+        with _collected_lock:
+            _collected.append(finish)
+    else:
+        finish()
+
+
+def finish_collected() -> None:
+    """Finish the profiles whose owners the garbage collector freed since the last call."""
+    if _collecting or not _collected:
+        return
+    with _collected_lock:
+        ready = list(_collected)
+        _collected.clear()
+    for finish in ready:
+        finish()
+
+
+atexit.register(finish_collected)
+
+
+def finish_on_collect(owner, finish: Callable[[], object]) -> weakref.finalize:
+    """Call `finish()` once: when `owner` is freed (by the garbage collector: at the next safe
+    point, see `finish_collected`) or at interpreter exit. Calling the returned finalizer runs it now."""
+    return weakref.finalize(owner, _finish_when_safe, finish)
 
 
 class EngineProfiler:
@@ -1293,7 +1340,7 @@ class EngineProfiler:
         self.session = ProfileSession(
             directory, static_profile(name, engine, source="ipusim"), trace_calls=trace_calls,
             cost_of=lambda node: costs[id(node)][1])
-        self._finalizer = finish_on_collect(engine, self.session)
+        self._finalizer = finish_on_collect(engine, self.session.finish)
         self._lock = threading.Lock()     # programs may run from several host threads
 
     def ran(self, index: int, report) -> None:
@@ -1310,4 +1357,5 @@ class EngineProfiler:
 __all__ = ["ExecutedStep", "EngineProfiler", "ProfileError", "ProfileSession", "ProgramEvent", "ProgramInfo",
            "PROFILE_SCHEMA", "Recording", "SCHEMA_VERSION", "Segment", "StageInfo", "StaticProfile",
            "build_profile", "chrome_trace", "comparison", "describe_programs",
-           "executed_step", "load", "simulate", "static_profile", "summary", "validate", "write_profile"]
+           "executed_step", "finish_collected", "finish_on_collect", "load", "simulate", "static_profile", "summary",
+           "validate", "write_profile"]

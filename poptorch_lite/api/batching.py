@@ -138,14 +138,17 @@ def check_inference_options(options: Options) -> None:
     accumulation = options.gradient_accumulation
     if accumulation == 1:
         return
-    message = (f"An inference model needs Options.Training."
-               f"gradientAccumulation(1) (the default), got "
-               f"{accumulation}: only training accumulates gradients.")
+    # PopTorch's words first (programs match them), then what was given
+    message = ("You must set poptorch.Options().Training.gradientAccumulation "
+               "to 1 or leave it as its default value (1) when running a "
+               "poptorch.inferenceModel().")
     strategy = options.execution_strategy
     if isinstance(strategy, strategies.PipelinedExecution) and not isinstance(strategy, strategies.ShardedExecution):
-        message += (" To keep an inference pipeline busy, use "
-                    "Options.deviceIterations(n) instead.")
-    raise BatchSizeError(message)
+        message += (" Use poptorch.Options().deviceIterations to process a "
+                    "sufficient number of batches each run for pipelined "
+                    "execution instead.")
+    raise BatchSizeError(f"{message} (got gradientAccumulation({accumulation}): "
+                         "only training accumulates gradients)")
 
 
 def resolve_output_mode(options: Options, training: bool) -> OutputMode:

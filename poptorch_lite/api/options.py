@@ -712,10 +712,12 @@ class _TensorLocationOptions(_OptionGroup):
 
     def numIOTiles(self, num_tiles: int) -> "_TensorLocationOptions":
         """Reserve ``num_tiles`` tiles per IPU for I/O (even, 32 to 192)."""
-        num_tiles = _int_arg("TensorLocations.numIOTiles", num_tiles, 32)
-        if num_tiles > 192 or num_tiles % 2:
-            raise ValueError("TensorLocations.numIOTiles must be an even "
-                             f"number from 32 to 192, got {num_tiles}.")
+        num_tiles = _int_arg("TensorLocations.numIOTiles", num_tiles, 0)
+        if not 32 <= num_tiles <= 192 or num_tiles % 2:
+            # an AssertionError in PopTorch's words, as PopTorch raises it
+            raise AssertionError("numIOTiles must be an even number between "
+                                 f"32 and 192 (TensorLocations.numIOTiles got "
+                                 f"{num_tiles}).")
         self._set(num_io_tiles=num_tiles)
         return self
 

@@ -648,15 +648,18 @@ def validate_counts(
     if training:
         depth = 2 * stages - 1
         if gradient_accumulation < depth:
+            # PopTorch's words first (programs match them), then what was given
             raise StrategyError(
-                f"a training pipeline of {stages} stages runs {depth} pipeline stages "
-                f"({stages} forward, {stages - 1} more backward); gradient accumulation is "
-                f"{gradient_accumulation} but must be at least {depth} to fill the pipeline. "
-                f"Set opts.Training.gradientAccumulation({depth}) or more, or use fewer stages"
+                f"poptorch.Options().Training.gradientAccumulation must be greater than or equal to the "
+                f"number of pipeline stages ({depth}) when using poptorch.PipelinedExecution. Please note "
+                f"that a model with {stages} pipeline stages in PopTorch will have an additional "
+                f"{stages - 1} stages when training. Got gradientAccumulation({gradient_accumulation}): set "
+                f"opts.Training.gradientAccumulation({depth}) or more, or use fewer stages"
             )
     elif device_iterations < stages:
         raise StrategyError(
-            f"an inference pipeline of {stages} stages needs at least {stages} device "
-            f"iterations to fill the pipeline, got deviceIterations({device_iterations}). "
-            f"Set opts.deviceIterations({stages}) or more, or use fewer stages"
+            f"poptorch.Options().deviceIterations must be greater than or equal to the number of "
+            f"pipeline stages ({stages}) when using PopTorch.PipelinedExecution. Got "
+            f"deviceIterations({device_iterations}): set opts.deviceIterations({stages}) or more, or use "
+            f"fewer stages"
         )

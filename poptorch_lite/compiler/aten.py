@@ -319,8 +319,11 @@ class Lowerer:
         j = self.joint
         values = [self.env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
         user = [self.copy_of_state(v) for v in values[:j.num_outputs]]
-        rest = values[j.num_outputs:]
+        updated = len(j.input_updates)
+        rest = values[j.num_outputs + updated:]
         self.ir.outputs = map_values(j.output_tree, lambda leaf: user[leaf.index], Output)
+        self.ir.input_updates = [(i, self.input_update(i, v))
+                                 for i, v in zip(j.input_updates, values[j.num_outputs:j.num_outputs + updated])]
         if j.loss is not None:
             self.ir.loss, rest = rest[0], rest[1:]
             self.ir.grads = dict(zip(j.grads, rest[:len(j.grads)]))
@@ -334,6 +337,13 @@ class Lowerer:
             reader = producer or next((node for node in self.ir.nodes if any(v is old for v in node.inputs)), None)
             self.template = reader or self.template
             self.emit("assign", [old, self.cast(new, old.dtype)], [])
+
+    def input_update(self, index: int, v):
+        """The new value of input `index`, which the model changed in place, as the device sends it
+        back: in the input's dtype."""
+        if not isinstance(v, Value):
+            raise self.error(f"input {self.joint.inputs[index]} is changed in place to a value that is not a tensor")
+        return self.cast(v, self.ir.inputs[index].dtype)
 
     def copy_of_state(self, v):
         """A parameter or buffer the model returns as it is, copied where its first reader runs
@@ -798,7 +808,7 @@ def _arange(c, *args, **kwargs):
 def _copy_(c, n):
     dst = c.env[n.args[0]]
     if not (isinstance(dst, Value) and dst.kind == "buffer"):
-        raise c.error("in-place updates of model inputs or parameters are not supported")
+        raise c.error("in-place updates of model parameters are not supported (register the tensor as a buffer)")
     return None
 
 
@@ -925,16 +935,21 @@ for _packet, _fn in [(aten.eq, "eq"), (aten.ne, "ne"), (aten.gt, "gt"), (aten.ge
     LOWERINGS[_packet] = _comparison(_fn)
 
 
-def _bitwise(fn):
+def _bitwise(fn, logical):
     def lower(c, a, b):
-        if any(isinstance(v, Value) and v.dtype != np.bool_ for v in (a, b)):
-            raise c.error("bitwise ops on integers are not supported (on bool they are logical ops)")
-        return c.binary(fn, a, b, dtype=np.bool_)
-    lower.doc = f"binary {fn} (bool)"
+        dtype = c.out_dtype()
+        if dtype == np.bool_:
+            return c.binary(logical, a, b, dtype=np.bool_)
+        if dtype.kind not in "iu":
+            raise c.error(f"{fn} needs integer or bool operands, not {dtype.name}")
+        return c.binary(fn, a, b, dtype=dtype)
+    lower.doc = f"binary {logical} (bool), {fn} (integers)"
     return lower
 
 
-LOWERINGS.update({aten.bitwise_and: _bitwise("logical_and"), aten.bitwise_or: _bitwise("logical_or")})
+LOWERINGS.update({aten.bitwise_and: _bitwise("bitwise_and", "logical_and"),
+                  aten.bitwise_or: _bitwise("bitwise_or", "logical_or"),
+                  aten.bitwise_xor: _bitwise("bitwise_xor", "ne")})
 
 
 @lowers(aten.clamp, doc="binary max and min")

@@ -41,7 +41,7 @@ from ipusim.ops import random as rnd
 
 from ..api.errors import Error
 from ..api.ops import _as_list
-from .ir import VIEW_OPS, Node, Value, flatten_values
+from .ir import VIEW_OPS, Node, Value
 
 # =========================================================================================
 # Capture: marker ops around the bodies, and the traced forms of PopTorch's functions
@@ -382,7 +382,7 @@ def check_scopes(ir) -> None:
             for v in inner.outputs:
                 hidden[v.id] = n.attrs.get("what", n.op)
     visit(ir.nodes, set())
-    results = flatten_values(ir.outputs) + ([ir.loss] if ir.loss is not None else []) + list(ir.grads.values())
+    results = ir.returned() + ([ir.loss] if ir.loss is not None else []) + list(ir.grads.values())
     for v in results:
         if v.id in hidden:
             raise Error(f"a value made inside the body of {hidden[v.id]} is an output of the model: return it from "

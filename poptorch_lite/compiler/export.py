@@ -76,9 +76,18 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
     return aten.native_dropout.default(x, p, True)[0] if training and p > 0 else x
 
 
+def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None) -> torch.Tensor:
+    """Distances between the rows of x1 [..., P, M] and x2 [..., R, M] as the p-norm of their
+    broadcast differences [..., P, R, M]: ATen's ``_cdist_forward`` and its backward have no
+    decomposition; this one's gradient is the norm's (zero at zero distance, as cdist's)."""
+    if p < 0:
+        raise ValueError(f"cdist only supports non-negative p values, got p={p}")
+    return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
+FUNCTIONS = {F.dropout: _dropout, torch.cdist: _cdist, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
              overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
@@ -165,6 +174,11 @@ _NOT_OPS = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "require
             "is_contiguous", "__index__", "__int__", "__float__", "item", "tolist", "element_size"}
 
 
+def _on_ipu(device) -> bool:
+    """Whether `device` names the IPU ("ipu", "ipu:0", torch.device("ipu"))."""
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "ipu"
+
+
 class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
@@ -187,6 +201,8 @@ class BlockAnnotator(TorchFunctionMode):
         if name.lstrip(".") in _NOT_OPS or getattr(func, "__name__", "") == "__get__":
             return func(*args, **kwargs)
         annotation = self.annotate(name)
+        if _on_ipu(kwargs.get("device")):   # a tensor made on the IPU while captured: the capture's device
+            kwargs = {**kwargs, "device": None}
         if func in CONTROL_FLOW and self.training:
             raise Error(f"poptorch.{CONTROL_FLOW[func]}() is only supported in inference ({annotation.source})")
         with fx_traceback.annotate({KEY: annotation}):
@@ -309,8 +325,9 @@ class JointGraph:
     """A captured model: one fx graph of ATen ops and what its inputs and outputs are.
 
     Placeholders are, in order, the parameters, the buffers and the tensor inputs; outputs are
-    the model's tensor outputs, then the loss (training), the gradients of ``grads``' parameters
-    and the new value of every buffer."""
+    the model's tensor outputs, the new value of each input the model changes in place (the
+    inputs numbered in ``input_updates``), then the loss (training), the gradients of ``grads``'
+    parameters and the new value of every buffer."""
 
     graph_module: torch.fx.GraphModule
     params: list[str]
@@ -320,6 +337,7 @@ class JointGraph:
     num_outputs: int
     loss: Optional[Annotation] = None       # where the final loss was computed (training)
     grads: list[str] = field(default_factory=list)
+    input_updates: list[int] = field(default_factory=list)  # inputs changed in place, in output order
 
     def output_values(self) -> list[torch.fx.Node]:
         return list(self.graph_module.graph.output_node().args[0])
@@ -331,6 +349,19 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
     replacements for them."""
     call = arguments.bind(model.forward, args, kwargs)
     return call.tensors, call.with_tensors
+
+
+def _check_buffers_kept(model: torch.nn.Module, buffers: dict) -> None:
+    """At the end of forward every buffer is still the model's, the same tensor (changed in
+    place at most): PopTorch's errors for a buffer removed or reassigned in forward."""
+    now = dict(torch.nn.Module.named_buffers(model))
+    for name, tensor in buffers.items():
+        if name not in now:
+            raise Error(f"Buffer {name} is removed from the model when calling the forward method.")
+        if now[name] is not tensor:
+            raise Error(f"Buffer {name} is reassigned within the model when calling the forward method. This is "
+                        f"not supported. Consider using self.{name}.copy_(src) to copy data from a source tensor, "
+                        "where src is the name of the source tensor.")
 
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
@@ -370,8 +401,12 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
                 root_hook.start()
             # attention as ATen's math composition (matmuls, softmax, dropout): the fused CPU
             # kernel's backward has no decomposition
-            with annotator, sdpa_kernel([SDPBackend.MATH]):
-                out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+            watch = model.register_forward_hook(lambda *_: _check_buffers_kept(model, b))
+            try:
+                with annotator, sdpa_kernel([SDPBackend.MATH]):
+                    out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+            finally:
+                watch.remove()
         # outputs in any nesting of tuples, namedtuples, lists and dicts (subclasses too)
         tensors = flatten_values(out, torch.Tensor)
         found["tree"] = out
@@ -413,10 +448,31 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
     index = itertools.count()
     output_tree = map_values(found["tree"], lambda t: Output(next(index)), torch.Tensor)
     num_outputs = next(index)
+    input_updates = _outputs_for_input_updates(gm, len(pnames) + len(bnames), num_outputs)
     joint_graph = JointGraph(gm, pnames, bnames, [n for n, _ in inputs], output_tree, num_outputs,
-                             found.get("loss"), found.get("grads", []))
+                             found.get("loss"), found.get("grads", []), input_updates)
     check_blocks(joint_graph)
     return joint_graph
+
+
+def _outputs_for_input_updates(gm: torch.fx.GraphModule, first_input: int, num_outputs: int) -> list[int]:
+    """A model input changed in place (``x += 1``, ``x.copy_(y)``, ``x[0] = 0``): functionalisation
+    writes its final value back with ``copy_`` onto the placeholder. Make that value an output
+    instead, after the model's own (PopTorch returns it from the device and copies it into the
+    caller's tensor); the inputs' numbers, in output order."""
+    graph = gm.graph
+    inputs = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder") if i >= first_input}
+    updates: dict[int, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten.copy_.default and node.args[0] in inputs:
+            updates[inputs[node.args[0]] - first_input] = node.args[1]
+            graph.erase_node(node)
+    if updates:
+        out = graph.output_node()
+        values = list(out.args[0])
+        out.args = (values[:num_outputs] + list(updates.values()) + values[num_outputs:],)
+        gm.recompile()
+    return list(updates)
 
 
 def check_blocks(joint: JointGraph) -> None:

@@ -79,6 +79,12 @@ class IRGraph:
     # node outputs are named by op and a number counted per graph: the same model compiled twice
     # in one process gets the same names (profiles, memory reports)
     numbers: Any = field(default_factory=itertools.count, repr=False)
+    input_updates: list[tuple[int, Value]] = field(default_factory=list)  # (input index, new value): in place
+
+    def returned(self) -> list[Value]:
+        """What the device sends to the host each call: the model's outputs, then the new values
+        of the inputs it changed in place (copied into the caller's tensors)."""
+        return flatten_values(self.outputs) + [v for _, v in self.input_updates]
 
     def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
             **attrs) -> list[Value]:

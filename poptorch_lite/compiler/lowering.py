@@ -51,7 +51,7 @@ from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
 from .host_io import io_buffer, overlapped
 from .multiconv import lower_member
-from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
+from .ir import VIEW_OPS, IRGraph, Node, Value
 from .recompute import RECOMPUTE
 
 
@@ -455,7 +455,7 @@ class Lowering:
         # model outputs produced here
         outs = ip.Sequence(name=f"{self.prefix}{sp.name}/outputs")
         drain: dict = {}
-        for i, v in enumerate(flatten_values(self.ir.outputs)):
+        for i, v in enumerate(self.ir.returned()):
             if (v.id, key) in self.tensors and v.producer is not None and stage_key(v.producer) == key:
                 name = f"{self.prefix}{sp.name}/output/{i}"
                 stream = g.addDeviceToHostFIFO(name, v.dtype, v.shape)

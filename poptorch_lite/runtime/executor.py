@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import ipusim as ip
 from ipusim.ops import random as rnd
+from ipusim.report.profile import finish_collected
 
 from ..api import arguments, batching, phases, poptorch_core, replica_groups
 from ..api.blocks import module_repr
@@ -204,8 +205,17 @@ class PoplarExecutor:
             return False
 
         class SyncedModel(user_cls):
+            _poptorch_user_class = user_cls  # what `destroy` restores
+
             def copyWeightsToHostIfNeeded(self):
                 return sync()
+
+            def destroy(self):
+                """Release the training model wrapping this one (weights copied back first) and
+                unwrap it, so that it can be wrapped again."""
+                p = parent()
+                if p is not None:
+                    p.destroy()
 
             def __reduce_ex__(self, protocol):
                 """Saved (torch.save, pickle) as the user's class, with the trained weights."""
@@ -245,7 +255,9 @@ class PoplarExecutor:
 
         for name, cls in (("Model", SyncedModel), ("Parameter", SyncedParameter), ("Buffer", SyncedBuffer)):
             cls.__name__ = cls.__qualname__ = f"Poptorch{user_cls.__name__ if name == 'Model' else name}"
-        SyncedModel._poptorch_wrappers = (user_cls, SyncedParameter, SyncedBuffer)
+        SyncedModel._poptorch_wrappers = (SyncedParameter, SyncedBuffer)  # what rewrap_model puts back
+        SyncedParameter._poptorch_user_class = torch.nn.Parameter
+        SyncedBuffer._poptorch_user_class = torch.Tensor
         for p in torch.nn.Module.parameters(self._user_model):
             if type(p) is torch.nn.Parameter:
                 p.__class__ = SyncedParameter
@@ -253,6 +265,12 @@ class PoplarExecutor:
             if type(b) is torch.Tensor:
                 b.__class__ = SyncedBuffer
         self._user_model.__class__ = SyncedModel
+        self._wrapper_class = SyncedModel
+
+    def _uninstall_weight_sync(self) -> None:
+        """The user's model, parameters and buffers back to their own classes (`destroy`)."""
+        if type(self._user_model) is self._wrapper_class:
+            _restore_user_classes(self._user_model)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -325,8 +343,14 @@ class PoplarExecutor:
         ends with collectives between them (weight broadcast), which a process waiting for the
         lock would never join."""
         options = self._options
+        if self._training and type(self._user_model) is not self._wrapper_class:  # destroyed, now used again
+            check_unwrapped(self._user_model)
+            self._install_weight_sync()
         path = options.cache_path
         call = arguments.bind(self._forward(), args, kwargs)
+        for _, t in (*call.tensors, *self._named_weights().items()):
+            check_not_zero_sized(t)
+        self._check_updatable_buffers()
         self._call = call
         if path is not None and self._variable_groups:
             cache.logger.warning("Executable caching is off for a model with per-replica variables "
@@ -505,7 +529,8 @@ class PoplarExecutor:
         return False
 
     def destroy(self) -> None:
-        """Release the executable (trained weights copied to the host first); compiled again on use."""
+        """Release the executable (trained weights copied to the host first) and, for a training
+        model, unwrap the user's model so that it can be wrapped again; compiled again on use."""
         if self._executable is None:
             return
         if self._training:
@@ -514,6 +539,8 @@ class PoplarExecutor:
         self._shutdown_threads()
         self._executable = None
         self._is_attached = False
+        if self._training:
+            self._uninstall_weight_sync()
 
     def _kind(self) -> str:
         return "training" if self._training else "inference"
@@ -528,6 +555,7 @@ class PoplarExecutor:
 
     def _call_device(self, args, kwargs):
         """A call: compile on the first, then run the schedule and shape the outputs."""
+        finish_collected()  # the profiles of models the garbage collector freed
         if self._options.connection_type == ConnectionType.Never and self._options.Emulator.mode != "estimate":
             raise OfflineDeviceError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                      "model.compile(inputs) instead of model(inputs), or price calls without "
@@ -561,7 +589,7 @@ class PoplarExecutor:
         if self._training:
             self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
             self._dirty_host_weights = True
-        return _refuse_backward(self._shape_outputs(exe))
+        return _refuse_backward(self._shape_outputs(exe, tensors))
 
     def _count_batch_norm_batches(self, micro_batches: int) -> None:
         """num_batches_tracked is a host-side counter (used only with momentum=None, which the
@@ -707,7 +735,9 @@ class PoplarExecutor:
     def _wants_output(self, k: int) -> bool:
         return self._step_of(k) in self._returned
 
-    def _shape_outputs(self, exe: Executable):
+    def _shape_outputs(self, exe: Executable, tensors: list[tuple[str, torch.Tensor]]):
+        """The model's outputs as the call returns them; the inputs the model changed in place
+        get their new values (PopTorch copies them into the caller's tensors)."""
         plan = self._output_plan
         if self._pricing:  # estimate mode: the outputs' shapes and dtypes, as meta tensors
             return map_values(exe.ir.outputs, lambda v: torch.empty(plan.output_shape(tuple(v.shape)),
@@ -715,7 +745,7 @@ class PoplarExecutor:
                               rebuild=True)
         results = {}
         inputs = {v.id: i for i, v in enumerate(exe.ir.inputs)}
-        for i, v in enumerate(flatten_values(exe.ir.outputs)):
+        for i, v in enumerate(exe.ir.returned()):
             if v.id in inputs:
                 # An output that is a model input (or an op that reduces to one, such as dropout
                 # in inference) is the input's micro-batch as the device received it.
@@ -733,6 +763,16 @@ class PoplarExecutor:
             if missing:
                 raise RuntimeError(f"output {i} of micro-batch steps {missing} was not produced by the device")
             results[v.id] = plan.gather(per_step)
+        for index, v in exe.ir.input_updates:
+            name, tensor = tensors[index]
+            new = results[v.id]
+            if new.shape != tensor.shape:
+                raise Error(f"the model changes its input {name} in place, and its new value comes back from the "
+                            f"device with shape {list(new.shape)} (output mode {self._options.output_mode.name}), "
+                            f"not the input's {list(tensor.shape)}: use outputMode(poptorch.OutputMode.All), or "
+                            "change a copy of the input")
+            with torch.no_grad():
+                tensor.copy_(new)
         return map_values(exe.ir.outputs, lambda v: results[v.id], rebuild=True)
 
     def estimate(self):
@@ -789,7 +829,7 @@ class PoplarExecutor:
         or output index, one time in seconds per micro-batch and replica (runtime/timeline.py)."""
         if self._executable is None or self.last_run is None:
             return timeline.empty()
-        outputs = len(flatten_values(self._executable.ir.outputs))
+        outputs = len(self._executable.ir.returned())
         return timeline.perf_counters(self.last_run, self._executable, outputs)
 
     def getHostIpuLatency(self) -> tuple[float, float, float]:
@@ -855,6 +895,16 @@ class PoplarExecutor:
         for (low, ipu), value in zip(seeds, state[1:]):
             exe.engine.writeTensor(low.seeds[ipu], rnd.seed_words(value))
 
+    def _check_updatable_buffers(self) -> dict[str, torch.Tensor]:
+        """The model's buffers; every name in ``Options.updatableNamedBuffers`` must be one of them
+        (checked when the model is compiled, as PopTorch does, and when they are copied)."""
+        buffers = dict(torch.nn.Module.named_buffers(self._user_model))
+        missing = [n for n in self._options._Popart.get("updatableNamedBuffers") or () if n not in buffers]
+        if missing:
+            raise errors.make(f"updatableNamedBuffers names {missing}, which the model does not have as buffers "
+                              f"(its buffers: {sorted(buffers)})")
+        return buffers
+
     def copyNamedBuffersToDevice(self) -> None:
         """Write the buffers named by ``Options.updatableNamedBuffers`` (only those) to every
         replica, for example after changing them on the host."""
@@ -863,11 +913,7 @@ class PoplarExecutor:
         names = self._options._Popart.get("updatableNamedBuffers")
         if not names:
             raise errors.make("No named buffers marked as updatable via updatableNamedBuffers option")
-        buffers = dict(torch.nn.Module.named_buffers(self._user_model))
-        missing = [n for n in names if n not in buffers]
-        if missing:
-            raise errors.make(f"updatableNamedBuffers names {missing}, which the model does not have as buffers "
-                              f"(its buffers: {sorted(buffers)})")
+        buffers = self._check_updatable_buffers()
         exe = self._executable
         for low in exe.lowerings:
             for name in names:
@@ -975,19 +1021,19 @@ def unwrap_model(model: torch.nn.Module) -> None:
     """PopTorch's `_impl.unwrapModelIfNecessary`: a model wrapped for weight sync (and its
     parameters and buffers) gets back its own classes, with the trained weights copied to the
     host first; nothing happens to a model that is not wrapped. `rewrap_model` undoes it."""
-    wrappers = getattr(type(model), "_poptorch_wrappers", None)
-    if wrappers is None:
+    if not is_wrapped(model):
         return
     model.copyWeightsToHostIfNeeded()
-    user_cls, parameter_cls, buffer_cls = wrappers
-    for p in torch.nn.Module.parameters(model):
-        if type(p) is parameter_cls:
-            p.__class__ = torch.nn.Parameter
-    for b in torch.nn.Module.buffers(model):
-        if type(b) is buffer_cls:
-            b.__class__ = torch.Tensor
     model.__dict__["_poptorch_unwrapped"] = type(model)
-    model.__class__ = user_cls
+    _restore_user_classes(model)
+
+
+def _restore_user_classes(model: torch.nn.Module) -> None:
+    """A wrapped model, its parameters and buffers back to their own classes."""
+    for t in (*torch.nn.Module.parameters(model), *torch.nn.Module.buffers(model)):
+        if is_wrapped(t):
+            t.__class__ = type(t)._poptorch_user_class
+    model.__class__ = type(model)._poptorch_user_class
 
 
 def rewrap_model(model: torch.nn.Module) -> None:
@@ -995,7 +1041,7 @@ def rewrap_model(model: torch.nn.Module) -> None:
     synced = model.__dict__.pop("_poptorch_unwrapped", None)
     if synced is None:
         return
-    _, parameter_cls, buffer_cls = synced._poptorch_wrappers
+    parameter_cls, buffer_cls = synced._poptorch_wrappers
     for p in torch.nn.Module.parameters(model):
         if type(p) is torch.nn.Parameter:
             p.__class__ = parameter_cls
@@ -1037,14 +1083,41 @@ def torch_dtype(dtype) -> torch.dtype:
             np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
 
 
+def check_not_zero_sized(t: torch.Tensor) -> None:
+    """An input, parameter or buffer with a dimension of size 0 has no place on the device (PopTorch's
+    error)."""
+    if 0 in t.shape:
+        raise errors.make(f"Zero-sized tensors are unsupported (Got shape [{', '.join(map(str, t.shape))}]).")
+
+
+def is_wrapped(obj) -> bool:
+    """Whether `obj` (a module, parameter or buffer) is wrapped by a training model."""
+    return getattr(type(obj), "_poptorch_user_class", None) is not None
+
+
+def check_unwrapped(model: torch.nn.Module) -> None:
+    """A model can be wrapped for training by one training model at a time (PopTorch's rule)."""
+    if is_wrapped(model):
+        raise RuntimeError("Model has already been wrapped in 'poptorch.trainingModel'. Call model.destroy() on the "
+                           "model to unwrap before wrapping again.")
+
+
 def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:
     """Wrap `model` for training on emulated IPUs: each call runs forward, backward and the
-    optimiser's update on the device (default optimizer: SGD, lr 0.01)."""
+    optimiser's update on the device (default optimizer: SGD, lr 0.01). `model` may be a
+    PoplarExecutor: its torch model is wrapped. A model is wrapped by one training model at a
+    time: ``model.destroy()`` unwraps it."""
+    if isinstance(model, PoplarExecutor):
+        model = model._user_model
+    check_unwrapped(model)
     return PoplarExecutor(model, options, True, optimizer)
 
 
 def inferenceModel(model: torch.nn.Module, options: Options | None = None) -> PoplarExecutor:
-    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device."""
+    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device.
+    `model` may be a PoplarExecutor: its torch model is used."""
+    if isinstance(model, PoplarExecutor):
+        model = model._user_model
     return PoplarExecutor(model, options, False)
 
 
@@ -1102,3 +1175,4 @@ def poptorchAtExit() -> None:  # pylint: disable=invalid-name
     weights copied back to the host, engines closed, profiles finished). Runs at exit."""
     for model in list(_LIVE):
         model.destroy()
+    finish_collected()

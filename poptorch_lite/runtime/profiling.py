@@ -6,7 +6,8 @@ record of every call. Files go to DIR/<model name> (Options.modelName, else "tra
 "inference"), as PopTorch names its report directories:
 
 - after the first call: profile.json and trace.json (so a profile exists as soon as one call ran);
-- when the model is destroyed or garbage collected, or the process exits (once): profile.json
+- when the model is destroyed, or freed (when the garbage collector frees it: at the next safe
+  point, `ipusim.report.profile.finish_collected`), or the process exits (once): profile.json
   again with the totals of every call, trace.json, the PNG charts, the page (profile.html), and
   the summary printed.
 
@@ -18,8 +19,8 @@ split without running it.
 from __future__ import annotations
 
 import copy
+import functools
 import os
-import weakref
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class Profiler:
         self.session = ipprofile.ProfileSession(self.directory, model_profile(executor, name),
                                                 trace_calls=trace_calls, advice=advice_text)
         # Tied to the executable: destroy() or collecting the model drops it; exit runs it too.
-        self._finish = weakref.finalize(exe, _finish, self.session, self.directory)
+        self._finish = ipprofile.finish_on_collect(exe, functools.partial(_finish, self.session, self.directory))
 
     def called(self, record) -> None:
         """Account one call (executor.RunRecord); the first call also writes the files (and the
