@@ -253,3 +253,29 @@ def test_max_pooling_indices_of_windows_of_padding_only():
     values, indices = poptorch.inferenceModel(Pool())(x)
     want_values, want_indices = Pool()(x)
     assert torch.equal(values, want_values) and torch.equal(indices.long(), want_indices)
+
+
+def test_a_constant_gradient_still_trains_its_weight():
+    """floor's gradient is zeros, a constant: the weight still gets it (anchored) and its
+    optimiser still applies weight decay, as in PyTorch."""
+    class Floor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.tensor([1.5, -2.25, 3.0]))
+            self.q = nn.Parameter(torch.tensor([0.5, 1.0, 2.0]))
+
+        def forward(self, x):
+            return poptorch.identity_loss((torch.floor(self.p) * x + self.q * x).sum(), reduction="sum")
+
+    model = Floor()
+    ref = Floor()
+    opts = poptorch.Options().anchorTensor("g", "Gradient___p")
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5))
+    x = torch.tensor([1.0, 2.0, 3.0])
+    training(x)
+    assert torch.equal(training.getAnchoredTensor("g"), torch.zeros(3))
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, weight_decay=0.5)
+    ref(x).backward()
+    optimizer.step()
+    torch.testing.assert_close(model.p.detach(), ref.p.detach())
+    torch.testing.assert_close(model.q.detach(), ref.q.detach())

@@ -315,7 +315,7 @@ class Lowerer:
         self.ir.outputs = map_values(j.output_tree, lambda leaf: user[leaf.index], Output)
         if j.loss is not None:
             self.ir.loss, rest = rest[0], rest[1:]
-            self.ir.grads = dict(zip(j.grads, rest[:len(j.grads)]))
+            self.ir.grads = {name: self.constant_gradient(name, g) for name, g in zip(j.grads, rest[:len(j.grads)])}
             rest = rest[len(j.grads):]
         for name, new in zip(j.buffers, rest):
             old = self.ir.buffers[name]
@@ -326,6 +326,20 @@ class Lowerer:
             reader = producer or next((node for node in self.ir.nodes if any(v is old for v in node.inputs)), None)
             self.template = reader or self.template
             self.emit("assign", [old, self.cast(new, old.dtype)], [])
+
+    def constant_gradient(self, name: str, g):
+        """A gradient that is a constant (zeros, of floor, round or sign) made in the backward
+        pass on its weight's IPU (a copy), so that the weight is trained like the others: its
+        gradient accumulates and its optimiser (momentum, weight decay) updates it."""
+        if not (isinstance(g, Value) and g.kind == "const"):
+            return g
+        w = self.ir.params[name]
+        reader = next((node for node in self.ir.nodes if any(x is w for x in node.inputs)), None)
+        if reader is None:
+            return g
+        self.template = Node("", [], [], block=reader.block, stage=reader.stage, ipu=reader.ipu, phase=reader.phase,
+                             pass_="bwd", source=reader.source)
+        return self.one("copy", [g], g.shape, g.dtype)
 
     def copy_of_state(self, v):
         """A parameter or buffer the model returns as it is, copied where its first reader runs
