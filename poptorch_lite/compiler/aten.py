@@ -364,7 +364,7 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
 # Lowerings: (lowerer, *ATen arguments with Values for tensors) -> Value, tuple, list or Only
 # =========================================================================================
 LOWERINGS: dict = {}
-COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or"}
+COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or", "logical_xor"}
 
 
 def lowers(*packets, doc: str = "", raw: bool = False):
@@ -821,8 +821,54 @@ for _packet, _fn in [(aten.neg, "neg"), (aten.abs, "abs"), (aten.relu, "relu"), 
                      (aten.acosh, "acosh"), (aten.atanh, "atanh"), (aten.erf, "erf"), (aten.erfinv, "erfinv"),
                      (aten.log2, "log2"), (aten.log10, "log10"), (aten.exp2, "exp2"), (aten.floor, "floor"),
                      (aten.ceil, "ceil"), (aten.round, "round"), (aten.trunc, "trunc"), (aten.lgamma, "lgamma"),
-                     (aten.digamma, "digamma")]:
+                     (aten.digamma, "digamma"), (aten.erfc, "erfc"), (aten.special_erfcx, "erfcx"),
+                     (aten.special_ndtri, "ndtri"), (aten.i0, "i0"), (aten.special_modified_bessel_i0, "i0"),
+                     (aten.special_i0e, "i0e"), (aten.special_i1, "i1"), (aten.special_modified_bessel_i1, "i1"),
+                     (aten.special_i1e, "i1e"), (aten.special_modified_bessel_k0, "k0"),
+                     (aten.special_scaled_modified_bessel_k0, "k0e"), (aten.special_modified_bessel_k1, "k1"),
+                     (aten.special_scaled_modified_bessel_k1, "k1e"), (aten.special_bessel_j0, "j0"),
+                     (aten.special_bessel_j1, "j1"), (aten.special_bessel_y0, "y0"), (aten.special_bessel_y1, "y1"),
+                     (aten.special_spherical_bessel_j0, "spherical_j0"), (aten.special_airy_ai, "airy_ai"),
+                     (aten.angle, "angle")]:
     LOWERINGS[_packet] = _unary(_fn)
+
+
+@lowers(aten.round, doc="unary round (half to even); with decimals d: mul 10^d, round, div 10^d (10^-d and mul for "
+                        "d < 0), in the input's dtype as torch")
+def _round(c, x, decimals=0):
+    x = c.cast(x, c.out_dtype())
+    if not decimals:
+        return c.unary("round", x)
+    if decimals > 0:
+        ten = float(10.0 ** decimals)
+        return c.binary("div", c.unary("round", c.binary("mul", x, ten)), ten)
+    ten = float(10.0 ** -decimals)
+    return c.binary("mul", c.unary("round", c.binary("div", x, ten)), ten)
+
+
+@lowers(aten.polygamma, doc="unary polygamma (order n): digamma for n = 0, else (-1)^(n+1) n! zeta(n + 1, x)")
+def _polygamma(c, n, x):
+    if int(n) < 0:
+        raise c.error(f"polygamma of a negative order {n} is not defined")
+    return c.unary("polygamma", c.cast(x, c.out_dtype()), scale=float(int(n)))
+
+
+@lowers(aten.frexp, doc="unary frexp_mantissa and frexp_exponent (int32)")
+def _frexp(c, x):
+    mantissa = c.unary("frexp_mantissa", x)
+    return mantissa, c.one("unary", [x], x.shape, np.int32, fn="frexp_exponent")
+
+
+def _bool_test(fn):
+    def lower(c, x):
+        if x.dtype.kind != "f":   # integers and booleans are finite, and their sign is their value's
+            return c.binary("lt", x, 0, dtype=x.dtype) if fn == "signbit" else c.binary("ne", x, x, dtype=x.dtype)
+        return c.one("unary", [x], x.shape, np.bool_, fn=fn)
+    lower.doc = f"unary {fn} (bool)"
+    return lower
+
+
+LOWERINGS.update({aten.isinf: _bool_test("isinf"), aten.signbit: _bool_test("signbit")})
 
 
 @lowers(aten.isnan, doc="unary isnan (bool)")
@@ -866,11 +912,16 @@ def _gelu(c, x, approximate="none"):
     return c.binary("mul", c.binary("mul", x, 0.5), c.unary("scale", t, scale=1.0, bias=1.0))
 
 
-@lowers(aten.logical_not, aten.bitwise_not, doc="unary logical_not (bool)")
+@lowers(aten.logical_not, aten.bitwise_not, doc="unary logical_not (bool); logical_not of numbers: eq 0; "
+                                                "bitwise_not of integers: -x - 1 (two's complement)")
 def _not(c, x):
-    if x.dtype != np.bool_:
-        raise c.error("bitwise not of integers is not supported")
-    return c.one("unary", [x], x.shape, np.bool_, fn="logical_not")
+    if x.dtype == np.bool_:
+        return c.one("unary", [x], x.shape, np.bool_, fn="logical_not")
+    if c.node.target.overloadpacket is aten.logical_not:
+        return c.binary("eq", x, 0, dtype=x.dtype)
+    if x.dtype.kind != "i":
+        raise c.error(f"bitwise not of {x.dtype.name} is not defined (integers and booleans have one)")
+    return c.unary("scale", x, scale=-1.0, bias=-1.0)
 
 
 @lowers(aten.sign, aten.sgn, doc="binary abs_grad(x, 1)")
@@ -893,7 +944,23 @@ def _arith(fn):
 LOWERINGS.update({aten.add: _arith("add"), aten.sub: _arith("sub"), aten.mul: _arith("mul"),
                   aten.div: _arith("div"), aten.maximum: _arith("max"), aten.minimum: _arith("min"),
                   aten.atan2: _arith("atan2"), aten.fmod: _arith("fmod"), aten.remainder: _arith("remainder"),
-                  aten.hypot: _arith("hypot")})
+                  aten.hypot: _arith("hypot"), aten.copysign: _arith("copysign"), aten.fmax: _arith("fmax"),
+                  aten.fmin: _arith("fmin"), aten.special_zeta: _arith("zeta"), aten.igamma: _arith("igamma"),
+                  aten.igammac: _arith("igammac")})
+
+
+def _polynomial(fn):
+    def lower(c, x, n):
+        return c.binary(fn, x, n)
+    lower.doc = f"binary {fn} (x, n): torch.special's recurrence, the trigonometric form for high degrees"
+    return lower
+
+
+for _name in ("chebyshev_t", "chebyshev_u", "chebyshev_v", "chebyshev_w", "shifted_chebyshev_t",
+              "shifted_chebyshev_u", "shifted_chebyshev_v", "shifted_chebyshev_w", "hermite_h", "hermite_he",
+              "laguerre_l", "legendre_p"):
+    _family, _letter = _name.rsplit("_", 1)
+    LOWERINGS[getattr(aten, f"special_{_family}_polynomial_{_letter}")] = _polynomial(_name)
 
 
 @lowers(aten.rsub, doc="binary sub")
@@ -937,7 +1004,8 @@ def _bitwise(fn):
     return lower
 
 
-LOWERINGS.update({aten.bitwise_and: _bitwise("logical_and"), aten.bitwise_or: _bitwise("logical_or")})
+LOWERINGS.update({aten.bitwise_and: _bitwise("logical_and"), aten.bitwise_or: _bitwise("logical_or"),
+                  aten.logical_xor: _comparison("logical_xor")})
 
 
 @lowers(aten.clamp, doc="binary max and min")

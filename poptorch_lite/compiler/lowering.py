@@ -466,7 +466,7 @@ def _assign(ctx, n, ins):
 def _unary(ctx, n, ins):
     a = n.attrs
     return [ew.unary(ctx.graph, a["fn"], ins[0], ctx.prog, ctx.name, scale=a.get("scale", 1.0),
-                     bias=a.get("bias", 0.0))]
+                     bias=a.get("bias", 0.0), out_dtype=n.outputs[0].dtype)]
 
 
 @lowers("binary")
