@@ -5,8 +5,9 @@
     python -m poptorch_lite run script.py [args ...]
 
 For the run (and the processes it spawns, such as asynchronous data loaders) `import poptorch`
-and `import poptorch.<sub>` give `poptorch_lite` and its API modules (`poptorch_lite.api.<sub>`), and `import popdist` gives
-this project's `popdist` (with `popdist.poptorch`), even when a Poplar SDK is installed. Nothing
+and `import poptorch.<sub>` give `poptorch_lite` and its API modules (`poptorch_lite.api.<sub>`), `import popdist` gives
+this project's `popdist` (with `popdist.poptorch`) and `import popart` PopART's names that PopTorch programs
+use (`poptorch_lite.api.popart`: its enums and session options), even when a Poplar SDK is installed. Nothing
 changes outside the run. A PopTorch name `poptorch_lite` does not provide fails at the point of
 use with an error naming it (`UnsupportedAttributeError` / `UnsupportedModuleError`, both
 `NotImplementedError`s), so an unsupported call can never pass silently.
@@ -31,6 +32,8 @@ from .api.errors import UnsupportedAttributeError, UnsupportedModuleError
 
 ALIAS = "poptorch"
 TARGET = "poptorch_lite"
+POPART = "popart"
+POPART_TARGET = "poptorch_lite.api.popart"
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIM = """\
 # Created by poptorch_lite.runner for one run: `import poptorch` in a process spawned by the run
@@ -94,13 +97,18 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class PopTorchFinder(importlib.abc.MetaPathFinder):
-    """Resolves `poptorch[.sub]` to aliases of `poptorch_lite[.sub]`, and `popdist` to this
-    project's package."""
+    """Resolves `poptorch[.sub]` to aliases of `poptorch_lite[.sub]`, `popdist` to this
+    project's package and `popart` to an alias of `poptorch_lite.api.popart`."""
 
     def find_spec(self, fullname, path=None, target=None):
         head, dot, rest = fullname.partition(".")
         if fullname == "popdist":
             return importlib.machinery.PathFinder.find_spec("popdist", [PROJECT_ROOT])
+        if head == POPART:
+            if rest:
+                raise UnsupportedModuleError(_unsupported(fullname, importlib.import_module(POPART_TARGET)),
+                                             name=None)
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(POPART_TARGET))
         if head != ALIAS:
             return None
         real = _real_module(rest) if rest else TARGET
@@ -125,12 +133,12 @@ def _real_module(sub: str) -> str:
 
 
 def install() -> None:
-    """Make `poptorch` and `popdist` resolve to this project in this process (idempotent)."""
+    """Make `poptorch`, `popdist` and `popart` resolve to this project in this process (idempotent)."""
     if not any(isinstance(f, PopTorchFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, PopTorchFinder())
-    for name in [n for n in sys.modules if n == ALIAS or n.startswith(ALIAS + ".")]:
+    for name in [n for n in sys.modules if n in (ALIAS, POPART) or n.startswith((ALIAS + ".", POPART + "."))]:
         if not isinstance(sys.modules[name], AliasModule):
-            del sys.modules[name]  # an SDK's poptorch or the spawn shim: replaced by the alias
+            del sys.modules[name]  # an SDK's poptorch / popart or the spawn shim: replaced by the alias
     if "popdist" in sys.modules and not os.path.abspath(sys.modules["popdist"].__file__ or "").startswith(
             os.path.join(PROJECT_ROOT, "popdist")):
         for name in [n for n in sys.modules if n == "popdist" or n.startswith("popdist.")]:

@@ -206,7 +206,7 @@ def test_heavy_stage_is_longest_and_the_advised_split_runs_faster(tmp_path):
     doc = prof.load(str(tmp_path / "training"))
     assert doc["execution"]["longest_stage"]["stage"] == 0
     assert doc["execution"]["longest_stage"]["blocks"] == ["L0", "L1", "L2", "L3"]
-    assert doc["blocks"]["source"] == "model lowered with one block per stage"
+    assert doc["blocks"]["source"] == "model lowered with one block per stage without recomputation"
     assert doc["blocks"]["current_split"] == [4, 1, 1]
     advice = advise(model)
     assert advice.current.split == (4, 1, 1) and advice.measured_cycles == measured

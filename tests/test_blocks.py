@@ -7,6 +7,7 @@ import torch.nn as nn
 from poptorch_lite.api.blocks import (
     DEFAULT_REGION,
     BeginBlock,
+    LegacyBeginBlockFn,
     BeginBlockHook,
     Block,
     BlockError,
@@ -164,9 +165,11 @@ def test_begin_block_twice_is_an_error():
         BeginBlock(linear, "B")
 
 
-def test_begin_block_rejects_functions():
-    with pytest.raises(BlockError, match="BlockFunction"):
-        BeginBlock(lambda x: x, "A")
+def test_begin_block_wraps_functions_and_rejects_other_values():
+    wrapped = BeginBlock(lambda x: x * 2, "A", ipu_id=1)
+    assert isinstance(wrapped, LegacyBeginBlockFn) and wrapped(torch.tensor(3.0)) == 6.0
+    with pytest.raises(BlockError, match="a torch.nn.Module or a function, got int"):
+        BeginBlock(3, "A")
 
 
 def test_remove_blocks_removes_annotations_recursively():

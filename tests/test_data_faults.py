@@ -27,6 +27,9 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 # Scripts run in subprocesses import this checkout's packages, whatever is installed.
 SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.path.dirname(TESTS)}
 ASYNC_MODES = [DataLoaderMode.Async, DataLoaderMode.AsyncRebatched]
+# Seconds a script may take before it counts as hung: it starts interpreters that import torch
+# (seconds of CPU each), which on a loaded machine take minutes.
+HUNG = 900
 
 
 class Squares(torch.utils.data.Dataset):
@@ -131,7 +134,7 @@ def test_the_accessor_process_imports_what_the_dataset_needs_not_the_emulator(tm
     imports them only when it uses them."""
     script = tmp_path / "imports.py"
     script.write_text(IMPORTS_SCRIPT.format(tests=TESTS))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False,
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HUNG, check=False,
                           env=SCRIPT_ENV)
     assert done.stdout.split("\n")[:2] == ["host []", "accessor []"], done.stdout + done.stderr
 
@@ -149,8 +152,14 @@ SCRIPT = textwrap.dedent("""
             time.sleep(0.02)
             return super().__getitem__(index)
 
-    if __name__ == "__mp_main__":  # a spawned accessor process imports the script again
-        time.sleep(float(os.environ.get("ACCESSOR_IMPORT_SECONDS", "0")))
+    if __name__ == "__mp_main__" and "ACCESSOR_IMPORT_GATE" in os.environ:
+        # the spawned accessor process (the zygote) imports the script again: torch imported, it
+        # says so (GATE.reached) and finishes only once the test creates GATE (at most 600 s)
+        gate = os.environ["ACCESSOR_IMPORT_GATE"]
+        open(gate + ".reached", "w").close()
+        deadline = time.monotonic() + 600
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     if __name__ == "__main__":
         how, workers, strategy = sys.argv[1], int(sys.argv[2]), getattr(poptorch.SharingStrategy, sys.argv[3])
@@ -160,7 +169,7 @@ SCRIPT = textwrap.dedent("""
                                      async_options={{"sharing_strategy": strategy}})
         if how == "idle":  # built, never iterated
             print("pids", os.getpid(), flush=True)
-            time.sleep(60)
+            time.sleep(600)
         count = 0
         for x, y in loader:
             count += 1
@@ -171,7 +180,7 @@ SCRIPT = textwrap.dedent("""
                 if how == "raise":
                     raise ValueError("the training loop failed")
                 if how in ("sigint", "hold"):
-                    time.sleep(60)
+                    time.sleep(600)
         print("batches", count, flush=True)
 """)
 
@@ -237,6 +246,13 @@ def assert_gone(pids, within: float, context="") -> None:
     assert not [p for p in pids if alive(p)], context
 
 
+def wait_for_file(path, within: float = HUNG) -> None:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {within} s"
+        time.sleep(0.01)
+
+
 def wait_for_pids_line(process, tmp_path):
     line = process.stdout.readline()
     assert line.startswith("pids"), line + (tmp_path / "stderr.txt").read_text()
@@ -245,17 +261,18 @@ def wait_for_pids_line(process, tmp_path):
 
 def check_an_end(tmp_path, how, workers, strategy=SharingStrategy.FileSystem):
     """Run the script to its end (`how`): the user sees what the end says, the script ends within
-    seconds of Ctrl-C, every process it started is gone within 5 s of its end, and neither the
-    resource tracker nor the temporary directory has anything left."""
+    seconds of Ctrl-C, every process it started is gone soon after its end (60 s allowed, however
+    loaded the machine), and neither the resource tracker nor the temporary directory has
+    anything left."""
     process = run_script(tmp_path, how, workers, strategy)
     host = wait_for_pids_line(process, tmp_path)  # three batches in
     tree = descendants(host)
     if how == "sigint":
         os.killpg(host, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
     interrupted = time.monotonic()
-    out, err = finish(process, tmp_path, 90)
+    out, err = finish(process, tmp_path, HUNG)
     ended = time.monotonic()
-    assert_gone(tree, ended + 5 - time.monotonic(), err)
+    assert_gone(tree, 60, err)
     assert "resource_tracker" not in err and "leaked" not in err, err
     assert not temporary_files(tmp_path)
     if how == "normal":
@@ -265,7 +282,7 @@ def check_an_end(tmp_path, how, workers, strategy=SharingStrategy.FileSystem):
     elif how == "raise":
         assert process.returncode == 1 and "the training loop failed" in err
     else:
-        assert "KeyboardInterrupt" in err and ended - interrupted < 10, (ended - interrupted, err)
+        assert "KeyboardInterrupt" in err and ended - interrupted < 60, (ended - interrupted, err)
 
 
 @pytest.mark.slow
@@ -288,52 +305,60 @@ def test_every_sharing_strategy_leaves_nothing_to_clean_up(tmp_path, how, strate
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_loader_processes_die_with_their_host(tmp_path, sig):
     """When the host dies, its accessor process and the DataLoader workers below it are gone
-    within 5 s, and nothing is left for the resource tracker."""
+    (within a second or so; 60 s allowed), and nothing is left for the resource tracker."""
     process = run_script(tmp_path, "hold", 4)
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
     assert len(below) >= 5  # the accessor process and its 4 DataLoader workers (and the tracker)
     os.kill(host, sig)
-    process.wait(timeout=10)
-    assert_gone(below, 5)
-    assert "leaked" not in finish(process, tmp_path, 10)[1]
+    process.wait(timeout=60)
+    assert_gone(below, 60)
+    assert "leaked" not in finish(process, tmp_path, 60)[1]
     assert not temporary_files(tmp_path)
 
 
 @pytest.mark.slow
 def test_a_host_killed_before_its_accessor_started_leaves_nothing(tmp_path):
     """The host killed (SIGKILL) right after building its loader, while the spawned accessor process
-    is still importing the script (it takes 2 s here): once that process runs, it finds its host
-    gone and stops without a traceback. The dataset was pickled to a file without a name, so the
-    temporary directory is empty at all times, however the processes end."""
-    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_SECONDS="2")
+    is still importing the script (it waits for a file the test creates once the host is dead):
+    once that process runs, it finds its host gone and stops without a traceback. The dataset was
+    pickled to a file without a name, so the temporary directory is empty at all times, however
+    the processes end."""
+    gate = tmp_path / "import-gate"
+    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_GATE=str(gate))
     host = wait_for_pids_line(process, tmp_path)
     below = descendants(host)
+    wait_for_file(tmp_path / "import-gate.reached")
     assert not temporary_files(tmp_path)  # the dataset is pickled, not yet read: its file has no name
     os.kill(host, signal.SIGKILL)
-    process.wait(timeout=10)
-    assert_gone(below, 60)  # the accessor's interpreter may take seconds to import torch
+    process.wait(timeout=60)
+    gate.touch()
+    assert_gone(below, 60)
     assert not temporary_files(tmp_path)
-    err = finish(process, tmp_path, 10)[1]
+    err = finish(process, tmp_path, 60)[1]
     assert "leaked" not in err and "Traceback" not in err, err
 
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_accessor_starts_stops_everything_with_one_traceback(tmp_path):
     """Ctrl-C (SIGINT to the whole foreground group) while the spawned accessor process is still
-    importing the script: the host stops with its KeyboardInterrupt, the accessor (which ignores
-    Ctrl-C from its first line) adds no traceback of its own, and nothing is left."""
-    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_SECONDS="2")
+    importing the script (it waits for a file the test creates once Ctrl-C is sent): the host
+    stops with its KeyboardInterrupt, the accessor (which ignores Ctrl-C from its first line) adds
+    no traceback of its own, and nothing is left."""
+    gate = tmp_path / "import-gate"
+    process = run_script(tmp_path, "idle", 2, ACCESSOR_IMPORT_GATE=str(gate))
     host = wait_for_pids_line(process, tmp_path)
     tree = descendants(host)
+    wait_for_file(tmp_path / "import-gate.reached")
     os.killpg(host, signal.SIGINT)
     interrupted = time.monotonic()
-    _, err = finish(process, tmp_path, 30)
+    gate.touch()
+    _, err = finish(process, tmp_path, HUNG)
     ended = time.monotonic()
-    assert_gone(tree, ended + 5 - time.monotonic(), err)
+    assert_gone(tree, 60, err)
     assert err.count("Traceback") == 1 and "KeyboardInterrupt" in err, err
     assert "leaked" not in err and not temporary_files(tmp_path), err
-    assert ended - interrupted < 10, (ended - interrupted, err)
+    assert ended - interrupted < 60, (ended - interrupted, err)
 
 
 # ---- the fault matrix: every fault, in every mode, without and with DataLoader workers ----------
@@ -362,7 +387,8 @@ FAULT_SCRIPT = textwrap.dedent("""
 
     if __name__ == "__main__":
         fault, mode, workers = sys.argv[1], getattr(poptorch.DataLoaderMode, sys.argv[2]), int(sys.argv[3])
-        dataset = Samples(400, broken=40 if fault == "raise" else None)
+        # (Ctrl-C comes during iteration: for it, an epoch that takes hours)
+        dataset = Samples(10 ** 6 if fault == "sigint" else 400, broken=40 if fault == "raise" else None)
         if fault == "unpicklable":
             dataset.transform = lambda x: x  # pickle cannot save a lambda
         try:
@@ -379,6 +405,8 @@ FAULT_SCRIPT = textwrap.dedent("""
                 count += 1
                 if fault == "abandon" and count == 3:
                     break
+                if fault == "sigint" and count == 3:
+                    say("iterating")
             say(f"batches {count}")
         except Exception as error:
             say(f"error {type(error).__name__}: {' '.join(str(error).split())}")
@@ -418,7 +446,7 @@ def test_a_fault_is_a_clear_error_or_a_clean_stop(tmp_path, fault, mode, workers
     process = subprocess.Popen([sys.executable, str(script), fault, mode.name, str(workers)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env=SCRIPT_ENV)
-    hang = threading.Timer(180, os.killpg, (process.pid, signal.SIGKILL))  # no hang passes unseen
+    hang = threading.Timer(HUNG, os.killpg, (process.pid, signal.SIGKILL))  # no hang passes unseen
     hang.start()
     try:
         lines = [process.stdout.readline().strip()]
@@ -432,7 +460,8 @@ def test_a_fault_is_a_clear_error_or_a_clean_stop(tmp_path, fault, mode, workers
             process.stdin.write("go\n")
             process.stdin.flush()
             if fault == "sigint":
-                time.sleep(0.5)
+                lines.append(process.stdout.readline().strip())
+                assert lines[-1] == "iterating", (lines, process.stderr.read())
                 os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
         injected = seen = time.monotonic()
         for line in process.stdout:
@@ -447,14 +476,15 @@ def test_a_fault_is_a_clear_error_or_a_clean_stop(tmp_path, fault, mode, workers
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    assert_gone(tree, 5, (lines, err))
+    assert_gone(tree, 60, (lines, err))
     assert "resource_tracker" not in err and "leaked" not in err, err
     assert process.returncode is not None and process.returncode != -signal.SIGKILL, "the script hung"
-    # Seconds from the fault to what the user sees, and from there to the end of the script. A torch
-    # DataLoader collected after one of its workers raised joins each worker for its status-check
-    # interval (5 s) before terminating it: torch's own behaviour, met in Sync mode.
+    # Seconds from the fault to what the user sees, and from there to the end of the script: a few
+    # (60 allowed, however loaded the machine). A torch DataLoader collected after one of its
+    # workers raised joins each worker for its status-check interval (5 s) before terminating it:
+    # torch's own behaviour, met in Sync mode.
     torch_join = 5 * workers if mode == DataLoaderMode.Sync and fault in ("raise", "kill") else 0
-    assert seen - injected < 10 and ended - seen < 10 + torch_join, (seen - injected, ended - seen, lines, err)
+    assert seen - injected < 60 and ended - seen < 60 + torch_join, (seen - injected, ended - seen, lines, err)
     result = next((line for line in lines if line.startswith(("batches", "error"))), None)
     if fault == "sigint":
         assert "KeyboardInterrupt" in err and result is None, (lines, err)
@@ -507,7 +537,7 @@ def test_a_forked_accessor_does_not_hang_in_torch_after_the_host_ran_parallel_op
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True, env=SCRIPT_ENV)
     try:
-        out, err = process.communicate(timeout=60)
+        out, err = process.communicate(timeout=HUNG)  # (it hung before)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -495,22 +495,34 @@ def test_waiting_process_loads_the_entry_the_compiling_one_stores(compiled, tmp_
     _, second = tiny_training(tmp_path)
     key = cache.cache_key(second.model, tiny_batch(batch=MICRO), second.options, target_of(second.options), True,
                           second._optimizer)
-    holding = threading.Event()
+    holding, waiting = threading.Event(), threading.Event()
+
+    class WaitingSeen(logging.Handler):
+        def emit(self, record):
+            if "Another process is compiling the same model" in record.getMessage():
+                waiting.set()
 
     def other_process():
-        with cache.compile_lock(tmp_path, key, 10.0):
+        with cache.compile_lock(tmp_path, key, 60.0):
             holding.set()
-            time.sleep(0.5)
+            waiting.wait(60)  # stores once the model's compile step waits for the lock
             cache.store(tmp_path, key, compiled.executable)
 
     thread = threading.Thread(target=other_process)
     thread.start()
-    holding.wait()
+    assert holding.wait(60)
     monkeypatch.setattr(type(second), "_compile", lambda *a: pytest.fail("compiled instead of waiting"))
-    start = time.perf_counter()
-    loaded, _ = first_call(second, *tiny_batch())
-    thread.join()
-    assert loaded and time.perf_counter() - start >= 0.4
+    logger, handler = logging.getLogger("poptorch_lite"), WaitingSeen()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        loaded, _ = first_call(second, *tiny_batch())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        thread.join()
+    assert waiting.is_set() and loaded
 
 
 def test_lock_wait_has_a_timeout(tmp_path, caplog):
@@ -641,6 +653,7 @@ INTERRUPTED_SCRIPT = textwrap.dedent("""
     if where == "training":
         while True:
             training(*batch)
+            print("trained", flush=True)
 """)
 
 
@@ -663,10 +676,13 @@ def _interrupted(tmp_path, cache_dir, where):
             _, err = process.communicate(timeout=900)
             return 0.0, err, lines
         assert lines[-1:] == [waited], (lines, process.communicate(timeout=60)[1])
-        time.sleep(0.3 if where == "training" else 0.0)  # a few training calls in
+        while where == "training" and lines.count("trained") < 3:  # a few training calls in
+            line = process.stdout.readline()
+            assert line, (lines, process.communicate(timeout=60)[1])
+            lines.append(line.strip())
         os.killpg(process.pid, signal.SIGINT)
         interrupted = time.monotonic()
-        out, err = process.communicate(timeout=60)
+        out, err = process.communicate(timeout=120)
         return time.monotonic() - interrupted, err, lines + out.split()
     finally:
         if process.poll() is None:
@@ -677,20 +693,20 @@ def _interrupted(tmp_path, cache_dir, where):
 @pytest.mark.slow
 def test_ctrl_c_in_compile_cache_write_or_training_exits_promptly_and_leaves_a_valid_cache(tmp_path):
     """Ctrl-C while the model compiles, while its cache entry is half written, or during training
-    calls: the process exits within seconds, and the next run finds either no entry (and compiles
-    and stores one) or a whole one, which it loads; it never reads a torn entry, and no
-    temporary file is left."""
+    calls: the process exits (within 60 s, however loaded the machine), and the next run finds
+    either no entry (and compiles and stores one) or a whole one, which it loads; it never reads
+    a torn entry, and no temporary file is left."""
     cache_dir = tmp_path / "cache"
     for where in ("compile", "write"):
         seconds, err, _ = _interrupted(tmp_path, cache_dir, where)
-        assert "KeyboardInterrupt" in err and seconds < 10, (where, seconds, err)
+        assert "KeyboardInterrupt" in err and seconds < 60, (where, seconds, err)
         assert not [f for f in os.listdir(cache_dir) if not f.endswith(".lock")], (where, os.listdir(cache_dir))
     _, err, lines = _interrupted(tmp_path, cache_dir, "none")
     assert "called" in lines and "Saved the compiled model" in err and "unusable" not in err, err
     (entry,) = entries(cache_dir)
     saved = (cache_dir / entry).read_bytes()
     seconds, err, lines = _interrupted(tmp_path, cache_dir, "training")
-    assert "Loaded the compiled model" in err and "KeyboardInterrupt" in err and seconds < 10, (seconds, err)
+    assert "Loaded the compiled model" in err and "KeyboardInterrupt" in err and seconds < 60, (seconds, err)
     assert entries(cache_dir) == [entry] and (cache_dir / entry).read_bytes() == saved
     _, err, lines = _interrupted(tmp_path, cache_dir, "none")
     assert "called" in lines and "Loaded the compiled model" in err and "unusable" not in err, err

@@ -20,9 +20,10 @@ FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
          "t10k": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
 
 
-def write_banded_fashion_mnist(root, n_train=128, n_test=64) -> None:
-    """root/FashionMNIST/raw/ as torchvision looks for it (so nothing is downloaded)."""
-    raw = os.path.join(root, "FashionMNIST", "raw")
+def write_banded_fashion_mnist(root, n_train=128, n_test=64, folder="FashionMNIST") -> None:
+    """root/<folder>/raw/ as torchvision looks for it (so nothing is downloaded); MNIST reads
+    the same files from root/MNIST/raw/."""
+    raw = os.path.join(root, folder, "raw")
     os.makedirs(raw)
     rng = np.random.default_rng(0)
     for split, n in (("train", n_train), ("t10k", n_test)):
@@ -146,8 +147,78 @@ DATA_LOADING = MODEL + """
 """
 
 
+OBSERVING_TENSORS = """
+    import torch
+    import torchvision
+    import torch.nn as nn
+    import poptorch
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+
+    class BasicLinearModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(784, 320)
+            self.fc2 = nn.Linear(320, 100)
+            self.fc3 = nn.Linear(100, 10)
+            self.log_softmax = nn.LogSoftmax(dim=0)
+            self.loss = nn.NLLLoss()
+            self.relu = nn.ReLU()
+
+        def forward(self, x, labels=None):
+            x = torch.flatten(x, start_dim=1)
+            x = self.relu(self.fc1(x))
+            x = self.relu(self.fc2(x))
+            x = self.log_softmax(self.fc3(x))
+            if self.training:
+                return x, self.loss(x, labels)
+            return x
+
+
+    batch_size_train = 32
+    tensors = ["Gradient___fc1.weight", "Gradient___fc3.weight", "Gradient___fc2.bias", "Gradient___fc1.bias",
+               "Gradient___fc3.bias", "Gradient___fc2.weight"]
+    opts = poptorch.Options()
+    for t in tensors:
+        opts.anchorTensor(t, t)
+    transform = torchvision.transforms.Compose([torchvision.transforms.ToTensor(),
+                                                torchvision.transforms.Normalize((0.5,), (0.5,))])
+    train_data = torchvision.datasets.MNIST("data", transform=transform, download=True, train=True)
+    train_loader = poptorch.DataLoader(opts, train_data, batch_size=batch_size_train, shuffle=True)
+    model = BasicLinearModel()
+    model.train()
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.01)
+    poptorch_model = poptorch.trainingModel(model, options=opts, optimizer=optimizer)
+    poptorch_model.compile(torch.zeros(batch_size_train, 1, 28, 28), torch.zeros(batch_size_train).long())
+    print("tensor names:", sorted(poptorch_model.getTensorNames()))
+    total_loss = 0.0
+    predictions = []
+    for data, labels in train_loader:
+        output, loss = poptorch_model(data, labels)
+        total_loss += loss
+        predictions += output
+    print(f"Loss: {total_loss.item():.4f}")
+    gradient = []
+    for t in tensors:
+        gradient += poptorch_model.getAnchoredTensor(t).flatten()
+    gradient = torch.stack(gradient).abs()
+    print("gradients", gradient.numel(), "nonzero", int((gradient != 0).sum()))
+    idx = gradient != 0
+    gradient[idx] = torch.log2(gradient[idx])
+    gradient[~idx] = torch.min(gradient) - 2
+    fig, axs = plt.subplots(tight_layout=True)
+    axs.hist(gradient.numpy(), bins=50)
+    plt.savefig("GradientHistogram.png")
+    # the last update's fc3.bias gradient, against plain PyTorch from the weights before it
+    print("anchored", poptorch_model.getAnchoredTensor("Gradient___fc3.bias").shape)
+"""
+
+
 def run_tutorial(tmp_path, source: str) -> subprocess.CompletedProcess:
     write_banded_fashion_mnist(tmp_path / "data")
+    write_banded_fashion_mnist(tmp_path / "data", folder="MNIST")
     (tmp_path / "tutorial.py").write_text(textwrap.dedent(source))
     env = {**os.environ, "PYTHONPATH": REPO}
     done = subprocess.run([sys.executable, "-m", "poptorch_lite", "run", "tutorial.py"], cwd=tmp_path,
@@ -176,3 +247,15 @@ def test_data_loading_with_replicas_and_early_preload(tmp_path):
     done = run_tutorial(tmp_path, DATA_LOADING)
     # 128 samples, 8 per micro-batch, 4 device iterations, 2 replicas: 2 calls of 64 items
     assert printed(done, "steps") == "2 calls 2 items per call 64"
+
+
+def test_observing_tensors_anchors_gradients_and_draws_their_histogram(tmp_path):
+    done = run_tutorial(tmp_path, OBSERVING_TENSORS)
+    names = printed(done, "tensor").split(":", 1)[1].strip()
+    assert names == str(sorted(f"{k}{layer}.{p}" for k in ("Gradient___", "UpdatedVar___")
+                               for layer in ("fc1", "fc2", "fc3") for p in ("weight", "bias")))
+    count, _, nonzero = printed(done, "gradients").split()
+    assert int(count) == 784 * 320 + 320 + 320 * 100 + 100 + 100 * 10 + 10 and int(nonzero) > 0
+    assert printed(done, "anchored") == "torch.Size([10])"
+    assert (tmp_path / "GradientHistogram.png").stat().st_size > 0
+    assert float(printed(done, "Loss:")) > 0

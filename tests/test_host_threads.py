@@ -3,6 +3,7 @@ how many threads a model's calls use (Emulator.setHostThreads, "auto" measuring 
 against all cores), BLAS's threads shared among them, and results that do not depend on it."""
 import gc
 import signal
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -30,9 +31,12 @@ def test_map_gives_every_result_in_order_and_shares_the_parts():
     team = HostThreads(2, "team-order")
     ran_on = []
 
+    both_busy = threading.Barrier(2, timeout=60)
+
     def part(x):
         ran_on.append(threading.get_ident())
-        time.sleep(0.002)  # releases the interpreter lock, as a kernel does
+        if x < 2:  # the first two parts wait for each other: two threads hold them
+            both_busy.wait()
         return x * x
 
     assert team.map(part, range(20)) == [x * x for x in range(20)]
@@ -80,44 +84,58 @@ def test_helpers_stop_on_shutdown_and_when_the_team_is_dropped():
     assert len(helpers) == 2
     team.shutdown()
     for t in helpers:
-        t.join(timeout=2)
+        t.join(timeout=60)
         assert not t.is_alive()
     assert team.map(lambda x: -x, range(3)) == [0, -1, -2]  # helpers start again
     dropped = helpers_named("team-stop")
     del team
     gc.collect()
     for t in dropped:
-        t.join(timeout=2)
+        t.join(timeout=60)
         assert not t.is_alive()
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs signal.pthread_kill")
 def test_an_interrupt_while_waiting_for_a_helper_leaves_a_team_that_still_works():
+    """Ctrl-C reaches the caller once its own part is done and it waits for the helper, which is
+    still on its part: the team is stopped (its helper finishes that part and ends), and the next
+    map starts a new helper."""
     team = HostThreads(2, "team-interrupt")
+    caller, map_code = threading.main_thread().ident, HostThreads.map.__code__
+    helper_busy, caller_done, interrupted = threading.Event(), threading.Event(), threading.Event()
+    helper = []
 
     def interrupt(signum, frame):
+        interrupted.set()
         raise KeyboardInterrupt
 
-    started = threading.Event()
-
     def part(x):
-        if x == 0:  # the caller's: returns once the helper is on part 1
-            assert started.wait(2)
-        else:
-            started.set()
-            time.sleep(0.4)
+        if threading.get_ident() == caller:  # returns once the helper holds the other part
+            assert helper_busy.wait(60)
+            caller_done.set()
+            return
+        helper.append(threading.current_thread())
+        helper_busy.set()
+        assert caller_done.wait(60)
+        deadline = time.monotonic() + 60
+        # once its part is done, the caller is back in map only to wait for the helpers
+        while sys._current_frames()[caller].f_code is not map_code:  # pylint: disable=protected-access
+            assert time.monotonic() < deadline, "the caller never waited for the helper"
+            time.sleep(0.001)
+        signal.pthread_kill(caller, signal.SIGUSR1)
+        assert interrupted.wait(60)  # still on its part when the interrupt lands
 
-    previous = signal.signal(signal.SIGALRM, interrupt)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.15)
-        with pytest.raises(KeyboardInterrupt):  # raised in the caller, waiting for the helper's part
+        with pytest.raises(KeyboardInterrupt):
             team.map(part, range(2))
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGUSR1, previous)
+    (interrupted_helper, ) = helper
+    interrupted_helper.join(60)  # the team was stopped: its helper finishes its part and ends
+    assert not interrupted_helper.is_alive()
     assert team.map(lambda x: 2 * x, range(6)) == [0, 2, 4, 6, 8, 10]
-    time.sleep(0.5)  # the interrupted helper finishes its part and stops
-    assert len(helpers_named("team-interrupt")) == 1
+    assert [t for t in helpers_named("team-interrupt") if t is not interrupted_helper]
     team.shutdown()
 
 

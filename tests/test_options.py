@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from poptorch_lite.api import strategies
-from poptorch_lite.api.enums import (AutoStage, ConnectionType,
+from poptorch_lite.api.enums import (AutoStage, CommGroupType, ConnectionType,
                                  HalfFloatCastingBehavior,
                                  MeanReductionStrategy, OutputMode,
                                  ReductionType, SyncPattern)
@@ -50,6 +50,12 @@ SETTERS = [
     ("", "relaxOptimizerAttributesChecks", (True, )),
     ("", "disableModuleNamescope", ()),
     ("", "setExecutionStrategy", (strategies.ShardedExecution(), )),
+    ("", "from_json", ('{"deviceIterations": 2}', )),
+    ("", "inputReplicaGrouping", (1, CommGroupType.Orthogonal)),
+    ("", "updatableNamedBuffers", (["running_mean"], )),
+    ("", "sourceLocationExcludes", (["my_library/"], )),
+    ("", "appendToLocationExcludes", ("my_library/", "other/")),
+    ("", "maxRepeatLogs", (None, )),
     ("Training", "gradientAccumulation", (8, )),
     ("Training", "accumulationAndReplicationReductionType",
      (ReductionType.Sum, )),
@@ -495,8 +501,10 @@ def test_set_log_level():
         assert logger.level == logging.DEBUG
         setLogLevel("off")
         assert not logger.isEnabledFor(logging.CRITICAL)
-        with pytest.raises(ValueError, match="TRACE, DEBUG, INFO, WARN"):
+        with pytest.raises(ValueError, match="Unknown log level: LOUD. Valid values are DEBUG, ERR, INFO, OFF"):
             setLogLevel("LOUD")
+        with pytest.raises(ValueError, match="Invalid log level integer 5"):
+            setLogLevel(5)
         # PopTorch's numbers: 0 trace, 1 debug, 2 info, 3 warn, 4 err, 6 off
         setLogLevel(2)
         assert logger.isEnabledFor(logging.INFO) and not logger.isEnabledFor(logging.DEBUG)
@@ -513,14 +521,15 @@ def test_set_log_level():
         logger.handlers[:] = handlers
 
 
-def test_an_option_poptorch_has_and_the_emulator_lacks_is_named():
+def test_an_option_the_emulator_lacks_is_named():
     from poptorch_lite.api.errors import UnsupportedAttributeError
-    with pytest.raises(UnsupportedAttributeError, match=r"Options.maxRepeatLogs is not supported by poptorch_lite"):
-        Options().maxRepeatLogs(None)
+    with pytest.raises(UnsupportedAttributeError, match=r"Options.maxRepeatLog is not supported by poptorch_lite"
+                                                        r".*Did you mean maxRepeatLogs"):
+        Options().maxRepeatLog(None)
     with pytest.raises(AttributeError, match=r"TrainingOptions.gradientAcumulation .*Did you mean "
                                              r"gradientAccumulation"):
         Options().Training.gradientAcumulation(2)
-    assert not hasattr(Options(), "maxRepeatLogs")
+    assert not hasattr(Options(), "maxRepeatLog")
 
 
 def test_the_default_strategy_is_a_pipeline_from_the_start():

@@ -33,7 +33,7 @@ def write(tmp_path: Path, name: str, source: str) -> Path:
     return path
 
 
-def poprun_run(tmp_path, *args, env=None, timeout=30):
+def poprun_run(tmp_path, *args, env=None, timeout=120):
     return subprocess.run([*POPRUN, *map(str, args)], cwd=tmp_path, capture_output=True,
                           timeout=timeout, env=env, stdin=subprocess.DEVNULL)
 
@@ -53,7 +53,7 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_for_files(paths, timeout=10.0):
+def wait_for_files(paths, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if all(p.exists() and p.read_text().endswith("\n") for p in paths):
@@ -62,26 +62,33 @@ def wait_for_files(paths, timeout=10.0):
     raise AssertionError(f"instances did not start: {[str(p) for p in paths]}")
 
 
-# An instance that records its pid and a grandchild's pid, then behaves as argv says.
+# An instance that starts a grandchild and sets its signals up as argv says, then records its pid
+# and the grandchild's (the file pids.RANK appears whole, once the instance is ready); "raise" and
+# "sigkill" fail once every instance is ready, the others sleep far longer than any test waits.
 WORKER = """
     import os, signal, subprocess, sys, time
-    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    grandchild = subprocess.Popen(["sleep", "60"])
-    with open(f"pids.{rank}", "w") as f:
-        f.write(f"{os.getpid()} {grandchild.pid}\\n")
+    rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    grandchild = subprocess.Popen(["sleep", "600"])
     mode = dict(arg.split("=") for arg in sys.argv[1:]).get(str(rank), "sleep")
     if mode == "ignore-term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if mode == "ignore-int":
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with open(f"pids.{rank}.part", "w") as f:
+        f.write(f"{os.getpid()} {grandchild.pid}\\n")
+    os.rename(f"pids.{rank}.part", f"pids.{rank}")
+    if mode in ("raise", "sigkill"):
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"pids.{r}") for r in range(size)):
+            if time.monotonic() > deadline:
+                sys.exit(f"instance {rank}: the other instances were not ready within 60 s")
+            time.sleep(0.01)
     if mode == "raise":
-        time.sleep(0.3)
         raise RuntimeError(f"instance {rank} gives up")
     if mode == "sigkill":
-        time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
     print(f"instance {rank} sleeping", flush=True)
-    time.sleep(60)
+    time.sleep(600)
 """
 
 
@@ -90,7 +97,7 @@ def all_pids(tmp_path, count):
 
 
 def assert_no_survivors(pids):
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + 60
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not [p for p in pids if alive(p)], "processes outlived poprun"
@@ -284,25 +291,34 @@ def test_output_files_without_terminal_copy(tmp_path):
 
 
 def test_output_streams_live(tmp_path):
+    """The program goes on only once the test has seen its first line and its open partial line:
+    poprun shows them while the program runs."""
     write(tmp_path, "slow.py", """
-        import sys, time
+        import os, sys, time
         print("first line")
         sys.stdout.write("partial line without newline")
-        time.sleep(3)
+        deadline = time.monotonic() + 60
+        while not os.path.exists("seen"):
+            if time.monotonic() > deadline:
+                print(" ...not seen within 60 s")
+                sys.exit(1)
+            time.sleep(0.01)
         print(" ...finished")
     """)
-    start = time.monotonic()
+    expected = b"[1,0]<stdout>:first line\n[1,0]<stdout>:partial line without newline"
     process = poprun_start(tmp_path, "--mpi-global-args=--tag-output", PY, "slow.py")
     try:
-        first = process.stdout.readline()
-        first_at = time.monotonic() - start
-        partial = os.read(process.stdout.fileno(), 1000)
-        partial_at = time.monotonic() - start
-        rest, _ = process.communicate(timeout=10)
+        shown = b""
+        while len(shown) < len(expected):
+            chunk = os.read(process.stdout.fileno(), 1000)
+            if not chunk:
+                break
+            shown += chunk
+        (tmp_path / "seen").touch()
+        rest, err = process.communicate(timeout=60)
     finally:
         process.kill()
-    assert first == b"[1,0]<stdout>:first line\n" and first_at < 2.0
-    assert partial == b"[1,0]<stdout>:partial line without newline" and partial_at < 2.5
+    assert shown == expected, (shown, err)
     assert rest == b" ...finished\n"
     assert process.returncode == 0
 
@@ -313,8 +329,13 @@ def test_only_output_from_one_instance(tmp_path):
         rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
         print(f"out {rank}")
         print(f"err {rank}", file=sys.stderr)
-        if rank == 0:
-            time.sleep(0.5)  # fail once the others are done
+        if rank:
+            open(f"written.{rank}", "w").close()
+        else:  # fail once the others have written their lines
+            deadline = time.monotonic() + 60
+            while not all(os.path.exists(f"written.{r}") for r in (1, 2)):
+                assert time.monotonic() < deadline, "the other instances did not write within 60 s"
+                time.sleep(0.01)
             sys.exit(3)
     """)
     done = poprun_run(tmp_path, "--num-instances", 3, "--num-replicas", 3,
@@ -427,7 +448,7 @@ def test_instance_that_raises_stops_the_others(tmp_path):
     elapsed = time.monotonic() - start
     err = done.stderr.decode()
     assert done.returncode == 1, err
-    assert elapsed < 5
+    assert elapsed < 60  # the others, which would sleep 600 s, were stopped
     assert "RuntimeError: instance 1 gives up" in err
     assert re.search(r"instance 1 \(pid \d+ on localhost\) failed first: it exited with code 1",
                      err)
@@ -450,13 +471,14 @@ def test_instance_killed_by_sigkill_is_reported_as_such(tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_signals_to_poprun_reach_every_instance(tmp_path, signum):
+    """The instances end of the signal poprun forwards: with a grace period longer than the
+    test waits, none is left for poprun's SIGKILL."""
     write(tmp_path, "worker.py", WORKER)
-    process = poprun_start(tmp_path, "--num-instances", 2, "--num-replicas", 2, PY, "worker.py")
+    process = poprun_start(tmp_path, "--num-instances", 2, "--num-replicas", 2,
+                           "--termination-grace-period", 600, PY, "worker.py")
     wait_for_files([tmp_path / "pids.0", tmp_path / "pids.1"])
-    start = time.monotonic()
     process.send_signal(signum)
-    _, err = process.communicate(timeout=10)
-    assert time.monotonic() - start < 3
+    _, err = process.communicate(timeout=60)
     assert process.returncode == 128 + signum
     text = err.decode()
     name = signal.Signals(signum).name
@@ -472,10 +494,15 @@ def test_second_interrupt_kills_at_once(tmp_path):
                            "1=ignore-int")
     wait_for_files([tmp_path / "pids.0", tmp_path / "pids.1"])
     process.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    told = b""
+    while b"received SIGINT: forwarding it" not in told:
+        line = process.stderr.readline()
+        assert line, told
+        told += line
     assert process.poll() is None  # the instances ignore SIGINT; poprun waits for them
     process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=5)
+    _, err = process.communicate(timeout=60)
+    err = told + err
     assert process.returncode == 128 + signal.SIGINT
     assert b"received SIGINT again: killing every instance now" in err
     assert_no_survivors(all_pids(tmp_path, 2))
@@ -486,7 +513,7 @@ def test_poprun_killed_outright_leaves_no_instances(tmp_path):
     process = poprun_start(tmp_path, "--num-instances", 2, "--num-replicas", 2, PY, "worker.py")
     wait_for_files([tmp_path / "pids.0", tmp_path / "pids.1"])
     process.kill()
-    process.communicate(timeout=5)
+    process.communicate(timeout=60)
     instances = [int((tmp_path / f"pids.{i}").read_text().split()[0]) for i in range(2)]
     assert_no_survivors(instances)  # the kernel ends them (parent-death signal)
     for grandchild in all_pids(tmp_path, 2)[1::2]:
@@ -548,19 +575,19 @@ def test_instance_wrapper_exits_like_its_program(tmp_path):
     wrapper = [PY, "-m", "popdist._instance", "--index", "0"]
     killed = subprocess.run([*wrapper, "--", PY, "-c",
                              "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
-                            capture_output=True, timeout=10)
+                            capture_output=True, timeout=60)
     assert killed.returncode == -signal.SIGKILL
     assert b"the program was killed by signal SIGKILL" in killed.stderr
     quiet = subprocess.run([*wrapper, "--only-output-from-instance", "1", "--output-filename",
                             tmp_path / "logs", "--", PY, "-c",
                             "import sys; print('hidden'); sys.exit('fatal: bad input')"],
-                           capture_output=True, timeout=10)
+                           capture_output=True, timeout=60)
     assert quiet.returncode == 1 and quiet.stdout == b""
     assert b"the program exited with code 1" in quiet.stderr
     assert b"    fatal: bad input" in quiet.stderr  # hidden, so its last lines are shown
     assert (tmp_path / "logs/1/rank.0/stdout").read_bytes() == b"hidden\n"
     missing = subprocess.run([*wrapper, "--", "/no/such/program"], capture_output=True,
-                             timeout=10)
+                             timeout=60)
     assert missing.returncode == 127 and b"cannot start /no/such/program" in missing.stderr
 
 
@@ -614,7 +641,7 @@ def test_unreachable_host_fails_fast_naming_it(tmp_path):
     start = time.monotonic()
     done = poprun_run(tmp_path, "-H", "localhost,unreachable-host.invalid", "--num-instances", 2,
                       "--num-replicas", 2, "--allow-run-as-root", PY, marker)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 60  # ssh has 10 s to answer; mpirun never starts
     assert done.returncode == 1
     assert b"ssh to unreachable-host.invalid: the host name does not resolve" in done.stderr
     assert not (tmp_path / "started").exists()
@@ -632,8 +659,7 @@ def test_two_instances_through_mpirun(tmp_path):
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     done = poprun_run(tmp_path, "--launcher", "mpirun", "--num-instances", 2, "--num-replicas",
                       4, "--mpi-global-args", "--tag-output --output-filename logs",
-                      "--instance-mpi-local-args", "1:-x A=7", PY, "env.py", env=env,
-                      timeout=60)
+                      "--instance-mpi-local-args", "1:-x A=7", PY, "env.py", env=env)
     assert done.returncode == 0, done.stderr.decode()
     assert sorted(done.stdout.decode().splitlines()) == [
         "[1,0]<stdout>:POPDIST_REPLICA_INDEX_OFFSET=0 POPDIST_NUM_LOCAL_REPLICAS=2 "
@@ -651,8 +677,8 @@ def test_failure_through_mpirun(tmp_path):
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     start = time.monotonic()
     done = poprun_run(tmp_path, "--launcher", "mpirun", "--num-instances", 2, "--num-replicas",
-                      2, PY, "worker.py", "1=raise", env=env, timeout=60)
-    assert time.monotonic() - start < 15
+                      2, PY, "worker.py", "1=raise", env=env, timeout=120)
+    assert time.monotonic() - start < 60  # the other instance, which would sleep 600 s, was stopped
     err = done.stderr.decode()
     assert done.returncode != 0, err
     assert "RuntimeError: instance 1 gives up" in err

@@ -200,7 +200,7 @@ def test_validation_names_what_is_wrong():
     with pytest.raises(prof.ProfileError, match=r"steps\[0\]: missing required field 'cycles'") as error:
         prof.validate(broken)
     assert "supersteps[0].count: -1 is below the minimum 0" in str(error.value)
-    with pytest.raises(prof.ProfileError, match="reads version 2; the file has version 99"):
+    with pytest.raises(prof.ProfileError, match="reads versions 2 and 3; the file has version 99"):
         prof.validate({**doc, "version": 99})
 
 
@@ -257,9 +257,10 @@ def profiled(tmp_path_factory):
 
 @pytest.mark.slow
 def test_model_profile_files(profiled):
-    assert profiled["early"] == ["profile.json", "trace.json"]       # written after the first call
+    assert profiled["early"] == ["host_trace.json", "profile.json", "trace.json"]       # written after the first call
     files = sorted(os.listdir(profiled["dir"]))
-    assert files == ["memory.png", "pipeline.png", "profile.json", "trace.json", "utilisation.png"]
+    assert files == ["host_trace.json", "memory.png", "pipeline.png", "profile.html", "profile.json", "trace.json",
+                     "utilisation.png"]
     doc = prof.load(str(profiled["dir"]))
     assert doc["source"] == "poptorch_lite" and doc["name"] == "training" and not doc["estimated"]
     assert doc["target"]["num_tiles"] == 64 and doc["num_ipus"] == 4
@@ -291,7 +292,9 @@ def test_model_profile_stages_memory_and_traffic(profiled):
     assert [(s["stage"], s["ipu"], s["blocks"]) for s in ex["stages"]] == [(i, i, [f"B{i + 1}"]) for i in range(4)]
     # measured on the traced (first) call: 8 micro-batches
     assert all(s["forward"]["runs"] == 8 and s["backward"]["runs"] == 8 for s in ex["stages"])
-    work = [s["forward"]["cycles_per_micro_batch"] + s["backward"]["cycles_per_micro_batch"] for s in ex["stages"]]
+    work = [s["forward"]["cycles_per_micro_batch"] + s["backward"]["cycles_per_micro_batch"]
+            + (s["recompute"] or {}).get("cycles_per_micro_batch", 0.0) for s in ex["stages"]]
+    assert [s["recompute"] is not None for s in ex["stages"]] == [True, True, True, False]   # PopTorch's default
     assert ex["longest_stage"]["stage"] == int(np.argmax(work))
     assert ex["longest_stage"]["share_of_work"] == pytest.approx(max(work) / sum(work))
     assert len(ex["updates"]) == 4
@@ -415,7 +418,8 @@ def test_profile_of_a_zero_bubble_run(tmp_path):
     for st, stage_costs in zip(doc["execution"]["stages"], priced.stages):
         body = {key[0]: costs[sp.body].per_ipu[sp.ipu].total for key, sp in low.stage_programs.items()
                 if key[1] == st["stage"]}
-        assert set(body) == ({"fwd", "wgrad"} if st["stage"] == 0 else {"fwd", "bwd", "wgrad"})
+        recomputed = {"recompute"} if st["stage"] < 3 else set()   # PopTorch's default recomputation
+        assert set(body) == ({"fwd", "wgrad"} if st["stage"] == 0 else {"fwd", "bwd", "wgrad"}) | recomputed
         assert st["backward"]["body_cycles"] == body.get("bwd", 0) + body["wgrad"]
         assert st["weight_gradient"]["body_cycles"] == body["wgrad"]
         assert stage_costs.weight_gradient == st["weight_gradient"]["cycles_per_micro_batch"]

@@ -51,18 +51,18 @@ def test_poptorch_resolves_to_poptorch_lite(aliases):
 
 
 def test_unsupported_names_fail_naming_the_call(aliases):
-    with pytest.raises(NotImplementedError, match=r"poptorch\.custom_op is not supported by poptorch_lite"):
-        aliases.custom_op(None)
+    with pytest.raises(NotImplementedError, match=r"poptorch\.nonexistent_op is not supported by poptorch_lite"):
+        aliases.nonexistent_op(None)
     with pytest.raises(AttributeError, match=r"poptorch\.optim\.VariableSGD is not supported"):
         aliases.optim.VariableSGD
     with pytest.raises(NotImplementedError, match=r"Did you mean poptorch\.Options\?"):
         aliases.Optons
-    with pytest.raises(NotImplementedError, match=r"poptorch\.set_overlap_for_input is not supported"):
-        exec("from poptorch import set_overlap_for_input", {})
+    with pytest.raises(NotImplementedError, match=r"poptorch\.nonexistent_op is not supported"):
+        exec("from poptorch import nonexistent_op", {})
     with pytest.raises(ImportError, match=r"poptorch\.no_such_module is not supported"):
         importlib.import_module("poptorch.no_such_module")
-    assert not hasattr(aliases, "custom_op")  # feature probes still get False
-    assert getattr(aliases, "custom_op", "absent") == "absent"
+    assert not hasattr(aliases, "nonexistent_op")  # feature probes still get False
+    assert getattr(aliases, "nonexistent_op", "absent") == "absent"
 
 
 def test_classes_are_not_modules(aliases):
@@ -105,11 +105,11 @@ def test_unsupported_call_stops_the_program_with_its_name(tmp_path):
     out = run_cli(tmp_path, """
         import poptorch
         opts = poptorch.Options()
-        poptorch.set_overlap_for_input(None, "OverlapAccumulationLoop")
+        poptorch.nonexistent_op(None)
         print("unreachable")
         """)
     assert out.returncode != 0 and "unreachable" not in out.stdout
-    assert "UnsupportedAttributeError: poptorch.set_overlap_for_input is not supported" in out.stderr
+    assert "UnsupportedAttributeError: poptorch.nonexistent_op is not supported" in out.stderr
 
 
 def test_missing_program_is_a_clear_error(tmp_path):

@@ -10,6 +10,7 @@ import torch
 import poptorch_lite as poptorch
 from poptorch_lite.compiler import lowering
 from poptorch_lite.compiler.backward_split import WEIGHT_GRADIENT
+from poptorch_lite.compiler.recompute import RECOMPUTE
 from tutorial_model import Network, TrainingModelWithLoss
 
 MICRO_BATCH, ACCUMULATION, CALLS = 4, 8, 2
@@ -228,8 +229,9 @@ def test_zero_bubble_in_strict_mode_with_replicas_and_the_stash_off_chip():
     reference = train_residual("PopTorch", 2, configure)[1]
     programs, params = train_residual("ZB-H1", 2, configure)
     assert_same(params, reference)
-    assert {(src[0], dst[0]) for src, dst in programs["off chip"]} == {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT),
-                                                                        ("bwd", WEIGHT_GRADIENT)}
+    assert {(src[0], dst[0]) for src, dst in programs["off chip"]} == {
+        ("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT), ("bwd", WEIGHT_GRADIENT),   # and with PopTorch's recomputation:
+        ("fwd", RECOMPUTE), (RECOMPUTE, WEIGHT_GRADIENT)}                    # the stage's input, what stage 0's W reads
 
 
 @pytest.mark.parametrize("kind", ["PopTorch", "ZB-H1"])
@@ -248,4 +250,5 @@ def test_views_of_weights_are_taken_again_not_stashed(kind, zb_h1):
     taken_again = [(sp.key, n.op) for sp in low.stage_programs.values() for chain in sp.weight_views.values()
                    for n in chain]
     assert ("bwd", 2) in {key for key, _ in taken_again} or (WEIGHT_GRADIENT, 2) in {key for key, _ in taken_again}
-    assert {op for _, op in taken_again} == {"transpose"}
+    assert {op for key, op in taken_again if key[0] != RECOMPUTE} == {"transpose"}
+    assert {op for key, op in taken_again if key[0] == RECOMPUTE} <= {"transpose", "reshape"}   # as the forward

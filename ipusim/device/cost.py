@@ -93,7 +93,7 @@ def exchange_cycles(src: Tensor, dst: Tensor, target: Target) -> tuple[int, int]
     Work is per run of the source's elements and per run of its mapping, once for every distinct
     run however many destinations receive it (`routes`).
     """
-    n = target.num_tiles
+    n = target.total_tiles
     dst_map = dst.tile_map()
     if src.distinct and src.blocks is None and src.var.mapping.mapped and dst_map.mapped:
         # every element sent once: one walk over the runs

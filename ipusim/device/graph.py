@@ -60,9 +60,14 @@ class Graph:
 
     # ---- tile mapping ---------------------------------------------------------------------
     def _check_tile(self, tile: int) -> int:
-        if not 0 <= int(tile) < self.target.num_tiles:
-            raise ValueError(f"tile {tile} does not exist: {self.target.name} has tiles 0..{self.target.num_tiles - 1}")
+        if not 0 <= int(tile) < self.target.total_tiles:
+            raise ValueError(f"tile {tile} does not exist: {self.target.name} has tiles 0..{self.target.total_tiles - 1}")
         return int(tile)
+
+    @property
+    def io_tiles(self) -> range:
+        """The IPU's IO tiles (after its compute tiles; empty without IO tiles)."""
+        return range(self.target.num_tiles, self.target.total_tiles)
 
     def _own(self, t: Tensor) -> None:
         if t.var not in self.variables:
@@ -89,7 +94,7 @@ class Graph:
         to `tiles[k]`, in work proportional to the runs (and the view's own runs)."""
         self._own(t)
         tiles = np.asarray(tiles)
-        wrong = np.flatnonzero((tiles < 0) | (tiles >= self.target.num_tiles))
+        wrong = np.flatnonzero((tiles < 0) | (tiles >= self.target.total_tiles))
         if wrong.size:
             self._check_tile(int(tiles.reshape(-1)[wrong[0]]))
         t.map_positions(starts, lengths, tiles)
@@ -97,7 +102,7 @@ class Graph:
     def getTileMapping(self, t: Tensor) -> list[list[tuple[int, int]]]:
         """Per tile, the list of [begin, end) intervals of the view's flat elements on it."""
         m = t.tile_map()
-        out: list[list[tuple[int, int]]] = [[] for _ in range(self.target.num_tiles)]
+        out: list[list[tuple[int, int]]] = [[] for _ in range(self.target.total_tiles)]
         for b, n, tile in zip(m.starts.tolist(), m.lengths.tolist(), m.tiles.tolist()):
             if tile >= 0:
                 out[tile].append((b, b + n))
@@ -148,7 +153,11 @@ class Graph:
         tiles = np.asarray(tiles, dtype=np.int32).reshape(-1)
         bad = (tiles < 0) | (tiles >= self.target.num_tiles)
         if bad.any():
-            self._check_tile(int(tiles[bad][0]))
+            tile = int(tiles[bad][0])
+            if self.target.num_tiles <= tile < self.target.total_tiles:
+                raise ValueError(f"vertex {vertex_type.name} on tile {tile}, an IO tile of {self.target.name}: IO tiles "
+                                 f"(from {self.target.num_tiles}) hold host transfers and run no vertices")
+            self._check_tile(tile)
         n = tiles.size
         if params is None:
             if vertex_type.num_params:

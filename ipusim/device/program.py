@@ -88,7 +88,9 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
 
 class Parallel(Program):
     """Programs that run at the same time (one superstep per IPU set): on disjoint sets of IPUs,
-    except that inter-IPU copies may share an IPU when it sends one of them and receives another.
+    except that inter-IPU copies may share an IPU when it sends one of them and receives another,
+    and that programs may share an IPU when they touch disjoint sets of its tiles (as PopLibs runs
+    a multi-convolution's convolutions side by side on parts of the IPU: `tiles_touched`).
     IPU-Links are full duplex: a copy from IPU 0 to IPU 1 and one from 1 to 0 (or the copies of a
     ring step, each IPU sending to the next) use opposite directions of their links at once."""
 
@@ -96,12 +98,17 @@ class Parallel(Program):
         self.programs = list(programs)
         self.name = name
         claimed: dict[tuple[str, int], Program] = {}  # (role, IPU): "send" / "receive" by a copy, "all" by the rest
+        sharing: dict[int, list[Program]] = {}        # IPU -> the programs sharing it on disjoint tiles
         for p in self.programs:
             roles = ([("send", p.src.ipu), ("receive", p.dst.ipu)] if isinstance(p, InterIpuCopy)
                      else [("all", i) for i in sorted(p.ipus())])
             for role, ipu in roles:
                 clash = [claimed[(r, ipu)] for r in (("send", "receive", "all") if role == "all" else (role, "all"))
                          if (r, ipu) in claimed]
+                if clash and role == "all" and ("send", ipu) not in claimed and ("receive", ipu) not in claimed \
+                        and _disjoint_tiles([p, *sharing.setdefault(ipu, [claimed[("all", ipu)]])], ipu):
+                    sharing[ipu].append(p)
+                    clash = []
                 if clash:
                     copies = role != "all" and isinstance(clash[0], InterIpuCopy)
                     what = (f"two inter-IPU copies {'from' if role == 'send' else 'to'} IPU {ipu}" if copies
@@ -290,6 +297,35 @@ class OpProgram(Program):
 
     def children(self):
         return [self.body]
+
+
+def tiles_touched(program: Program, ipu: int) -> np.ndarray | None:
+    """The tiles of `ipu` whose memory or workers the program uses (sorted), None when it may use
+    any (a sync, a stream or a branch)."""
+    parts = []
+    for node in walk(program):
+        if isinstance(node, Execute):
+            if node.compute_set.ipu == ipu:
+                parts += [t.tiles for t in node.compute_set.tables]
+        elif isinstance(node, (Copy, InterIpuCopy)):
+            parts += [t.tile_map().tiles for t in (node.src, node.dst) if t.ipu == ipu]
+        elif isinstance(node, (Sync, StreamCopy, RemoteCopy, If)):
+            if ipu in node.ipus():
+                return None
+    if not parts:
+        return np.zeros(0, np.int64)
+    return np.unique(np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts]))
+
+
+def _disjoint_tiles(programs: list[Program], ipu: int) -> bool:
+    seen = []
+    for p in programs:
+        tiles = tiles_touched(p, ipu)
+        if tiles is None or (tiles < 0).any():
+            return False
+        seen.append(tiles)
+    merged = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+    return np.unique(merged).size == merged.size
 
 
 def check_copy(src: Tensor, dst: Tensor, what: str) -> None:

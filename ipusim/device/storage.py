@@ -80,7 +80,7 @@ class IpuMemory:
                     self.offset[v.id] = off
                     off += v.numel
             else:
-                self._strict_addresses(dt, vars_, graph.target.num_tiles)
+                self._strict_addresses(dt, vars_, graph.target.total_tiles)
         for v in graph.variables:
             if v.constant is not None and v.id not in self.internal:
                 self.write(Tensor(v), v.constant)

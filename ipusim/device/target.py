@@ -62,16 +62,35 @@ class Target:
     vertex_overhead_cycles: int = 40
     # Bytes a tile copies locally per cycle (on-tile copies, no exchange). Not published: 8 (64-bit loads/stores).
     local_copy_bytes_per_cycle: int = 8
+    # Tiles set aside for host I/O (Poplar's IO tiles, PopTorch's Options.TensorLocations.numIOTiles):
+    # tiles num_tiles .. num_tiles + io_tiles - 1 of the IPU. They hold the buffers of overlapped host
+    # transfers and run no compute; ops plan on the num_tiles compute tiles. Default 0.
+    io_tiles: int = 0
 
     def __post_init__(self):
-        if not 0 < self.num_tiles <= MAX_TILES:
+        if not 0 < self.num_tiles + self.io_tiles <= MAX_TILES:
             raise ValueError(f"target {self.name!r}: num_tiles={self.num_tiles}; a target has 1 to "
                              f"{MAX_TILES:,} tiles per IPU (tile mappings store tile numbers as int16)")
+        if self.io_tiles < 0:
+            raise ValueError(f"target {self.name!r}: io_tiles={self.io_tiles} must be >= 0")
 
     # ---- derived quantities -------------------------------------------------------------
     @property
+    def total_tiles(self) -> int:
+        """All tiles of the IPU: the compute tiles and the IO tiles."""
+        return self.num_tiles + self.io_tiles
+
+    @property
     def bytes_per_ipu(self) -> int:
-        return self.num_tiles * self.bytes_per_tile
+        return self.total_tiles * self.bytes_per_tile
+
+    def with_io_tiles(self, io_tiles: int) -> "Target":
+        """This IPU with `io_tiles` of its tiles set aside for host I/O: ops plan on the rest."""
+        tiles = self.total_tiles
+        if not 0 <= io_tiles < tiles:
+            raise ValueError(f"target {self.name!r} has {tiles} tiles: {io_tiles} IO tiles would leave no compute "
+                             "tiles")
+        return replace(self, num_tiles=tiles - io_tiles, io_tiles=io_tiles)
 
     def flops_per_cycle(self, dtype) -> int:
         """Peak FLOPs per cycle per tile for a floating dtype name ('float16' or 'float32')."""

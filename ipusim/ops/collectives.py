@@ -21,6 +21,12 @@ IPU sends one chunk to the next while it receives one from the previous, so a ri
 `Parallel` round costing the link time of one chunk (`Target.inter_ipu_cycles`) plus a global
 sync. `link_rounds` groups any list of independent copies into such rounds.
 
+Reduce-scatter and the all-gather of shards are the two halves of the all-reduce on their own
+(replicated tensor sharding: each replica updates only its shard of a reduced tensor, then the
+shards are gathered): after `reduce_scatter` replica r holds the reduction of its shard, chunk
+(r+1) mod R (`shard_bounds`), and `all_gather_shards` sends every shard around the ring in place.
+Each costs (R-1) ring steps of one chunk, half of the all-reduce.
+
 All-gather (R tensors of shape S -> on every replica an (R, *S) tensor, row j from replica j) uses
 the same ring with whole tensors as chunks. Broadcast scatters the root's chunks to the replicas
 that own them in the all-gather above, then runs that all-gather (the root receives nothing).
@@ -211,6 +217,70 @@ def all_reduce(device: Device, tensors, prog: Sequence, op: str = "sum", name: s
 
     prog.add(OpProgram(name, body, fast, tuple(tensors), tuple(outs)))
     return outs
+
+
+def shard_bounds(n: int, replicas: int) -> list[tuple[int, int]]:
+    """The elements [begin, end) of a flattened tensor of n elements that replica r holds reduced
+    after `reduce_scatter` (and sends in `all_gather_shards`): ring chunk (r+1) mod R."""
+    chunks = chunk_bounds(n, replicas)
+    return [chunks[(r + 1) % replicas] for r in range(replicas)]
+
+
+def reduce_scatter(device: Device, tensors, prog: Sequence, op: str = "sum",
+                   name: str = "reduce_scatter") -> list[tuple[int, int]]:
+    """Reduce the replicas' tensors in place so that replica r's shard (`shard_bounds`, returned)
+    holds the sum (or mean) over the replicas; its other elements hold partial sums of the ring
+    (strict mode) and are not to be read."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{name}: unknown reduction {op!r}; use one of {REDUCE_OPS}")
+    tensors = list(tensors)
+    graphs = _check(device, tensors, name, floats=True)
+    replicas = len(tensors)
+    scale = 1.0 / replicas if op == "mean" else 1.0
+    n = tensors[0].numel
+    chunks = chunk_bounds(n, replicas)
+    shards = shard_bounds(n, replicas)
+    flats = [t.flatten() for t in tensors]
+    body = Sequence(name=name)
+    if replicas > 1:
+        _reduce_scatter_steps(body, graphs, flats, chunks, scale, name)
+    bounds = np.asarray([b for b, _ in chunks] + [n], dtype=np.int64)
+
+    def fast(io):
+        x = np.stack([np.ascontiguousarray(io.read(t)).reshape(-1) for t in tensors])
+        res = np.empty(n, dtype=tensors[0].dtype)
+        ring_sum_whole(kernel_view(x), bounds, scale, kernel_view(res))
+        for f, (b, e) in zip(flats, shards):
+            if e > b:
+                io.write(f[b:e], res[b:e])
+
+    prog.add(OpProgram(name, body, fast, tuple(tensors), tuple(f[b:e] for f, (b, e) in zip(flats, shards) if e > b)))
+    return shards
+
+
+def all_gather_shards(device: Device, tensors, prog: Sequence, name: str = "all_gather_shards") -> None:
+    """In place: every replica's shard (`shard_bounds`) of its tensor reaches every other replica,
+    over the same ring as the all-reduce's second half."""
+    tensors = list(tensors)
+    _check(device, tensors, name)
+    replicas = len(tensors)
+    n = tensors[0].numel
+    flats = [t.flatten() for t in tensors]
+    shards = shard_bounds(n, replicas)
+    body = Sequence(name=name)
+    if replicas > 1:
+        _all_gather_steps(body, flats, chunk_bounds(n, replicas))
+
+    def fast(io):
+        for r, (b, e) in enumerate(shards):
+            if e > b:
+                value = np.array(io.read(flats[r][b:e]), copy=True)
+                for d in range(replicas):
+                    if d != r:
+                        io.write(flats[d][b:e], value)
+
+    written = tuple(flats[d][b:e] for r, (b, e) in enumerate(shards) for d in range(replicas) if d != r and e > b)
+    prog.add(OpProgram(name, body, fast, tuple(f[b:e] for f, (b, e) in zip(flats, shards) if e > b), written))
 
 
 def all_gather(device: Device, tensors, prog: Sequence, name: str = "all_gather") -> list[Tensor]:

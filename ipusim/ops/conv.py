@@ -55,7 +55,7 @@ from ..device.program import Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
-from .common import (box_runs, by_distinct_rows, gather_boxes, kernel_array, map_boxes, new_output, split_ranges,
+from .common import (GRAIN, box_runs, by_distinct_rows, gather_boxes, kernel_array, map_boxes, new_output, split_ranges,
                      store)
 from .matmul import (AVAILABLE_MEMORY_PROPORTION, PARTIALS, _flop_cycles, amp_channels, block_grid, block_partials,
                      block_tiles, ceil_div, check_proportion, choose_split, float_dtype, linear_tile_elements,
@@ -414,10 +414,16 @@ def plan_conv(target: Target, geometry: ConvGeometry, dtype="float32", out_dtype
 
 
 # ---- building --------------------------------------------------------------------------------
-def _output(graph: Graph, plan: ConvPlan, dtype, shape, name: str, category: str) -> Tensor:
-    """The op's output variable: mapped block by block later, or linearly when partials are reduced."""
+def _output(graph: Graph, plan: ConvPlan, dtype, shape, name: str, category: str,
+            tile_range: range | None = None) -> Tensor:
+    """The op's output variable: mapped block by block later, or linearly (over `tile_range`, all
+    tiles by default) when partials are reduced."""
     if plan.reduction_split > 1:
-        return new_output(graph, dtype, shape, name, category=category)
+        if tile_range is None:
+            return new_output(graph, dtype, shape, name, category=category)
+        out = graph.addVariable(dtype, shape, name, category=category, always_live=False)
+        graph.map_linearly(out, grain=GRAIN, min_elements_per_tile=64, tiles=tile_range)
+        return out
     return graph.addVariable(dtype, shape, name, category=category, always_live=False)
 
 
@@ -428,17 +434,21 @@ def _spans(dim: ConvDim, outs, taps) -> np.ndarray:
 
 
 def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, wv: Tensor, out: Tensor,
-           outv: Tensor) -> None:
+           outv: Tensor, compute: Sequence | None = None, tile_range: range | None = None) -> None:
     """Exchanges and compute sets of one convolution in the general form: xv [G, B, Ci, D, H, W]
     and wv [G, Co, Ci, KD, KH, KW] are views of the operands, outv [G, B, Co, OD, OH, OW] a view of
-    `out`."""
+    `out`. The operands' exchanges go to `body`, the rest (compute and any reduction, which touch
+    only the plan's tiles) to `compute` (default `body`); the plan's blocks go to the tiles of
+    `tile_range` (default all: a plan for a range is made on a target of that many tiles)."""
+    compute = body if compute is None else compute
+    tile_range = range(graph.target.num_tiles) if tile_range is None else tile_range
     geom = plan.geometry
     d, h, w = geom.d, geom.h, geom.w
     kw = w.kernel
     first, extent = block_grid(geom.dims, plan.splits)  # per block: (g, b, co, od, oh, ow, ci, kd, kh)
     g0, b0, c0, od0, oh0, ow0, i0, kd0, k0 = first.T
     gb, bb, cob, odb, ohb, owb, cib, kdb, khb = extent.T
-    tiles = block_tiles(len(first), graph.target.num_tiles)
+    tiles = tile_range.start + block_tiles(len(first), len(tile_range))
     # input planes, rows and columns each block reads: one span per (outputs, taps) split, not per block
     step = [ceil_div(size, parts) for size, parts in zip(geom.dims, plan.splits)]
     split = [ranges(geom.dims[i], plan.splits[i]) for i in range(len(DIMS))]
@@ -475,9 +485,9 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
               "w": Field.strided(ws, ws_at[blk], 1, np.diff(ws_at)[blk]),
               "out": Field.strided(dst, dst_at[blk] + l0 * ow_b, 1, n * ow_b)}
     graph.addVertices(cs, CONV_VERTEX, tiles[blk], fields, params)
-    body.add(Execute(cs))
+    compute.add(Execute(cs))
     if reduction > 1:
-        reduce_partials(graph, body, dst, reduction, *block_partials(outv, first[:, :6], extent[:, :6], reduction, dst_at),
+        reduce_partials(graph, compute, dst, reduction, *block_partials(outv, first[:, :6], extent[:, :6], reduction, dst_at),
                         out, name)
 
 
@@ -707,7 +717,7 @@ def _shape_like(shape, rank: int, what: str, name: str) -> tuple[int, ...]:
     return shape
 
 
-def _general(t: Tensor, groups: int, axis: int, perm: tuple) -> Tensor:
+def general_view(t: Tensor, groups: int, axis: int, perm: tuple) -> Tensor:
     """The view of an operand [A, B, *spatial] in the general form: its axis `axis` (0 or 1)
     split into (groups, size / groups), the spatial dimensions led to three by unit ones, the
     five leading axes transposed by `perm`."""
@@ -729,8 +739,8 @@ def conv(graph: Graph, x: Tensor, w: Tensor, prog: Sequence, stride=1, padding=0
     plan = plan_conv(graph.target, geom, dtype, odt, available_memory_proportion)
     out = _output(graph, plan, odt, shape, name, "activations")
     body = Sequence(name=name)
-    _build(graph, body, name, plan, _general(x, groups, 1, (1, 0, 2)), _general(w, groups, 0, (0, 1, 2)), out,
-           _general(out, groups, 1, (1, 0, 2)))
+    _build(graph, body, name, plan, general_view(x, groups, 1, (1, 0, 2)), general_view(w, groups, 0, (0, 1, 2)), out,
+           general_view(out, groups, 1, (1, 0, 2)))
 
     def fast(io):
         target = io.output(out) if odt == np.float32 else None
@@ -757,8 +767,8 @@ def conv_backward_input(graph: Graph, dy: Tensor, w: Tensor, input_shape, prog: 
     plan = plan_conv(graph.target, geom, dtype, odt, available_memory_proportion)
     out = _output(graph, plan, odt, input_shape, name, "gradients")
     body = Sequence(name=name)
-    _build(graph, body, name, plan, _general(dy, groups, 1, (1, 0, 2)), _general(w, groups, 0, (0, 2, 1)), out,
-           _general(out, groups, 1, (1, 0, 2)))
+    _build(graph, body, name, plan, general_view(dy, groups, 1, (1, 0, 2)), general_view(w, groups, 0, (0, 2, 1)), out,
+           general_view(out, groups, 1, (1, 0, 2)))
 
     def fast(io):
         target = io.output(out)
@@ -785,8 +795,8 @@ def conv_backward_weights(graph: Graph, dy: Tensor, x: Tensor, weight_shape, pro
     plan = plan_conv(graph.target, geom, dtype, odt, available_memory_proportion)
     out = _output(graph, plan, odt, weight_shape, name, "gradients")
     body = Sequence(name=name)
-    _build(graph, body, name, plan, _general(x, groups, 1, (1, 2, 0)), _general(dy, groups, 1, (1, 2, 0)), out,
-           _general(out, groups, 0, (0, 2, 1)))
+    _build(graph, body, name, plan, general_view(x, groups, 1, (1, 2, 0)), general_view(dy, groups, 1, (1, 2, 0)), out,
+           general_view(out, groups, 0, (0, 2, 1)))
 
     def fast(io):
         io.write(out, conv_backward_weights_numpy(io.read(dy), io.read(x), weight_shape, stride, padding, dilation,

@@ -54,6 +54,18 @@ Cycle estimators (thread cycles = instructions x workers per tile):
 
 Numerics: strict vertices accumulate in float64 and round once to the partials or output dtype;
 the fast mode calls BLAS on whole arrays (float16 operands in float32, rounded once).
+
+Serialised matmul (`serialized_matmul`, PopART's serializeMatMuls): the product runs as `factor`
+smaller products one after the other, split along the rows of the result ("input_channels"),
+the reduced dimension ("reducing_dim") or the columns ("output_channels"). Each piece is a plain
+matmul with its own plan; its gathered operand blocks and partials are live only while it runs,
+so the op's peak temporary memory is one piece's instead of the whole product's, and its cycles
+are the pieces' one after the other. Row and column pieces are copied into the result; each is
+planned with the whole product's K-split, so every element is the same sum in the same parts as
+in the plain product (bit-identical in both modes); reducing-dimension pieces are added up
+one by one in the pieces' dtype (float32 partials with `keep_precision` for float16, else the
+result's dtype), which changes the summation order: within float32 rounding of the sum of
+`factor` partial products, or float16 rounding per addition without `keep_precision`.
 """
 from __future__ import annotations
 
@@ -64,11 +76,12 @@ from numba import njit, prange
 
 from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
-from ..device.program import Execute, OpProgram, Sequence
+from ..device.program import Copy, Execute, OpProgram, Sequence
 from ..device.target import Target
 from ..device.mapping import TileMap
 from ..device.tensor import Tensor
 from ..device.vertex import Field, VertexType
+from . import elementwise as ew
 from .common import GRAIN, box_runs, gather_boxes, map_boxes, new_output, placed, region_work
 
 PARTIALS = np.dtype(np.float32)
@@ -390,14 +403,20 @@ def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype):
 
 
 def plan_matmul(target: Target, a_shape, b_shape, dtype="float32", out_dtype=None,
-                available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> MatMulPlan:
-    """The tile plan `matmul` uses for these shapes and dtypes (see the module doc)."""
+                available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION,
+                k_split: int | None = None) -> MatMulPlan:
+    """The tile plan `matmul` uses for these shapes and dtypes (see the module doc); with
+    `k_split`, among the splits that cut K into that many parts (a K-split candidate)."""
     B, M, K, N = matmul_dims(a_shape, b_shape)
     check_proportion(available_memory_proportion, "matmul")
     dtype = np.dtype(dtype)
     out_dtype = np.dtype(out_dtype) if out_dtype is not None else dtype
     dims = (B, M, N, K)
     splits = split_grid(dims, target.num_tiles)
+    if k_split is not None:
+        splits = splits[splits[:, 3] == k_split]
+        if not len(splits):
+            raise ValueError(f"matmul: K = {K} cannot be split into {k_split} parts on {target.num_tiles} tiles")
     cycles, memory = _matmul_model(target, dims, splits, dtype, out_dtype)
     budget = available_memory_proportion * target.bytes_per_tile
     best = choose_split(cycles, memory, budget, np.stack([splits.prod(axis=1), splits[:, 3]], axis=1))
@@ -427,11 +446,12 @@ def _operand_blocks(graph: Graph, body: Sequence, t: Tensor, shape3: tuple, firs
 
 
 def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matmul", *, out_dtype=None,
-           available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> Tensor:
+           available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION, k_split: int | None = None) -> Tensor:
     """C = a @ b for a[M, K] @ b[K, N] or batched a[B, M, K] @ b[B, K, N] (float16 or float32).
 
     `out_dtype` (default: the operands' dtype) sets the result's dtype, e.g. float32 results of
-    float16 operands. The plan is `plan_matmul(graph.target, a.shape, b.shape, ...)`.
+    float16 operands. The plan is `plan_matmul(graph.target, a.shape, b.shape, ...)`, with K cut
+    into `k_split` parts when given.
     """
     B, M, K, N = matmul_dims(a.shape, b.shape, name)
     dtype = float_dtype(a, name)
@@ -439,7 +459,7 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
         raise TypeError(f"{name}: operands {a.name!r} ({dtype.name}) and {b.name!r} ({b.dtype.name}) have "
                         "different dtypes; cast one first")
     odt = output_dtype(out_dtype, dtype, name)
-    plan = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion)
+    plan = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion, k_split)
     pb, pm, pn, pk = plan.splits
     out_shape = (B, M, N) if a.rank == 3 else (M, N)
     first, extent = block_grid((B, M, N, K), plan.splits)  # per block, (b, m, n, k)
@@ -488,6 +508,65 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
             io.write(out, np.matmul(x, y))
         else:
             np.matmul(x, y, out=res)
+
+    prog.add(OpProgram(name, body, fast, (a, b), (out,)))
+    return out
+
+
+# ---- serialised matmul ----------------------------------------------------------------------------
+SERIALIZATION_MODES = {"input_channels": "M (the rows of the result)", "reducing_dim": "K (the reduced dimension)",
+                       "output_channels": "N (the columns of the result)"}
+
+
+def serialized_matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, mode: str, factor: int,
+                      name: str = "matmul", *, keep_precision: bool = False, out_dtype=None,
+                      available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> Tensor:
+    """C = a[M, K] @ b[K, N] as `factor` matmuls one after the other, split along `mode`
+    ("input_channels": M, "reducing_dim": K, "output_channels": N), which `factor` must divide
+    (see the module doc). `keep_precision` adds float16 reducing-dimension pieces in float32."""
+    if mode not in SERIALIZATION_MODES:
+        raise ValueError(f"{name}: unknown serialisation mode {mode!r}; use one of {sorted(SERIALIZATION_MODES)}")
+    if a.rank != 2 or b.rank != 2:
+        raise ValueError(f"{name}: a serialised matmul multiplies matrices, got shapes {list(a.shape)} and "
+                         f"{list(b.shape)}")
+    _, M, K, N = matmul_dims(a.shape, b.shape, name)
+    size = {"input_channels": M, "reducing_dim": K, "output_channels": N}[mode]
+    if isinstance(factor, bool) or not isinstance(factor, (int, np.integer)) or factor < 1 or size % factor:
+        raise ValueError(f"{name}: serialisation factor {factor!r} must be a positive divisor of "
+                         f"{SERIALIZATION_MODES[mode]} = {size}")
+    dtype = float_dtype(a, name)
+    odt = output_dtype(out_dtype, dtype, name)
+    budget = {"available_memory_proportion": available_memory_proportion}
+    body = Sequence(name=name)
+    if mode == "reducing_dim":
+        pdt = PARTIALS if keep_precision or odt == PARTIALS else odt
+        acc = None
+        for i, (k0, k1) in enumerate(ranges(K, factor)):
+            piece = matmul(graph, a[:, k0:k1], b[k0:k1, :], body, f"{name}/piece{i}", out_dtype=pdt, **budget)
+            if acc is None:
+                acc = piece
+            else:
+                ew.binary(graph, "add", acc, piece, body, f"{name}/piece{i}/accumulate", out=acc)
+        out = acc if pdt == odt else ew.cast(graph, acc, odt, body, f"{name}/cast")
+    else:   # each piece sums over K as the whole product would: in the same parts
+        k_split = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion).k_split
+        out = new_output(graph, odt, (M, N), name)
+        for i, (lo, hi) in enumerate(ranges(size, factor)):
+            rows, cols = (slice(lo, hi), slice(None)) if mode == "input_channels" else (slice(None), slice(lo, hi))
+            piece = matmul(graph, a[rows, :], b[:, cols], body, f"{name}/piece{i}", out_dtype=odt, k_split=k_split,
+                           **budget)
+            body.add(Copy(piece, out[rows, cols]))
+
+    def fast(io):
+        x, y = io.read(a).astype(np.float32), io.read(b).astype(np.float32)
+        if mode != "reducing_dim":   # every element is the same sum as in one product
+            io.write(out, np.matmul(x, y).astype(odt))
+            return
+        total = None
+        for k0, k1 in ranges(K, factor):
+            piece = np.matmul(x[:, k0:k1], y[k0:k1, :]).astype(pdt)
+            total = piece if total is None else (total + piece).astype(pdt)
+        io.write(out, total.astype(odt))
 
     prog.add(OpProgram(name, body, fast, (a, b), (out,)))
     return out

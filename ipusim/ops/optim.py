@@ -472,6 +472,10 @@ class Optimiser:
             self._initialise(h)
         return h
 
+    def hyper_on(self, graph: Graph) -> Hyper | None:
+        """This optimiser's hyper tensor on `graph`, None if no update there uses it."""
+        return self._hypers.get(id(graph))
+
     def _initialise(self, h: Hyper) -> None:
         values = self.hyper_values()
         h.tensor.var.constant[:] = np.asarray([values[n] for n in h.names], dtype=np.float32)

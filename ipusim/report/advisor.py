@@ -13,7 +13,11 @@ split puts stage k (blocks [b_k, b_k+1)) on IPU k. Its cost model:
 - the schedule of the strategy (ipusim.schedules) runs the ops; a step lasts as long as its
   slowest op, and a call as long as its steps;
 - memory: the blocks' bytes per tile plus every channel's buffers (value bytes times the
-  micro-batches the schedule keeps in flight on it), mapped linearly as the lowering does.
+  micro-batches the schedule keeps in flight on it), mapped linearly as the lowering does;
+- recomputation (a pipeline that recomputes, as PopTorch's does by default over several IPUs):
+  every stage but the last recomputes its forward before its backward, in the same step, so its
+  backward op also costs its forward body, and it stashes the values entering the stage (from
+  the forwards of earlier stages) instead of what its backward reads from its own forward.
 
 Splits are enumerated when there are few enough (EXHAUSTIVE_LIMIT), otherwise a dynamic program
 on the stage bottleneck gives a start that a local search improves. The current split is always
@@ -98,6 +102,7 @@ class Pipeline:
     device_iterations: int = 1
     strategy: str = "pipelined"     # "pipelined", "sharded", "GPipe" or "1F1B"
     kind: str = "grouped"           # pipelined schedules: "grouped", "interleaved", "sequential"
+    recompute: bool = False         # every stage but the last recomputes its forward before its backward
 
     def schedule(self, num_stages: int) -> schedules.Schedule:
         g = self.gradient_accumulation if self.training else 1
@@ -125,7 +130,7 @@ class Pipeline:
         if strategy in schedules.TRAINING_KINDS:
             base, kind = strategy, ""
         return cls(training, per_group if training else 1, groups if training else per_group,
-                   base, kind or "grouped")
+                   base, kind or "grouped", bool(schedule_dict.get("recomputed_stages")))
 
 
 @dataclass
@@ -260,12 +265,19 @@ class _Model:
         return self._slots[key]
 
     def channels(self, stage_of: np.ndarray) -> dict[tuple, dict[int, int]]:
-        """(src key, dst key) -> {value: bytes} of the values crossing stage programs."""
+        """(src key, dst key) -> {value: bytes} of the values crossing stage programs. With
+        recomputation, a recomputed stage's backward reads no forward value (the recomputation
+        makes or receives them) and its forward stashes the values entering it."""
         out: dict[tuple, dict[int, int]] = {}
+        last = int(stage_of[-1]) if len(stage_of) else 0
         for f in self.table.flows:
             src, dst = (f.src[0], int(stage_of[f.src[1]])), (f.dst[0], int(stage_of[f.dst[1]]))
+            if self.pipeline.recompute and dst[0] == "bwd" and dst[1] != last and src[0] == "fwd":
+                continue
             if src != dst:
                 out.setdefault((src, dst), {})[f.value] = f.nbytes
+            if self.pipeline.recompute and src[0] == dst[0] == "fwd" and src[1] != dst[1] != last:
+                out.setdefault((dst, ("bwd", dst[1])), {})[f.value] = f.nbytes   # the stash of the stage's input
         return out
 
     def evaluate(self, split: tuple[int, ...]) -> Prediction:
@@ -276,6 +288,8 @@ class _Model:
         fwd = np.array([sum(table.forward[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
         bwd = np.array([sum(table.backward[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
         upd = np.array([sum(table.update[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
+        if self.pipeline.recompute and self.pipeline.training:
+            bwd[:-1] += fwd[:-1]   # R: the stage's forward body again, before its backward in the same step
         memory = [self.prefix[bounds[k + 1]] - self.prefix[bounds[k]] for k in range(n)]
         gsync = t.global_sync_cycles(n)
         tiles = table.tile_bytes.shape[1]

@@ -79,7 +79,8 @@ def pipeline_chart(doc: dict, path: str) -> str:
         t0 = (s["start_cycle"] - origin) * scale
         ax.axvline(t0, color="#999999", lw=0.5, ls=":")
         busy = {b["ipu"]: b["total"] for b in s["busy"]}
-        ops = {o["ipu"]: o for o in s["ops"]}
+        ops = {o["ipu"]: o for o in s["ops"]}   # an IPU's last op: its B when it recomputed first (R)
+        recomputing = {o["ipu"] for o in s["ops"] if o["kind"] == "R"}
         for ipu in range(n):
             width = busy.get(ipu, 0) * scale
             if width <= 0:
@@ -90,6 +91,8 @@ def pipeline_chart(doc: dict, path: str) -> str:
             ax.broken_barh([(t0, width)], (ipu - 0.4, 0.8), facecolors=colour, edgecolors="#333333",
                            linewidth=0.4, hatch=hatch)
             text = (op["label"].split(" ")[0] if op["kind"] != "U" else "U") if op else ("" if s["ops"] else s["label"])
+            if op and ipu in recomputing:
+                text = "R" + text
             if text and width > end / 90 * max(1, len(text) / 2.5):
                 ax.text(t0 + width / 2, ipu, text, ha="center", va="center", fontsize=7)
     ax.axvline(end, color="#999999", lw=0.5, ls=":")
@@ -141,9 +144,9 @@ def schedule_chart(timing, schedule, path: str, title: str, clock_hz: float) -> 
     ax.set_xlim(0, end)
     ax.set_xlabel(f"{timing.mode} time ({unit}) at {clock_hz / 1e9:.2f} GHz; blank = idle")
     ax.set_title(f"{title}: {timing.cycles:,.0f} cycles per call, bubble {timing.bubble_fraction():.1%}", fontsize=9)
-    kinds = [k for k in ("F", "B", "W", "U") if any(iv.op.kind == k for iv in timing.intervals)]
+    kinds = [k for k in ("F", "R", "B", "W", "U") if any(iv.op.kind == k for iv in timing.intervals)]
     names = {"F": "forward", "B": "backward (input gradient)" if schedule.split_backward else "backward",
-             "W": "weight gradient", "U": "weight update"}
+             "W": "weight gradient", "U": "weight update", "R": "recompute"}
     ax.legend([Rectangle((0, 0), 1, 1, fc=OP_COLOURS[k]) for k in kinds], [names[k] for k in kinds],
               loc="upper right", fontsize=7, bbox_to_anchor=(1.0, 1.25), ncol=len(kinds), frameon=False)
     fig.tight_layout()

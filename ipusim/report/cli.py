@@ -1,5 +1,6 @@
-"""`python -m ipusim.report DIR [--compare DIR2] [--schedules]`: read profiles and print their summaries,
-balance advice, side-by-side comparisons, and every pipeline schedule kind priced on the profiled model.
+"""`python -m ipusim.report DIR [--compare DIR2] [--schedules] [--html [OUT.html]]`: read profiles and print
+their summaries, balance advice, side-by-side comparisons, and every pipeline schedule kind priced on the
+profiled model; write the page of a profile (or of two compared) that a browser opens offline.
 
 DIR is a profile directory (it holds profile.json) or a directory of them (a run's
 autoReport.directory, with one sub-directory per model: "training", "inference", ...).
@@ -13,6 +14,7 @@ import os
 import sys
 
 from . import advisor
+from . import page
 from . import pricing
 from . import profile as prof
 
@@ -65,6 +67,53 @@ def compare(path_a: str, path_b: str) -> str:
     return "\n".join(out).rstrip()
 
 
+def write_pages(path: str, compare_path: str | None = None, out: str | None = None,
+                num_ipus: int | None = None) -> list[str]:
+    """The page of every profile in `path` (profile.html beside its profile.json), or of every
+    pair compared with `compare_path` (compare.html beside the first profile.json); `out` names
+    the file when there is one page to write."""
+    if compare_path is not None:
+        jobs = [(da, [da, db]) for _, da, db in pairs(find_profiles(path), find_profiles(compare_path))]
+        default = "compare.html"
+    else:
+        jobs = [(d, [d]) for d in find_profiles(path).values()]
+        default = page.PAGE_NAME
+    if out and len(jobs) > 1:
+        raise ValueError(f"{len(jobs)} pages to write ({', '.join(d for d, _ in jobs)}) but one file name, {out}: give "
+                         "--html without a file name to write each beside its profile.json, or point at one profile")
+    written = []
+    for home, dirs in jobs:
+        docs = [prof.load(d) for d in dirs]
+        written.append(page.write_page(out or os.path.join(home, default), list(zip(dirs, docs)),
+                                       advice=[page.advice_text(doc, num_ipus) for doc in docs]))
+    return written
+
+
+def screenshots(path: str, shots: list[str]) -> list[str]:
+    """PNG screenshots of views of a page (`VIEW=PNG` each), taken in headless Chromium."""
+    from .browser import Browser
+    jobs = []
+    for spec in shots:
+        view, sep, png = spec.partition("=")
+        if not sep or not png or view not in page.VIEWS:
+            raise ValueError(f"--screenshot {spec!r}: give VIEW=FILE.png with VIEW one of {', '.join(page.VIEWS)}")
+        jobs.append((view, png))
+    with Browser() as browser:
+        tab = browser.new_page(1400, 900)
+        tab.open(path)
+        if tab.evaluate("ipusimPage.ready.then(() => document.documentElement.dataset.ready)") != "1":
+            raise RuntimeError(f"the page {path} did not draw: {'; '.join(tab.errors()) or 'no console message'}")
+        for view, png in jobs:
+            if not tab.evaluate(f"!!document.getElementById('view-{view}')"):
+                raise ValueError(f"the page {path} has no {view} view (compare needs --compare)")
+            tab.evaluate(f"ipusimPage.show('{view}'); new Promise((r) => requestAnimationFrame(() => "
+                         "requestAnimationFrame(r)))")
+            tab.screenshot(png, selector=f"#view-{view}")
+        if tab.errors():
+            raise RuntimeError(f"the page {path} reported errors: {'; '.join(tab.errors())}")
+    return [png for _, png in jobs]
+
+
 def compare_schedules(path: str, weight_gradient_share: float | None, charts: bool = True) -> str:
     """Every schedule kind priced on each training profile in `path`, with one Gantt chart per
     kind next to its profile.json (when matplotlib is installed)."""
@@ -91,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ipus", type=int, metavar="N", help="balance advice for N IPUs (default: as profiled)")
     parser.add_argument("--no-advice", action="store_true", help="leave out the balance advice")
     parser.add_argument("--charts", action="store_true", help="(re)draw the PNG charts next to each profile.json")
+    parser.add_argument("--html", nargs="?", const="", metavar="OUT.html",
+                        help="write the page of the profile (with --compare, of both side by side): one HTML file that "
+                             "works offline; default profile.html (compare.html) beside profile.json")
+    parser.add_argument("--screenshot", action="append", default=[], metavar="VIEW=PNG",
+                        help=f"with --html: a screenshot of a view of the page ({', '.join(page.VIEWS)}) taken in "
+                             "headless Chromium; may be repeated")
     parser.add_argument("--schema", action="store_true", help="print the JSON Schema of profile.json and exit")
     parser.add_argument("--schedules", action="store_true",
                         help="price every pipeline schedule kind (PopTorch's, GPipe, 1F1B, interleaved 1F1B, ZB-H1, "
@@ -105,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.dir:
         parser.error("give a profile directory (or --schema)")
+    if args.screenshot and args.html is None:
+        parser.error("--screenshot needs --html")
     try:
+        if args.html is not None:
+            written = write_pages(args.dir, args.compare, args.html or None, args.ipus)
+            print("\n".join(f"Page written to {p}" for p in written))
+            if args.screenshot:
+                if len(written) > 1:
+                    raise ValueError(f"--screenshot takes one page; {len(written)} were written")
+                print("\n".join(f"Screenshot written to {p}" for p in screenshots(written[0], args.screenshot)))
         if args.charts:
             from .charts import write_charts
             for _, directory in find_profiles(args.dir).items():

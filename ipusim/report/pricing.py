@@ -45,10 +45,19 @@ class Comparison:
 
 
 def _stash_bytes(doc: dict) -> list[int]:
-    """Per stage, the bytes its backward reads from forwards: what one micro-batch in flight
-    keeps on the stage's IPU (the block table's fwd -> bwd flows into the stage's blocks)."""
-    blocks = doc.get("blocks")
+    """Per stage, the bytes one micro-batch in flight keeps on the stage's IPU: what its backward
+    reads from forwards (the block table's fwd -> bwd flows into the stage's blocks; the table
+    describes the model without recomputation). A profile that recomputes stashes less than
+    that: there, the stashed activations each IPU holds, divided by the micro-batches the
+    profiled schedule keeps in flight on it (the stages of one IPU in equal shares)."""
     stages = doc["execution"]["stages"]
+    sched = doc["execution"]["schedule"]
+    if sched and sched.get("recomputed_stages"):
+        n = len(stages)
+        profiled = _profiled_schedule(sched, n, sched["micro_batches_per_group"], sched["num_groups"])
+        stashed = {m["ipu"]: m["by_category"].get("stashed_activations", 0) for m in doc["memory"]["ipus"]}
+        return [int(stashed.get(st["ipu"], 0) // max(1, profiled.peak_in_flight(st["ipu"]))) for st in stages]
+    blocks = doc.get("blocks")
     if not blocks:
         return [0] * len(stages)
     stage_of = {name: st["stage"] for st in stages for name in st["blocks"]}
@@ -90,7 +99,9 @@ def stage_costs(doc: dict, weight_gradient_share: float | None = None) -> Costs:
     for st, nbytes in zip(ex["stages"], stash):
         backward = st["backward"]["cycles_per_micro_batch"]
         w = st["weight_gradient"]["cycles_per_micro_batch"] if measured else backward * share
-        per_stage.append(StageCosts(st["forward"]["cycles_per_micro_batch"], backward - w, w, nbytes))
+        recompute = st.get("recompute")
+        per_stage.append(StageCosts(st["forward"]["cycles_per_micro_batch"], backward - w, w, nbytes,
+                                    recompute["cycles_per_micro_batch"] if recompute else None))
     updates = {u["ipu"]: u["cycles"] for u in ex["updates"]}
     return Costs(tuple(per_stage), 0.0, tuple(updates.get(i, 0.0) for i in range(doc["num_ipus"])))
 
@@ -99,9 +110,9 @@ def _chunked(costs: Costs, v: int) -> Costs:
     """Each stage cut into `v` chunks of 1/v of its cycles and stash (stage s, chunk c becomes
     stage c*N + s on IPU s)."""
     n = len(costs.stages)
-    return Costs(tuple(StageCosts(costs.stages[s].forward / v, costs.stages[s].backward / v,
-                                  costs.stages[s].weight_gradient / v, costs.stages[s].activation_bytes // v)
-                       for _ in range(v) for s in range(n)), costs.copy, costs.update)
+    return Costs(tuple(StageCosts(st.forward / v, st.backward / v, st.weight_gradient / v, st.activation_bytes // v,
+                                  None if st.recompute is None else st.recompute / v)
+                       for _ in range(v) for st in costs.stages), costs.copy, costs.update)
 
 
 def compare(doc: dict, weight_gradient_share: float | None = None) -> Comparison:
@@ -121,14 +132,17 @@ def compare(doc: dict, weight_gradient_share: float | None = None) -> Comparison
     memory = doc["memory"]["ipus"]
     capacity = tuple(m["capacity_bytes"] for m in memory[:n])
     stash = [s.activation_bytes for s in costs.stages]
-    profiled = _profiled_schedule(sched, n, g, d)
+    recomputed = list(sched.get("recomputed_stages") or ())
+    profiled = _profiled_schedule(sched, n, g, d).with_recomputation(recomputed)
     base = [m["total_bytes"] - b for m, b in zip(memory, peak_stash_bytes(profiled, stash))]
-    whole = Costs(tuple(StageCosts(s.forward, s.backward + s.weight_gradient, 0.0, s.activation_bytes)
+    whole = Costs(tuple(StageCosts(s.forward, s.backward + s.weight_gradient, 0.0, s.activation_bytes, s.recompute)
                         for s in costs.stages), costs.copy, costs.update)
 
     def row(kind: str, make, kind_costs: Costs) -> Row:
         try:
             s = make()
+            chunks = s.num_stages // n   # interleaved: chunk c of stage k is stage c*n + k
+            s = s.with_recomputation([c * n + k for k in recomputed for c in range(chunks)])
         except ValueError as error:
             return Row(kind, None, None, why=str(error))
         p = price(s, kind_costs)
@@ -137,7 +151,7 @@ def compare(doc: dict, weight_gradient_share: float | None = None) -> Comparison
 
     ran = f"{sched['strategy']} (profiled)" if sched["strategy"] in schedules.TRAINING_KINDS \
         else f"PopTorch ({sched['strategy']})"
-    rows = [row(ran, lambda: profiled, costs if profiled.split_backward else whole),
+    rows = [row(ran, lambda: _profiled_schedule(sched, n, g, d), costs if profiled.split_backward else whole),
             row("GPipe", lambda: schedules.gpipe_schedule(n, gradient_accumulation=g, device_iterations=d), whole),
             row("1F1B", lambda: schedules.one_f_one_b_schedule(n, gradient_accumulation=g, device_iterations=d), whole),
             row(f"Interleaved1F1B (V={INTERLEAVED_CHUNKS})",
@@ -155,7 +169,10 @@ def compare(doc: dict, weight_gradient_share: float | None = None) -> Comparison
         "schedule); event-driven: each IPU runs its ops as soon as their inputs are ready (how GPipe, 1F1B and "
         "ZB are meant to run). Bubble fraction and the charts use the event-driven timing.",
         "memory: each IPU's profiled total with the profiled stash replaced by the schedule's peak stash "
-        "(bytes per micro-batch = the stage's fwd -> bwd flows); tile-level fit is not re-checked.")
+        "(bytes per micro-batch = the stage's fwd -> bwd flows); tile-level fit is not re-checked."
+        + (f" Stages {recomputed} recompute their forward before each backward (R, as profiled), so every kind "
+           "runs R there too and stashes per micro-batch what the profiled run stashed (its stashed activations "
+           "per IPU over the micro-batches it kept in flight)." if recomputed else ""))
     measured = ex["cycles_per_call"][0] if ex.get("cycles_per_call") else None
     return Comparison(doc.get("name", ""), tuple(rows), doc["target"]["clock_hz"], capacity, header, measured)
 
@@ -180,6 +197,9 @@ def _profiled_schedule(sched: dict, n: int, g: int, d: int) -> schedules.Schedul
         return schedules.sharded_schedule(n, training=True, gradient_accumulation=g, device_iterations=d)
     makers = {"GPipe": schedules.gpipe_schedule, "1F1B": schedules.one_f_one_b_schedule,
               "ZB-H1": schedules.zb_h1_schedule, "ZB-H2": schedules.zb_h2_schedule}
+    if strategy == "Interleaved1F1B":
+        ipus = sched["num_ipus"]
+        return schedules.interleaved_1f1b_schedule(ipus, n // ipus, gradient_accumulation=g, device_iterations=d)
     if strategy in makers:
         return makers[strategy](n, gradient_accumulation=g, device_iterations=d)
     raise ValueError(f"cannot rebuild the profiled schedule {strategy!r} to compare against")

@@ -1,5 +1,5 @@
-"""Profiles of executed programs: the data behind profile.json, trace.json, the charts and the
-end-of-run summary (see docs/profile-schema.md for the document).
+"""Profiles of executed programs: the data behind profile.json, trace.json, the charts, the page and
+the end-of-run summary (see docs/profile-schema.md for the document).
 
 A profile joins what compiling knows (memory per tile, the static cycles of every program, the
 schedule) with what running did (the steps executed, each a list of program runs with their
@@ -27,13 +27,14 @@ from typing import Callable
 import numpy as np
 
 from ..device.cost import Cost, Cycles
-from ..device.memory import MemoryReport, supersteps
+from ..device.memory import KINDS, MemoryReport, supersteps
 from ..device.model_error import known_errors
 from ..device.program import If, OpProgram, Parallel, Program, Repeat, Sequence
 from ..device.target import Target
 
 SCHEMA_NAME = "ipusim.profile"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (2, 3)      # version 2 lacks the kinds of memory, the operations and the superstep names
 # Kinds of busy cycles, in the order a superstep spends them (its sync comes last).
 SEGMENT_KINDS = ("compute", "exchange", "inter_ipu", "host", "sync")
 LANES = ("ops", "programs", "compute", "exchange", "sync", "inter_ipu", "host")
@@ -117,6 +118,7 @@ class ProgramInfo:
     links: dict[tuple[int, int], int]
     first_superstep: int
     num_supersteps: int
+    superstep_names: list[str] = field(default_factory=list)
 
 
 def leaf_name(p: Program) -> str:
@@ -174,9 +176,10 @@ def describe_programs(programs: list[Program], cost_of: Callable[[Program], Cost
         segs: dict[int, list[Segment]] = {}
         links: dict[tuple[int, int], int] = {}
         _flatten(p, cost_of, segs, links)
-        n = len(supersteps(p))
-        out.append(ProgramInfo(i, getattr(p, "name", "") or f"program {i}", cost_of(p), segs, links, first, n))
-        first += n
+        names = [leaf_name(s) for s in supersteps(p)]
+        out.append(ProgramInfo(i, getattr(p, "name", "") or f"program {i}", cost_of(p), segs, links, first,
+                               len(names), names))
+        first += len(names)
     return out
 
 
@@ -204,6 +207,7 @@ class StaticProfile:
     settings: dict = field(default_factory=dict)
     estimated: bool = False
     notes: list[str] = field(default_factory=list)
+    operations: list[dict] = field(default_factory=list)   # the front end's ops (the `operations` field)
 
 
 def static_profile(name: str, engine, *, source: str = "ipusim", **kw) -> StaticProfile:
@@ -291,6 +295,53 @@ def step_label(static: StaticProfile, step) -> str:
     return " ".join(static.programs[e.program].name for e in step.events)
 
 
+WORST_TILES = 10            # tiles listed per IPU with what they hold at their peak
+TENSORS_PER_TILE = 5
+TENSORS_AT_PEAK = 20         # tensors listed at the liveness peak of an IPU
+
+
+def _tensor_rows(rows: list[tuple[str, str, int]], n: int) -> list[dict]:
+    return [{"name": name, "kind": kind, "bytes": b} for name, kind, b in rows[:n]]
+
+
+def _superstep_name(static: StaticProfile, superstep: int) -> tuple[str, str]:
+    """(superstep name, program name) of a superstep in liveness order."""
+    for p in static.programs:
+        if p.first_superstep <= superstep < p.first_superstep + p.num_supersteps:
+            return p.superstep_names[superstep - p.first_superstep], p.name
+    return "", ""
+
+
+def _worst_tiles(static: StaticProfile, r: MemoryReport) -> list[dict]:
+    """The busiest tiles of an IPU and the largest tensors on each at its peak."""
+    order = np.argsort(-r.peak, kind="stable")[:WORST_TILES]
+    out = []
+    for t in order:
+        t = int(t)
+        if not r.peak[t]:
+            break
+        at = int(r.peak_superstep[t])
+        name, program = _superstep_name(static, at) if at >= 0 else ("", "")
+        out.append({"tile": t, "bytes": int(r.peak[t]), "fits": bool(r.peak[t] <= r.target.bytes_per_tile),
+                    "superstep": at, "superstep_name": name, "program": program,
+                    "tensors": _tensor_rows(r.live_tensors(at, t), TENSORS_PER_TILE)})
+    return out
+
+
+def _liveness_peak(static: StaticProfile, r: MemoryReport) -> dict | None:
+    """The superstep where most not-always-live bytes of the IPU are live, and those tensors."""
+    if r.liveness is None or not r.liveness.size or not r.liveness.max():
+        return None
+    at = int(np.argmax(r.liveness))
+    name, program = _superstep_name(static, at)
+    rows = [row for row in r.live_tensors(at) if row[0] in r.live_ranges]
+    by_kind: dict[str, int] = {}
+    for _, kind, b in rows:
+        by_kind[kind] = by_kind.get(kind, 0) + b
+    return {"superstep": at, "superstep_name": name, "program": program, "bytes": int(r.liveness[at]),
+            "by_kind": by_kind, "tensors": _tensor_rows(rows, TENSORS_AT_PEAK)}
+
+
 def _memory_section(static: StaticProfile) -> dict:
     ipus = []
     for r in static.memory:
@@ -303,15 +354,21 @@ def _memory_section(static: StaticProfile) -> dict:
             "not_always_live_peak_bytes": int(r.not_always_live_peak.sum()),
             "vertex_state_bytes": int(r.vertex_state.sum()), "code_bytes": int(r.code.sum()),
             "by_category": {k: int(v.sum()) for k, v in r.by_category.items()},
+            "live_peak_by_category": dict(r.live_peak_by_category),
             "per_tile": {"always_live": r.always_live.tolist(), "not_always_live_peak": r.not_always_live_peak.tolist(),
                          "vertex_state": r.vertex_state.tolist(), "code": r.code.tolist(), "peak": r.peak.tolist()},
-            "per_tile_by_category": {k: v.tolist() for k, v in r.by_category.items()},
+            "by_kind": {k: int(r.peak_by_kind[k].sum()) for k in KINDS},
+            "per_tile_by_kind": {k: r.peak_by_kind[k].tolist() for k in KINDS},
+            "per_tile_peak_superstep": r.peak_superstep.tolist(),
+            "worst_tiles": _worst_tiles(static, r),
             "largest_tensors": [{"name": n, "bytes": b} for n, b in largest],
             "liveness": (r.liveness if r.liveness is not None else np.zeros(0, np.int64)).tolist(),
+            "liveness_peak": _liveness_peak(static, r),
         })
     return {"ipus": ipus,
             "supersteps": [{"program": p.index, "first": p.first_superstep, "count": p.num_supersteps}
-                           for p in static.programs]}
+                           for p in static.programs],
+            "superstep_names": [name for p in static.programs for name in p.superstep_names]}
 
 
 def _program_section(static: StaticProfile) -> list[dict]:
@@ -335,7 +392,8 @@ def _program_live_peaks(static: StaticProfile) -> np.ndarray:
 def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list[dict]]:
     """Per stage: forward/backward cycles per micro-batch (all its program runs on its IPU, and
     the compute body alone; the backward is B and W together when a schedule splits it, and
-    `weight_gradient` is then W alone); per IPU: the weight update. `steps` are (call, step) pairs."""
+    `weight_gradient` is then W alone; `recompute`, R, when the stage recomputes its forward
+    before its backward); per IPU: the weight update. `steps` are (call, step) pairs."""
     per_op: dict[tuple, dict[tuple, list[int]]] = {}
     for call, s in steps:
         for e in s.events:
@@ -361,7 +419,7 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
 
     stages = [{"stage": st.stage, "ipu": st.ipu, "blocks": list(st.blocks),
                "forward": summary(("F", st.stage)), "backward": summary(("B", st.stage)),
-               "weight_gradient": summary(("W", st.stage))}
+               "weight_gradient": summary(("W", st.stage)), "recompute": summary(("R", st.stage))}
               for st in static.stages]
     updates = [{"ipu": ipu, "cycles": v["cycles_per_micro_batch"]}
                for ipu in range(static.num_ipus) if (v := summary(("U", ipu))) is not None]
@@ -369,7 +427,7 @@ def _stage_section(static: StaticProfile, steps: list) -> tuple[list[dict], list
 
 
 def _stage_work(stage: dict) -> float:
-    return sum((stage[k] or {}).get("cycles_per_micro_batch", 0.0) for k in ("forward", "backward"))
+    return sum((stage.get(k) or {}).get("cycles_per_micro_batch", 0.0) for k in ("forward", "backward", "recompute"))
 
 
 def _longest_stage(stages: list[dict], steps: list[dict]) -> dict | None:
@@ -388,6 +446,7 @@ def _longest_stage(stages: list[dict], steps: list[dict]) -> dict | None:
     return {"stage": st["stage"], "ipu": st["ipu"], "blocks": st["blocks"], "cycles_per_micro_batch": work[k],
             "forward_cycles": (st["forward"] or {}).get("cycles_per_micro_batch", 0.0),
             "backward_cycles": (st["backward"] or {}).get("cycles_per_micro_batch", 0.0),
+            "recompute_cycles": (st.get("recompute") or {}).get("cycles_per_micro_batch", 0.0),
             "share_of_work": work[k] / total, "balanced_share": 1.0 / len(stages),
             "critical_fraction": critical / run if run else 0.0}
 
@@ -400,7 +459,8 @@ def schedule_summary(schedule) -> dict | None:
             "num_groups": schedule.num_groups, "num_steps": schedule.num_steps, "ramp_up": schedule.ramp_up(),
             "main": schedule.main(), "ramp_down": schedule.ramp_down(),
             "bubble_fraction": schedule.bubble_fraction(),
-            "bubble_fraction_per_ipu": [schedule.bubble_fraction(i) for i in range(schedule.num_ipus)]}
+            "bubble_fraction_per_ipu": [schedule.bubble_fraction(i) for i in range(schedule.num_ipus)],
+            "recomputed_stages": list(schedule.recomputed_stages)}
 
 
 def _execution_section(static: StaticProfile, rec: Recording) -> dict:
@@ -414,7 +474,7 @@ def _execution_section(static: StaticProfile, rec: Recording) -> dict:
     for call, s in traced:
         critical = max(s.busy, key=lambda i: (s.busy[i].total, -i)) if s.busy else None
         programs = [e.program for e in s.events]
-        for e in s.events if call == 0 else ():
+        for e in [*s.events, *getattr(s, "overlapped", ())] if call == 0 else ():
             info = static.programs[e.program]
             exchange += info.cost.exchange_bytes
             inter += info.cost.inter_ipu_bytes
@@ -468,7 +528,7 @@ def build_profile(static: StaticProfile, rec: Recording) -> dict:
         "target": target_dict(static.target), "num_ipus": static.num_ipus, "settings": dict(static.settings),
         "memory": _memory_section(static), "programs": _program_section(static),
         "execution": _execution_section(static, rec), "blocks": static.blocks,
-        "model_error": known_errors(),
+        "operations": list(static.operations), "model_error": known_errors(),
     }
 
 
@@ -517,12 +577,18 @@ def _lay_out_scheduled(tr: _Trace, static: StaticProfile, step, start: int, args
                 tr.x(seg.name, ipu + 1, seg.kind, t, seg.cycles, eargs)
                 t += seg.cycles
             cursor[ipu] = t0 + c.total
-            if e.op is not None and e.op.ipu == ipu:
-                span = spans.setdefault(ipu, [t0, t0 + c.total, e.op])
+            if e.op is not None and e.op.ipu == ipu:   # an op's span on the ops lane (an R, then its B)
+                span = spans.setdefault((ipu, id(e.op)), [t0, t0 + c.total, e.op])
                 span[1] = t0 + c.total
-    for ipu, (t0, t1, op) in spans.items():
+    for (ipu, _), (t0, t1, op) in spans.items():
         tr.x(op_label(op), ipu + 1, "ops", t0, t1 - t0,
              {**args, "kind": op.kind, "stage": op.stage, "micro_batch": op.global_micro_batch})
+    io = {i: start for i in range(static.num_ipus)}
+    for e in getattr(step, "overlapped", ()):   # host transfers on IO tiles, alongside the step's compute
+        for ipu, c in sorted(e.per_ipu.items()):
+            tr.x(f"{op_label(e.op)} {e.part} (overlapped)".strip(), ipu + 1, "host", io[ipu], c.total,
+                 {**args, "op": op_label(e.op), "part": e.part, "program": static.programs[e.program].name})
+            io[ipu] += c.total
 
 
 def _lay_out_node(tr: _Trace, node: Program, cost_of, t: int, args: dict) -> int:
@@ -682,13 +748,14 @@ def summary(doc: dict) -> str:
     ls = ex["longest_stage"]
     if ls:
         parts = f"forward {ls['forward_cycles']:,.0f}" + (f" + backward {ls['backward_cycles']:,.0f}"
-                                                          if ls["backward_cycles"] else "")
+                                                          if ls["backward_cycles"] else "") + \
+            (f" + recompute {ls['recompute_cycles']:,.0f}" if ls.get("recompute_cycles") else "")
         lines.append(f"Longest stage: stage {ls['stage']} on IPU {ls['ipu']} (blocks {', '.join(map(str, ls['blocks']))}), "
                      f"{ls['cycles_per_micro_batch']:,.0f} cycles per micro-batch ({parts}): "
                      f"{100 * ls['share_of_work']:.1f}% of the work of all stages ({100 * ls['balanced_share']:.1f}% "
                      f"if balanced); its IPU sets the step time for {100 * ls['critical_fraction']:.1f}% of the run.")
     if doc["memory"]["ipus"]:
-        lines.append(f"Memory per IPU (capacity {_mib(tgt['num_tiles'] * tgt['bytes_per_tile'])}, "
+        lines.append(f"Memory per IPU (capacity {_mib((tgt['num_tiles'] + tgt.get('io_tiles', 0)) * tgt['bytes_per_tile'])}, "
                      f"{tgt['bytes_per_tile']:,} B per tile):")
         for m in doc["memory"]["ipus"]:
             top = sorted(m["by_category"].items(), key=lambda kv: -kv[1])[:3]
@@ -697,6 +764,13 @@ def summary(doc: dict) -> str:
                          f"({_pct(m['max_tile_bytes'] / m['tile_capacity_bytes']).strip()})"
                          + ("  OUT OF MEMORY" if not m["fits"] else "")
                          + "  largest: " + ", ".join(f"{k.replace('_', ' ')} {_mib(v)}" for k, v in top))
+    recomputed = [st for st in ex["stages"] if st.get("recompute")]
+    if recomputed:
+        stash = {m["ipu"]: m["by_category"].get("stashed_activations", 0) for m in doc["memory"]["ipus"]}
+        lines.append("Recomputation: " + ", ".join(
+            f"stage {st['stage']} (IPU {st['ipu']}) {st['recompute']['cycles_per_micro_batch']:,.0f} cycles per "
+            "micro-batch" for st in recomputed) + " recomputing the forward before the backward (R ops); stashed "
+            "activations per IPU " + " / ".join(_mib(stash.get(i, 0)).strip() for i in range(doc["num_ipus"])) + ".")
     if ex["inter_ipu"]["bytes_per_call"] or ex["host_bytes_per_call"]:
         lines.append(f"Traffic per {'call' if doc['source'] != 'ipusim' else 'first run'}: inter-IPU "
                      f"{ex['inter_ipu']['bytes_per_call']:,} B, host I/O {ex['host_bytes_per_call']:,} B.")
@@ -791,12 +865,26 @@ _IPU_CYCLES = {"type": "object", "required": ["ipu", "total"],
 _INTS = {"type": "array", "items": _INT}
 _STAGE_PASS = {"type": ["object", "null"], "required": ["cycles_per_micro_batch", "body_cycles", "runs"],
                "properties": {"cycles_per_micro_batch": _NUM, "body_cycles": _NUM, "runs": _INT}}
+_SUPERSTEPS = {"type": "array", "items": {"type": "integer", "minimum": -1}}
+_TENSORS = {"type": "array", "items": {
+    "type": "object", "required": ["name", "kind", "bytes"],
+    "properties": {"name": {"type": "string"}, "kind": {"type": "string"}, "bytes": _INT}}}
+_KIND_BYTES = {"type": "object", "required": list(KINDS), "additionalProperties": _INT}
+_OPERATION = {
+    "type": "object",
+    "required": ["name", "op", "aten", "source", "module", "block", "stage", "ipu", "pass", "cycles", "compute",
+                 "exchange", "sync", "inter_ipu", "host", "exchange_bytes", "bytes", "tiles"],
+    "properties": {"name": {"type": "string"}, "op": {"type": "string"}, "aten": {"type": "string"},
+                   "source": {"type": "string"}, "module": {"type": "string"}, "block": {"type": ["string", "null"]},
+                   "stage": _INT, "ipu": _INT, "pass": {"type": "string"},
+                   **{k: _INT for k in ("cycles", "compute", "exchange", "sync", "inter_ipu", "host",
+                                        "exchange_bytes", "bytes", "tiles")}}}
 
 PROFILE_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "ipusim profile", "type": "object",
     "required": ["schema", "version", "name", "source", "created", "estimated", "notes", "target", "num_ipus",
-                 "settings", "memory", "programs", "execution", "blocks"],
+                 "settings", "memory", "programs", "execution", "blocks", "operations"],
     "properties": {
         "schema": {"const": SCHEMA_NAME}, "version": {"const": SCHEMA_VERSION},
         "name": {"type": "string"}, "source": {"enum": ["poptorch_lite", "ipusim"]},
@@ -808,14 +896,15 @@ PROFILE_SCHEMA = {
         "num_ipus": {"type": "integer", "minimum": 1},
         "settings": {"type": "object"},
         "memory": {
-            "type": "object", "required": ["ipus", "supersteps"],
+            "type": "object", "required": ["ipus", "supersteps", "superstep_names"],
             "properties": {
                 "ipus": {"type": "array", "items": {
                     "type": "object",
                     "required": ["ipu", "capacity_bytes", "tile_capacity_bytes", "total_bytes", "max_tile_bytes",
                                  "max_tile", "fits", "always_live_bytes", "not_always_live_peak_bytes",
-                                 "vertex_state_bytes", "code_bytes", "by_category", "per_tile",
-                                 "per_tile_by_category", "largest_tensors", "liveness"],
+                                 "vertex_state_bytes", "code_bytes", "by_category", "by_kind", "per_tile",
+                                 "per_tile_by_kind", "per_tile_peak_superstep", "worst_tiles", "largest_tensors",
+                                 "liveness", "liveness_peak"],
                     "properties": {
                         "ipu": _INT, "capacity_bytes": _INT, "tile_capacity_bytes": _INT, "total_bytes": _INT,
                         "max_tile_bytes": _INT, "max_tile": _INT, "fits": {"type": "boolean"},
@@ -824,14 +913,31 @@ PROFILE_SCHEMA = {
                         "per_tile": {"type": "object",
                                      "required": ["always_live", "not_always_live_peak", "vertex_state", "code", "peak"],
                                      "additionalProperties": _INTS},
-                        "per_tile_by_category": {"type": "object", "additionalProperties": _INTS},
+                        "by_kind": _KIND_BYTES,
+                        "per_tile_by_kind": {"type": "object", "required": list(KINDS), "additionalProperties": _INTS},
+                        "per_tile_peak_superstep": _SUPERSTEPS,
+                        "worst_tiles": {"type": "array", "items": {
+                            "type": "object",
+                            "required": ["tile", "bytes", "fits", "superstep", "superstep_name", "program", "tensors"],
+                            "properties": {"tile": _INT, "bytes": _INT, "fits": {"type": "boolean"},
+                                           "superstep": {"type": "integer", "minimum": -1},
+                                           "superstep_name": {"type": "string"}, "program": {"type": "string"},
+                                           "tensors": _TENSORS}}},
                         "largest_tensors": {"type": "array", "items": {
                             "type": "object", "required": ["name", "bytes"],
                             "properties": {"name": {"type": "string"}, "bytes": _INT}}},
-                        "liveness": _INTS}}},
+                        "liveness": _INTS,
+                        "liveness_peak": {"type": ["object", "null"],
+                                          "required": ["superstep", "superstep_name", "program", "bytes", "by_kind",
+                                                       "tensors"],
+                                          "properties": {"superstep": _INT, "superstep_name": {"type": "string"},
+                                                         "program": {"type": "string"}, "bytes": _INT,
+                                                         "by_kind": {"type": "object", "additionalProperties": _INT},
+                                                         "tensors": _TENSORS}}}}},
                 "supersteps": {"type": "array", "items": {
                     "type": "object", "required": ["program", "first", "count"],
-                    "properties": {"program": _INT, "first": _INT, "count": _INT}}}}},
+                    "properties": {"program": _INT, "first": _INT, "count": _INT}}},
+                "superstep_names": {"type": "array", "items": {"type": "string"}}}},
         "programs": {"type": "array", "items": {
             "type": "object",
             "required": ["index", "name", "cycles", "per_ipu", "exchange_bytes", "inter_ipu_bytes", "host_bytes"],
@@ -878,7 +984,8 @@ PROFILE_SCHEMA = {
                 "stages": {"type": "array", "items": {
                     "type": "object", "required": ["stage", "ipu", "blocks", "forward", "backward"],
                     "properties": {"stage": _INT, "ipu": _INT, "blocks": {"type": "array", "items": {"type": "string"}},
-                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS, "weight_gradient": _STAGE_PASS}}},
+                                   "forward": _STAGE_PASS, "backward": _STAGE_PASS, "weight_gradient": _STAGE_PASS,
+                                   "recompute": _STAGE_PASS}}},
                 "updates": {"type": "array", "items": {"type": "object", "required": ["ipu", "cycles"],
                                                        "properties": {"ipu": _INT, "cycles": _NUM}}},
                 "longest_stage": {"type": ["object", "null"],
@@ -893,6 +1000,7 @@ PROFILE_SCHEMA = {
         "blocks": {"type": ["object", "null"],
                    "required": ["names", "forward_cycles", "backward_cycles", "update_cycles", "tile_bytes", "flows",
                                 "current_split", "source"]},
+        "operations": {"type": "array", "items": _OPERATION},
         "model_error": {"type": "array", "items": {
             "type": "object", "required": ["part", "what", "error", "over", "leaves_out", "statement"],
             "properties": {"part": {"type": "string"}, "what": {"type": "string"},
@@ -902,12 +1010,106 @@ PROFILE_SCHEMA = {
 }
 
 
+def _version_2_schema() -> dict:
+    """The schema of version 2 documents, which this ipusim still reads: no kinds of memory at the
+    tiles' peaks (`per_tile_by_category` instead: every tensor of a category, live at the peak
+    or not), no worst tiles, liveness peak, superstep names or operations."""
+    schema = json.loads(json.dumps(PROFILE_SCHEMA))
+    schema["properties"]["version"] = {"const": 2}
+    schema["required"].remove("operations")
+    del schema["properties"]["operations"]
+    memory = schema["properties"]["memory"]
+    memory["required"].remove("superstep_names")
+    del memory["properties"]["superstep_names"]
+    ipu = memory["properties"]["ipus"]["items"]
+    for key in ("by_kind", "per_tile_by_kind", "per_tile_peak_superstep", "worst_tiles", "liveness_peak"):
+        ipu["required"].remove(key)
+        del ipu["properties"][key]
+    ipu["required"].append("per_tile_by_category")
+    ipu["properties"]["per_tile_by_category"] = {"type": "object", "additionalProperties": _INTS}
+    return schema
+
+
 class ProfileError(ValueError):
     """A profile document that does not follow the schema."""
 
 
+_TYPE_TESTS = {"object": lambda v: type(v) is dict, "array": lambda v: type(v) is list,
+               "string": lambda v: type(v) is str, "boolean": lambda v: type(v) is bool, "null": lambda v: v is None,
+               "integer": lambda v: type(v) is int, "number": lambda v: type(v) is int or type(v) is float}
+_PREDICATES: dict[int, tuple[dict, Callable]] = {}
+
+
+def _predicate(schema: dict) -> Callable[[object], bool]:
+    """A quick yes or no for `schema` (the keywords `_check` knows; stricter about types, so a no
+    only means the detailed check must look): a large valid profile is checked in one pass."""
+    known = _PREDICATES.get(id(schema))
+    if known is not None and known[0] is schema:
+        return known[1]
+    tests = []
+    types = schema.get("type")
+    names = () if types is None else (types,) if isinstance(types, str) else tuple(types)
+    lo, hi = schema.get("minimum"), schema.get("maximum")
+    if names == ("integer",) and hi is None and set(schema) <= {"type", "minimum"}:
+        lo = float("-inf") if lo is None else lo
+        check = lambda v: type(v) is int and v >= lo          # noqa: E731  (the long arrays: one call per value)
+        _PREDICATES[id(schema)] = (schema, check)
+        return check
+    if names:
+        fs = [_TYPE_TESTS[n] for n in names]
+        tests.append(fs[0] if len(fs) == 1 else (lambda v: any(f(v) for f in fs)))
+    if "const" in schema:
+        const = schema["const"]
+        tests.append(lambda v: v == const)
+    if "enum" in schema:
+        enum = schema["enum"]
+        tests.append(lambda v: v in enum)
+    if lo is not None or hi is not None:
+        lo = float("-inf") if lo is None else lo
+        hi = float("inf") if hi is None else hi + 1e-12
+        tests.append(lambda v: not (type(v) is int or type(v) is float) or lo <= v <= hi)
+    if "required" in schema or "properties" in schema or "additionalProperties" in schema:
+        required = tuple(schema.get("required", ()))
+        props = {k: _predicate(v) for k, v in schema.get("properties", {}).items()}
+        extra = schema.get("additionalProperties", True)
+        extra = _predicate(extra) if isinstance(extra, dict) else extra
+        get = props.get
+
+        def fields_ok(v) -> bool:
+            if type(v) is not dict:
+                return True
+            for k in required:
+                if k not in v:
+                    return False
+            for k, x in v.items():
+                f = get(k)
+                if f is not None:
+                    if not f(x):
+                        return False
+                elif extra is False or (extra is not True and not extra(x)):
+                    return False
+            return True
+        tests.append(fields_ok)
+    if "items" in schema:
+        item = _predicate(schema["items"])
+        tests.append(lambda v: type(v) is not list or all(map(item, v)))
+    if not tests:
+        check = lambda v: True                                  # noqa: E731
+    elif len(tests) == 1:
+        check = tests[0]
+    elif len(tests) == 2:
+        first, second = tests
+        check = lambda v: first(v) and second(v)               # noqa: E731
+    else:
+        check = lambda v: all(t(v) for t in tests)             # noqa: E731
+    _PREDICATES[id(schema)] = (schema, check)
+    return check
+
+
 def _check(value, schema: dict, path: str, errors: list[str]) -> None:
     """A small JSON Schema checker for the keywords PROFILE_SCHEMA uses."""
+    if _predicate(schema)(value):
+        return
     types = schema.get("type")
     if types is not None:
         names = [types] if isinstance(types, str) else types
@@ -941,22 +1143,24 @@ def _check(value, schema: dict, path: str, errors: list[str]) -> None:
             elif isinstance(extra, dict):
                 _check(v, extra, f"{path}.{key}", errors)
     if isinstance(value, list) and "items" in schema:
-        if schema["items"] is _INT and all(type(v) is int and v >= 0 for v in value):
-            return    # the long per-tile and liveness arrays: one pass
         for i, v in enumerate(value):
             _check(v, schema["items"], f"{path}[{i}]", errors)
             if len(errors) > 20:
                 return
 
 
+_SCHEMAS = {SCHEMA_VERSION: PROFILE_SCHEMA, 2: _version_2_schema()}
+
+
 def validate(doc: dict) -> None:
-    """Raise ProfileError listing what in `doc` does not follow PROFILE_SCHEMA."""
+    """Raise ProfileError listing what in `doc` does not follow PROFILE_SCHEMA (or the schema of
+    version 2, for a version 2 document)."""
     errors: list[str] = []
-    _check(doc, PROFILE_SCHEMA, "profile", errors)
+    version = doc.get("version") if isinstance(doc, dict) else None
+    _check(doc, _SCHEMAS.get(version, PROFILE_SCHEMA), "profile", errors)
     if errors:
-        version = doc.get("version") if isinstance(doc, dict) else None
-        hint = (f" (this ipusim reads version {SCHEMA_VERSION}; the file has version {version})"
-                if version not in (None, SCHEMA_VERSION) else "")
+        hint = (f" (this ipusim reads versions {' and '.join(map(str, READABLE_VERSIONS))}; the file has version "
+                f"{version})" if version is not None and version not in READABLE_VERSIONS else "")
         raise ProfileError("not a valid ipusim profile" + hint + ":\n  " + "\n  ".join(errors[:20]))
 
 
@@ -990,9 +1194,11 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def write_profile(directory: str, static: StaticProfile, rec: Recording, *, trace: bool = True,
-                  charts: bool = True, cost_of=None) -> tuple[dict, list[str], list[str]]:
-    """Write profile.json (and trace.json, and the PNG charts) into `directory`. Returns the
-    document, the files written and messages (e.g. charts skipped without matplotlib)."""
+                  charts: bool = True, page: bool = True, advice: Callable[[dict], str | None] | None = None,
+                  cost_of=None) -> tuple[dict, list[str], list[str]]:
+    """Write profile.json (and trace.json, the PNG charts and the page, profile.html) into
+    `directory`; `advice(doc)` gives the balance advice the page shows. Returns the document,
+    the files written and messages (e.g. charts skipped without matplotlib)."""
     os.makedirs(directory, exist_ok=True)
     doc = build_profile(static, rec)
     files, messages = [], []
@@ -1009,6 +1215,10 @@ def write_profile(directory: str, static: StaticProfile, rec: Recording, *, trac
             files += write_charts(doc, directory)
         except ChartsUnavailable as why:
             messages.append(str(why))
+    if page:
+        from .page import PAGE_NAME, write_page
+        files.append(write_page(os.path.join(directory, PAGE_NAME), [(static.name, doc)],
+                                advice=[advice(doc) if advice is not None else None]))
     return doc, files, messages
 
 
@@ -1016,8 +1226,8 @@ class ProfileSession:
     """Collects calls for one compiled program and writes its profile into `directory`.
 
     `write_early()` writes profile.json and trace.json once the traced calls are in; `finish()`
-    writes everything (profile with the totals of all calls, trace, charts) and prints the
-    summary. `finish` runs once: at the end of the owner's life (a weakref finalizer, which also
+    writes everything (profile with the totals of all calls, trace, charts, the page) and prints
+    the summary. `finish` runs once: at the end of the owner's life (a weakref finalizer, which also
     runs at interpreter exit) or when called."""
 
     def __init__(self, directory: str, static: StaticProfile, *, trace_calls: int = 1, cost_of=None,
@@ -1035,7 +1245,7 @@ class ProfileSession:
         self.recording.add(steps)
 
     def write_early(self) -> None:
-        _, self.files, _ = write_profile(self.directory, self.static, self.recording, charts=False,
+        _, self.files, _ = write_profile(self.directory, self.static, self.recording, charts=False, page=False,
                                          cost_of=self.cost_of)
 
     def finish(self) -> str | None:
@@ -1046,17 +1256,21 @@ class ProfileSession:
         self.finished = True
         if not self.recording.calls:
             return None
+        advice: list[str] = []
+
+        def advise(doc: dict) -> str | None:     # once, for the page and the summary
+            advice.append(self.advice(doc) if self.advice is not None else "")
+            return advice[-1] or None
+
         try:
-            doc, self.files, messages = write_profile(self.directory, self.static, self.recording,
+            doc, self.files, messages = write_profile(self.directory, self.static, self.recording, advice=advise,
                                                       cost_of=self.cost_of)
         except OSError as error:
             self.echo(f"Profiling: could not write the profile to {self.directory}: {error}")
             return None
         text = summary(doc)
-        if self.advice is not None:
-            advice = self.advice(doc)
-            if advice:
-                text += "\n" + advice
+        if advice and advice[0]:
+            text += "\n" + advice[0]
         text += f"\nProfile written to {self.directory}: " + ", ".join(os.path.basename(f) for f in self.files)
         for m in messages:
             text += f"\n{m}"

@@ -3,7 +3,9 @@
 Vocabulary: a *stage* is a forward pipeline stage (0-based, in forward order); an op is the
 forward "F", backward "B" (the whole backward, or only its input gradient when the weight
 gradient "W" is a separate op) or recompute "R" of one stage for one micro-batch, or the weight
-update "U" of every stage on one IPU. In training a *group* is one gradient-accumulation group
+update "U" of every stage on one IPU. An R re-runs its stage's forward from what the forward
+stashed, just before that stage's backward and in the same step (PopART runs the recomputation
+in the backward's pipeline stage): it is the only op that shares an IPU's step with another. In training a *group* is one gradient-accumulation group
 (one device iteration, closed by a weight update that flushes the pipeline); in inference the
 whole call is one group of `device_iterations` micro-batches.
 """
@@ -41,20 +43,44 @@ class Op:
         return "U" if self.kind == "U" else f"{self.kind}{self.global_micro_batch + 1}"
 
 
+def recomputes(first: Op, then: Op) -> bool:
+    """Whether `first` is the recompute R that `then`, a backward B, runs right after: the only
+    pair of ops that may share an IPU's step."""
+    return first.kind == "R" and then.kind == "B" and first.ipu == then.ipu and \
+        (first.stage, first.global_micro_batch) == (then.stage, then.global_micro_batch)
+
+
 @dataclass(frozen=True)
 class Step:
-    """Ops that run concurrently, at most one per IPU."""
+    """Ops that run concurrently, one per IPU, except that a recompute R runs on its IPU right
+    before the B it serves, in the same step (listed in that order)."""
 
     ops: tuple[Op, ...]
     group: int
 
     def __post_init__(self):
-        ipus = [op.ipu for op in self.ops]
-        if len(set(ipus)) != len(ipus):
-            raise ValueError(f"a step runs two ops on one IPU: {self.ops}")
+        for ops in self.by_ipu():
+            if len(ops) > 1 and not (len(ops) == 2 and recomputes(*ops)):
+                raise ValueError(f"a step runs two ops on one IPU ({', '.join(op.label for op in ops)} on IPU "
+                                 f"{ops[0].ipu}): an IPU runs one op per step, except a recompute R right before "
+                                 f"the B of its stage and micro-batch: {self.ops}")
+
+    def by_ipu(self) -> list[tuple[Op, ...]]:
+        """The ops of each IPU in the step, in order (an R before its B), IPUs in order of their
+        first op."""
+        out: dict[int, list[Op]] = {}
+        for op in self.ops:
+            out.setdefault(op.ipu, []).append(op)
+        return [tuple(ops) for ops in out.values()]
+
+    def ops_on(self, ipu: int) -> tuple[Op, ...]:
+        """Every op `ipu` runs in the step, in order: none, one, or an R and its B."""
+        return tuple(op for op in self.ops if op.ipu == ipu)
 
     def op_on(self, ipu: int) -> Op | None:
-        return next((op for op in self.ops if op.ipu == ipu), None)
+        """The op `ipu` runs in the step (the B when an R precedes it), or None."""
+        ops = self.ops_on(ipu)
+        return ops[-1] if ops else None
 
     @property
     def is_weight_update(self) -> bool:
@@ -116,6 +142,39 @@ class Schedule:
     def split_backward(self) -> bool:
         """True when the weight gradients are separate "W" ops (zero-bubble schedules)."""
         return any(op.kind == "W" for op in self.ops)
+
+    @cached_property
+    def recomputed_stages(self) -> tuple[int, ...]:
+        """The stages whose backward recomputes their forward first (their B ops have an R)."""
+        return tuple(sorted({op.stage for op in self.ops if op.kind == "R"}))
+
+    def with_recomputation(self, stages) -> "Schedule":
+        """This schedule with every B of the given stages preceded, in its own step and on its
+        IPU, by the R that recomputes the stage's forward for that micro-batch (PopART's
+        recomputation runs in the backward's pipeline stage, so it adds no step). Training only;
+        stages not in the schedule are an error. An empty `stages` gives the schedule back."""
+        stages = sorted(set(stages))
+        if not stages:
+            return self
+        if not self.training:
+            raise ValueError("recomputation needs a training schedule: an inference call has no backward to recompute "
+                             "for")
+        wrong = [s for s in stages if not 0 <= s < self.num_stages]
+        if wrong:
+            raise ValueError(f"stages {wrong} recomputed in a schedule of {self.num_stages} stages")
+        if self.recomputed_stages:
+            raise ValueError(f"this schedule already recomputes stages {list(self.recomputed_stages)}")
+        chosen = set(stages)
+        steps = []
+        for step in self.steps:
+            ops = []
+            for op in step.ops:
+                if op.kind == "B" and op.stage in chosen:
+                    ops.append(Op("R", op.stage, op.micro_batch, op.ipu, op.group, op.global_micro_batch, op.phase))
+                ops.append(op)
+            steps.append(Step(tuple(ops), step.group))
+        return Schedule(self.strategy, self.num_ipus, self.stage_ipus, self.training, self.micro_batches_per_group,
+                        tuple(steps))
 
     def stages_on(self, ipu: int) -> tuple[int, ...]:
         return tuple(s for s, i in enumerate(self.stage_ipus) if i == ipu)
@@ -231,11 +290,15 @@ class Schedule:
                     errors.append(OrderError(t, f"{where} runs before the weight update of the group "
                                                 f"before (step {updates[op.group - 1] + 1}) flushed it"))
         kinds = ("F",) if not self.training else ("F", "B", "W") if self.split_backward else ("F", "B")
-        for k in kinds:
-            for s in range(self.num_stages):
+        for k in kinds + ("R",):
+            for s in range(self.num_stages) if k != "R" else self.recomputed_stages:
                 for m in range(self.num_micro_batches):
                     if (k, s, m) not in when:
                         errors.append(OrderError(self.num_steps - 1, f"{k}{m + 1} of stage {s} never runs"))
+        for (k, s, m), t in when.items():
+            if k == "R" and when.get(("B", s, m)) != t:
+                errors.append(OrderError(t, f"R{m + 1} of stage {s} (step {t + 1}) does not run in the step of the "
+                                            f"B{m + 1} it recomputes for"))
         for (k, s, m), t in when.items():
             if not 0 <= s < self.num_stages:
                 continue
@@ -247,25 +310,28 @@ class Schedule:
         return sorted(errors, key=lambda e: e.step)
 
     def grid(self) -> list[list[Op | None]]:
-        """grid()[ipu][step] is the op `ipu` runs at that step, or None when it is idle."""
+        """grid()[ipu][step] is the op `ipu` runs at that step (the B when an R precedes it), or
+        None when it is idle."""
         return [[step.op_on(i) for step in self.steps] for i in range(self.num_ipus)]
 
     def render(self, start: int = 0, stop: int | None = None, *, mark: int | None = None) -> str:
         """The figure of steps[start:stop]: a header "step 1 2 ..." (steps numbered from 1) and
         one row per IPU with `.` for idle. Each column is as wide as its widest cell, columns are
         separated by one space, the label column by three. When an IPU holds several stages,
-        cells name the stage too ("F3s2": forward of micro-batch 3, stage 2). `mark` (a step
+        cells name the stage too ("F3s2": forward of micro-batch 3, stage 2). An IPU that
+        recomputes before a backward shows "RB3": R3 then B3 in one step. `mark` (a step
         index within the range) adds a last line with "^" under that step's column."""
         shared = len(set(self.stage_ipus)) < len(self.stage_ipus)
 
-        def cell(op: Op | None) -> str:
-            if op is None:
+        def cell(ops: tuple[Op, ...]) -> str:
+            if not ops:
                 return "."
-            return f"{op.label}s{op.stage}" if shared and op.kind != "U" else op.label
+            op = ops[-1]
+            label = ("R" if len(ops) > 1 else "") + op.label   # "RB3": recompute, then the backward
+            return f"{label}s{op.stage}" if shared and op.kind != "U" else label
 
         indices = range(len(self.steps))[start:stop]
-        columns = [[str(t + 1)] + [cell(op) for op in col]
-                   for t, col in zip(indices, zip(*[row[start:stop] for row in self.grid()]))]
+        columns = [[str(t + 1)] + [cell(self.steps[t].ops_on(i)) for i in range(self.num_ipus)] for t in indices]
         widths = [max(map(len, col)) for col in columns]
         labels = ["step"] + [f"IPU{i}" for i in range(self.num_ipus)]
         pad = max(map(len, labels)) + 3
@@ -301,13 +367,14 @@ class Schedule:
 def dependencies(kind: str, stage: int, micro_batch: int, num_stages: int) -> list[tuple[str, int, int]]:
     """The ops (kind, stage, micro-batch) that op `kind` of `stage` needs first: F needs the F
     of the stage before; B needs the B of the stage after, or the F of the same stage on the
-    last stage; W needs the B of its own stage. R (recompute) needs nothing scheduled."""
+    last stage; W needs the B of its own stage; R (recompute) needs the F of its own stage, whose
+    stash it starts from (and its B runs right after it, in the same step)."""
     if kind == "F":
         return [("F", stage - 1, micro_batch)] if stage > 0 else []
     if kind == "B":
         return [("F", stage, micro_batch)] if stage == num_stages - 1 else [("B", stage + 1, micro_batch)]
-    if kind == "W":
-        return [("B", stage, micro_batch)]
+    if kind in ("W", "R"):
+        return [("B" if kind == "W" else "F", stage, micro_batch)]
     return []
 
 

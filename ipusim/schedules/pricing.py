@@ -12,7 +12,9 @@ Two timings of the same per-IPU orders:
   on every IPU, and the next group for every weight update: each group flushes.
 
 At unit costs (every op 1, copies 0) both equal the number of steps. A backward "B" of a
-schedule whose backward is not split costs `backward + weight_gradient`: the whole backward.
+schedule whose backward is not split costs `backward + weight_gradient`: the whole backward. A
+recompute "R" costs the stage's `recompute` cycles (its forward's when not given) and runs on its
+IPU just before its B: in lock-step the two add up within their step.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ from .core import Op, Schedule, dependencies
 class StageCosts:
     """One stage's costs for one micro-batch: cycles of its forward, of its input-gradient
     backward B and of its weight gradient W (the whole backward is `backward + weight_gradient`),
-    and the bytes its forward stashes until its backward is done."""
+    the bytes its forward stashes until its backward is done, and the cycles of its recompute R
+    (None: as its forward) when the schedule recomputes it."""
 
     forward: float
     backward: float
     weight_gradient: float = 0.0
     activation_bytes: int = 0
+    recompute: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,10 @@ def op_cycles(schedule: Schedule, costs: Costs, op: Op) -> float:
     if op.kind == "U":
         return costs.update_on(op.ipu)
     stage = costs.stages[op.stage]
-    if op.kind in ("F", "R"):
+    if op.kind == "F":
         return stage.forward
+    if op.kind == "R":
+        return stage.forward if stage.recompute is None else stage.recompute
     if op.kind == "W":
         return stage.weight_gradient
     return stage.backward + (0.0 if schedule.split_backward else stage.weight_gradient)
@@ -117,19 +123,22 @@ def _check(schedule: Schedule, costs: Costs) -> None:
 
 
 def lock_step(schedule: Schedule, costs: Costs) -> Timing:
-    """Each step lasts as long as its slowest op, plus one copy when an op of the step sends to
-    another IPU."""
+    """Each step lasts as long as its busiest IPU (an R and its B run one after the other), plus
+    one copy when an op of the step sends to another IPU."""
     _check(schedule, costs)
     t = 0.0
     busy = [0.0] * schedule.num_ipus
     intervals = []
     for step in schedule.steps:
         length = 0.0
-        for op in step.ops:
-            c = op_cycles(schedule, costs, op)
-            intervals.append(Interval(op, t, t + c))
-            busy[op.ipu] += c
-            length = max(length, c)
+        for ops in step.by_ipu():
+            u = t
+            for op in ops:
+                c = op_cycles(schedule, costs, op)
+                intervals.append(Interval(op, u, u + c))
+                busy[op.ipu] += c
+                u += c
+            length = max(length, u - t)
         if any(sends_across(schedule, op) for op in step.ops):
             length += costs.copy
         t += length

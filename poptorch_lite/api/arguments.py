@@ -16,6 +16,8 @@ fine); a difference is a `poptorch.Error` naming the argument and what changed.
 from __future__ import annotations
 
 import abc
+import importlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -99,6 +101,10 @@ class Constant:
 def _spec(value):
     if isinstance(value, torch.Tensor):
         return TensorSpec(value.shape, value.dtype)
+    if isinstance(value, torch.nn.utils.rnn.PackedSequence):
+        raise Error("a PackedSequence input: variable-length (packed) sequences are not supported on the IPU, as in "
+                    "PopTorch (their shapes depend on the data). Pad the sequences to one length "
+                    "(torch.nn.utils.rnn.pad_sequence) and pass the padded tensor")
     parser = parser_for(value)
     if parser is not None:
         return Custom(type(value), parser, tuple(_spec(t) for t in parser.yieldTensors(value)))
@@ -262,3 +268,15 @@ def _bind(forward: Callable, args, kwargs) -> inspect.BoundArguments:
 def bind(forward: Callable, args, kwargs) -> CallArguments:
     """Bind a call to `forward` (a bound method, usually `model.forward`), defaults filled in."""
     return CallArguments(_bind(forward, args, kwargs))
+
+
+def registerGeometricCustomArgParsers() -> None:  # pylint: disable=invalid-name
+    """Register PopTorch Geometric's argument parsers (its data and batch types as model
+    arguments) when ``poptorch_geometric`` is installed; nothing otherwise."""
+    try:
+        if importlib.util.find_spec("poptorch_geometric") is None:
+            return
+        types = importlib.import_module("poptorch_geometric.types")
+    except ImportError:
+        return
+    types.registerCustomArgParsers()

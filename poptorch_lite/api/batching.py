@@ -34,10 +34,18 @@ def batch_factors(options: Options, training: bool) -> Tuple[int, int, int]:
     return options.device_iterations, options.replication_factor, accumulation
 
 
+def input_factors(options: Options, training: bool) -> Tuple[int, int, int]:
+    """``(deviceIterations, input groups, gradientAccumulation)``: how many
+    different micro-batches of each input a call feeds (replicas of one input
+    replica group get the same ones: ``Options.inputReplicaGrouping``)."""
+    device_iterations, _, accumulation = batch_factors(options, training)
+    return device_iterations, options.input_groups, accumulation
+
+
 def combined_batch_size(micro_batch_size: int, options: Options,
                         training: bool) -> int:
     """Samples one model call consumes."""
-    device_iterations, replicas, accumulation = batch_factors(options, training)
+    device_iterations, replicas, accumulation = input_factors(options, training)
     return micro_batch_size * device_iterations * replicas * accumulation
 
 
@@ -84,10 +92,12 @@ def split_call_batch(batch,
     the batch must equal the combined batch size exactly.
     """
     size, shape = _batch_dimension(batch)
-    device_iterations, replicas, accumulation = batch_factors(options, training)
+    device_iterations, replicas, accumulation = input_factors(options, training)
     per_micro_sample = device_iterations * replicas * accumulation
+    grouped = (f" / inputReplicaGrouping's group size ({options.input_group_size})"
+               if options.input_group_size > 1 else "")
     factors = (f"deviceIterations ({device_iterations}) x replicationFactor "
-               f"({replicas}) x gradientAccumulation ({accumulation}"
+               f"({options.replication_factor}){grouped} x gradientAccumulation ({accumulation}"
                f"{'' if training else ', always 1 for inference'})")
     if micro_batch_size is None:
         if size < per_micro_sample or size % per_micro_sample:

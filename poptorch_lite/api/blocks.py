@@ -94,7 +94,21 @@ class BlockTrace:
     active: Optional[BlockRef] = DEFAULT_REGION
     last_closed: Optional[BlockRef] = None
     next_auto_id: int = 0
+    scopes: list = field(default_factory=list)       # the open NameScopes, outermost first
     _begin_block_ids: dict = field(default_factory=dict)
+    _tensor_ids: dict = field(default_factory=dict)  # id(tensor) -> (number, tensor kept alive)
+
+    def tensor_id(self, tensor) -> int:
+        """A number for each distinct tensor the capture's code holds (getIpuTensorId)."""
+        entry = self._tensor_ids.get(id(tensor))
+        if entry is None or entry[1] is not tensor:
+            entry = self._tensor_ids[id(tensor)] = (len(self._tensor_ids) + 1, tensor)
+        return entry[0]
+
+    @property
+    def scope(self) -> str:
+        """The open name scopes as a path, "encoder/attention" ("" when none)."""
+        return "/".join(self.scopes)
 
     def start(self, user_id: Optional[str], ipu_id: Optional[int], key=None) -> BlockRef:
         """Make a block active; ``key`` identifies a BeginBlock whose auto id persists."""
@@ -236,12 +250,14 @@ def BeginBlock(
     """Start a block each time ``module`` is called; it lasts until the next block starts.
 
     Works for any module, including leaf layers such as ``nn.Linear``. Returns the
-    module itself (annotated in place).
+    module itself (annotated in place). A function (not a module) is wrapped in a
+    ``LegacyBeginBlockFn``, which is returned: call that instead.
     """
     if not isinstance(module, torch.nn.Module):
+        if callable(module):  # PopTorch's older form: a function, wrapped in a module that starts the block
+            return LegacyBeginBlockFn(module, user_id, ipu_id)
         raise BlockError(
-            f"BeginBlock expects a torch.nn.Module, got {type(module).__name__}; "
-            "to put a function in a block, decorate it with @BlockFunction(...)"
+            f"BeginBlock expects a torch.nn.Module or a function, got {type(module).__name__}"
         )
     _check_ids(user_id, ipu_id)
     existing = block_annotation(module)
@@ -262,6 +278,63 @@ def removeBlocks(module: torch.nn.Module) -> None:
         hooks = submodule._forward_pre_hooks
         for handle_id in [k for k, hook in hooks.items() if isinstance(hook, BeginBlockHook)]:
             del hooks[handle_id]
+
+
+def getIpuTensorId(tensor: torch.Tensor) -> int:  # pylint: disable=invalid-name
+    """The id of a tensor on the IPU: while a model is being captured, a number for each distinct
+    tensor its code holds (the same tensor, the same id). Outside a capture no tensor is on the IPU."""
+    trace = active_trace()
+    if trace is None or not isinstance(tensor, torch.Tensor):
+        raise BlockError("You may only call getIpuTensorId on an IPU tensor: a tensor inside a model's forward "
+                         "while the model compiles")
+    return trace.tensor_id(tensor)
+
+
+class NameScope:
+    """Prefix the names of the ops made inside it: ``with NameScope("attention"): ...``.
+
+    Scopes nest ("encoder/attention"); the op names carry them (``<stage>/<scope>/<op>``), so
+    the compute sets of the profile and trace.json, and op_placement, show them. Like blocks,
+    name scopes act only while a model is being captured."""
+
+    def __init__(self, name: str):
+        if not isinstance(name, str) or not name or "/" in name:
+            raise BlockError(f"NameScope expects a non-empty name without '/', got {name!r}")
+        self.name = name
+
+    def __enter__(self) -> "NameScope":
+        trace = active_trace()
+        if trace is not None:
+            trace.scopes.append(self.name)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        trace = active_trace()
+        if trace is not None and trace.scopes and trace.scopes[-1] == self.name:
+            trace.scopes.pop()
+
+    def __repr__(self) -> str:
+        return f"NameScope({self.name!r})"
+
+
+class LegacyBeginBlockFn(torch.nn.Module):
+    """``BeginBlock`` given a function instead of a module (PopTorch's older form): calling it
+    starts the block, then calls the function."""
+
+    def __init__(self, layer_to_call: Callable, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+        super().__init__()
+        if not callable(layer_to_call):
+            raise BlockError(f"LegacyBeginBlockFn expects a callable, got {type(layer_to_call).__name__}")
+        _check_ids(user_id, ipu_id)
+        self._layer_to_call = layer_to_call
+        self._hook = BeginBlockHook(user_id, ipu_id)
+
+    def forward(self, *args, **kwargs):
+        self._hook.start()
+        return self._layer_to_call(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LegacyBeginBlockFn({self._layer_to_call!r}, {self._hook!r})"
 
 
 def BlockFunction(

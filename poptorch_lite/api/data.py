@@ -506,6 +506,10 @@ class _AsyncEpoch:
 _LIVE_ACCESSORS = weakref.WeakSet()
 # Seconds between the worker process's checks that the host still runs.
 _HOST_CHECK_INTERVAL = 0.1
+# Seconds to wait for the exit status of a worker process that has closed its pipes: it is
+# exiting, and its status comes as soon as its parent reaps it, which on a loaded machine can
+# take more than a second.
+_EXIT_STATUS_WAIT = 60.0
 
 
 def _close_idle_zygote() -> None:
@@ -774,6 +778,31 @@ def _watch_host(settings: "_WorkerSettings", start_parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _how_the_worker_ended(process) -> str:
+    """What the host knows of a worker process that ended without reporting
+    an error: its exit code or signal, or, for a fork of the zygote whose
+    zygote ended first, that it lost its zygote (its exit code is unknown)."""
+    if getattr(process, "status_lost", False):
+        if process.pid is None:
+            return ("The AsynchronousDataAccessor worker process was never "
+                    "started: its zygote ended (or could not fork it) first.")
+        return (f"The AsynchronousDataAccessor worker process (pid "
+                f"{process.pid}) lost the zygote it was forked from, which "
+                f"ended first: the process stops by itself, without "
+                f"reporting an error, and its exit code is unknown.")
+    code = process.exitcode
+    if code is None:
+        how = (f"closed its pipes without reporting an error, and had not "
+               f"exited {_EXIT_STATUS_WAIT:g} s later")
+    elif code < 0:
+        how = (f"was killed by signal {signal.Signals(-code).name} without "
+               f"reporting an error")
+    else:
+        how = f"exited with code {code} without reporting an error"
+    return (f"The AsynchronousDataAccessor worker process (pid {process.pid}) "
+            f"{how}.")
+
+
 def _host_alive(settings: "_WorkerSettings", start_parent: int) -> bool:
     if os.getppid() != start_parent:
         return False  # our parent died: we were re-parented
@@ -922,7 +951,10 @@ class AsynchronousDataAccessor:
     An error in the worker is raised by ``next()`` with the worker's
     traceback in its message. ``terminate()``, a ``with`` block, ``del``
     and interpreter exit stop the worker; terminating it during an epoch
-    makes the next ``next()`` an error, never a silently short epoch.
+    makes the next ``next()`` an error, never a silently short epoch. So
+    does a worker that ends without reporting an error, or an item the host
+    cannot receive: that epoch then ends, and the accessor cannot be
+    iterated again.
 
     The worker process and the host talk through pipes (no semaphores, so
     nothing for the resource tracker to clean up however either ends). The
@@ -1147,29 +1179,37 @@ class AsynchronousDataAccessor:
             try:
                 if self._data.poll(0.1):
                     return self._data.recv()
-            except EOFError:  # the worker closed its end: it has exited
+            except EOFError:  # the worker closed its end: it is exiting
                 raise self._death_error() from None
             except Exception as error:  # pylint: disable=broad-except
-                # Shared tensors are fetched from the worker: this fails
-                # when the worker is exiting.
-                self._process.join(timeout=1)
-                if self._process.is_alive():
-                    raise RuntimeError(
-                        "AsynchronousDataAccessor could not receive an item "
-                        f"from its worker process: {error!r}") from error
-                raise self._death_error() from error
+                raise self._receive_error(error) from error
             if not self._process.is_alive() and not self._data.poll(0):
                 raise self._death_error()
 
+    def _receive_error(self, error: Exception) -> RuntimeError:
+        """The error for an item that could not be received: it is lost, so
+        the epoch cannot be completed. Shared tensors are fetched from the
+        worker process, which fails (an OSError) when it is exiting: then its
+        end is the error, once its exit status has come."""
+        self._process.join(timeout=_EXIT_STATUS_WAIT
+                           if isinstance(error, OSError) else 0)
+        if not self._process.is_alive():
+            return self._death_error()
+        self._done = True
+        self._broken = (f"AsynchronousDataAccessor could not receive an item "
+                        f"from its worker process: {error!r}. The epoch "
+                        f"cannot be completed without it: create a new "
+                        f"accessor to load data again.")
+        return RuntimeError(self._broken)
+
     def _death_error(self) -> RuntimeError:
+        """The error for a worker process found ending without reporting
+        one (its pipes closed): with its exit status once its parent has
+        reaped it."""
         process = self._process
-        process.join(timeout=1)
-        code = process.exitcode
-        how = (f"was killed by signal {signal.Signals(-code).name}"
-               if code is not None and code < 0 else f"exited with code {code}")
-        self._broken = (f"The AsynchronousDataAccessor worker process (pid "
-                        f"{process.pid}) {how} without reporting an error. "
-                        f"Create a new accessor to load data again.")
+        process.join(timeout=_EXIT_STATUS_WAIT)
+        self._broken = (f"{_how_the_worker_ended(process)} Create a new "
+                        f"accessor to load data again.")
         self._done = True
         return RuntimeError(self._broken)
 

@@ -138,3 +138,72 @@ class Liveness(_Enum):
     OffChipAfterFwd = 1
     OffChipAfterFwdNoOverlap = 2
     OffChipAfterEachPhase = 3
+
+
+class OverlapMode(enum.Enum):
+    """How far host transfers of an input or output (``set_overlap_for_input`` /
+    ``set_overlap_for_output``) overlap computation; they go through IO tiles
+    (``Options.TensorLocations.numIOTiles``).
+
+    - ``NoOverlap``: the transfer happens when the tensor is needed, as without IO tiles.
+    - ``OverlapAccumulationLoop``: the next micro-batch of a gradient accumulation group is loaded
+      (and the previous one's output sent) while this one computes.
+    - ``OverlapDeviceIterationLoop``: the same across device iterations too: only the first input
+      and the last output of a call are not hidden.
+    """
+    NoOverlap = "no_overlap"
+    OverlapAccumulationLoop = "overlap_accumulation_loop"
+    OverlapDeviceIterationLoop = "overlap_device_iteration_loop"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class MultiConvPlanType(_Enum):
+    """How a ``MultiConv``'s convolutions are planned.
+
+    - ``Parallel``: side by side, each on its share of the IPU's tiles (default).
+    - ``Serial``: one after the other, each on all the tiles, as separate convolutions.
+    """
+    Parallel = 0
+    Serial = 1
+
+
+class CommGroupType(_Enum):
+    """How replicas are grouped for an input (``Options.inputReplicaGrouping``) or a per-replica
+    variable (``model.weight.replicaGrouping``); N replicas in groups of k.
+
+    - ``All``: one group of every replica (a variable's usual case; not valid for inputs).
+    - ``Consecutive``: groups {0 .. k-1}, {k .. 2k-1}, ...
+    - ``Orthogonal``: with m = N / k groups, {0, m, 2m, ...}, {1, m + 1, ...}, ...
+    - ``NoGrouping``: every replica a group of its own.
+    """
+    All = 0
+    Consecutive = 1
+    Orthogonal = 2
+    NoGrouping = 3
+
+
+class MatMulSerializationMode(enum.Enum):
+    """The dimension ``serializedMatMul`` splits A[m, n] @ B[n, p] along.
+
+    - ``InputChannels``: m, the rows of the result (pieces of rows, no sum).
+    - ``ReducingDim``: n, the dimension summed over (the pieces' products are
+      added up).
+    - ``OutputChannels``: p, the columns of the result.
+    - ``Disabled``: an ordinary matrix multiplication.
+    """
+    InputChannels = "input_channels"
+    ReducingDim = "reducing_dim"
+    OutputChannels = "output_channels"
+    Disabled = "none"
+
+
+class VariableRetrievalMode(_Enum):
+    """Which replicas' values of a grouped variable reach the host.
+
+    - ``OnePerGroup``: one value per group, from the group's first replica.
+    - ``AllReplicas``: one value per replica.
+    """
+    OnePerGroup = 0
+    AllReplicas = 2

@@ -30,8 +30,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import enums, strategies
-from .enums import (ConnectionType, HalfFloatCastingBehavior,
+from . import enums, popart, strategies
+from .enums import (CommGroupType, ConnectionType, HalfFloatCastingBehavior,
                     MeanReductionStrategy, OutputMode, ReductionType,
                     SyncPattern)
 from .errors import UnsupportedAttributeError
@@ -52,20 +52,39 @@ _LOG_LEVELS = {
 _LOG_NUMBERS = dict(enumerate(_LOG_LEVELS))
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a record is logged (a
+    handler made before stdout was redirected, by pytest's capture or
+    ``contextlib.redirect_stdout``, keeps writing to the redirection)."""
+
+    def __init__(self):
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setLogLevel(level) -> None:
     """Set how much ``poptorch_lite`` logs: ``TRACE``, ``DEBUG``, ``INFO``,
-    ``WARN``, ``ERR``, ``CRITICAL``, ``OFF``, or PopTorch's numbers for them,
-    0 to 6 in that order."""
+    ``WARN``, ``ERR``, ``OFF`` (and ``CRITICAL``), or PopTorch's numbers for
+    them: 0 TRACE, 1 DEBUG, 2 INFO, 3 WARN, 4 ERR, 6 OFF."""
     if isinstance(level, str):
         key = level.strip().upper()
         if key not in _LOG_LEVELS:
-            raise ValueError(f"Unknown log level {level!r}: use one of "
-                             f"{', '.join(_LOG_LEVELS)}.")
+            raise ValueError(f"Unknown log level: {level}. Valid values are "
+                             "DEBUG, ERR, INFO, OFF, TRACE and WARN (TRACE, "
+                             "DEBUG, INFO, WARN, ERR, CRITICAL, OFF, from the "
+                             "most to the least).")
     elif isinstance(level, numbers.Integral) and not isinstance(level, bool):
         key = _LOG_NUMBERS.get(int(level))
-        if key is None:
-            numbered = ", ".join(f"{i} ({name})" for i, name in _LOG_NUMBERS.items())
-            raise ValueError(f"Unknown log level {level!r}: use {numbered}, "
+        if key is None or key == "CRITICAL":    # PopTorch has no level 5
+            numbered = ", ".join(f"{i} ({name})" for i, name in _LOG_NUMBERS.items() if name != "CRITICAL")
+            raise ValueError(f"Invalid log level integer {level!r}: use {numbered}, "
                              "or the level's name.")
     else:
         raise TypeError(f"setLogLevel expects a level name or number, got "
@@ -74,7 +93,7 @@ def setLogLevel(level) -> None:
     logging.addLevelName(TRACE, "TRACE")
     logger.setLevel(number)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(
             logging.Formatter("[%(asctime)s] [poptorch_lite] [%(levelname)s] "
                               "%(message)s"))
@@ -97,7 +116,7 @@ class ConfigFileError(ValueError):
 
 
 _FROZEN_MESSAGE = (
-    "These options are frozen: they were given to a model or a DataLoader, "
+    "Can't modify frozen Options: they were given to a model or a DataLoader, "
     "which keeps using them, so they can no longer change. Call "
     "options.clone() to get an unfrozen copy and change that instead.")
 
@@ -148,6 +167,51 @@ def _path_arg(option: str, value) -> str:
         raise TypeError(f"{option} expects a non-empty path (str or "
                         f"os.PathLike), got {value!r}.")
     return os.fspath(value)
+
+
+def _excludes(option: str, excludes) -> list:
+    if isinstance(excludes, str) or not all(
+            isinstance(e, str) and e for e in excludes):
+        raise TypeError(f"{option} expects path fragments (non-empty str), "
+                        f"got {excludes!r}.")
+    return list(excludes)
+
+
+# Frames in these directories are library code, not the user's source line.
+DEFAULT_SOURCE_LOCATION_EXCLUDES = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+
+DEFAULT_REPEAT_LOGS = 4
+REPEATED = {"repeated": True}  # ``extra=`` of a log call whose line may repeat
+
+
+class _RepeatLimit(logging.Filter):
+    """Shows each repeating log call site (records logged with
+    ``extra=REPEATED``) ``limit`` times, then once "...repeated messages
+    suppressed...", then not at all (``Options.maxRepeatLogs``)."""
+
+    def __init__(self, limit: Optional[int]):
+        super().__init__()
+        self.limit = limit
+        self.counts: Dict[tuple, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.limit is None or not getattr(record, "repeated", False):
+            return True
+        site = (record.pathname, record.lineno)
+        count = self.counts.get(site, 0)
+        self.counts[site] = count + 1
+        if count < self.limit:
+            return True
+        if count == self.limit:
+            record.msg, record.args = "...repeated messages suppressed...", ()
+            return True
+        return False
+
+
+repeat_limit = _RepeatLimit(DEFAULT_REPEAT_LOGS)
+logger.addFilter(repeat_limit)
 
 
 def _plain(value):
@@ -250,6 +314,19 @@ class _PopartOptions(_OptionGroup):
         self._set(**{key: copy.deepcopy(value)})
         return self
 
+    def get(self, key: str, default=None):
+        """The value of PopART option ``key`` (``default`` when unset): the one
+        place the emulator reads PopART options. ``key`` must be an option
+        PopTorch passes to PopART (``popart.SESSION_OPTIONS``)."""
+        if key not in popart.SESSION_OPTIONS:
+            raise KeyError(f"_Popart.get: {key!r} is not a PopART session "
+                           "option (popart.SESSION_OPTIONS lists them).")
+        return self._values.get(key, default)
+
+    def checkIsFrozen(self) -> None:
+        """Raise ``AttributeError`` if these options are frozen."""
+        self._check_mutable()
+
     def setEngineOptions(self, engine_options: Dict[str, str]
                          ) -> "_PopartOptions":
         """Set Poplar engine options (merged into the ones already set)."""
@@ -268,7 +345,13 @@ class _PopartOptions(_OptionGroup):
                 for k, v in patterns.items()):
             raise TypeError("_Popart.setPatterns expects a dict of pattern "
                             f"name to True/False, got {patterns!r}.")
+        for name in patterns:
+            popart.check_pattern(name)
         level = _int_arg("_Popart.setPatterns: level", level, minimum=0)
+        if level > max(popart.PatternsLevel):
+            raise ValueError("_Popart.setPatterns: level must be a "
+                             "popart.PatternsLevel (0 NoPatterns, 1 Minimal, "
+                             f"2 Default, 3 All), got {level}.")
         self.set("patterns_level", level)
         return self.set("patterns", patterns)
 
@@ -318,7 +401,7 @@ class _PrecisionOptions(_OptionGroup):
     @property
     def partials_type(self) -> Optional[torch.dtype]:
         """The dtype of matmul/convolution partials, or None if unset."""
-        name = self._popart.options.get("partialsTypeMatMuls")
+        name = self._popart.get("partialsTypeMatMuls")
         return {"float": torch.float32, "half": torch.float16}.get(name)
 
     def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
@@ -448,6 +531,11 @@ class _DistributedOptions(_OptionGroup):
         super().__init__(distributed_process_id=0, num_distributed_processes=1)
         self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
 
+    distributed_process_id = _value("distributed_process_id",
+                                    "Same as processId.")
+    num_distributed_processes = _value("num_distributed_processes",
+                                       "Same as numProcesses.")
+
     @property
     def processId(self) -> int:
         """Id of this process, in ``[0, numProcesses)``."""
@@ -528,6 +616,25 @@ class TensorLocationSettings(_OptionGroup):
     use_io_tiles_to_store = _value("use_io_tiles_to_store",
                                    "Whether stores go through I/O tiles.")
 
+    # PopTorch's names for the settings (``settings["onChip"]``)
+    _KEYS = {"onChip": "on_chip",
+             "useReplicatedTensorSharding": "use_replicated_tensor_sharding",
+             "minElementsForOffChip": "min_elements_for_off_chip",
+             "minElementsForReplicatedTensorSharding":
+             "min_elements_for_replicated_tensor_sharding",
+             "useIOTilesToLoad": "use_io_tiles_to_load",
+             "useIOTilesToStore": "use_io_tiles_to_store"}
+
+    def __getitem__(self, key: str):
+        """A setting by PopTorch's name (``"onChip"``, ...); KeyError if unset."""
+        if key not in self._KEYS:
+            raise KeyError(f"TensorLocationSettings has no setting {key!r}; "
+                           f"settings: {', '.join(self._KEYS)}.")
+        value = self._values[self._KEYS[key]]
+        if value is None:
+            raise KeyError(f"TensorLocationSettings: {key!r} is not set.")
+        return value
+
     def useOnChipStorage(self,
                          use: Optional[bool] = True
                          ) -> "TensorLocationSettings":
@@ -584,6 +691,13 @@ class _TensorLocationOptions(_OptionGroup):
                             for c in _TENSOR_CLASSES})
 
     num_io_tiles = _value("num_io_tiles", "Tiles reserved for I/O per IPU.")
+    location_activation = _value("location_activation",
+                                 "Settings for activations, or None.")
+    location_weight = _value("location_weight", "Settings for weights, or None.")
+    location_optimizer = _value("location_optimizer",
+                                "Settings for optimiser state, or None.")
+    location_accumulator = _value("location_accumulator",
+                                  "Settings for accumulators, or None.")
 
     def _location(self, tensor_class: str, location) -> None:
         if not isinstance(location, TensorLocationSettings):
@@ -736,7 +850,12 @@ class Options(_OptionGroup):
                          broadcast_buffers=True,
                          show_compilation_progress_bar=True,
                          relax_optimizer_attributes_checks=False,
-                         module_namescope=True)
+                         module_namescope=True,
+                         input_group_size=1,
+                         input_cgt=CommGroupType.Consecutive,
+                         max_repeat_logs=DEFAULT_REPEAT_LOGS,
+                         source_location_excludes=list(
+                             DEFAULT_SOURCE_LOCATION_EXCLUDES))
         self._popart = _PopartOptions()
         self._jit = _JitOptions()
         self._precision = _PrecisionOptions(self._popart)
@@ -750,7 +869,7 @@ class Options(_OptionGroup):
             self.enableExecutableCaching(cache_dir)
         defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS", "").strip()
         if defaults:
-            _apply_default_options(self, defaults)
+            _apply_json(self, defaults, "POPTORCH_DEFAULT_OPTIONS")
 
     # --- option groups -------------------------------------------------
 
@@ -786,7 +905,9 @@ class Options(_OptionGroup):
 
     @property
     def _Popart(self) -> _PopartOptions:
-        """PopART options, recorded as given (advanced users)."""
+        """PopART session options (advanced users): checked against the
+        options PopTorch passes to PopART when a model is made; see popart.py
+        for what the emulator does with each."""
         return self._popart
 
     # --- values read by the runtime --------------------------------------
@@ -822,6 +943,20 @@ class Options(_OptionGroup):
         "Log unexpected optimiser attributes at debug level only.")
     module_namescope = _value("module_namescope",
                               "Name ops after the modules they come from.")
+    input_group_size = _value(
+        "input_group_size", "Replicas per input replica group "
+        "(inputReplicaGrouping; 1: every replica its own input).")
+    input_cgt = _value("input_cgt", "CommGroupType of the input replica "
+                       "groups (inputReplicaGrouping).")
+    max_repeat_logs = _value(
+        "max_repeat_logs", "Times a repeated log line is shown before it "
+        "is suppressed (None: always shown).")
+
+    @property
+    def source_location_excludes(self) -> list:
+        """Path fragments of the frames skipped when an op's source line is
+        looked up (sourceLocationExcludes)."""
+        return list(self._values["source_location_excludes"])
 
     @property
     def available_memory_proportion(self) -> Dict[int, float]:
@@ -852,9 +987,9 @@ class Options(_OptionGroup):
     @property
     def cache_path(self) -> Optional[str]:
         """Executable cache directory, or None when caching is off."""
-        if not self._popart.options.get("enableEngineCaching", False):
+        if not self._popart.get("enableEngineCaching", False):
             return None
-        return self._popart.options.get("cachePath")
+        return self._popart.get("cachePath")
 
     @property
     def profile_dir(self) -> Optional[str]:
@@ -863,7 +998,7 @@ class Options(_OptionGroup):
         ``POPLAR_ENGINE_OPTIONS`` (``autoReport.all``, ``autoReport.output*``,
         ``autoReport.directory``) takes precedence over ``enableProfiling``.
         """
-        engine = dict(self._popart.options.get("engineOptions", {}))
+        engine = dict(self._popart.get("engineOptions", {}))
         engine.update(_engine_options_from_env())
         enabled = any(
             str(value).strip().lower() == "true"
@@ -876,7 +1011,7 @@ class Options(_OptionGroup):
     @property
     def synthetic_data(self) -> bool:
         """Whether host I/O is replaced by data generated on the device."""
-        return self._popart.options.get("syntheticDataMode", 0) != 0
+        return self._popart.get("syntheticDataMode", 0) != 0
 
     @property
     def tensor_locations(self) -> Dict[str, Optional[TensorLocationSettings]]:
@@ -898,6 +1033,37 @@ class Options(_OptionGroup):
         micro-batch (multiplies the batch a call consumes)."""
         self._set(device_iterations=_int_arg("Options.deviceIterations",
                                              device_iterations))
+        return self
+
+    @property
+    def input_groups(self) -> int:
+        """How many different inputs the replicas get: replicationFactor / input_group_size."""
+        return self.replication_factor // self.input_group_size
+
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: CommGroupType) -> "Options":
+        """Give each group of ``input_group_size`` replicas the same input: ``Consecutive`` groups
+        replicas {0 .. k-1}, {k .. 2k-1}, ...; ``Orthogonal`` groups {j, j + m, ...} for
+        m = replicationFactor / k; ``NoGrouping`` means groups of one. A call then consumes
+        micro_batch x deviceIterations x (replicationFactor / k) x gradientAccumulation samples.
+        Set ``replicationFactor`` first: k must divide it."""
+        group_type = _enum_arg("Options.inputReplicaGrouping: input_group_type",
+                               input_group_type, CommGroupType)
+        size = _int_arg("Options.inputReplicaGrouping: input_group_size",
+                        input_group_size)
+        if group_type == CommGroupType.NoGrouping:
+            size, group_type = 1, CommGroupType.Consecutive
+        if group_type == CommGroupType.All:
+            raise ValueError("Options.inputReplicaGrouping: input_group_type cannot be All (inputs are split "
+                             "between groups); use CommGroupType.Consecutive or Orthogonal.")
+        replicas = self.replication_factor
+        if replicas < size:
+            raise ValueError(f"Options.inputReplicaGrouping: input_group_size cannot be larger than "
+                             f"replication_factor ({size} > {replicas}); set replicationFactor first.")
+        if replicas % size:
+            raise ValueError(f"Options.inputReplicaGrouping: input_group_size must be a factor of "
+                             f"replication_factor ({size} does not divide {replicas}).")
+        self._set(input_group_size=size, input_cgt=group_type)
         return self
 
     def replicationFactor(self, replication_factor: int) -> "Options":
@@ -1138,6 +1304,64 @@ class Options(_OptionGroup):
         self._set(module_namescope=False)
         return self
 
+    def from_json(self, string: str) -> "Options":
+        """Apply a JSON object of setter name to arguments, as
+        ``POPTORCH_DEFAULT_OPTIONS`` does: ``'{"deviceIterations": 4,
+        "Training.gradientAccumulation": 8, "_Popart.set": ["key", 1],
+        "outputMode": "OutputMode.All"}'`` (a list gives several arguments;
+        ``"Enum.Member"`` names an enum member)."""
+        if not isinstance(string, (str, bytes, bytearray)):
+            raise TypeError("Options.from_json expects a JSON string, got "
+                            f"{string!r}.")
+        _apply_json(self, string, "Options.from_json")
+        return self
+
+    def updatableNamedBuffers(self, buffers) -> "Options":
+        """Buffers (by name, as in ``model.named_buffers()``) that
+        ``model.copyNamedBuffersToDevice()`` writes to the device without
+        the other weights."""
+        if isinstance(buffers, str) or not all(
+                isinstance(b, str) and b for b in buffers):
+            raise TypeError("Options.updatableNamedBuffers expects a list of "
+                            f"buffer names (str), got {buffers!r}.")
+        self._popart.set("updatableNamedBuffers", list(buffers))
+        return self
+
+    def sourceLocationExcludes(self, excludes) -> "Options":
+        """Replace the path fragments of the frames skipped when an op's
+        source line is looked up (for error messages, op placement and the
+        profile): a frame whose file name contains one is a library's, not
+        the user's. The default skips torch and poptorch_lite."""
+        self._set(source_location_excludes=_excludes(
+            "Options.sourceLocationExcludes", excludes))
+        return self
+
+    def appendToLocationExcludes(self, *excludes: str) -> "Options":
+        """Add path fragments to ``sourceLocationExcludes``."""
+        self._set(source_location_excludes=self.source_location_excludes +
+                  _excludes("Options.appendToLocationExcludes", excludes))
+        return self
+
+    def maxRepeatLogs(self, max_lines: Optional[int]) -> "Options":
+        """Show a log line that repeats (the same warning for many ops, ...)
+        at most ``max_lines`` times, then say that further repeats are
+        suppressed; None shows them all. Default 4. It applies from the
+        moment a model with these options is built."""
+        if max_lines is not None:
+            max_lines = _int_arg("Options.maxRepeatLogs", max_lines, 0)
+        self._set(max_repeat_logs=max_lines)
+        return self
+
+    def exists(self, option: str) -> bool:
+        """Whether ``option`` (a value name such as ``"random_seed"``) has
+        been given a value."""
+        return self._values.get(option) is not None
+
+    def checkIsFrozen(self) -> None:
+        """Raise ``AttributeError`` if these options are frozen (a model or
+        a DataLoader uses them)."""
+        self._check_mutable()
+
     def loadFromFile(self, filepath: str) -> "Options":
         """Apply a file of setter calls, one per line without the
         ``options.`` prefix, for example ``deviceIterations(4)`` or
@@ -1187,6 +1411,10 @@ class Options(_OptionGroup):
         """Every option as plain data."""
         out = super().toDict()
         out["execution_strategy"] = repr(self.execution_strategy)
+        # PopTorch's number for the kind of strategy: 0 pipelined, 1 sharded, 2 phased
+        strategy = self.execution_strategy
+        out["execution_mode"] = 1 if isinstance(strategy, strategies.ShardedExecution) else (
+            0 if isinstance(strategy, strategies.PipelinedExecution) else 2)
         out["Training"] = self._training.toDict()
         out["Distributed"] = self._distributed.toDict()
         out["TensorLocations"] = self._tensor_locations.toDict()
@@ -1247,14 +1475,16 @@ def _setter(options: Options, path: str):
     return target
 
 
-def _apply_default_options(options: Options, text: str) -> None:
+def _apply_json(options: Options, text: str, where: str) -> None:
+    """Apply a JSON object of setter path -> arguments (``Options.from_json``;
+    ``POPTORCH_DEFAULT_OPTIONS``); errors name `where` and the setter."""
     try:
         calls = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"POPTORCH_DEFAULT_OPTIONS is not valid JSON "
+    except (json.JSONDecodeError, TypeError) as error:
+        raise ValueError(f"{where} is not valid JSON "
                          f"({error}): {text!r}") from None
     if not isinstance(calls, dict):
-        raise ValueError("POPTORCH_DEFAULT_OPTIONS must be a JSON object of "
+        raise ValueError(f"{where} must be a JSON object of "
                          'setter name to arguments, such as '
                          '{"deviceIterations": 4}; got ' + repr(text))
 
@@ -1277,7 +1507,7 @@ def _apply_default_options(options: Options, text: str) -> None:
             else:
                 setter(arguments)
         except (ValueError, TypeError, AttributeError) as error:
-            raise type(error)(f"POPTORCH_DEFAULT_OPTIONS, {path!r}: {error}"
+            raise type(error)(f"{where}, {path!r}: {error}"
                               ) from None
 
 

@@ -293,12 +293,15 @@ class ForkedProcess:
     """The host's handle on a process the zygote forked: what an accessor uses of a
     ``multiprocessing.Process`` (``pid``, ``exitcode``, ``is_alive``, ``join``, ``terminate``,
     ``kill``, ``close``). Until the zygote has forked it (the zygote may still be importing the
-    script), it counts as alive and ``pid`` waits for the fork."""
+    script), it counts as alive and ``pid`` waits for the fork. ``status_lost``: the zygote ended
+    (or could not fork) without telling the exit code; a process it had forked may then still be
+    running, and stops by itself once it finds its parent gone."""
 
     def __init__(self, status_fd: int):
         self._status = status_fd
         self._pid: int | None = None
         self.exitcode: int | None = None
+        self.status_lost = False
 
     def _read(self, timeout: float | None) -> bool:
         """Read the next status (pid, then exit code) if it comes within `timeout` seconds."""
@@ -309,6 +312,7 @@ class ForkedProcess:
         data = os.read(self._status, _STATUS.size)
         if len(data) < _STATUS.size:  # the zygote ended without telling: the status is lost
             self.exitcode = 255  # (as multiprocessing's forkserver reports it)
+            self.status_lost = True
             return True
         value = _STATUS.unpack(data)[0]
         if self._pid is None:

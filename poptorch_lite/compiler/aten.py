@@ -30,11 +30,15 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._decomp.decompositions import native_batch_norm_decomposition
 
 from ..api.blocks import DEFAULT_REGION
+from ..api.cpu_ops import cpu_call
+from ..api.custom_ops import call_spec, registered_custom_op
 from ..api.errors import Error
+from ..api.options import REPEATED
 from ..api.printing import PrintFormat
 from ..api.strategies import ExecutionStrategy, Placement, check_data_flow as check_flow
-from . import library  # noqa: F401  (registers the poptorch_lite ops lowered below)
+from . import control_flow, library, recurrent  # noqa: F401  (register the poptorch_lite ops lowered below)
 from .export import JointGraph, Output, annotation_of, pass_of
+from .multiconv import member_attrs
 from .ir import VIEW_OPS, IRGraph, Node, Value, map_values
 
 aten = torch.ops.aten
@@ -65,10 +69,11 @@ class Site:
     phase: int | None
     pass_: str
     source: str
+    scope: str = ""
 
     def template(self) -> Node:
         return Node("", [], [], block=self.block, stage=self.stage, ipu=self.ipu, phase=self.phase,
-                    pass_=self.pass_, source=self.source)
+                    pass_=self.pass_, source=self.source, scope=self.scope)
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
         a = annotation_of(n)
         if a is not None and a.block is not None:
             p = placement[a.block]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source)
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source, a.scope)
     for n in nodes:  # by their inputs
         if n in sites:
             continue
@@ -112,13 +117,14 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
         if placed:
             pick = max if pass_of(n) == "fwd" else min
             s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
-            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source)
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source, s.scope)
     for n in reversed(nodes):  # by their first consumer
         if n in sites:
             continue
         users = [sites[u] for u in n.users if u in sites]
         if users:
-            sites[n] = Site(users[0].block, users[0].stage, users[0].ipu, users[0].phase, pass_of(n), users[0].source)
+            u = users[0]
+            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, pass_of(n), u.source, u.scope)
         else:
             p = placement.blocks[0]
             sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), "")
@@ -274,6 +280,8 @@ class Lowerer:
                 self.env[n] = self.const(t.detach().cpu().numpy(), np_dtype(t.dtype))
             elif n.op == "call_function":
                 self.template = self.sites[n].template()
+                self.template.aten = str(n.target)
+                self.template.module = getattr(annotation_of(n), "module", "")
                 self.env[n] = self.call(n)
             elif n.op == "output":
                 self.finish(list(n.args[0]))
@@ -357,7 +365,9 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
     uses are dropped first)."""
     joint.graph_module.graph.eliminate_dead_code()
     placement, sites = place(joint, strategy)
-    return Lowerer(joint, sites).run(), placement
+    ir = Lowerer(joint, sites).run()
+    control_flow.check_scopes(ir)
+    return ir, placement
 
 
 # =========================================================================================
@@ -1277,7 +1287,8 @@ def _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups
 def _convolution(c, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
     nd = len(x.shape) - 2
     attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
-    y = c.one("conv_backward_input" if transposed else "conv", [x, w], tuple(c.out_meta().shape), x.dtype, **attrs)
+    y = c.one("conv_backward_input" if transposed else "conv", [x, w], tuple(c.out_meta().shape), x.dtype, **attrs,
+              **({} if transposed else member_attrs(c)))
     if b is not None:
         y = c.binary("add", y, c.reshape(b, (1, -1) + (1,) * nd))
     return y
@@ -1689,6 +1700,115 @@ def _print_tensor(c, x, title, print_gradient, *fmt):
     return c.one("print_tensor", [x], x.shape, x.dtype, title=title, format=PrintFormat(*fmt))
 
 
+@lowers(torch.ops.poptorch_lite.recomputation_checkpoint,
+        doc="checkpoint (recomputationCheckpoint: kept, not recomputed, when recomputation is on)")
+def _recomputation_checkpoint(c, x):
+    return c.one("checkpoint", [x], x.shape, x.dtype)
+
+
+@lowers(torch.ops.poptorch_lite.serialized_matmul, doc="matmul in `factor` pieces (serializedMatMul)")
+def _serialized_matmul(c, a, b, mode, factor, keep_precision):
+    return c.one("matmul", [a, b], a.shape[:-1] + (b.shape[-1],), c.out_dtype(), serialization=str(mode),
+                 factor=int(factor), keep_precision=bool(keep_precision))
+
+
+@lowers(torch.ops.poptorch_lite.loss_scale, doc="loss_scale (the gradient seed times the device's loss scale: the "
+                                                   "optimiser's loss_scaling, or automatic loss scaling's)")
+def _loss_scale(c, x, initial):
+    return c.one("loss_scale", [x], x.shape, x.dtype, initial=float(initial))
+
+
+@lowers(torch.ops.poptorch_lite.ctc_beam_search_decoder, doc="ctc_beam_search_decoder (PopTorch's CTC decoder)")
+def _ctc_decoder(c, probs, lengths, blank, beam_width, top_paths):
+    T, N, _ = probs.shape
+    return tuple(c.emit("ctc_beam_search_decoder", [probs, c.cast(lengths, np.int32)],
+                        [((N, top_paths), np.float32), ((N, top_paths), np.int32), ((N, top_paths, T), np.int32)],
+                        blank=int(blank), beam_width=int(beam_width), top_paths=int(top_paths)))
+
+
+@lowers(torch.ops.poptorch_lite.fps, doc="fps (farthest point sampling, torch_cluster's)")
+def _fps(c, src, ptr, ratio, random_start):
+    from ipusim.ops.cluster import segment_sizes
+    return c.one("fps", [c.cast(src, np.float32)], (sum(segment_sizes(ptr, ratio)),), np.int32, ptr=tuple(ptr),
+                 ratio=float(ratio), random_start=bool(random_start))
+
+
+@lowers(torch.ops.poptorch_lite.nearest, doc="nearest (nearest cluster, torch_cluster's)")
+def _nearest(c, x, y, batch_x, batch_y):
+    return c.one("nearest", [c.cast(x, np.float32), c.cast(y, np.float32), c.cast(batch_x, np.int32),
+                             c.cast(batch_y, np.int32)], (x.shape[0],), np.int32)
+
+
+def _overlap_mode(mode: str):
+    from ..api.enums import OverlapMode
+    return OverlapMode(mode)
+
+
+@lowers(torch.ops.poptorch_lite.overlap_input, doc="none: marks a model input for overlapped host I/O "
+                                                    "(set_overlap_for_input)", raw=True)
+def _overlap_input(c, n):
+    src = n.args[0]
+    v = c.env.get(src) if isinstance(src, torch.fx.Node) else None
+    if not (isinstance(v, Value) and v.kind == "input" and src.op == "placeholder"):
+        raise Error("poptorch.set_overlap_for_input applied on a node which is not a tensor input to the model.")
+    index = next(i for i, x in enumerate(c.ir.inputs) if x is v)
+    if len(src.users) > 1:
+        raise Error("poptorch.set_overlap_for_input must be the only op applied to an input. This is not the case "
+                    f"for input {index} to the model.")
+    c.ir.host_io[("input", index)] = _overlap_mode(n.args[1])
+    return v
+
+
+@lowers(torch.ops.poptorch_lite.overlap_output, doc="none: marks a returned tensor for overlapped host I/O "
+                                                     "(set_overlap_for_output)", raw=True)
+def _overlap_output(c, n):
+    def source(node):   # what a returned node returns: through the capture's detaches
+        while isinstance(node, torch.fx.Node) and node.target in (aten.detach.default, aten.detach_copy.default,
+                                                                  aten.alias.default):
+            node = node.args[0]
+        return node
+
+    returned = [source(o) for o in list(c.gm.graph.output_node().args[0])[:c.joint.num_outputs]]
+    if n not in returned:
+        raise Error("poptorch.set_overlap_for_output applied on a node which is not a tensor output to the model.")
+    if returned.count(n) + returned.count(n.args[0]) > 1:
+        raise Error("poptorch.set_overlap_for_output cannot be used with a tensor that is returned twice. Please "
+                    "check all returned tensors including those nested in tuples/lists.")
+    c.ir.host_io[("output", returned.index(n))] = _overlap_mode(n.args[1])
+    return c.load(n.args[0])
+
+
+def _custom_definition(c, key: str):
+    call = call_spec(key)
+    try:
+        return call, registered_custom_op(call)
+    except LookupError as error:
+        raise c.error(str(error)) from None
+
+
+@lowers(torch.ops.poptorch_lite.custom_op, doc="custom_op (poptorch.custom_op: the registered kernel as vertices)")
+def _custom_op(c, inputs, key):
+    call, definition = _custom_definition(c, key)
+    specs = [(shape, np_dtype(dtype)) for shape, dtype in call.outputs]
+    return c.emit("custom_op", list(inputs), specs, call=call, definition=definition)
+
+
+@lowers(torch.ops.poptorch_lite.custom_op_backward, doc="custom_op_backward (the registered gradient kernel)")
+def _custom_op_backward(c, grads, inputs, outputs, key):
+    call, definition = _custom_definition(c, key)
+    wanted = [i for i, v in enumerate(inputs) if np.issubdtype(v.dtype, np.floating)]
+    specs = [(inputs[i].shape, inputs[i].dtype) for i in wanted]
+    return c.emit("custom_op_backward", [*grads, *inputs, *outputs], specs, call=call, definition=definition,
+                  counts=(len(grads), len(inputs), len(outputs)), wanted=tuple(wanted))
+
+
+@lowers(torch.ops.poptorch_lite.cpu_op, doc="cpu_op (poptorch.CPU: streams to the host, the host's function, "
+                                             "streams back)")
+def _cpu_op(c, inputs, key):
+    call = cpu_call(key)
+    return c.emit("cpu_op", list(inputs), [(shape, np_dtype(dtype)) for shape, dtype in call.outputs], call=call)
+
+
 PLANNED = frozenset({"matmul", "conv"})   # IR ops whose planner takes a temporary-memory budget
 
 
@@ -1712,7 +1832,8 @@ def _available_memory(c, x, proportion):
     if not planned:
         a = annotation_of(c.node)
         logger.warning("set_available_memory at %s: the tensor was not made by a matrix multiplication or a "
-                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>")
+                       "convolution, so the hint has no effect", a.source if a is not None else "<unknown>",
+                       extra=REPEATED)
     for node in planned:
         node.attrs["available_memory_proportion"] = float(proportion)
     return x
@@ -1749,6 +1870,10 @@ def decompositions() -> dict:
     return table
 
 
+for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # device loops and branches, dynamic
+    lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
+
+
 def ops_table() -> list[tuple[str, str]]:
     """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
     rows = {}
@@ -1770,7 +1895,12 @@ def ops_markdown() -> str:
              "source line and the module.", "",
              "Torch functions captured as another: `F.dropout` as `aten.native_dropout` (one op with its",
              "mask), `F.ctc_loss` as `poptorch_lite.ctc_loss` (`compiler/library.py`); attention runs",
-             "PyTorch's math backend (matmuls, softmax, dropout).", "",
+             "PyTorch's math backend (matmuls, softmax, dropout). `nn.LSTM`, `nn.GRU` and `nn.RNN`",
+             "(`torch.lstm`, `gru`, `rnn_tanh`, `rnn_relu`) are one `poptorch_lite.*_layer` op per layer",
+             "and direction, each a device loop over the time steps, with its backward op",
+             "(`compiler/recurrent.py`). PopTorch's `for_loop`, `cond`, `nop`, `dynamic_slice` and",
+             "`dynamic_update` are ops of their own; a loop or branch body is the ops between its",
+             "markers (`compiler/control_flow.py`).", "",
              "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
     lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
     return "\n".join(lines) + "\n"

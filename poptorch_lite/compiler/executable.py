@@ -15,10 +15,15 @@ import ipusim as ip
 from ipusim import schedules
 
 from ..api.enums import Liveness
+from ..api.multiconv import entered_groups, reset_groups
+from . import recompute
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
 from .export import capture_joint
+from .host_io import check_host_io, device_target
+from .loss_scaling import LossScaling, automatic_loss_scaling
 from .lowering import Locations, Lowering
+from .multiconv import group_multiconvs
 from .updates import UpdatePlan, accumulator_dtypes, build_updates, running_mean
 
 
@@ -54,16 +59,20 @@ class Executable:
 
 
 def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool, optimizer,
-                  named_weights: dict, progress=lambda percent: None) -> Executable:
+                  named_weights: dict, progress=lambda percent: None, variable_groups: dict | None = None
+                  ) -> Executable:
     """Compile `model` for one micro-batch of inputs (`args`, `kwargs`): capture (with the backward
     when training), place blocks on stages and IPUs, lower to IR, build the schedule, lower to
-    ipusim and load the Engine. `progress(percent)` is told how far it got."""
-    ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress)
+    ipusim and load the Engine. `progress(percent)` is told how far it got. `variable_groups`:
+    parameter name -> `api.replica_groups.VariableGrouping` of the per-replica variables."""
+    variable_groups = variable_groups or {}
+    ir, placement = capture_to_ir(model, args, kwargs, options, training, optimizer, progress,
+                                  grouped=set(variable_groups))
     progress(15)
     schedule = build_schedule(placement, options, training)
     try:
         executable = build_executable(ir, placement, schedule, placement.stage_ipus, options, target_of(options),
-                                      optimizer, named_weights)
+                                      optimizer, named_weights, variable_groups=variable_groups)
     except ip.OutOfMemoryError as error:
         raise model_out_of_memory(error, placement, placement.num_ipus) from None
     progress(35)
@@ -72,45 +81,63 @@ def compile_model(model: torch.nn.Module, args, kwargs, options, training: bool,
     return executable
 
 
-def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progress):
+def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progress, grouped=frozenset()):
     """Capture the model in train or eval mode as it will run (`export.capture_joint`: forward and
     backward as ATen ops, the gradients PyTorch's own, seeded with the optimiser's loss scaling),
-    place its blocks and lower it to IR (`aten.to_ir`)."""
+    place its blocks and lower it to IR (`aten.to_ir`). A per-replica parameter (in `grouped`) is
+    captured as one replica sees it: its first slice."""
     was_training = torch.nn.Module.__getattribute__(model, "training")
     model.train(training)
+    reset_groups()
     try:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
-                              downcast_to_half=options.Precision.downcasts_to_half)
+                              device_loss_scale=training,
+                              downcast_to_half=options.Precision.downcasts_to_half, per_replica=grouped,
+                              source_excludes=options.source_location_excludes)
     finally:
         model.train(was_training)
     progress(15)
     ir, placement = to_ir(joint, options.execution_strategy)
+    group_multiconvs(ir, entered_groups())
     progress(10)
     return ir, placement
 
 
 def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
-                     *, check_memory: bool = True) -> Executable:
+                     *, check_memory: bool = True, variable_groups: dict | None = None) -> Executable:
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
     weight-update programs when training (`optimizer` given) and build the Engine (not loaded).
     A schedule with separate weight-gradient ops gets its stages' backwards split in two
-    (`backward_split`)."""
+    (`backward_split`); with recomputation (`recompute`: PopART's autoRecomputation, on by
+    default for pipelined training over several IPUs) the stages that recompute get an R before
+    each B of the schedule."""
     partition_backward(ir, schedule.split_backward)
+    mode = recompute.recomputation_mode(options, placement.schedule_kind, optimizer is not None, stage_ipus)
+    schedule = schedule.with_recomputation(recompute.apply(ir, mode, placement.schedule_kind))
+    check_host_io(ir, placement, options)
     replicas = options.replication_factor
     per_replica = 1 + max(stage_ipus)
-    device = ip.Device(target, per_replica * replicas)
+    device = ip.Device(device_target(target, options), per_replica * replicas)
     programs: list = []
     locations = tensor_locations(options, placement)
+    als = automatic_loss_scaling(options) if optimizer is not None else None
+    scaling = LossScaling(als, loss_scaling(optimizer)) if optimizer is not None else None
     lowerings = [Lowering(ir, device, programs, {s: ipu + r * per_replica for s, ipu in enumerate(stage_ipus)},
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
-                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {})
+                          accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {},
+                          loss_scaling=scaling)
                  for r in range(replicas)]
     for low in lowerings:
         low.build()
-    updates = build_updates(lowerings, optimizer, options, named_weights) if optimizer is not None else UpdatePlan()
+    updates = build_updates(lowerings, optimizer, options, named_weights, variable_groups or {}) \
+        if optimizer is not None else UpdatePlan()
+    if scaling is not None:
+        if scaling.automatic:
+            scaling.build(lowerings, updates.configs)
+        updates.loss_scaling = scaling
     engine = ip.Engine(device, programs, mode=options.Emulator.mode, check_memory=check_memory)
     return Executable(lowerings, engine, schedule, ir, placement, updates)
 

@@ -56,8 +56,15 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..api import arguments
 from ..api.blocks import BlockError, BlockRef, BlockTrace, block_annotation, tracing_blocks
-from ..api.ops import identity_loss, ipu_print_tensor, set_available_memory
-from . import library
+from ..api import cluster, ctc_decoder
+from ..api.cpu_ops import cpu_op
+from ..api.custom_ops import custom_op
+from ..api.errors import Error
+from ..api.ops import (_recomputation_checkpoint, cond, dynamic_slice, dynamic_update, for_loop, identity_loss,
+                       ipu_print_tensor, nop, serializedMatMul, set_available_memory)
+from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
+from ..api.overlap import overlap_input, overlap_output
+from . import control_flow, library, recurrent
 from .ir import flatten_values, map_values
 
 aten = torch.ops.aten
@@ -72,7 +79,18 @@ def _dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bo
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
-             set_available_memory: library.available_memory}
+             set_available_memory: library.available_memory, custom_op: library.custom_op,
+             cpu_op: library.cpu_op, overlap_input: library.overlap_input,
+             overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
+             cluster.fps: library.fps, cluster.nearest: library.nearest, for_loop: control_flow.traced_for_loop,
+             cond: control_flow.traced_cond, nop: control_flow.traced_nop,
+             dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
+             _recomputation_checkpoint: library.recomputation_checkpoint,
+             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS}
+
+# Device control flow: the bodies are the model's own code, traced under the annotator (their ops
+# annotated, nested loops and branches captured too); inference only, as in PopTorch.
+CONTROL_FLOW = {for_loop: "for_loop", cond: "cond"}
 
 
 # Torch functions that define a loss (PopTorch finds the final loss among them).
@@ -84,10 +102,6 @@ LOSS_FUNCTIONS = frozenset({
     F.multi_margin_loss, F.multilabel_margin_loss,
 })
 
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,   # poptorch_lite
-)
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,7 @@ class Annotation:
     function: str = ""                     # "linear", "add", ".view", ...
     leaf_module: bool = False              # the call is a torch.nn layer's own computation
     closed: Optional[BlockRef] = None      # the block that had closed, when block is None
+    scope: str = ""                        # the open NameScopes, "encoder/attention"
 
     def describe(self) -> str:
         """The user's call for error messages: 'module layer1.conv (Conv2d)', 'function add()', 'method .view()'."""
@@ -154,9 +169,11 @@ class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
     def __init__(self, trace: BlockTrace, root: torch.nn.Module, *, downcast_to_half: bool = True,
-                 buffers=()):
+                 buffers=(), training: bool = False, source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES):
         super().__init__()
         self.trace = trace
+        self.training = training
+        self.source_excludes = tuple(source_excludes)
         self.downcast_to_half = downcast_to_half
         self.buffers = {id(b) for b in buffers}    # running statistics keep their dtype
         self.modules = {id(m): (name, m) for name, m in root.named_modules()}
@@ -170,10 +187,16 @@ class BlockAnnotator(TorchFunctionMode):
         if name.lstrip(".") in _NOT_OPS or getattr(func, "__name__", "") == "__get__":
             return func(*args, **kwargs)
         annotation = self.annotate(name)
+        if func in CONTROL_FLOW and self.training:
+            raise Error(f"poptorch.{CONTROL_FLOW[func]}() is only supported in inference ({annotation.source})")
         with fx_traceback.annotate({KEY: annotation}):
             if self.downcast_to_half and not _in_place(func):   # in-place ops keep their operand's dtype
                 args, kwargs = self.half_operands(args, kwargs)
-            out = FUNCTIONS.get(func, func)(*args, **kwargs)
+            if func in CONTROL_FLOW:
+                with self:
+                    out = FUNCTIONS[func](*args, **kwargs)
+            else:
+                out = FUNCTIONS.get(func, func)(*args, **kwargs)
         self.tag_backward(out, annotation)
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             self.losses.append((out, annotation))
@@ -203,13 +226,15 @@ class BlockAnnotator(TorchFunctionMode):
                     path, m = owner
                     module = f"{path or '<root>'} ({type(m).__name__})"
                     leaf = type(m).__module__.startswith("torch.nn")
-            if source == "<unknown>" and not filename.startswith(_LIBRARY_DIRS) and not filename.startswith("<"):
+            if source == "<unknown>" and not filename.startswith("<") and \
+                    not any(fragment in filename for fragment in self.source_excludes):
                 source = f"{filename}:{frame.f_lineno}"
             if module and source != "<unknown>":
                 break
             frame = frame.f_back
         block = self.trace.active
-        return Annotation(block, source, module, function, leaf, None if block is not None else self.trace.last_closed)
+        return Annotation(block, source, module, function, leaf, None if block is not None else self.trace.last_closed,
+                          self.trace.scope)
 
     # ---- backward: the autograd nodes a call created run under its annotation ----------------
     def tag_backward(self, out, annotation: Annotation) -> None:
@@ -309,13 +334,20 @@ def _bind(model: torch.nn.Module, args, kwargs) -> tuple[list[tuple[str, torch.T
 
 
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
-                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True) -> JointGraph:
+                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
+                  device_loss_scale: bool = False, per_replica=frozenset(),
+                  source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
     (``aten.decompositions()``: down to the ops the compiler lowers). With `downcast_to_half`
     (PopTorch's default) an op mixing float16 and float32 operands runs in float16
-    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies."""
+    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. With
+    `device_loss_scale` (automatic loss scaling) the seed is scaled by the library op
+    ``loss_scale``, which the device reads from a tensor it updates. A parameter named in
+    `per_replica` (a per-replica variable, one value per replica group along its first dimension)
+    is traced as one replica sees it: its first slice. A frame whose file name holds one of
+    `source_excludes` is not taken as an op's source line."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
     params = dict(torch.nn.Module.named_parameters(model))
@@ -331,7 +363,8 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         b = dict(zip(bnames, flat[len(pnames):len(pnames) + len(bnames)]))
         call_args, call_kwargs = rebuild(flat[len(pnames) + len(bnames):])
         with tracing_blocks() as trace:
-            annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values())
+            annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values(),
+                                       training=training, source_excludes=source_excludes)
             root_hook = block_annotation(model)
             if root_hook is not None:
                 root_hook.start()
@@ -348,14 +381,18 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             found["loss"] = where
             wrt = [n for n in pnames if n in trainable]
             with fx_traceback.annotate({KEY: where}):
-                seed = loss * loss_scaling if loss_scaling != 1.0 else loss
+                if device_loss_scale:
+                    seed = library.loss_scale(loss, float(loss_scaling))
+                else:
+                    seed = loss * loss_scaling if loss_scaling != 1.0 else loss
             with fx_traceback.annotate({"pass": "bwd"}):
                 grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True)
             found["grads"] = [n for n, g in zip(wrt, grads) if g is not None]
             extra = [loss.detach()] + [g for g in grads if g is not None]
         return [t.detach() for t in tensors] + extra + [b[n] for n in bnames]
 
-    flat = [t.detach().requires_grad_(training and n in trainable) for n, t in params.items()]
+    flat = [(t[0] if n in per_replica else t).detach().requires_grad_(training and n in trainable)
+            for n, t in params.items()]
     flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
     table = decompositions
     with fx_traceback.preserve_node_meta():

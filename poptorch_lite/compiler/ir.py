@@ -54,6 +54,9 @@ class Node:
     phase: int | None = None
     pass_: str = "fwd"
     source: str = ""
+    aten: str = ""                # the ATen op the node was lowered from ("aten.convolution.default")
+    module: str = ""              # the module that made the call ("model.layer1.conv (Conv2d)")
+    scope: str = ""               # the NameScopes it was made in ("encoder/attention")
 
     def __repr__(self):
         attrs = ", ".join(f"{k}={v}" for k, v in self.attrs.items())
@@ -72,6 +75,7 @@ class IRGraph:
     outputs: object = None                                      # pytree of Values (model outputs)
     loss: Value | None = None
     grads: dict[str, Value] = field(default_factory=dict)       # parameter name -> gradient value
+    host_io: dict[tuple, Any] = field(default_factory=dict)     # ("input" | "output", index) -> OverlapMode
 
     def add(self, op: str, inputs: list[Value], out_specs: list[tuple], /, *, like: Node | None = None,
             **attrs) -> list[Value]:
@@ -80,7 +84,8 @@ class IRGraph:
         node = Node(op, list(inputs), outs, attrs)
         if like is not None:
             node.block, node.stage, node.ipu, node.phase = like.block, like.stage, like.ipu, like.phase
-            node.pass_, node.source = like.pass_, like.source
+            node.pass_, node.source, node.aten, node.module = like.pass_, like.source, like.aten, like.module
+            node.scope = like.scope
         for v in outs:
             v.producer = node
         self.nodes.append(node)

@@ -1,8 +1,9 @@
 """Lower the IR to ipusim: one program per stage and pass, channels between them, host streams.
 
-The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s), and for
+The IR is split into *stage programs*, one per (pass, stage): ("fwd", s), ("bwd", s), for
 the zero-bubble schedules ("wgrad", s), the weight-gradient half of the backward
-(`backward_split`). Each runs on its stage's IPU for one micro-batch. A value made by one stage
+(`backward_split`), and with recomputation ("recompute", s), the forward nodes the backward
+runs again (`recompute`). Each runs on its stage's IPU for one micro-batch. A value made by one stage
 program and used by another travels through a *channel*: after the producer runs for
 micro-batch k, a send program copies the
 values into slot k % S of the consumer's receive buffers (an `InterIpuCopy` between IPUs, an
@@ -13,6 +14,12 @@ slots, is the most micro-batches the schedule ever keeps in flight on that chann
 stashed activations cost exactly what the schedule needs. A value the weight-gradient program
 needs that its input-gradient program also uses comes to it from there (one transfer between
 IPUs, kept on chip until W runs), other values from their producer.
+
+A recomputed stage's recompute program runs right before its backward, in the same step: it
+receives the stash of its forward (the stage's inputs, checkpoints and random seed, which its
+forward receives or makes and sends on), and the backward reads its tensors directly (no
+channel), as well as the values the recompute program received; what the weight-gradient
+program needs of them reaches it from the backward.
 
 Model inputs enter by host streams in the stage programs that use them; model outputs leave by
 host streams in separate programs, run only for the micro-batches whose outputs are returned.
@@ -25,6 +32,8 @@ from dataclasses import dataclass, field
 
 import ipusim as ip
 from ipusim.ops import conv, ctc, gather, loss, norm, pool
+from ipusim.ops import cluster, ctc_decoder
+from ipusim.ops import custom as custom_ops
 from ipusim.ops import index as index_ops
 from ipusim.ops import scan as scan_ops
 from ipusim.ops import sort as sort_ops
@@ -36,7 +45,10 @@ from ipusim.ops import softmax as sm
 
 from ..api.errors import Error
 from .backward_split import WEIGHT_GRADIENT
+from .host_io import io_buffer, overlapped
+from .multiconv import lower_member
 from .ir import VIEW_OPS, IRGraph, Node, Value, flatten_values
+from .recompute import RECOMPUTE
 
 
 class CompileError(Error, RuntimeError):
@@ -63,27 +75,43 @@ class StageProgram:
     inputs: list[tuple[str, int]] = field(default_factory=list)   # (stream name, model input index)
     output_streams: list[tuple[str, int]] = field(default_factory=list)  # (stream name, output index)
     weight_views: dict[int, list[Node]] = field(default_factory=dict)    # value id -> views of a weight taken here
+    op_spans: list[tuple] = field(default_factory=list)
+    """(node, first, end, first variable, end variable) per node: the programs `first:end` of the
+    body sequence and the variables `first variable:end variable` of the IPU's graph its lowering
+    made (what a profile's operations table reports)."""
+    prefetch: list[tuple[object, int]] = field(default_factory=list)  # (OverlapMode, program): inputs to IO tiles
+    drain: list[tuple[object, int]] = field(default_factory=list)     # (OverlapMode, program): outputs from IO tiles
 
     @property
     def name(self) -> str:
         return f"{self.key[0]}{self.key[1]}"
 
 
+@dataclass
+class HostCallSite:
+    """A CPU op: the function the host calls (api.cpu_ops.CpuCall), the streams bringing its
+    inputs to the host and those taking its results back."""
+    call: object
+    to_host: list[str]
+    from_host: list[str]
+
+
 def stage_key(n: Node) -> tuple:
     return (n.pass_, n.stage)
 
 
-PASS_OF_KIND = {"F": "fwd", "B": "bwd", "W": WEIGHT_GRADIENT}
+PASS_OF_KIND = {"F": "fwd", "B": "bwd", "W": WEIGHT_GRADIENT, "R": RECOMPUTE}
 """The stage program a schedule's op runs: forward, backward (its input-gradient half when the
-backward is split) or weight gradient."""
+backward is split), weight gradient or recompute."""
 
-STASHES = {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT), ("bwd", WEIGHT_GRADIENT)}
-"""(producer pass, consumer pass) of the channels that keep values on a stage's IPU between the
-passes of one micro-batch: the stash."""
+STASHES = {("fwd", "bwd"), ("fwd", WEIGHT_GRADIENT), ("bwd", WEIGHT_GRADIENT), ("fwd", RECOMPUTE),
+           (RECOMPUTE, WEIGHT_GRADIENT)}
+"""(producer pass, consumer pass) of the channels that keep values between the passes of one
+micro-batch, on the consumer's IPU: the stash."""
 
 
 def program_key(op) -> tuple:
-    """(pass, stage) of the stage program a schedule op of kind F, B or W runs."""
+    """(pass, stage) of the stage program a schedule op of kind F, B, W or R runs."""
     return (PASS_OF_KIND[op.kind], op.stage)
 
 
@@ -107,10 +135,11 @@ class Lowering:
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
                  replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
-                 accumulator_dtypes: dict[str, str] | None = None):
+                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None):
         self.ir = ir
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
+        self.loss_scaling = loss_scaling    # the loss scale of training (compiler/loss_scaling.py), or None
         self.device = device
         self.target = device.target
         self.programs = programs
@@ -130,8 +159,11 @@ class Lowering:
         self.channels: list[Channel] = []
         self._consts: dict[tuple, ip.Tensor] = {}
         self.seeds: dict[int, ip.Tensor] = {}
+        self.seed_modifiers: dict[Node, int] = {}   # random forward node -> its seed modifier
+        self.recomputed_copies: dict[tuple, list] = {}  # backward key -> copies of what its recompute made
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
+        self.host_calls: list[HostCallSite] = []                  # poptorch.CPU ops
 
     def seed(self, ipu: int) -> ip.Tensor:
         """The IPU's random seed (advanced after every stage program that draws from it)."""
@@ -211,6 +243,7 @@ class Lowering:
         producer_key = {v.id: stage_key(n) for n in self.ir.nodes for v in n.outputs}
         producer = {v.id: n for n in self.ir.nodes for v in n.outputs}
         used_by = {(v.id, key) for key, sp in self.stage_programs.items() for n in sp.nodes for v in n.inputs}
+        route = Routes(self.stage_programs, producer_key, used_by, input_index)
         # channels: values crossing from one stage program to another, except views of a weight on
         # the consumer's IPU (a transposed weight the backward reads): the weight does not change
         # between a micro-batch's forward and backward, so the consumer takes the same view of it
@@ -227,6 +260,9 @@ class Lowering:
                             continue
                     if key[0] == WEIGHT_GRADIENT and src is not None and (v.id, ("bwd", key[1])) in used_by:
                         src = ("bwd", key[1])   # a value its B uses too reaches W from B
+                    src = route(v, key, src)
+                    if src == (RECOMPUTE, key[1]) and key[0] == "bwd":
+                        continue    # B reads its recompute program's tensors
                     if src is not None and src != key and v.id not in seen:
                         seen.add(v.id)
                         crossing.setdefault((src, key), []).append(v)
@@ -235,12 +271,34 @@ class Lowering:
             self.channels.append(Channel(src, dst, values, slots[(src, dst)]))
         for ch in self.channels:
             self._make_receive_buffers(ch)
-        rank = {"fwd": 0, "bwd": 1, WEIGHT_GRADIENT: 2}
+        rank = {"fwd": 0, RECOMPUTE: 1, "bwd": 2, WEIGHT_GRADIENT: 3}
         for key in sorted(self.stage_programs, key=lambda k: (k[0] != "fwd", k[1] if k[0] == "fwd" else -k[1],
                                                               rank[k[0]])):
             self._lower_stage(self.stage_programs[key], weight_ids, input_index)
+            if key[0] == RECOMPUTE:
+                self._share_recomputed(key, used_by)
         for ch in self.channels:
             self._make_send(ch)
+
+    def _share_recomputed(self, key: tuple, used_by: set) -> None:
+        """After lowering ("recompute", s): what it received is the backward's too, which runs
+        right after it on the same IPU; what it recomputed and the backward reads, the backward
+        copies first into tensors laid out as a stash's receive buffers (linearly), as it would
+        have received them without recomputation: every op of the backward then has the same
+        plan, and so the same order of sums, as without."""
+        backward = ("bwd", key[1])
+        made = {v.id for n in self.stage_programs[key].nodes for v in n.outputs}
+        g = self.graph(self.stage_programs[key].ipu)
+        for (vid, k), t in list(self.tensors.items()):
+            if k != key or (vid, backward) in self.tensors:
+                continue
+            if vid in made and (vid, backward) in used_by:
+                local = g.addVariable(t.dtype, t.shape, f"{self.prefix}{backward[0]}{backward[1]}/recomputed/{t.name}",
+                                      category="activations", always_live=False)
+                g.map_linearly(local, grain=4, min_elements_per_tile=64)
+                self.recomputed_copies.setdefault(backward, []).append(ip.Copy(t, local))
+                t = local
+            self.tensors[(vid, backward)] = t
 
     def _stash_off_chip(self, ch: Channel) -> bool:
         same_ipu = self.stage_programs[ch.src].ipu == self.stage_programs[ch.dst].ipu
@@ -252,8 +310,7 @@ class Lowering:
         stash) and, when there are several slots or they are off chip, receive programs."""
         dst_ipu = self.stage_programs[ch.dst].ipu
         g = self.graph(dst_ipu)
-        same_ipu = self.stage_programs[ch.src].ipu == dst_ipu
-        category = "stashed_activations" if same_ipu else "activations"
+        category = "stashed_activations" if (ch.src[0], ch.dst[0]) in STASHES else "activations"
         ch.off_chip = self._stash_off_chip(ch)
         ch.buffers = []
         name = f"{self.prefix}{ch.dst[0]}{ch.dst[1]}"
@@ -298,20 +355,34 @@ class Lowering:
         body = ip.Sequence(name=f"{self.prefix}{sp.name}")
         key = sp.key
         ctx = Context(self, g, body)
+        for copy in self.recomputed_copies.get(key, []):
+            body.add(copy)
         # off-chip weights used here come in from Streaming Memory first
         used = {weight_ids[v.id] for n in sp.nodes for v in n.inputs if v.id in weight_ids}
         used |= {weight_ids[chain[0].inputs[0].id] for chain in sp.weight_views.values()}
         for name in sorted(used & set(self.weight_buffers)):
             body.add(ip.RemoteCopy(self.weight_buffers[name], self.weights[name]))
-        # host inputs used by this stage program
+        # host inputs used by this stage program (overlapped ones through IO tiles: host_io.py; a
+        # recomputation receives them from its forward's stash)
+        prefetch: dict = {}
         for v in {v.id: v for n in sp.nodes for v in n.inputs if v.id in input_index}.values():
+            if (v.id, key) in self.tensors:
+                continue
             name = f"{self.prefix}{sp.name}/input/{v.name}"
             t = g.addVariable(v.dtype, v.shape, name, category="host_io", always_live=False)
             g.map_linearly(t, grain=4, min_elements_per_tile=64)
             stream = g.addHostToDeviceFIFO(name, v.dtype, v.shape)
-            body.add(ip.StreamCopy(stream, t))
+            mode = self.ir.host_io.get(("input", input_index[v.id]))
+            if overlapped(mode):
+                buf = io_buffer(g, v.dtype, v.shape, f"{name}/io_tiles")
+                prefetch.setdefault(mode, ip.Sequence(name=f"{self.prefix}{sp.name}/prefetch")).add(
+                    ip.StreamCopy(stream, buf))
+                body.add(ip.Copy(buf, t))
+            else:
+                body.add(ip.StreamCopy(stream, t))
             self.tensors[(v.id, key)] = t
             sp.inputs.append((name, input_index[v.id]))
+        sp.prefetch = [(mode, self.add_program(seq)) for mode, seq in prefetch.items()]
         for n in sp.nodes:
             ins = []
             for v in n.inputs:
@@ -333,8 +404,13 @@ class Lowering:
             lower = LOWER.get(n.op)
             if lower is None:
                 raise CompileError(f"op {n.op} (at {n.source}) has no lowering to ipusim")
-            ctx.name = f"{self.prefix}{sp.name}/{n.op}"
+            ctx.name = f"{self.prefix}{sp.name}/{n.scope + '/' if n.scope else ''}{n.op}"
+            first, first_var = len(body.programs), len(g.variables)
+            ctx.node, ctx.inputs = n, ins
             outs = lower(ctx, n, ins)
+            sp.op_spans.append((n, first, len(body.programs), first_var, len(g.variables)))
+            if self.loss_scaling is not None:
+                self.loss_scaling.track(self, ctx, n, outs)
             for v, t in zip(n.outputs, outs):
                 if t is not None:
                     self.tensors[(v.id, key)] = t
@@ -371,21 +447,31 @@ class Lowering:
         sp.body = self.add_program(body)
         # model outputs produced here
         outs = ip.Sequence(name=f"{self.prefix}{sp.name}/outputs")
+        drain: dict = {}
         for i, v in enumerate(flatten_values(self.ir.outputs)):
             if (v.id, key) in self.tensors and v.producer is not None and stage_key(v.producer) == key:
                 name = f"{self.prefix}{sp.name}/output/{i}"
                 stream = g.addDeviceToHostFIFO(name, v.dtype, v.shape)
-                outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
+                mode = self.ir.host_io.get(("output", i))
+                if overlapped(mode):
+                    buf = io_buffer(g, v.dtype, v.shape, f"{name}/io_tiles")
+                    outs.add(ip.Copy(self.tensors[(v.id, key)], buf))
+                    drain.setdefault(mode, ip.Sequence(name=f"{self.prefix}{sp.name}/drain")).add(
+                        ip.StreamCopy(buf, stream))
+                else:
+                    outs.add(ip.StreamCopy(self.tensors[(v.id, key)], stream))
                 sp.output_streams.append((name, i))
         if outs.programs:
             sp.outputs = self.add_program(outs)
+        sp.drain = [(mode, self.add_program(seq)) for mode, seq in drain.items()]
 
 
 # =========================================================================================
 # Op lowerings: (context, node, input tensors) -> output tensors (None for outputs not needed)
 # =========================================================================================
 class Context:
-    """What an op lowering needs: the IPU's graph, the program being built, a name, the seed."""
+    """What an op lowering needs: the IPU's graph, the program being built, a name, the seed, and
+    the node being lowered with its input tensors."""
 
     def __init__(self, lowering: Lowering, graph: ip.Graph, prog: ip.Sequence):
         self.lowering = lowering
@@ -393,10 +479,19 @@ class Context:
         self.prog = prog
         self.name = ""
         self.random_ops = 0
+        self.node: Node | None = None
+        self.inputs: list = []
 
     def seed(self) -> tuple[ip.Tensor, int]:
-        """The seed tensor and a modifier distinct for every random op of this program."""
+        """The seed tensor and a modifier distinct for every random op of this program. A
+        recomputed random op gets what its forward drew with: the seed as the forward's program
+        saw it (its last input, from the stash) and the same modifier, so it draws the same bits."""
+        original = self.node.attrs.get("recomputes") if self.node is not None else None
+        if original is not None:
+            return self.inputs[-1], self.lowering.seed_modifiers[original]
         self.random_ops += 1
+        if self.node is not None:
+            self.lowering.seed_modifiers[self.node] = self.random_ops
         return self.lowering.seed(self.graph.ipu), self.random_ops
 
 
@@ -455,6 +550,21 @@ def _copy(ctx, n, ins):
     return [out]
 
 
+@lowers("checkpoint")
+def _checkpoint(ctx, n, ins):
+    """recomputationCheckpoint: the value itself (recomputation stashes it instead of recomputing it)."""
+    return [ins[0]]
+
+
+@lowers("seed_snapshot")
+def _seed_snapshot(ctx, n, ins):
+    """The IPU's seed as this forward program draws from it, for its recomputation (stashed)."""
+    seed = ctx.lowering.seed(ctx.graph.ipu)
+    out = ctx.graph.clone(seed, ctx.name, category="activations", always_live=False)
+    ctx.prog.add(ip.Copy(seed, out))
+    return [out]
+
+
 @lowers("assign")
 def _assign(ctx, n, ins):
     """A buffer's new value (functionalised in-place update) copied into the buffer."""
@@ -493,7 +603,11 @@ def _memory(a):
 
 @lowers("matmul")
 def _matmul(ctx, n, ins):
-    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(n.attrs))]
+    a = n.attrs
+    if a.get("serialization", "none") != "none":
+        return [mm.serialized_matmul(ctx.graph, ins[0], ins[1], ctx.prog, a["serialization"], a["factor"], ctx.name,
+                                     keep_precision=a["keep_precision"], **_memory(a))]
+    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(a))]
 
 
 def _conv_args(a):
@@ -502,6 +616,8 @@ def _conv_args(a):
 
 @lowers("conv")
 def _conv(ctx, n, ins):
+    if "multiconv" in n.attrs:   # a convolution of a poptorch.MultiConv (compiler/multiconv.py)
+        return lower_member(ctx, n, ins, _conv_args)
     return [conv.conv(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs),
                       **_memory(n.attrs))]
 
@@ -516,6 +632,82 @@ def _print_tensor(ctx, n, ins):
     return [ins[0]]
 
 
+@lowers("custom_op")
+def _custom_op(ctx, n, ins):
+    """poptorch.custom_op: the registered kernel as the vertices of a compute set (ipusim.ops.custom)."""
+    d, call = n.attrs["definition"], n.attrs["call"]
+    return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], d.forward, ctx.prog,
+                             partition=d.partition, cycles=d.cycles, attributes=call.attribute_dict,
+                             name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("custom_op_backward")
+def _custom_op_backward(ctx, n, ins):
+    """The registered gradient kernel, given (grads, inputs, outputs); its results for the
+    floating-point inputs (None from the kernel: zeros)."""
+    d, call = n.attrs["definition"], n.attrs["call"]
+    kernel = custom_ops.GradientKernel(d.backward, n.attrs["counts"], n.attrs["wanted"], call.describe())
+    return custom_ops.custom(ctx.graph, ins, [(v.shape, v.dtype) for v in n.outputs], kernel, ctx.prog,
+                             partition=d.partition, cycles=d.backward_cycles, attributes=call.attribute_dict,
+                             name=f"{ctx.name}/{call.domain}.{call.name}")
+
+
+@lowers("ctc_beam_search_decoder")
+def _ctc_decoder(ctx, n, ins):
+    a = n.attrs
+    return list(ctc_decoder.ctc_beam_search_decoder(ctx.graph, *ins, ctx.prog, blank=a["blank"],
+                                                    beam_width=a["beam_width"], top_paths=a["top_paths"],
+                                                    name=ctx.name))
+
+
+@lowers("fps")
+def _fps(ctx, n, ins):
+    a = n.attrs
+    draws = None
+    if a["random_start"]:
+        seed, modifier = ctx.seed()
+        draws = rnd.uniform(ctx.graph, (len(a["ptr"]) - 1,), seed, ctx.prog, 0.0, 1.0, "float32",
+                            name=f"{ctx.name}/start", seed_modifier=modifier)
+    return [cluster.fps(ctx.graph, ins[0], a["ptr"], a["ratio"], ctx.prog, random_u=draws, name=ctx.name)]
+
+
+@lowers("nearest")
+def _nearest(ctx, n, ins):
+    return [cluster.nearest(ctx.graph, *ins, ctx.prog, name=ctx.name)]
+
+
+@lowers("loss_scale")
+def _loss_scale(ctx, n, ins):
+    """The gradient seed times the replica's loss-scale tensor (the optimiser's loss_scaling, or
+    automatic loss scaling's)."""
+    scale = ctx.lowering.loss_scaling.scale(ctx.lowering, ctx.graph)
+    x = ins[0]
+    factor = scale if x.dtype == scale.dtype else ew.cast(ctx.graph, scale, x.dtype, ctx.prog, f"{ctx.name}/scale")
+    return [ew.binary(ctx.graph, "mul", x, factor.broadcast((x.numel,)).reshape(x.shape), ctx.prog, ctx.name)]
+
+
+@lowers("cpu_op")
+def _cpu_op(ctx, n, ins):
+    """poptorch.CPU: each input leaves by a device-to-host stream, the host calls the function and
+    each result comes back by a host-to-device stream (the runtime connects them: HostCallSite)."""
+    name = f"{ctx.name}/{n.outputs[0].name}"
+    to_host, from_host, outs = [], [], []
+    for i, (t, v) in enumerate(zip(ins, n.inputs)):
+        stream = ctx.graph.addDeviceToHostFIFO(f"{name}/to_host/{i}", t.dtype, t.shape)
+        ctx.prog.add(ip.StreamCopy(t, stream))
+        to_host.append(stream.name)
+    for j, v in enumerate(n.outputs):
+        out = ctx.graph.addVariable(v.dtype, v.shape, f"{name}/result/{j}", category="activations",
+                                    always_live=False)
+        ctx.graph.map_linearly(out, grain=4, min_elements_per_tile=64)
+        stream = ctx.graph.addHostToDeviceFIFO(f"{name}/from_host/{j}", v.dtype, v.shape)
+        ctx.prog.add(ip.StreamCopy(stream, out))
+        from_host.append(stream.name)
+        outs.append(out)
+    ctx.lowering.host_calls.append(HostCallSite(n.attrs["call"], to_host, from_host))
+    return outs
+
+
 @lowers("conv_backward_input")
 def _conv_bwd_input(ctx, n, ins):
     return [conv.conv_backward_input(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
@@ -525,7 +717,7 @@ def _conv_bwd_input(ctx, n, ins):
 @lowers("conv_backward_weights")
 def _conv_bwd_weights(ctx, n, ins):
     return [conv.conv_backward_weights(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
-                                       **_conv_args(n.attrs))]
+                                         **_conv_args(n.attrs))]
 
 
 def _pool_args(a):
@@ -672,6 +864,8 @@ def _batch_norm(ctx, n, ins):
         return [norm.batch_norm2d_inference(ctx.graph, x, running_mean, running_var, w, b, a["eps"], ctx.prog,
                                             name=ctx.name)]
     y, mean, var, inv_std = norm.batch_norm2d_train(ctx.graph, x, w, b, a["eps"], ctx.prog, name=ctx.name)
+    if "recomputes" in a:   # the forward updated the running statistics already
+        return [y, mean, var, inv_std]
     count = x.numel // x.shape[1]
     norm.update_running_stats(ctx.graph, running_mean, running_var, mean, var, a["momentum"], count, ctx.prog,
                               name=f"{ctx.name}/running_stats")
@@ -733,6 +927,36 @@ def weight_view(v: Value, producer: dict, weight_ids: dict) -> list[Node] | None
     return chain[::-1] or None
 
 
+class Routes:
+    """Where a stage program of a recomputed stage takes an input from, when not from its
+    producer: its recompute program takes from the stage's forward whatever it did not make
+    (the forward received or made it, and stashes it); its backward takes from the recompute
+    program what that holds (made or received), and its weight gradient takes that from the
+    backward (from the recompute program when the stage's backward is all weight gradient); a
+    value of another stage's forward that this stage's forward received comes from there (one
+    transfer between IPUs)."""
+
+    def __init__(self, programs: dict, producer_key: dict, used_by: set, input_index: dict):
+        self.recomputed = {k[1] for k in programs if k[0] == RECOMPUTE}
+        self.backwards = {k[1] for k in programs if k[0] == "bwd"}
+        self.producer_key, self.used_by, self.input_index = producer_key, used_by, input_index
+
+    def __call__(self, v: Value, key: tuple, src: tuple | None) -> tuple | None:
+        pass_, s = key
+        if s not in self.recomputed or pass_ == "fwd":
+            return src
+        forward, recompute = ("fwd", s), (RECOMPUTE, s)
+        if pass_ == RECOMPUTE:
+            if src == key or (src is None and v.id not in self.input_index):
+                return src
+            return forward
+        if self.producer_key.get(v.id) == recompute or (v.id, recompute) in self.used_by:
+            return recompute if pass_ == "bwd" or s not in self.backwards else ("bwd", s)
+        if src is not None and src[0] == "fwd" and src[1] != s and (v.id, forward) in self.used_by:
+            return forward
+        return src
+
+
 def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, int]:
     """Slots each channel needs: the most micro-batches in flight between producer and consumer."""
     when: dict[tuple, dict[int, int]] = {}
@@ -754,3 +978,7 @@ def channel_slots(schedule, channels: list[tuple[tuple, tuple]]) -> dict[tuple, 
         out[(src, dst)] = max(1, peak)
     return out
 
+
+from . import control_flow  # noqa: E402  (device loops and branches, dynamic slices: their lowerings)
+
+LOWER.update(control_flow.IR)

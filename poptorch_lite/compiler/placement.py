@@ -35,6 +35,7 @@ class OpPlacement:
     ipu: int
     phase: Optional[int]
     source: str                # the user's file:line
+    scope: str = ""            # the NameScopes it was made in, "encoder/attention"
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,11 @@ class PlacementTable:
 
     def __str__(self) -> str:
         phased = self.placement.schedule_kind.endswith("phased")
-        header = ["node", "op", "from", "block", "stage", "ipu"] + (["phase"] if phased else [])
-        lines = [[r.node, r.op, r.origin, "-" if r.block is None else r.block, str(r.stage), str(r.ipu)]
+        scoped = any(r.scope for r in self.rows)
+        header = ["node", "op", "from"] + (["scope"] if scoped else []) + ["block", "stage", "ipu"] + \
+            (["phase"] if phased else [])
+        lines = [[r.node, r.op, r.origin] + ([r.scope or "-"] if scoped else []) +
+                 ["-" if r.block is None else r.block, str(r.stage), str(r.ipu)]
                  + ([str(r.phase)] if phased else []) for r in self.rows]
         widths = [max(len(row[i]) for row in [header] + lines) for i in range(len(header))]
         text = [repr(self.strategy)]
@@ -98,5 +102,6 @@ def op_placement(model: torch.nn.Module, strategy: Optional[ExecutionStrategy] =
             continue
         call = calls.setdefault(id(annotation), len(calls))   # one Annotation per call of the user's code
         rows.append(OpPlacement(node=node.name, call=call, op=aten_name(node), origin=annotation.describe(), block=site.block,
-                                stage=site.stage, ipu=site.ipu, phase=site.phase, source=annotation.source))
+                                stage=site.stage, ipu=site.ipu, phase=site.phase, source=annotation.source,
+                                scope=annotation.scope))
     return PlacementTable(strategy, placement, tuple(rows))

@@ -82,9 +82,16 @@ class UpdatePlan:
     def __init__(self):
         self.programs: dict[int, list[int]] = {}         # replica-0 IPU -> engine program indices, in order
         self.configs: list[tuple[int, dev.Optimiser]] = []  # (param group index, configuration)
-        # weight name -> [(config, updated weight)] for replica 0, or for every replica's shard when sharded
+        # weight name -> [(config, updated weight)] for replica 0, or every replica's shard in element order
         self.states: dict[str, list[tuple[dev.Optimiser, ip.Tensor]]] = {}
         self.state_buffers: dict[int, ip.RemoteBuffer] = {}  # state tensor variable id -> its Streaming Memory
+        self.sharded: set[str] = set()      # weights whose optimiser state is sharded over the replicas
+        self.loss_scaling = None            # the device's loss scale (compiler/loss_scaling.py), or None
+        self.grouped: dict[str, list[int]] = {}   # per-replica variable -> the replica of each host slice
+
+    @property
+    def automatic_loss_scaling(self) -> bool:
+        return self.loss_scaling is not None and self.loss_scaling.automatic
 
 
 def _param_groups(optimizer, named_params: dict) -> dict[str, int]:
@@ -104,14 +111,27 @@ def accumulator_dtypes(optimizer: torch.optim.Optimizer, named_params: dict) -> 
     return {name: accumulator_dtype(groups[gi]) for name, gi in _param_groups(optimizer, named_params).items()}
 
 
-def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict) -> UpdatePlan:
-    """Per IPU of replica 0, the programs run at each weight update: the all-reduce of the
-    gradient accumulators across replicas (ring over IPU-Links), each replica's in-place
-    optimiser update with its accumulator cleared, and with replicated tensor sharding the
-    all-gather of the updated shards. Off-chip optimiser state, accumulators and weights are
-    streamed from Streaming Memory around their use."""
+def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict,
+                  variable_groups: dict | None = None) -> UpdatePlan:
+    """Per IPU of replica 0, the programs run at each weight update: the reduction of the gradient
+    accumulators across replicas (ring over IPU-Links), each replica's in-place optimiser update
+    with its accumulator cleared, and the gather of sharded weights. Off-chip optimiser state,
+    accumulators and weights are streamed from Streaming Memory around their use.
+
+    Replicated tensor sharding (`useReplicatedTensorSharding` on the optimiser's location, for
+    weights of at least `minElementsForReplicatedTensorSharding` elements and one per replica):
+    the accumulators are reduce-scattered instead of all-reduced, replica r updates only its
+    shard (`collectives.shard_bounds`) and holds the optimiser state of that shard alone (1/R of
+    the state bytes), and the updated shards are all-gathered into every replica's weight. The two
+    halves of the ring cost what one all-reduce costs; the values equal the unsharded update's.
+
+    A per-replica variable (`variable_groups`, `model.weight.replicaGrouping`) has its gradients
+    summed within each replica group only (a ring all-reduce over the group's replicas); it is
+    not sharded."""
     plan = UpdatePlan()
     replicas = len(lowerings)
+    variable_groups = variable_groups or {}
+    plan.grouped = {n: g.readers(replicas) for n, g in variable_groups.items()}
     group_of = _param_groups(optimizer, named_params)
     divisor = reduction_divisor(options, replicas)
     configs = {gi: device_config(optimizer, g, divisor) for gi, g in enumerate(optimizer.param_groups)}
@@ -128,20 +148,23 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     for name in names:
         by_ipu.setdefault(first.weights[name].ipu, []).append(name)
     for ipu0, weight_names in sorted(by_ipu.items()):
+        sharded = {n for n in weight_names if shard and first.weights[n].numel >= max(min_shard, replicas)
+                   and n not in variable_groups}
+        plan.sharded |= sharded
         indices = []
         if replicas > 1:
-            indices.append(first.add_program(_all_reduce(device, lowerings, weight_names, ipu0)))
-        gathers = ip.Sequence(name=f"all-gather shards ipu{ipu0}")
+            indices.append(first.add_program(_reduce(device, lowerings, weight_names, sharded, ipu0,
+                                                     {n: g.reduction_groups(replicas) for n, g in
+                                                      variable_groups.items()})))
         for r, low in enumerate(lowerings):
             seq = ip.Sequence(name=f"weight update replica {r} ipu{ipu0 + r * (len(device.graphs) // replicas)}")
             for name in weight_names:
                 cfg = configs[group_of[name]]
                 w, acc = low.weights[name], low.accumulators[name]
                 g = low.graph(w.ipu)
-                sharded = shard and w.numel >= max(min_shard, replicas)
-                bounds = _shards(w.numel, replicas) if sharded else None
-                w_upd = w.flatten()[bounds[r][0]:bounds[r][1]] if sharded else w
-                acc_upd = acc.flatten()[bounds[r][0]:bounds[r][1]] if sharded else acc
+                lo, hi = collectives.shard_bounds(w.numel, replicas)[r] if name in sharded else (0, w.numel)
+                w_upd = w.flatten()[lo:hi] if name in sharded else w
+                acc_upd = acc.flatten()[lo:hi] if name in sharded else acc
                 state = cfg.state(g, w_upd)
                 offloaded = [t for t in (*state.tensors.values(), state.step)
                              if t is not None and offload_state and t.numel >= min_offload]
@@ -152,27 +175,21 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                 ew.unary(g, "fill", acc, seq, f"{acc.name}/clear", out=acc, scale=0.0)
                 for p in stores:
                     seq.add(p)
-                if r == 0 or sharded:
+                if r == 0 or name in sharded or name in variable_groups:
                     plan.states.setdefault(name, []).append((cfg, w_upd))
-                if sharded:
-                    lo, hi = bounds[r]
-                    for q, other in enumerate(lowerings):
-                        if q != r:
-                            gathers.add(ip.InterIpuCopy(w.flatten()[lo:hi], other.weights[name].flatten()[lo:hi]))
             ipus = {low.weights[name].ipu for name in weight_names}
             for count in low.counters:  # Running: the next group's mean starts again
                 if count.ipu in ipus:
                     ew.unary(low.graph(count.ipu), "fill", count, seq, f"{count.name}/clear", out=count, scale=0.0)
             indices.append(first.add_program(seq))
-        if gathers.programs:
-            indices.append(first.add_program(gathers))
+        if sharded:
+            indices.append(first.add_program(_gather(device, lowerings, [n for n in weight_names if n in sharded],
+                                                     ipu0)))
         plan.programs[ipu0] = indices
+    for name in plan.sharded:   # shards in the order of their elements (replica r holds chunk r + 1)
+        order = np.argsort([b for b, _ in collectives.shard_bounds(first.weights[name].numel, replicas)], kind="stable")
+        plan.states[name] = [plan.states[name][i] for i in order]
     return plan
-
-
-def _shards(n: int, replicas: int) -> list[tuple[int, int]]:
-    per = -(-n // replicas)
-    return [(min(r * per, n), min((r + 1) * per, n)) for r in range(replicas)]
 
 
 def _streamed(low, g, w, acc, state_tensors, plan: UpdatePlan) -> tuple[list, list]:
@@ -192,19 +209,49 @@ def _streamed(low, g, w, acc, state_tensors, plan: UpdatePlan) -> tuple[list, li
     return loads, stores
 
 
-def _all_reduce(device, lowerings, names: list[str], ipu0: int) -> ip.Sequence:
-    """Sum each weight's accumulators over the replicas, in place (ring all-reduce)."""
-    seq = ip.Sequence(name=f"gradient all-reduce ipu{ipu0}")
+def _around(seq: ip.Sequence, tensors: list, buffers: list, body) -> None:
+    """Run `body(seq)` with the tensors whose Streaming Memory buffer is given loaded first and
+    stored after."""
+    for t, buf in zip(tensors, buffers):
+        if buf is not None:
+            seq.add(ip.RemoteCopy(buf, t))
+    body(seq)
+    for t, buf in zip(tensors, buffers):
+        if buf is not None:
+            seq.add(ip.RemoteCopy(t, buf))
+
+
+def _reduce(device, lowerings, names: list[str], sharded: set, ipu0: int, groups: dict) -> ip.Sequence:
+    """Sum each weight's accumulators over the replicas in place: a ring all-reduce, or for a
+    sharded weight a ring reduce-scatter (each replica then holds the sum of its shard), or for a
+    per-replica variable an all-reduce within each of its replica groups (`groups`)."""
+    seq = ip.Sequence(name=f"gradient reduction ipu{ipu0}")
     for name in names:
         accs = [low.accumulators[name] for low in lowerings]
         buffers = [low.accumulator_buffers.get(name) for low in lowerings]
-        for acc, buf in zip(accs, buffers):
-            if buf is not None:
-                seq.add(ip.RemoteCopy(buf, acc))
-        collectives.all_reduce(device, accs, seq, "sum", f"all_reduce/{name}", in_place=True)
-        for acc, buf in zip(accs, buffers):
-            if buf is not None:
-                seq.add(ip.RemoteCopy(acc, buf))
+        if name in groups:
+            for members in groups[name]:
+                if len(members) > 1:
+                    sub = [accs[r] for r in members]
+                    _around(seq, sub, [buffers[r] for r in members],
+                            lambda s: collectives.all_reduce(device, sub, s, "sum", f"all_reduce/{name}", in_place=True))
+        elif name in sharded:
+            _around(seq, accs, buffers,
+                    lambda s: collectives.reduce_scatter(device, accs, s, "sum", f"reduce_scatter/{name}"))
+        else:
+            _around(seq, accs, buffers,
+                    lambda s: collectives.all_reduce(device, accs, s, "sum", f"all_reduce/{name}", in_place=True))
+    return seq
+
+
+def _gather(device, lowerings, names: list[str], ipu0: int) -> ip.Sequence:
+    """Every replica's updated shard of each sharded weight into every replica's weight (ring)."""
+    seq = ip.Sequence(name=f"all-gather shards ipu{ipu0}")
+    for name in names:
+        weights = [low.weights[name] for low in lowerings]
+        buffers = [low.weight_buffers.get(name) for low in lowerings]
+        _around(seq, weights, buffers,
+                lambda s: collectives.all_gather_shards(device, weights, s, f"all_gather_shards/{name}"))
     return seq
 
 
@@ -235,6 +282,8 @@ def read_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optim
 
     for name, parts in plan.states.items():
         p = named_params[name]
+        if name in plan.grouped:   # a per-replica variable: each host slice from its replica
+            parts = [parts[r] for r in plan.grouped[name]]
         pieces: dict[str, list] = {}
         step = None
         for cfg, w in parts:

@@ -8,14 +8,18 @@ records the simulated cycles of each step for the profiler.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
+import datetime
 import gc
 import math
+import os
 import sys
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -24,28 +28,47 @@ from tqdm import tqdm
 import ipusim as ip
 from ipusim.ops import random as rnd
 
-from ..api import arguments, batching
+from ..api import arguments, batching, poptorch_core, replica_groups
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
-from ..api.errors import Error
+from ..api import errors
+from ..api.errors import Error, UnsupportedAttributeError
 from ..api.optim import mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
-from ..compiler.executable import Executable, compile_model, target_of
+from ..api.profiling import Channel
+from ..compiler.executable import Executable, compile_model, loss_scaling, target_of
+from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
+from ..compiler.ir_json import popart_ir
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_state, write_hyperparameters
-from . import anchors, cache
+from . import anchors, cache, host_calls, overlap, saved, timeline
 from .step_threads import StepThreads
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
+TRACE = Channel("poptorch")   # the host tracepoints of compiled models (poptorch.profiling)
+_LIVE: "weakref.WeakSet[PoplarExecutor]" = weakref.WeakSet()   # models poptorchAtExit releases
+
+class OfflineDeviceError(Error, RuntimeError, AssertionError):
+    """A model for an offline target (``useOfflineIpuTarget``) was called: it can only compile.
+    (PopTorch reports it as an AssertionError, so it is one too.)"""
+
+
+# The public methods and properties of PopTorch's compiled model (PopTorch's PoplarExecutor).
+POPTORCH_METHODS = frozenset({
+    "attachToDevice", "compile", "compileAndExport", "compilationTime", "copyNamedBuffersToDevice",
+    "copyWeightsToDevice", "copyWeightsToHost", "copyWeightsToHostIfNeeded", "cycleCount", "destroy",
+    "detachFromDevice", "getAnchoredTensor", "getComputeLatency", "getHostIpuLatency", "getIpuHostLatency",
+    "getLatency", "getPerfCounters", "getTensorNames", "isAttachedToDevice", "isCompiled", "loadExecutable",
+    "load_state_dict", "model", "options", "rng_state", "save", "setOptimizer"})
 
 
 @dataclass
 class Event:
     """One program run on the device during a step: which op it serves, what part, its cycles."""
     op: object                      # the schedule's op (ipusim.schedules.Op)
-    part: str                       # "receive" | "compute" | "outputs" | "send" | "update"
+    part: str                       # "prefetch" | "receive" | "compute" | "outputs" | "drain" | "send" | "update"
     program: int                    # engine program index
     per_ipu: dict[int, ip.Cycles]   # busy cycles by kind on each IPU it touched
 
@@ -59,6 +82,7 @@ class StepRecord:
     events: list[Event]
     busy: dict[int, ip.Cycles]
     cycles: int
+    overlapped: list = field(default_factory=list)  # host transfers on IO tiles during the step (overlap.py)
 
 
 @dataclass
@@ -105,6 +129,13 @@ def collection_paused():
 
 
 class PoplarExecutor:
+    """A model compiled for emulated IPUs (what trainingModel / inferenceModel return): calling it
+    runs the schedule on the device and returns the outputs shaped by the output mode."""
+
+    # registerPreCompileHook / registerPostCompileHook: called, in order, around every compile
+    _precompile_hooks: dict[int, Callable] = collections.OrderedDict()
+    _postcompile_hooks: dict[int, Callable] = collections.OrderedDict()
+
     def __init__(self, model: torch.nn.Module, options: Options | None, training: bool, optimizer=None):
         options = options if options is not None else Options()
         options._freeze()  # the user's options can no longer change...
@@ -114,6 +145,7 @@ class PoplarExecutor:
         if self._options.defaultOutputMode():
             self._options.outputMode(batching.resolve_output_mode(options, training))
         self._options._freeze()
+        poptorch_core.parse_options(self._options)
         self._user_model = model
         self._training = training
         self._executable: Executable | None = None
@@ -128,6 +160,10 @@ class PoplarExecutor:
         self._threads: StepThreads | None = None  # host threads running the IPUs of a step, per executable
         self._anchors: list[anchors.Anchor] = []    # Options.anchorTensor, resolved when compiled
         self._anchored: dict[str, torch.Tensor] = {}  # the last call's anchored tensors
+        self._loss_scaling_steps: set[int] = set()  # steps after which automatic loss scaling updates
+        self._variable_groups: dict[str, replica_groups.VariableGrouping] = {}   # per-replica variables
+        self._compilation_time: datetime.timedelta | None = None
+        self._rng_state: list[int] | None = None     # set before compiling: written when the model compiles
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -141,6 +177,8 @@ class PoplarExecutor:
             batching.check_inference_options(options)
             self._optimizer = None
             self._resolve_mean_strategy()
+
+        _LIVE.add(self)
 
     def _resolve_mean_strategy(self) -> None:
         """The model's options name the mean-reduction strategy it runs with (PopTorch chooses it
@@ -217,6 +255,7 @@ class PoplarExecutor:
 
     @property
     def model(self) -> torch.nn.Module:
+        """The wrapped torch model."""
         return self._user_model
 
     @property
@@ -234,6 +273,7 @@ class PoplarExecutor:
 
     # ---- compile ------------------------------------------------------------------------------
     def isCompiled(self) -> bool:
+        """Whether the model has an executable (compiled or loaded, and not destroyed)."""
         return self._executable is not None
 
     def compile(self, *args, **kwargs) -> None:
@@ -250,15 +290,29 @@ class PoplarExecutor:
                                   for (_, t), plan in zip(call.tensors, plans)])
 
     def _compile(self, call: arguments.CallArguments) -> None:
-        with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}") as bar:
+        with tqdm(total=100, desc="Graph compilation", bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total}",
+                  disable=not self._options.show_compilation_progress_bar) as bar:
             margs, mkwargs = self._micro_batch_args(call)
             executable = compile_model(self._user_model, margs, mkwargs, self._options, self._training,
                                        self._optimizer if self._training else None, self._named_weights(),
-                                       progress=bar.update)
+                                       progress=bar.update, variable_groups=self._variable_groups)
         self._install(executable)
 
-    @collection_paused()
     def _compile_or_load(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
+        """Compile (or load from the executable cache) between the registered pre- and post-compile
+        hooks, timing it (`compilationTime`)."""
+        for hook in list(PoplarExecutor._precompile_hooks.values()):
+            hook()
+        start = time.perf_counter()
+        with TRACE.tracepoint("compile"):
+            loaded = self._compile_or_load_paused(args, kwargs, lock_timeout=lock_timeout)
+        self._compilation_time = datetime.timedelta(seconds=time.perf_counter() - start)
+        for hook in list(PoplarExecutor._postcompile_hooks.values()):
+            hook()
+        return loaded
+
+    @collection_paused()
+    def _compile_or_load_paused(self, args, kwargs, *, lock_timeout: float = cache.LOCK_TIMEOUT) -> bool:
         """Compile for this call's inputs, or load the executable from the cache when
         ``options.cache_path`` is set and holds an entry for it; returns True when loaded.
         Python's cyclic garbage collector waits until the executable is made (`collection_paused`).
@@ -272,6 +326,10 @@ class PoplarExecutor:
         path = options.cache_path
         call = arguments.bind(self._forward(), args, kwargs)
         self._call = call
+        if path is not None and self._variable_groups:
+            cache.logger.warning("Executable caching is off for a model with per-replica variables "
+                                 "(replicaGrouping): the cache key does not hold their grouping")
+            path = None
         if path is None:
             self._compile(call)
             return False
@@ -320,13 +378,22 @@ class PoplarExecutor:
         self._connect_streams()
         trained = set(executable.lowering.accumulators) if self._training else set()
         dtypes = {name: w.dtype for name, w in self._named_weights().items()}
-        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes)
+        self._anchors = anchors.resolve(opts.anchored_tensors, opts, self._training, trained, dtypes,
+                                        scaled=executable.updates.automatic_loss_scaling)
         self._is_attached = True
         self.copyWeightsToDevice()
+        scaling = executable.updates.loss_scaling
+        self._loss_scaling_steps = group_ends(executable.schedule) if executable.updates.automatic_loss_scaling \
+            else set()
+        if scaling is not None:
+            scaling.initialise(executable.engine)
 
     # ---- host <-> device ----------------------------------------------------------------------
     def _connect_streams(self) -> None:
         exe = self._executable
+        opts = self._options
+        self._input_group = [replica_groups.group_of(r, exe.replicas, opts.input_group_size, opts.input_cgt)
+                             for r in range(exe.replicas)]
         self._feed: dict[tuple, int] = {}
         self._inputs: list[np.ndarray] = []
         self._outputs: dict[int, dict[tuple, np.ndarray]] = collections.defaultdict(dict)
@@ -338,13 +405,15 @@ class PoplarExecutor:
                     exe.engine.connectStream(name, self._output_callback((r, key), index))
             for name, title, fmt in low.printed:
                 exe.engine.connectStream(name, printer(title, fmt))
+            host_calls.connect(exe.engine, low.host_calls)
 
     def _input_callback(self, key, index):
-        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout)."""
-        replicas = self._executable.replicas
+        """Replica r of micro-batch k reads sample block k * R + r (PopART's input layout); with
+        input replica groups, block k * G + g, g being replica r's group of the G."""
+        groups, block = self._options.input_groups, self._input_group[key[0]]
 
         def feed():
-            return self._inputs[index][self._feed[key] * replicas + key[0]]
+            return self._inputs[index][self._feed[key] * groups + block]
         return feed
 
     def _output_callback(self, key, index):
@@ -360,9 +429,11 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         exe = self._executable
         weights = self._named_weights()
-        for low in exe.lowerings:
+        for r, low in enumerate(exe.lowerings):
             for name, t in low.weights.items():
                 value = weights[name].detach().cpu().numpy().astype(t.dtype)
+                if name in self._variable_groups:   # a per-replica variable: this replica's slice
+                    value = value[self._variable_groups[name].host_index(r, exe.replicas)]
                 if name in low.weight_buffers:
                     exe.engine.writeRemoteBuffer(low.weight_buffers[name], value)
                 else:
@@ -370,21 +441,33 @@ class PoplarExecutor:
             base = self._options.random_seed if self._options.random_seed is not None else torch.initial_seed()
             for ipu, seed in low.seeds.items():
                 exe.engine.writeTensor(seed, rnd.seed_words((int(base) * 1_000_003 + ipu) % 2 ** 64))
+        if self._rng_state is not None:
+            self._write_rng_state(self._rng_state)
 
     def copyWeightsToHost(self) -> None:
+        """Copy the weights from the device into the model's parameters and buffers."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         exe = self._executable
         low = exe.lowering
         weights = self._named_weights()
+
+        def read(lowering, name):
+            return exe.engine.readRemoteBuffer(lowering.weight_buffers[name]) if name in lowering.weight_buffers \
+                else exe.engine.readTensor(lowering.weights[name])
+
         with torch.no_grad():
             for name, t in low.weights.items():
-                value = exe.engine.readRemoteBuffer(low.weight_buffers[name]) if name in low.weight_buffers \
-                    else exe.engine.readTensor(t)
+                if name in self._variable_groups:   # a per-replica variable: each slice from its replica
+                    readers = self._variable_groups[name].readers(exe.replicas)
+                    value = np.stack([read(exe.lowerings[r], name) for r in readers])
+                else:
+                    value = read(low, name)
                 weights[name].copy_(torch.from_numpy(value).to(weights[name].dtype))
         self._host_weights_version += 1
 
     def detachFromDevice(self) -> None:
+        """Detach from the device (trained weights copied to the host first)."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         if not self._is_attached:
@@ -394,6 +477,7 @@ class PoplarExecutor:
         self._is_attached = False
 
     def attachToDevice(self) -> None:
+        """Attach to the (emulated) device again after detachFromDevice; copies the weights to it."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
         if self._is_attached:
@@ -402,9 +486,11 @@ class PoplarExecutor:
         self.copyWeightsToDevice()
 
     def isAttachedToDevice(self) -> bool:
+        """Whether the model is attached to its (emulated) device."""
         return self._is_attached
 
     def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy the weights to the host if a training call changed them since; True if it did."""
         if self._dirty_host_weights:
             self._dirty_host_weights = False
             self.copyWeightsToHost()
@@ -412,6 +498,7 @@ class PoplarExecutor:
         return False
 
     def destroy(self) -> None:
+        """Release the executable (trained weights copied to the host first); compiled again on use."""
         if self._executable is None:
             return
         if self._training:
@@ -424,7 +511,7 @@ class PoplarExecutor:
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._options.connection_type == ConnectionType.Never:
-            raise RuntimeError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
+            raise OfflineDeviceError("Trying to run a model on an offline device (useOfflineIpuTarget): use "
                                "model.compile(inputs) instead of model(inputs)")
         if self._executable is None:
             self._compile_or_load(args, kwargs)
@@ -440,7 +527,8 @@ class PoplarExecutor:
         self._outputs.clear()
         for anchor in self._anchors:
             anchor.values = []
-        record = self._run_schedule(exe)
+        with TRACE.tracepoint("execute"):
+            record = self._run_schedule(exe)
         self._anchored = {a.short_name: a.result() for a in self._anchors if a.values}
         self.last_run = record
         if self._profiler is not None:
@@ -448,7 +536,7 @@ class PoplarExecutor:
         if self._training:
             self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
             self._dirty_host_weights = True
-        return self._shape_outputs(exe)
+        return _refuse_backward(self._shape_outputs(exe))
 
     def _count_batch_norm_batches(self, micro_batches: int) -> None:
         """num_batches_tracked is a host-side counter (used only with momentum=None, which the
@@ -473,7 +561,7 @@ class PoplarExecutor:
     def _split_inputs(self, tensors: list[tuple[str, torch.Tensor]]) -> list[np.ndarray]:
         """Each input as [micro-batches of the call, *micro-batch shape] in schedule order."""
         exe = self._executable
-        micro_batches = math.prod(batching.batch_factors(self._options, self._training))
+        micro_batches = math.prod(batching.input_factors(self._options, self._training))
         out = []
         for (_, t), v in zip(tensors, exe.ir.inputs):  # shapes checked when the call was matched
             arr = t.detach().cpu().numpy().astype(v.dtype, copy=False)
@@ -513,13 +601,21 @@ class PoplarExecutor:
                 if sp is None:
                     continue
                 feeds.append((r, key))
+                runs += [("prefetch", index) for _, index in sp.prefetch]
                 runs += [("receive", ch.recv[k % ch.slots]) for ch in exe.in_channels[(r, key)] if ch.recv]
                 runs.append(("compute", sp.body))
                 if sp.outputs >= 0 and self._wants_output(k):
                     runs.append(("outputs", sp.outputs))
+                    runs += [("drain", index) for _, index in sp.drain]
             sends = [("send", ch.send[k % ch.slots]) for r in range(exe.replicas) for ch in exe.out_channels[(r, key)]]
             plan = self._op_plans[id(op)] = (feeds, runs, sends)
         return plan
+
+    def _debugGetPopartIR(self) -> str:
+        """The compiled graph as JSON, in the layout of PopTorch's (PopART's IR): {"maingraph": [ops]}."""
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        return popart_ir(self._executable.ir)
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The tensor anchored as `short_name` (Options.anchorTensor) by the last call."""
@@ -535,8 +631,9 @@ class PoplarExecutor:
         return _execute(exe.engine, op, self._op_runs(exe, op)[2], report)
 
     def _run_schedule(self, exe: Executable) -> RunRecord:
-        """Each step: every IPU runs its op (on host threads, see step_threads), then the channel
-        copies; the step lasts as long as its busiest IPU. The programs, their order and their
+        """Each step: every IPU runs its op (on host threads, see step_threads; an IPU that
+        recomputes runs its R and then its B), then the channel copies; the step lasts as long
+        as its busiest IPU. The programs, their order and their
         cycles are fixed when the model is compiled, so the record of a call is the same on every
         call: the first call makes it, the others reuse it (unless a program branches on device
         data or a profiler wants each call's reports)."""
@@ -547,11 +644,15 @@ class PoplarExecutor:
         start = time.perf_counter()
         with exe.engine.running(threads):  # one setting of the kernel and BLAS threads for the whole call
             for t, step in enumerate(exe.schedule.steps):
-                if team is not None and len(step.ops) > 1:
-                    parts = team.map(lambda op: self._run_op(exe, op, not reuse), step.ops)
+                per_ipu = step.by_ipu()
+                if team is not None and len(per_ipu) > 1:
+                    parts = team.map(lambda ops: [e for op in ops for e in self._run_op(exe, op, not reuse)], per_ipu)
                 else:
                     parts = [self._run_op(exe, op, not reuse) for op in step.ops]
                 sends = [self._send(exe, op, not reuse) for op in step.ops]
+                if t in self._loss_scaling_steps:  # automatic loss scaling, after the group's weight update
+                    op = next(op for op in step.ops if op.kind == "U")
+                    sends.append(_execute(exe.engine, op, [("update", exe.updates.loss_scaling.program)], not reuse))
                 if reuse:
                     continue
                 events = [e for part in parts + sends for e in part]
@@ -564,6 +665,7 @@ class PoplarExecutor:
         self._threads.ran(threads, time.perf_counter() - start)
         if reuse:
             return self._record
+        overlap.hide_host_io(record, overlap.overlap_modes(exe), self._training)
         if self._profiler is None and exe.engine.fixed_reports:
             self._record = record
         return record
@@ -588,9 +690,9 @@ class PoplarExecutor:
             if v.id in inputs:
                 # An output that is a model input (or an op that reduces to one, such as dropout
                 # in inference) is the input's micro-batch as the device received it.
-                data = self._inputs[inputs[v.id]]
-                got = {(k, r): data[k * exe.replicas + r]
-                       for k in range(len(data) // exe.replicas) for r in range(exe.replicas)}
+                data, groups = self._inputs[inputs[v.id]], self._options.input_groups
+                got = {(k, r): data[k * groups + self._input_group[r]]
+                       for k in range(len(data) // groups) for r in range(exe.replicas)}
             elif v.kind == "const":  # a tensor made in forward and returned as it is
                 micro_batches = math.prod(batching.batch_factors(self._options, self._training)) // exe.replicas
                 got = {(k, r): v.data for k in range(micro_batches) for r in range(exe.replicas)}
@@ -606,11 +708,14 @@ class PoplarExecutor:
 
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
+        """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
         if self._executable is not None:
-            write_hyperparameters(self._executable.engine, self._executable.updates, optimizer, self._options,
-                                  self._executable.replicas)
+            exe = self._executable
+            write_hyperparameters(exe.engine, exe.updates, optimizer, self._options, exe.replicas)
+            if exe.updates.loss_scaling is not None:
+                exe.updates.loss_scaling.new_optimizer(exe.engine, exe.updates.configs, loss_scaling(optimizer))
         self._optimizer = optimizer
         self._hook_optimizer_state()
 
@@ -624,19 +729,222 @@ class PoplarExecutor:
             p = parent()
             if p is not None and p._executable is not None:
                 read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
-            return original(opt_self)
+            out = original(opt_self)
+            if p is not None and p._executable is not None and p._executable.updates.automatic_loss_scaling:
+                out["ipu_state"] = p._executable.updates.loss_scaling.ipu_state(p._executable.engine)
+            return out
 
         optimizer.state_dict = state_dict.__get__(optimizer)
 
+    # ---- what the run record and the device tell ---------------------------------------------
+    def cycleCount(self) -> int:
+        """The emulated cycles of the last call (its busiest IPU, step by step; replica 0's view:
+        replicas run in lockstep). Needs ``Options.logCycleCount(True)``, as in PopTorch."""
+        if not self._options._Popart.get("instrumentWithHardwareCycleCounter"):
+            raise errors.make("Cycle count logging is disabled. Please set option logCycleCount to True to enable.")
+        if self._executable is None or self.last_run is None:
+            raise errors.make("Please run the model at least once before obtaining cycle count.")
+        return int(self.last_run.cycles)
+
+    def getPerfCounters(self) -> dict:
+        """When each input was requested (``input``) and on the device (``input_complete``) and each
+        output sent (``output``) and on the host (``output_complete``) in the last call: per input
+        or output index, one time in seconds per micro-batch and replica (runtime/timeline.py)."""
+        if self._executable is None or self.last_run is None:
+            return timeline.empty()
+        outputs = len(flatten_values(self._executable.ir.outputs))
+        return timeline.perf_counters(self.last_run, self._executable, outputs)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first input requested to the last on the device."""
+        return timeline.latency(self.getPerfCounters(), "input", min, "input_complete", max)
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the last input on the device to the last output sent."""
+        return timeline.latency(self.getPerfCounters(), "input_complete", max, "output", max)
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from the first output sent to the last on the host."""
+        return timeline.latency(self.getPerfCounters(), "output", min, "output_complete", max)
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) round trip: first input requested to last output on the host."""
+        return timeline.latency(self.getPerfCounters(), "input", min, "output_complete", max)
+
+    def getTensorNames(self) -> list[str]:
+        """The device tensors ``Options.anchorTensor`` can return for this compiled model: each
+        trained parameter's ``Gradient___<name>`` and ``UpdatedVar___<name>``."""
+        if self._executable is None:
+            raise errors.make("Model must be compiled before calling getTensorNames")
+        trained = set(self._executable.lowering.accumulators) if self._training else set()
+        return anchors.names(trained)
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long compiling (or loading from the executable cache) took."""
+        if self._executable is None or self._compilation_time is None:
+            raise errors.make("Please compile the model before obtaining compilation time.")
+        if not self._options.show_compilation_progress_bar:
+            raise errors.make("Please set showCompilationProgressBar option to obtain compilation time.")
+        return self._compilation_time
+
+    @property
+    def rng_state(self) -> list[int]:
+        """The device's random generator state: the base seed, then each replica's per-IPU seeds
+        (64-bit) as the model's random ops will next use them."""
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        exe = self._executable
+        base = self._options.random_seed if self._options.random_seed is not None else torch.initial_seed()
+        words = []
+        for low in exe.lowerings:
+            for ipu in sorted(low.seeds):
+                low_word, high_word = (int(w) for w in exe.engine.readTensor(low.seeds[ipu]))
+                words.append(low_word | high_word << 32)
+        return [int(base)] + words
+
+    @rng_state.setter
+    def rng_state(self, state: list[int]) -> None:
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        self._write_rng_state(list(state))
+        self._rng_state = list(state)
+
+    def _write_rng_state(self, state: list[int]) -> None:
+        exe = self._executable
+        seeds = [(low, ipu) for low in exe.lowerings for ipu in sorted(low.seeds)]
+        if len(state) != 1 + len(seeds) or not all(isinstance(v, int) and 0 <= v < 2 ** 64 for v in state):
+            raise errors.make(f"rng_state: this model's state is {1 + len(seeds)} integers in [0, 2**64) (the "
+                              f"base seed and {len(seeds)} device seeds, as rng_state returns), got {state!r}")
+        for (low, ipu), value in zip(seeds, state[1:]):
+            exe.engine.writeTensor(low.seeds[ipu], rnd.seed_words(value))
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Write the buffers named by ``Options.updatableNamedBuffers`` (only those) to every
+        replica, for example after changing them on the host."""
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        names = self._options._Popart.get("updatableNamedBuffers")
+        if not names:
+            raise errors.make("No named buffers marked as updatable via updatableNamedBuffers option")
+        buffers = dict(torch.nn.Module.named_buffers(self._user_model))
+        missing = [n for n in names if n not in buffers]
+        if missing:
+            raise errors.make(f"updatableNamedBuffers names {missing}, which the model does not have as buffers "
+                              f"(its buffers: {sorted(buffers)})")
+        exe = self._executable
+        for low in exe.lowerings:
+            for name in names:
+                t = low.weights.get(name)
+                if t is None:
+                    continue   # a buffer the compiled program does not use
+                value = buffers[name].detach().cpu().numpy().astype(t.dtype)
+                if name in low.weight_buffers:
+                    exe.engine.writeRemoteBuffer(low.weight_buffers[name], value)
+                else:
+                    exe.engine.writeTensor(t, value)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """``load_state_dict`` of the wrapped model, then the weights copied to the device."""
+        out = self._user_model.load_state_dict(state_dict, strict)
+        if self._executable is not None and self._is_attached:
+            self.copyWeightsToDevice()
+        return out
+
+    # ---- a compiled model in a file ------------------------------------------------------------
+    def compileAndExport(self, filename: str, *args, export_model: bool = True, **kwargs) -> None:
+        """Compile for these inputs (unless compiled) and save the model to `filename`
+        (``poptorch.load`` reads it back; runtime/saved.py)."""
+        self.compile(*args, **kwargs)
+        self.save(filename, export_model)
+
+    def save(self, filename: str, export_model: bool = True, save_rng_state: bool = True) -> None:
+        """Save the compiled model: its executable, options and the call it was compiled for; with
+        `export_model` also the torch model and its optimiser (``poptorch.load`` restores them);
+        with `save_rng_state` the device's random generator state."""
+        if self._executable is None:
+            raise errors.make(NO_EXECUTABLE_ERR)
+        if os.path.isdir(filename):
+            directory, filename = filename, os.path.join(filename, "model.poptorch")
+            cache.logger.warning("save(): %s is a directory, saving the model to %s", directory, filename)
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+        data = saved.SavedModel(self._training, self._options, self._call.with_tensors([t for _, t in self._call.tensors]))
+        if export_model:
+            data.model = self._user_model
+            if self._training:
+                data.optimizer = self._optimizer
+                data.optimizer_state = self._optimizer.state_dict()
+        if save_rng_state:
+            data.rng_state = self.rng_state
+        saved.write(filename, data, self._executable)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Use the executable saved in `filename` (by compileAndExport or save) instead of compiling;
+        the file's model must be this one's (same inputs, options and software)."""
+        data, executable = saved.read(filename)
+        if data.training != self._training:
+            raise errors.make(f"{filename} holds a {'training' if data.training else 'inference'} model; this is a "
+                              f"{'training' if self._training else 'inference'} model")
+        self._call = arguments.bind(self._forward(), *data.call)
+        self._install(executable)
+        if self._training:
+            self.setOptimizer(self._optimizer)
+        if data.rng_state is not None:
+            self.rng_state = data.rng_state
+
     def __getattr__(self, name: str):
         """Attributes the executor does not have are the wrapped model's (`poptorch_model.linear`),
-        as in PopTorch; reading a trained weight copies the weights back from the device first."""
+        as in PopTorch; reading a trained weight copies the weights back from the device first. A
+        method of PopTorch's compiled model that this one lacks is an UnsupportedAttributeError
+        naming it (not an AttributeError about the user's model)."""
         if name.startswith("__") or name == "_user_model":
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        if name in POPTORCH_METHODS:
+            raise UnsupportedAttributeError(
+                f"PoplarExecutor.{name} (PopTorch's compiled model) is not supported by poptorch_lite (PopTorch's "
+                f"API on emulated IPUs). help(poptorch_lite.PoplarExecutor) lists what the compiled model provides.",
+                name=name, obj=self)
+        value = getattr(self._user_model, name)
+        if isinstance(value, torch.nn.Parameter):   # PopTorch's per-replica variables: W.replicaGrouping(...)
+            full = next(n for n, p in torch.nn.Module.named_parameters(self._user_model) if p is value)
+            object.__setattr__(value, "replicaGrouping",
+                               lambda kind, shards, mode: self._group_variable(full, kind, shards, mode))
+        return value
+
+    def _group_variable(self, name: str, kind, shards: int, mode) -> None:
+        """Make parameter `name` a per-replica variable: replicas of one group (`kind`, groups of
+        `shards`) share a value and sum their gradients; the host keeps one value per group
+        (`OnePerGroup`) or per replica (`AllReplicas`) along the parameter's first dimension."""
+        from ..api.enums import CommGroupType, VariableRetrievalMode
+        if self._executable is not None:
+            raise Error(f"{name}.replicaGrouping: the model is already compiled; group variables before the first "
+                        "call (or compile())")
+        if not isinstance(kind, CommGroupType) or not isinstance(mode, VariableRetrievalMode):
+            raise Error(f"{name}.replicaGrouping expects (CommGroupType, int, VariableRetrievalMode), got "
+                        f"({kind!r}, {shards!r}, {mode!r})")
+        if kind == CommGroupType.All:
+            self._variable_groups.pop(name, None)
+            return
+        grouping = replica_groups.VariableGrouping(kind, int(shards), mode)
+        grouping.check(name, tuple(dict(torch.nn.Module.named_parameters(self._user_model))[name].shape),
+                       self._options.replication_factor)
+        self._variable_groups[name] = grouping
 
     def __repr__(self):
         return module_repr(self._user_model)
+
+
+def _backward_error():
+    raise errors.make("backward() cannot be called explicitly on outputs of a PopTorch model. If you're using a "
+                      "trainingModel, the backwards pass is performed automatically when invoking the model. If "
+                      "you're using an inferenceModel, you should use a trainingModel instead.")
+
+
+def _refuse_backward(outputs):
+    """The outputs, each tensor's backward() an error: the device ran the backward pass already."""
+    for t in flatten_values(outputs, torch.Tensor):
+        t.backward = _backward_error
+    return outputs
 
 
 def unwrapped_module(cls: type, state: dict) -> torch.nn.Module:
@@ -659,10 +967,67 @@ def torch_dtype(dtype) -> torch.dtype:
 
 
 def trainingModel(model: torch.nn.Module, options: Options | None = None, optimizer=None) -> PoplarExecutor:
+    """Wrap `model` for training on emulated IPUs: each call runs forward, backward and the
+    optimiser's update on the device (default optimizer: SGD, lr 0.01)."""
     return PoplarExecutor(model, options, True, optimizer)
 
 
 def inferenceModel(model: torch.nn.Module, options: Options | None = None) -> PoplarExecutor:
+    """Wrap `model` for inference on emulated IPUs: each call runs its forward on the device."""
     return PoplarExecutor(model, options, False)
 
 
+
+
+def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:
+    """The compiled model saved in `filename` by ``compileAndExport`` or ``save`` (with
+    ``export_model``): the torch model, its optimiser and options, the executable (not compiled
+    again) and the device's random state. `edit_opts_fn` may change the options first."""
+    data, executable = saved.read(filename)
+    if data.model is None:
+        raise errors.make(f"{filename} was saved with export_model=False: make the model with "
+                          f"poptorch.inferenceModel / trainingModel, then call model.loadExecutable({filename!r})")
+    options = data.options.clone()
+    if edit_opts_fn is not None:
+        edit_opts_fn(options)
+    if data.training:
+        optimizer = data.optimizer
+        if optimizer is not None and data.optimizer_state is not None:
+            optimizer.load_state_dict(data.optimizer_state)
+        model = trainingModel(data.model, options, optimizer)
+    else:
+        model = inferenceModel(data.model, options)
+    model._call = arguments.bind(model._forward(), *data.call)
+    model._install(executable)
+    if data.training:
+        model.setOptimizer(model._optimizer)
+    if data.rng_state is not None:
+        model.rng_state = data.rng_state
+    return model
+
+
+def _register_hook(hooks: dict, hook: Callable, when: str) -> torch.utils.hooks.RemovableHandle:
+    if not callable(hook):
+        raise RuntimeError(f"{when}-compile hook must be callable, got {hook!r}")
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def registerPreCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
+    """Call `hook()` before every model compiles (or loads from the executable cache), after the
+    hooks registered before it; ``handle.remove()`` unregisters it."""
+    return _register_hook(PoplarExecutor._precompile_hooks, hook, "Pre")
+
+
+def registerPostCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
+    """Call `hook()` after every model compiles (or loads from the executable cache)."""
+    return _register_hook(PoplarExecutor._postcompile_hooks, hook, "Post")
+
+
+@atexit.register
+def poptorchAtExit() -> None:  # pylint: disable=invalid-name
+    """Release what compiled models still hold (PopTorch: the devices): each is destroyed (trained
+    weights copied back to the host, engines closed, profiles finished). Runs at exit."""
+    for model in list(_LIVE):
+        model.destroy()

@@ -7,22 +7,29 @@ record of every call. Files go to DIR/<model name> (Options.modelName, else "tra
 
 - after the first call: profile.json and trace.json (so a profile exists as soon as one call ran);
 - when the model is destroyed or garbage collected, or the process exits (once): profile.json
-  again with the totals of every call, trace.json, the PNG charts, and the summary printed.
+  again with the totals of every call, trace.json, the PNG charts, the page (profile.html), and
+  the summary printed.
 
 The profile itself is ipusim's (ipusim.report.profile); this module adds what only the compiler knows:
-stages and their blocks, the block table behind the balance advice, and re-lowering the model
-for estimates on another target or another split without running it.
+stages and their blocks, the ops with the ATen op and source line each came from, the block table
+behind the balance advice, and re-lowering the model for estimates on another target or another
+split without running it.
 """
 from __future__ import annotations
 
 import copy
 import os
+import weakref
+
+import numpy as np
 
 import ipusim as ip
+from ipusim.device.program import Execute, walk
 from ipusim.report import advisor
 from ipusim.report import profile as ipprofile
 
-from ..api import batching
+from ..api import batching, poptorch_core
+from ..api import profiling as host_profiling
 from ..compiler.backward_split import WEIGHT_GRADIENT
 from ..compiler.executable import build_executable, training_schedule
 from ..compiler.lowering import program_key
@@ -38,18 +45,28 @@ class Profiler:
         self.session = ipprofile.ProfileSession(self.directory, model_profile(executor, name),
                                                 trace_calls=trace_calls, advice=advice_text)
         # Tied to the executable: destroy() or collecting the model drops it; exit runs it too.
-        self._finish = ipprofile.finish_on_collect(exe, self.session)
+        self._finish = weakref.finalize(exe, _finish, self.session, self.directory)
 
     def called(self, record) -> None:
-        """Account one call (executor.RunRecord); the first call also writes the files."""
+        """Account one call (executor.RunRecord); the first call also writes the files (and the
+        host tracepoints so far, poptorch.profiling)."""
         first = self.session.recording.calls == 0
         self.session.add(record.steps)
         if first:
             self.session.write_early()
+            host_profiling.write_host_trace(self.directory)
 
     def finish(self) -> str | None:
         """Write everything and print the summary now (at most once); returns the summary."""
         return self._finish()
+
+
+def _finish(session, directory: str) -> str | None:
+    """The session's files and summary, and the host tracepoints (host_trace.json)."""
+    text = session.finish()
+    if text is not None:
+        host_profiling.write_host_trace(directory)
+    return text
 
 
 # =========================================================================================
@@ -82,12 +99,47 @@ def settings_of(executor) -> dict:
             "mode": opts.Emulator.mode, "strategy": type(opts.execution_strategy).__name__}
 
 
+def operations(exe) -> list[dict]:
+    """Every op of the compiled model (replica 0) as the profile's `operations` table: the ATen op,
+    source line and module it came from, its block, stage, IPU and pass, the static cycles of the
+    programs its lowering made on its IPU (per run), the bytes its exchanges move, the tile
+    memory of the tensors it made (outputs and temporaries, summed over tiles, live or not) and
+    the tiles its vertices run on."""
+    engine = exe.engine
+    reports = {r.ipu: r for r in engine.memory}
+    rows = []
+    for sp in exe.lowering.stage_programs.values():
+        body = engine.programs[sp.body]
+        graph = engine.device.graphs[sp.ipu]
+        tensors = reports[sp.ipu].tensors
+        for node, first, end, first_var, end_var in sp.op_spans:
+            busy, moved, tiles = ip.Cycles(), 0, []
+            for p in body.programs[first:end]:
+                cost = engine.cost(p)
+                busy = busy + cost.per_ipu.get(sp.ipu, ip.Cycles())
+                moved += cost.exchange_bytes
+                tiles += [t.tiles for q in walk(p) if isinstance(q, Execute) for t in q.compute_set.tables]
+            made = sum(int(tensors[v.name].sum()) for v in graph.variables[first_var:end_var] if v.name in tensors)
+            name = node.outputs[0].name if node.outputs else node.op
+            rows.append({"name": f"{node.scope}/{name}" if node.scope else name, "op": node.op, "aten": node.aten,
+                         "source": node.source, "module": node.module,
+                         "block": None if node.block is None else str(node.block), "stage": node.stage,
+                         "ipu": sp.ipu, "pass": node.pass_, "cycles": busy.total, "compute": busy.compute,
+                         "exchange": busy.exchange, "sync": busy.sync, "inter_ipu": busy.inter_ipu,
+                         "host": busy.host, "exchange_bytes": moved, "bytes": made,
+                         "tiles": int(np.unique(np.concatenate(tiles)).size) if tiles else 0})
+    return rows
+
+
 def model_profile(executor, name: str) -> ipprofile.StaticProfile:
     """StaticProfile of a compiled model: engine memory and programs, schedule, stages, blocks."""
     exe = executor._executable
     notes = []
     if exe.replicas > 1:
         notes.append(f"{exe.replicas} replicas: IPUs {exe.placement.num_ipus}*r.. belong to replica r")
+    unmodelled = poptorch_core.popart_without_effect(executor.options)
+    if unmodelled:
+        notes.append("PopART options accepted with no effect on the emulator: " + ", ".join(unmodelled))
     try:
         blocks = block_table(executor).to_dict()
     except Exception as error:  # advice is optional: say why it is missing, never fail the run
@@ -95,17 +147,21 @@ def model_profile(executor, name: str) -> ipprofile.StaticProfile:
         notes.append(f"no balance advice: {error}")
     return ipprofile.static_profile(name, exe.engine, source="poptorch_lite", schedule=exe.schedule,
                                     stages=stage_infos(exe.placement), blocks=blocks,
-                                    settings=settings_of(executor), notes=notes)
+                                    settings=settings_of(executor), notes=notes, operations=operations(exe))
 
 
 # =========================================================================================
 # Re-lowering (same model, another split or target, compiled but not run)
 # =========================================================================================
-def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, replicas: int = 1):
+def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, replicas: int = 1, *,
+               recompute: bool = True):
     """The model lowered with its blocks on the given stages (stage s on IPU s) for `target`,
     compiled without checking memory and without loading: static costs and memory only.
-    Mirrors the executor's compile step."""
+    Mirrors the executor's compile step; without `recompute`, with autoRecomputation off."""
     exe, opts = executor._executable, executor.options
+    if not recompute:
+        opts = opts.clone()
+        opts._Popart.set("autoRecomputation", 0)
     num_stages = 1 + max(stage_of_block.values())
     ir = copy.deepcopy(exe.ir)
     for n in ir.nodes:
@@ -164,7 +220,9 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
 
 def block_table(executor) -> advisor.BlockTable:
     """The advisor's block table of a compiled model: the stage programs themselves when each
-    stage holds one block on its own IPU, else the model lowered with one block per stage."""
+    stage holds one block on its own IPU, else the model lowered with one block per stage. The
+    table describes the blocks without recomputation (the advisor recomputes the stages of each
+    split it weighs as the pipeline does): a model that recomputes is lowered again without."""
     exe = executor._executable
     placement = exe.placement
     order = block_order(placement)
@@ -173,10 +231,12 @@ def block_table(executor) -> advisor.BlockTable:
     split = [sum(1 for _, s in order if s == k) for k in range(placement.num_stages)] if identity else None
     if split is not None and 0 in split:
         split = None
-    if identity and len(names) == placement.num_stages and exe.replicas == 1:
+    recomputes = bool(exe.schedule.recomputed_stages)
+    if identity and len(names) == placement.num_stages and exe.replicas == 1 and not recomputes:
         return _table(exe, names, split, "stage programs")
-    per_block = _relowered(executor, {b: i for i, b in enumerate(names)}, exe.engine.target)
-    return _table(per_block, names, split, "model lowered with one block per stage")
+    per_block = _relowered(executor, {b: i for i, b in enumerate(names)}, exe.engine.target, recompute=False)
+    return _table(per_block, names, split, "model lowered with one block per stage"
+                  + (" without recomputation" if recomputes else ""))
 
 
 def advice_text(doc: dict) -> str:
@@ -286,7 +346,7 @@ def what_if(executor, *, target: str | ip.Target | None = None, split: list[list
     static = ipprofile.static_profile(
         name, est.engine, source="poptorch_lite", schedule=est.schedule,
         stages=[ipprofile.StageInfo(k, k, [b for b in names if stage_of[b] == k]) for k in stages],
-        settings=settings_of(executor), estimated=True, notes=notes)
+        settings=settings_of(executor), estimated=True, notes=notes, operations=operations(est))
     rec = ipprofile.Recording(static.num_ipus)
     rec.add(_simulated_call(executor, est))
     if directory is not None:

@@ -28,7 +28,7 @@ class StepThreads:
     """The host threads of one compiled schedule's calls."""
 
     def __init__(self, setting, schedule):
-        widest = max((len(step.ops) for step in schedule.steps), default=1)  # the most ops a step runs at once
+        widest = max((len(step.by_ipu()) for step in schedule.steps), default=1)  # the most IPUs a step keeps busy
         threads = min(usable_cores(), widest)  # (more threads would idle, and take BLAS's share of the cores)
         if setting == AUTO:
             self._candidates = [1, threads] if threads > 1 else [1]
