@@ -50,7 +50,7 @@ def cases():
         o = 32
         out.append((f"conv2d {n}x{c}x{hw}x{hw} k3 o{o}", 2 * n * o * c * 9 * (hw - 2) ** 2,
                     {"x": f32(n, c, hw, hw), "w": f32(o, c, 3, 3)},
-                    lambda g, t, p: conv.conv2d(g, t["x"], t["w"], p), lambda a: conv.conv2d_numpy(a["x"], a["w"])))
+                    lambda g, t, p: conv.conv(g, t["x"], t["w"], p), lambda a: conv.conv_numpy(a["x"], a["w"])))
     for size in (1 << 18, 1 << 21):
         out.append((f"add {size}", size, {"a": f32(size), "b": f32(size)},
                     lambda g, t, p: elementwise.binary(g, "add", t["a"], t["b"], p), lambda a: a["a"] + a["b"]))
@@ -64,7 +64,7 @@ def cases():
                 lambda g, t, p: softmax.softmax(g, t["a"], 1, p),
                 lambda a: (lambda e: e / e.sum(1, keepdims=True))(np.exp(a["a"] - a["a"].max(1, keepdims=True)))))
     out.append(("max_pool2d 32x32x32x32 k2", 32 * 32 * 32 * 32, {"x": f32(32, 32, 32, 32)},
-                lambda g, t, p: pool.max_pool2d(g, t["x"], 2, p),
+                lambda g, t, p: pool.max_pool(g, t["x"], 2, p),
                 lambda a: a["x"].reshape(32, 32, 16, 2, 16, 2).max(axis=(3, 5))))
     return out
 
@@ -102,7 +102,7 @@ g = ip.Graph(ip.Target.test(16)); p = ip.Sequence()
 a = g.addVariable("float32", (8, 4, 8, 8), "a"); g.map_linearly(a)
 w = g.addVariable("float32", (4, 4, 3, 3), "w"); g.map_linearly(w)
 m = g.addVariable("float32", (16, 16), "m"); g.map_linearly(m)
-y = conv.conv2d(g, a, w, p); y = pool.max_pool2d(g, y, 2, p); y = elementwise.unary(g, "relu", y, p)
+y = conv.conv(g, a, w, p); y = pool.max_pool(g, y, 2, p); y = elementwise.unary(g, "relu", y, p)
 s = softmax.softmax(g, reduce.reduce(g, y, (2, 3), "sum", p), 1, p); mm = matmul.matmul(g, m, m, p)
 for mode in ("fast", "strict"):
     ip.Engine(g, p, mode=mode).load().run()

@@ -127,9 +127,36 @@ def test_adaptive_max_pooling_1d_and_unbatched_pooling():
     run_op(lambda x: F.max_pool2d(x, 2, 1) + F.avg_pool2d(x, 2, 1, ceil_mode=True), (3, 5, 4))
 
 
-def test_three_dimensional_pooling_stays_unsupported():
-    with pytest.raises(UnsupportedOpError, match="max_pool3d"):
-        lower(lambda x: F.max_pool3d(x, 2), (1, 2, 4, 4, 4))
+@pytest.mark.parametrize("pool", [
+    lambda x: F.max_pool3d(x, (2, 3, 2), (1, 2, 1), (1, 1, 0), (2, 1, 1), True),
+    lambda x: F.avg_pool3d(x, 3, 2, 1, True, False),
+    lambda x: F.avg_pool3d(x, (2, 2, 3), 1, 0, False, True, 5),
+    lambda x: F.adaptive_avg_pool3d(x, (2, 3, 4)),
+    lambda x: F.adaptive_max_pool3d(x, (3, 2, 2)),
+    lambda x: F.max_pool3d(x[0], 2, 1)])     # unbatched
+def test_three_dimensional_pooling_and_its_gradient(pool):
+    run_op(pool, (2, 3, 5, 6, 7))
+
+
+@pytest.mark.parametrize("pool", [lambda x: F.max_pool3d(x, 3, 2, 1, return_indices=True),
+                                  lambda x: F.adaptive_max_pool3d(x, (2, 3, 2), return_indices=True)])
+def test_three_dimensional_max_pooling_indices_are_torch_indices(pool):
+    def op(x):
+        values, indices = pool(rounded(x))
+        return values + indices.float()
+    run_op(op, (2, 2, 5, 6, 5))
+
+
+@pytest.mark.parametrize("stride,padding,dilation,groups", [(1, 0, 1, 1), ((2, 1, 2), (1, 0, 2), (1, 2, 1), 2)])
+def test_three_dimensional_convolution(stride, padding, dilation, groups):
+    run_op(lambda x, w, b: F.conv3d(x, w, b, stride, padding, dilation, groups), (2, 4, 5, 6, 7),
+           (6, 4 // groups, 3, 2, 3), (6,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("stride,padding,output_padding,groups", [(2, 0, 1, 1), ((1, 2, 2), (0, 1, 1), (0, 1, 0), 2)])
+def test_three_dimensional_transposed_convolution(stride, padding, output_padding, groups):
+    run_op(lambda x, w, b: F.conv_transpose3d(x, w, b, stride, padding, output_padding, groups),
+           (2, 4, 3, 4, 3), (4, 6 // groups, 2, 3, 3), (6,), rtol=1e-4)
 
 
 def rounded(t):
@@ -226,3 +253,29 @@ def test_max_pooling_indices_of_windows_of_padding_only():
     values, indices = poptorch.inferenceModel(Pool())(x)
     want_values, want_indices = Pool()(x)
     assert torch.equal(values, want_values) and torch.equal(indices.long(), want_indices)
+
+
+def test_a_constant_gradient_still_trains_its_weight():
+    """floor's gradient is zeros, a constant: the weight still gets it (anchored) and its
+    optimiser still applies weight decay, as in PyTorch."""
+    class Floor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.tensor([1.5, -2.25, 3.0]))
+            self.q = nn.Parameter(torch.tensor([0.5, 1.0, 2.0]))
+
+        def forward(self, x):
+            return poptorch.identity_loss((torch.floor(self.p) * x + self.q * x).sum(), reduction="sum")
+
+    model = Floor()
+    ref = Floor()
+    opts = poptorch.Options().anchorTensor("g", "Gradient___p")
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5))
+    x = torch.tensor([1.0, 2.0, 3.0])
+    training(x)
+    assert torch.equal(training.getAnchoredTensor("g"), torch.zeros(3))
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1, weight_decay=0.5)
+    ref(x).backward()
+    optimizer.step()
+    torch.testing.assert_close(model.p.detach(), ref.p.detach())
+    torch.testing.assert_close(model.q.detach(), ref.q.detach())

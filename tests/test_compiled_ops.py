@@ -72,6 +72,28 @@ def test_binary(fn, shape):
     run_op(fn, shape, shape)
 
 
+@pytest.mark.parametrize("fn", [torch.erfc, torch.special.erfcx, torch.special.i0e, torch.special.i1,
+                                lambda x: torch.polygamma(1, x.abs() + 0.5), lambda a: torch.copysign(a, a - 0.3),
+                                lambda x: torch.round(x, decimals=1) * x])
+def test_special_functions_and_their_gradients(fn):
+    run_op(fn, (3, 5), rtol=1e-4, atol=1e-5)
+
+
+def test_float_tests_frexp_and_integer_not_in_inference():
+    class Tests(nn.Module):
+        def forward(self, x, n):
+            mantissa, exponent = torch.frexp(x)
+            return (torch.isinf(x), torch.signbit(x), torch.logical_xor(x, n.float()), mantissa, exponent, ~n,
+                    torch.logical_not(n), torch.fmax(x, n.float()))
+
+    x = torch.tensor([1.5, -0.0, float("inf"), -3.0, float("nan"), 1024.0])
+    n = torch.tensor([0, 1, -2, 3, 0, 7], dtype=torch.int32)
+    got = poptorch.inferenceModel(Tests())(x, n)
+    for g, want in zip(got, Tests()(x, n)):
+        assert g.dtype == want.dtype
+        np.testing.assert_array_equal(g.numpy(), want.numpy())
+
+
 def test_broadcasting_binary():
     run_op(lambda a, b: a * b + b, (3, 4, 5), (4, 1))
 
@@ -111,9 +133,9 @@ def test_losses():
 
 
 def test_unsupported_op_fails_at_compile_time():
-    model = OpModel(lambda x: torch.polygamma(2, x), (3, 4))
+    model = OpModel(lambda x: torch.nextafter(x, x + 1), (3, 4))
     training = poptorch.trainingModel(model, poptorch.Options())
-    with pytest.raises(poptorch.UnsupportedOpError, match=r"polygamma.*test_compiled_ops\.py:\d+"):
+    with pytest.raises(poptorch.UnsupportedOpError, match=r"nextafter.*test_compiled_ops\.py:\d+"):
         training(torch.randn(1, 3, 4))
 
 

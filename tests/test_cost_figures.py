@@ -83,22 +83,22 @@ def case_elementwise():
 def case_conv():
     g, prog, (x, w, dy) = graph_with(("float32", (2, 4, 9, 9), "linear"), ("float32", (6, 2, 3, 3), "linear"),
                                      ("float32", (2, 6, 5, 5), "linear"))
-    conv.conv2d(g, x, w, prog, stride=2, padding=1, groups=2)
-    conv.conv2d_backward_input(g, dy, w, x.shape, prog, stride=2, padding=1, groups=2)
-    conv.conv2d_backward_weights(g, dy, x, w.shape, prog, stride=2, padding=1, groups=2)
+    conv.conv(g, x, w, prog, stride=2, padding=1, groups=2)
+    conv.conv_backward_input(g, dy, w, x.shape, prog, stride=2, padding=1, groups=2)
+    conv.conv_backward_weights(g, dy, x, w.shape, prog, stride=2, padding=1, groups=2)
     g2, prog2, (x2, w2) = graph_with(("float16", (1, 3, 12, 12), "linear"), ("float16", (8, 3, 5, 5), 0))
-    conv.conv2d(g2, x2, w2, prog2, padding=2, dilation=1)
+    conv.conv(g2, x2, w2, prog2, padding=2, dilation=1)
     return [(g, prog), (g2, prog2)]
 
 
 def case_pool():
     g, prog, (x,) = graph_with(("float32", (2, 3, 10, 10), "linear"))
-    y = pool.max_pool2d(g, x, 3, prog, 2, 1)
-    pool.max_pool2d_backward(g, x, y, y, 3, prog, 2, 1)
-    a = pool.avg_pool2d(g, x, 2, prog)
-    pool.avg_pool2d_backward(g, a, x.shape, 2, prog)
-    ad = pool.adaptive_avg_pool2d(g, x, (3, 4), prog)
-    pool.adaptive_avg_pool2d_backward(g, ad, x.shape, prog)
+    y = pool.max_pool(g, x, 3, prog, 2, 1)
+    pool.max_pool_backward(g, x, y, y, 3, prog, 2, 1)
+    a = pool.avg_pool(g, x, 2, prog)
+    pool.avg_pool_backward(g, a, x.shape, 2, prog)
+    ad = pool.adaptive_avg_pool(g, x, (3, 4), prog)
+    pool.adaptive_avg_pool_backward(g, ad, x.shape, prog)
     return [(g, prog)]
 
 

@@ -54,7 +54,7 @@ def conv_cycles(model) -> int:
     """Cycles of the forward convolutions' programs (one OpProgram each, or one for a MultiConv)."""
     engine = model._executable.engine
     ops = [p for prog in engine.programs for p in ip.device.program.walk(prog) if isinstance(p, ip.OpProgram)
-           and (p.name.endswith("/conv2d") or "/multiconv" in p.name)]
+           and (p.name.endswith("/conv") or "/multiconv" in p.name)]
     return sum(engine.cost(p).total for p in ops)
 
 
@@ -189,7 +189,7 @@ def test_device_multiconv_equals_separate_convolutions(mode):
             g.map_linearly(t)
         prog = ip.Sequence()
         if kind == "separate":
-            ys = [conv.conv2d(g, x, w, prog, stride=s.stride, groups=s.groups, name=f"c{i}")
+            ys = [conv.conv(g, x, w, prog, stride=s.stride, groups=s.groups, name=f"c{i}")
                   for i, (x, w, s) in enumerate(zip(xs, ws, specs))]
         else:
             ys = MultiConv(g, specs).build(xs, ws, prog)

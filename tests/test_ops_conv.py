@@ -1,4 +1,5 @@
-"""ipusim.ops.conv: conv2d forward and gradients against direct NumPy references in both modes."""
+"""ipusim.ops.conv: conv forward and gradients against direct NumPy references in both modes."""
+import itertools
 import math
 
 import numpy as np
@@ -8,58 +9,62 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import ipusim as ip
-from ipusim.ops.conv import (CONV_VERTEX, ConvDim, backward_input_geometry, backward_weights_geometry, conv2d,
-                             conv2d_backward_input, conv2d_backward_input_numpy, conv2d_backward_weights,
-                             conv2d_backward_weights_numpy, conv2d_numpy, conv2d_output_shape, forward_geometry,
+from ipusim.ops.conv import (CONV_VERTEX, P, ConvDim, backward_input_geometry, backward_weights_geometry, conv,
+                             conv_backward_input, conv_backward_input_numpy, conv_backward_weights,
+                             conv_backward_weights_numpy, conv_numpy, conv_output_shape, forward_geometry,
                              plan_conv)
 
 MODES = ["strict", "fast"]
 SMALL = ip.Target.test(16, 64 * 1024)
 
 
-def pair(v):
-    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+def spatial(v, nd):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
 
 
 def reference(x, w, dy, stride, padding, dilation, groups):
-    """Direct float64 conv2d and its two gradients, from the definition
-    y[n, o, i, j] = sum_{c, a, b} xpad[n, g c, i s + a d, j s + b d] w[o, c, a, b]."""
-    (sh, sw), (ph, pw), (dh, dw) = pair(stride), pair(padding), pair(dilation)
+    """Direct float64 convolution (any number of spatial dimensions) and its two gradients, from
+    the definition y[n, o, i...] = sum_{c, a...} xpad[n, g c, i s + a d ...] w[o, c, a...]."""
+    nd = x.ndim - 2
+    s, p, d = (spatial(v, nd) for v in (stride, padding, dilation))
     x, w = x.astype(np.float64), w.astype(np.float64)
-    n, c, h, wd = x.shape
-    o, cg, kh, kw = w.shape
+    n, c, *size = x.shape
+    o, cg, *k = w.shape
     og = o // groups
-    oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (wd + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-    y = np.zeros((n, o, oh, ow))
+    out = [(size[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(nd)]
+    xp = np.pad(x, ((0, 0), (0, 0)) + tuple((v, v) for v in p))
+    y = np.zeros((n, o, *out))
     dxp = np.zeros_like(xp)
     dwt = np.zeros_like(w)
     dy = None if dy is None else dy.astype(np.float64)
     for g in range(groups):
         ci, co = slice(g * cg, (g + 1) * cg), slice(g * og, (g + 1) * og)
-        for a in range(kh):
-            for b in range(kw):
-                rows = slice(a * dh, a * dh + sh * (oh - 1) + 1, sh)
-                cols = slice(b * dw, b * dw + sw * (ow - 1) + 1, sw)
-                patch = xp[:, ci, rows, cols]
-                y[:, co] += np.einsum("nchw,oc->nohw", patch, w[co, :, a, b])
-                if dy is not None:
-                    dxp[:, ci, rows, cols] += np.einsum("nohw,oc->nchw", dy[:, co], w[co, :, a, b])
-                    dwt[co, :, a, b] += np.einsum("nohw,nchw->oc", dy[:, co], patch)
-    return y, dxp[:, :, ph:ph + h, pw:pw + wd], dwt
+        for taps in itertools.product(*(range(v) for v in k)):
+            window = tuple(slice(t * dd, t * dd + ss * (oo - 1) + 1, ss) for t, dd, ss, oo in zip(taps, d, s, out))
+            patch = xp[(slice(None), ci) + window]
+            tap = w[(co, slice(None)) + taps]
+            y[:, co] += np.einsum("nc...,oc->no...", patch, tap)
+            if dy is not None:
+                dxp[(slice(None), ci) + window] += np.einsum("no...,oc->nc...", dy[:, co], tap)
+                summed = [0] + list(range(2, 2 + nd))   # batch and positions
+                dwt[(co, slice(None)) + taps] += np.tensordot(dy[:, co], patch, (summed, summed))
+    return y, dxp[(slice(None),) * 2 + tuple(slice(v, v + size_) for v, size_ in zip(p, size))], dwt
+
+
+TORCH_CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
 
 
 def build(target, x_shape, w_shape, stride, padding, dilation, groups, dtype="float32", **kw):
     g = ip.Graph(target)
     x = g.addVariable(dtype, x_shape, "x")
     w = g.addVariable(dtype, w_shape, "w")
-    dy = g.addVariable(dtype, conv2d_output_shape(x_shape, w_shape, stride, padding, dilation, groups), "dy")
+    dy = g.addVariable(dtype, conv_output_shape(x_shape, w_shape, stride, padding, dilation, groups), "dy")
     for t in (x, w, dy):
         g.map_linearly(t)
     prog = ip.Sequence()
-    y = conv2d(g, x, w, prog, stride, padding, dilation, groups, **kw)
-    dx = conv2d_backward_input(g, dy, w, x_shape, prog, stride, padding, dilation, groups, **kw)
-    dw = conv2d_backward_weights(g, dy, x, w_shape, prog, stride, padding, dilation, groups, **kw)
+    y = conv(g, x, w, prog, stride, padding, dilation, groups, **kw)
+    dx = conv_backward_input(g, dy, w, x_shape, prog, stride, padding, dilation, groups, **kw)
+    dw = conv_backward_weights(g, dy, x, w_shape, prog, stride, padding, dilation, groups, **kw)
     return g, (x, w, dy), (y, dx, dw), prog
 
 
@@ -98,6 +103,11 @@ CASES = [  # x shape, w shape, stride, padding, dilation, groups
     ((1, 32, 6, 6), (8, 32, 3, 3), 1, 1, 1, 1),    # forward splits the input channels (reduction)
     ((2, 16, 8, 8), (4, 16, 3, 3), 1, 1, 1, 1),    # weight gradient splits the kernel rows (reduction)
     ((1, 2, 5, 4), (3, 2, 1, 1), 3, 0, 1, 1),      # 1x1 kernel, stride larger than the kernel
+    ((2, 3, 9), (4, 3, 3), 2, 1, 2, 1),            # 1-D
+    ((2, 4, 9), (4, 2, 4), 1, 2, 1, 2),
+    ((2, 2, 5, 6, 4), (4, 2, 3, 2, 3), (1, 2, 1), (1, 0, 1), (2, 1, 1), 1),   # 3-D
+    ((1, 4, 4, 5, 6), (6, 2, 2, 3, 3), 2, 1, 1, 2),
+    ((2, 2, 8, 8, 8), (4, 2, 3, 3, 3), 1, 1, 1, 1),   # weight gradient splits the kernel planes (reduction)
 ]
 
 
@@ -120,7 +130,7 @@ def test_reference_agrees_with_torch():
         X, W = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
         xt = torch.tensor(X, requires_grad=True)
         wt = torch.tensor(W, requires_grad=True)
-        yt = torch.nn.functional.conv2d(xt, wt, stride=s, padding=p, dilation=d, groups=groups)
+        yt = TORCH_CONV[len(x_shape) - 2](xt, wt, stride=s, padding=p, dilation=d, groups=groups)
         DY = rng.standard_normal(tuple(yt.shape))
         yt.backward(torch.tensor(DY))
         y, dx, dw = reference(X, W, DY, s, p, d, groups)
@@ -131,17 +141,19 @@ def test_reference_agrees_with_torch():
 
 @st.composite
 def conv_problems(draw):
+    """1-D to 3-D convolutions (3-D ones smaller, so each example stays fast)."""
+    nd = draw(st.integers(1, 3))
     groups = draw(st.integers(1, 3))
     cg, og = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    kh, kw = draw(st.integers(1, 3)), draw(st.integers(1, 3))
-    s = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
-    d = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
-    p = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
-    h, w = draw(st.integers(1, 9)), draw(st.integers(1, 9))
-    assume(h + 2 * p[0] >= d[0] * (kh - 1) + 1 and w + 2 * p[1] >= d[1] * (kw - 1) + 1)
+    k = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    s = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    d = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+    p = tuple(draw(st.integers(0, 2)) for _ in range(nd))
+    size = tuple(draw(st.integers(1, 9 if nd < 3 else 5)) for _ in range(nd))
+    assume(all(i + 2 * pp >= dd * (kk - 1) + 1 for i, pp, dd, kk in zip(size, p, d, k)))
     n = draw(st.integers(1, 2))
     tiles = draw(st.sampled_from([1, 4, 16]))
-    return (n, groups * cg, h, w), (groups * og, cg, kh, kw), s, p, d, groups, tiles
+    return (n, groups * cg) + size, (groups * og, cg) + k, s, p, d, groups, tiles
 
 
 @settings(max_examples=20, deadline=None)
@@ -189,7 +201,7 @@ def test_view_operands(mode):
     g.map_linearly(flat)
     g.map_linearly(big_w)
     prog = ip.Sequence()
-    y = conv2d(g, flat.reshape(2, 3, 6, 5), big_w[1:5], prog, 1, 1)
+    y = conv(g, flat.reshape(2, 3, 6, 5), big_w[1:5], prog, 1, 1)
     F_, W = rng.standard_normal(flat.shape).astype(np.float32), rng.standard_normal(big_w.shape).astype(np.float32)
     e = ip.Engine(g, prog, mode=mode).load()
     e.writeTensor(flat, F_)
@@ -205,6 +217,8 @@ def test_reduction_splits_are_planned_and_correct():
     wu = plan_conv(SMALL, backward_weights_geometry((2, 16, 8, 8), (4, 16, 3, 3), 1, 1, 1, 1))
     assert fwd.as_dict()["in_channels"] > 1 and fwd.reduction_split > 1
     assert wu.as_dict()["kernel_rows"] > 1 and wu.reduction_split > 1
+    wu3 = plan_conv(SMALL, backward_weights_geometry((2, 2, 8, 8, 8), (4, 2, 3, 3, 3), 1, 1, 1, 1))
+    assert wu3.as_dict()["kernel_planes"] > 1 and wu3.reduction_split > 1
     # too little memory for whole reductions forces a split where there was none
     geom = forward_geometry((2, 16, 8, 8), (4, 16, 3, 3), 1, 1, 1, 1)
     assert plan_conv(SMALL, geom).reduction_split == 1
@@ -216,7 +230,7 @@ def test_reduction_splits_are_planned_and_correct():
 def test_memory_bound_reduction_split_is_correct(mode):
     x_shape, w_shape = (2, 16, 8, 8), (4, 16, 3, 3)
     got, (X, W, DY), _, e, g = run_all(SMALL, mode, x_shape, w_shape, 1, 1, 1, 1, available_memory_proportion=0.04)
-    assert "conv2d/reduce" in {cs.name for cs in g.compute_sets}
+    assert "conv/reduce" in {cs.name for cs in g.compute_sets}
     for got_, want_, scale in zip(got, reference(X, W, DY, 1, 1, 1, 1), scales(X, W, DY, 1, 1, 1, 1)):
         assert_close(got_, want_, scale, 1e-5)
 
@@ -270,7 +284,7 @@ def test_input_on_one_tile_is_exchanged_and_strict_mode_needs_the_exchange():
     g.setTileMapping(x, 5)
     g.map_linearly(w)
     prog = ip.Sequence()
-    y = conv2d(g, x, w, prog, 1, 1)
+    y = conv(g, x, w, prog, 1, 1)
     body = prog.programs[0].body
     without_exchange = ip.Sequence(*[p for p in body.programs if not isinstance(p, ip.Copy)])
     rng = np.random.default_rng(7)
@@ -295,7 +309,7 @@ def test_windows_include_the_halo():
     w = g.addVariable("float32", (1, 1, 3, 3), "w")
     g.map_linearly(x)
     g.map_linearly(w)
-    conv2d(g, x, w, ip.Sequence(), 1, 1)
+    conv(g, x, w, ip.Sequence(), 1, 1)
     plan = plan_conv(g.target, forward_geometry(x.shape, w.shape, 1, 1, 1, 1))
     assert plan.as_dict()["out_rows"] == 4  # 4 blocks of 4 rows
     windows = sorted(n for cs in g.compute_sets for t in cs.tables if t.type is CONV_VERTEX
@@ -311,7 +325,7 @@ def test_conv_vertex_estimator_counts_real_multiply_accumulates(dtype, amp):
     w = g.addVariable(dtype, (2, 3, 3, 3), "w")
     g.map_linearly(x)
     g.map_linearly(w)
-    conv2d(g, x, w, ip.Sequence(), 2, 1)
+    conv(g, x, w, ip.Sequence(), 2, 1)
     t = g.target
     geom = forward_geometry(x.shape, w.shape, 2, 1)
     (cs,) = g.compute_sets
@@ -320,7 +334,7 @@ def test_conv_vertex_estimator_counts_real_multiply_accumulates(dtype, amp):
     got = CONV_VERTEX.cycles(table.sizes(), table.params, np.dtype(dtype), t)
     for v, row in enumerate(table.params.astype(int).tolist()):
         params = dict(zip(("groups", "batch", "in_ch", "out_ch"), row[:4]))
-        line0, lines = row[10], row[11]
+        line0, lines = row[P["line0"]], row[P["lines"]]
         macs = 0  # brute force: real (output, tap) pairs of the vertex's lines
         for line in range(line0, line0 + lines):
             oh = line % geom.h.out_size
@@ -341,22 +355,24 @@ def test_bad_arguments_are_clear_errors():
     x = g.addVariable("float32", (1, 4, 5, 5), "x")
     w = g.addVariable("float32", (6, 2, 3, 3), "w")
     with pytest.raises(ValueError, match="expected input \\[1, 4, 5, 5\\] to have 2 channels, but got 4"):
-        conv2d(g, x, w, ip.Sequence())
+        conv(g, x, w, ip.Sequence())
     with pytest.raises(ValueError, match="expected weight to be divisible by 4"):
-        conv2d(g, x, w, ip.Sequence(), groups=4)
+        conv(g, x, w, ip.Sequence(), groups=4)
     with pytest.raises(ValueError, match="too small"):
-        conv2d(g, x, g.addVariable("float32", (2, 4, 7, 7)), ip.Sequence())
+        conv(g, x, g.addVariable("float32", (2, 4, 7, 7)), ip.Sequence())
     with pytest.raises(ValueError, match="stride must be positive"):
-        conv2d(g, x, w, ip.Sequence(), stride=0, groups=2)
+        conv(g, x, w, ip.Sequence(), stride=0, groups=2)
     with pytest.raises(TypeError, match="different dtypes"):
-        conv2d(g, x, g.addVariable("float16", (6, 2, 3, 3)), ip.Sequence(), groups=2)
-    with pytest.raises(ValueError, match="4-D input"):
-        conv2d(g, x.reshape(4, 5, 5), w, ip.Sequence(), groups=2)
+        conv(g, x, g.addVariable("float16", (6, 2, 3, 3)), ip.Sequence(), groups=2)
+    with pytest.raises(ValueError, match="expected 3-D weights \\[O, C/groups, \\*kernel\\] for a 3-D input"):
+        conv(g, x.reshape(4, 5, 5), w, ip.Sequence(), groups=2)
+    with pytest.raises(ValueError, match="1 to 3 spatial dimensions"):
+        conv(g, x.reshape(1, 4, 5, 5, 1, 1), w, ip.Sequence(), groups=2)
     dy = g.addVariable("float32", (1, 6, 4, 4), "dy")
     with pytest.raises(ValueError, match="gives \\[1, 6, 3, 3\\]"):
-        conv2d_backward_input(g, dy, w, (1, 4, 5, 5), ip.Sequence(), groups=2)
+        conv_backward_input(g, dy, w, (1, 4, 5, 5), ip.Sequence(), groups=2)
     with pytest.raises(ValueError, match="gives \\[1, 6, 3, 3\\]"):
-        conv2d_backward_weights(g, dy, x, (6, 2, 3, 3), ip.Sequence(), groups=2)
+        conv_backward_weights(g, dy, x, (6, 2, 3, 3), ip.Sequence(), groups=2)
 
 
 @pytest.mark.parametrize("x_shape, w_shape, s, p, d, groups", [
@@ -373,17 +389,17 @@ def test_whole_array_kernels_at_sizes_that_take_their_other_paths(x_shape, w_sha
     yt = torch.nn.functional.conv2d(xt, wt, stride=s, padding=p, dilation=d, groups=groups)
     DY = rng.standard_normal(tuple(yt.shape)).astype(np.float32)
     yt.backward(torch.tensor(DY, dtype=torch.float64))
-    y = conv2d_numpy(X, W, s, p, d, groups)
+    y = conv_numpy(X, W, s, p, d, groups)
     out = np.full(y.shape, np.nan, np.float32)
-    assert conv2d_numpy(X, W, s, p, d, groups, out=out) is out and np.array_equal(out, y)
+    assert conv_numpy(X, W, s, p, d, groups, out=out) is out and np.array_equal(out, y)
     strided = np.full(y.shape[:1] + (2 * y.shape[1],) + y.shape[2:], np.nan, np.float32)[:, ::2]
-    assert conv2d_numpy(X, W, s, p, d, groups, out=strided) is strided and np.array_equal(strided, y)
-    dx = conv2d_backward_input_numpy(DY, W, x_shape, s, p, d, groups)
+    assert conv_numpy(X, W, s, p, d, groups, out=strided) is strided and np.array_equal(strided, y)
+    dx = conv_backward_input_numpy(DY, W, x_shape, s, p, d, groups)
     into = np.full(x_shape, np.nan, np.float32)
-    np.testing.assert_array_equal(conv2d_backward_input_numpy(DY, W, x_shape, s, p, d, groups, out=into), dx)
+    np.testing.assert_array_equal(conv_backward_input_numpy(DY, W, x_shape, s, p, d, groups, out=into), dx)
     if p == 0:  # summed in place (with padding, in a padded array, then cut)
         np.testing.assert_array_equal(into, dx)
-    dw = conv2d_backward_weights_numpy(DY, X, w_shape, s, p, d, groups)
+    dw = conv_backward_weights_numpy(DY, X, w_shape, s, p, d, groups)
     for got, want in ((y, yt), (dx, xt.grad), (dw, wt.grad)):
         want = want.detach().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
@@ -404,4 +420,4 @@ def test_patches_match_sliding_windows(x_shape, k, s, p, d):
     windows = np.lib.stride_tricks.sliding_window_view(padded, extent, axis=(2, 3))[:, :, ::s[0], ::s[1], ::d[0], ::d[1]]
     oh, ow = windows.shape[2:4]
     want = windows.transpose(1, 4, 5, 0, 2, 3).reshape(1, c * k[0] * k[1], n * oh * ow)
-    np.testing.assert_array_equal(_im2col(X, k[0], k[1], oh, ow, s, p, d, 1), want)
+    np.testing.assert_array_equal(_im2col(X[:, :, None], (1,) + k, (1, oh, ow), (1,) + s, (0,) + p, (1,) + d, 1), want)

@@ -1,5 +1,6 @@
 """ipusim.ops.pool: max / average / adaptive pooling and their gradients against direct NumPy
 references (checked against torch) in both modes."""
+import itertools
 import math
 
 import numpy as np
@@ -16,8 +17,8 @@ SMALL = ip.Target.test(16, 64 * 1024)
 F = torch.nn.functional
 
 
-def pair(v):
-    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+def spatial(v, nd):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
 
 
 def out_size(n, k, s, p, d, ceil):
@@ -41,40 +42,42 @@ def windows(n, o_count, k, s, p, d, adaptive):
 
 
 def reference(x, dy, kind, k=1, s=None, p=0, d=1, ceil=False, include_pad=True, divisor=None, out=None):
-    """float64 pooling of x and the gradient for dy, straight from torch's definitions; the max
-    gradient goes to the first position equal to the window's maximum."""
-    (kh, kw), (ph, pw), (dh, dw) = pair(k), pair(p), pair(d)
-    sh, sw = pair(s if s is not None else k)
+    """float64 pooling of x (2 or 3 spatial dimensions) and the gradient for dy, straight from
+    torch's definitions; the max gradient goes to the first position (row-major) equal to the
+    window's maximum."""
     x = x.astype(np.float64)
-    n, c, h, w = x.shape
-    if out is None:
-        oh, ow, adaptive = out_size(h, kh, sh, ph, dh, ceil), out_size(w, kw, sw, pw, dw, ceil), False
-    else:
-        (oh, ow), adaptive = pair(out), True
-    wh, ww = windows(h, oh, kh, sh, ph, dh, adaptive), windows(w, ow, kw, sw, pw, dw, adaptive)
-    y = np.zeros((n, c, oh, ow))
+    n, c, *size = x.shape
+    nd = len(size)
+    k, p, d = (spatial(v, nd) for v in (k, p, d))
+    s = spatial(s if s is not None else k, nd)
+    adaptive = out is not None
+    outs = spatial(out, nd) if adaptive else [out_size(*a, ceil) for a in zip(size, k, s, p, d)]
+    wins = [windows(*a, adaptive) for a in zip(size, outs, k, s, p, d)]
+    y = np.zeros((n, c, *outs))
     dx = np.zeros_like(x)
-    for i, (rows, ext_h) in enumerate(wh):
-        for j, (cols, ext_w) in enumerate(ww):
-            win = x[:, :, rows][:, :, :, cols].reshape(n, c, -1)
-            if kind == "max":
-                best = np.full((n, c), -np.inf)
-                for t in range(win.shape[2]):
-                    v = win[:, :, t]
-                    best = np.where((v > best) | np.isnan(v), v, best)
-                y[:, :, i, j] = best  # -inf when dilation leaves only padding in the window (torch too)
-                if dy is not None and win.shape[2]:
-                    eq = (win == best[:, :, None]) | (np.isnan(win) & np.isnan(best)[:, :, None])
-                    first = np.argmax(eq, axis=2)
-                    for b in range(n):
-                        for ch in range(c):
-                            r, q = divmod(first[b, ch], len(cols))
-                            dx[b, ch, rows[r], cols[q]] += dy[b, ch, i, j]
-            else:
-                div = divisor or (ext_h * ext_w if include_pad and not adaptive else len(rows) * len(cols))
-                y[:, :, i, j] = win.sum(axis=2) / div
-                if dy is not None:
-                    dx[:, :, rows[0]:rows[-1] + 1, cols[0]:cols[-1] + 1] += dy[:, :, i, j, None, None] / div
+    planes = (slice(None), slice(None))
+    for o in itertools.product(*(range(v) for v in outs)):
+        dims = [wins[i][o[i]] for i in range(nd)]
+        positions = list(itertools.product(*(pos for pos, _ in dims)))   # row-major window order
+        win = np.stack([x[planes + q] for q in positions], axis=2) if positions else np.zeros((n, c, 0))
+        if kind == "max":
+            best = np.full((n, c), -np.inf)
+            for t in range(win.shape[2]):
+                v = win[:, :, t]
+                best = np.where((v > best) | np.isnan(v), v, best)
+            y[planes + o] = best  # -inf when dilation leaves only padding in the window (torch too)
+            if dy is not None and positions:
+                eq = (win == best[:, :, None]) | (np.isnan(win) & np.isnan(best)[:, :, None])
+                first = np.argmax(eq, axis=2)
+                for b in range(n):
+                    for ch in range(c):
+                        dx[(b, ch) + positions[first[b, ch]]] += dy[(b, ch) + o]
+        else:
+            div = divisor or (np.prod([e for _, e in dims]) if include_pad and not adaptive else len(positions))
+            y[planes + o] = win.sum(axis=2) / div
+            if dy is not None:
+                for q in positions:
+                    dx[planes + q] += dy[planes + o] / div
     return y, dx
 
 
@@ -86,26 +89,26 @@ def run(target, mode, kind, x_shape, dtype="float32", seed=0, x_values=None, **k
     g.map_linearly(x)
     prog = ip.Sequence()
     if kind == "max":
-        y = P.max_pool2d(g, x, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("d", 1), kw.get("ceil", False))
+        y = P.max_pool(g, x, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("d", 1), kw.get("ceil", False))
     elif kind == "avg":
-        y = P.avg_pool2d(g, x, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("ceil", False),
+        y = P.avg_pool(g, x, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("ceil", False),
                          kw.get("include_pad", True), kw.get("divisor"))
     elif kind == "adaptive_max":
-        y = P.adaptive_max_pool2d(g, x, kw["out"], prog)
+        y = P.adaptive_max_pool(g, x, kw["out"], prog)
     else:
-        y = P.adaptive_avg_pool2d(g, x, kw["out"], prog)
+        y = P.adaptive_avg_pool(g, x, kw["out"], prog)
     dy = g.addVariable(dtype, y.shape, "dy")
     g.map_linearly(dy)
     if kind == "max":
-        dx = P.max_pool2d_backward(g, x, y, dy, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("d", 1),
+        dx = P.max_pool_backward(g, x, y, dy, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("d", 1),
                                    kw.get("ceil", False))
     elif kind == "avg":
-        dx = P.avg_pool2d_backward(g, dy, x_shape, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("ceil", False),
+        dx = P.avg_pool_backward(g, dy, x_shape, kw["k"], prog, kw.get("s"), kw.get("p", 0), kw.get("ceil", False),
                                    kw.get("include_pad", True), kw.get("divisor"))
     elif kind == "adaptive_max":
-        dx = P.adaptive_max_pool2d_backward(g, x, y, dy, prog)
+        dx = P.adaptive_max_pool_backward(g, x, y, dy, prog)
     else:
-        dx = P.adaptive_avg_pool2d_backward(g, dy, x_shape, prog)
+        dx = P.adaptive_avg_pool_backward(g, dy, x_shape, prog)
     X = (rng.standard_normal(x_shape) if x_values is None else x_values).astype(dtype)
     DY = rng.standard_normal(y.shape).astype(dtype)
     e = ip.Engine(g, prog, mode=mode).load()
@@ -131,6 +134,13 @@ CASES = [  # kind, input shape, arguments
     ("adaptive_max", (2, 3, 9, 7), dict(out=(4, 5))),
     ("adaptive_max", (1, 2, 3, 5), dict(out=(5, 7))),
     ("adaptive_max", (2, 1, 6, 5), dict(out=1)),     # global max pooling
+    ("max", (2, 2, 5, 6, 7), dict(k=(2, 3, 2), s=(1, 2, 2), p=(1, 1, 0), d=(2, 1, 1))),   # 3-D
+    ("max", (1, 3, 4, 5, 5), dict(k=2, ceil=True)),
+    ("avg", (2, 2, 5, 6, 7), dict(k=(3, 2, 3), s=(2, 1, 2), p=(1, 1, 0), ceil=True)),
+    ("avg", (1, 2, 5, 5, 4), dict(k=3, s=2, p=1, include_pad=False)),
+    ("avg", (1, 2, 4, 4, 4), dict(k=2, divisor=5)),
+    ("adaptive", (2, 2, 5, 7, 6), dict(out=(3, 4, 2))),
+    ("adaptive_max", (2, 2, 5, 7, 6), dict(out=(2, 3, 4))),
 ]
 
 
@@ -157,15 +167,17 @@ def test_reference_agrees_with_torch():
     for kind, shape, args in CASES:
         X = rng.integers(-2, 3, size=shape).astype(np.float64)  # many ties
         xt = torch.tensor(X, requires_grad=True)
+        nd = len(shape) - 2
+        fn = {kind_: getattr(F, f"{name}{nd}d") for kind_, name in
+              (("max", "max_pool"), ("adaptive_max", "adaptive_max_pool"), ("avg", "avg_pool"),
+               ("adaptive", "adaptive_avg_pool"))}[kind]
         if kind == "max":
-            yt = F.max_pool2d(xt, args["k"], args.get("s"), args.get("p", 0), args.get("d", 1), args.get("ceil", False))
-        elif kind == "adaptive_max":
-            yt = F.adaptive_max_pool2d(xt, args["out"])
+            yt = fn(xt, args["k"], args.get("s"), args.get("p", 0), args.get("d", 1), args.get("ceil", False))
         elif kind == "avg":
-            yt = F.avg_pool2d(xt, args["k"], args.get("s"), args.get("p", 0), args.get("ceil", False),
-                              args.get("include_pad", True), args.get("divisor"))
+            yt = fn(xt, args["k"], args.get("s"), args.get("p", 0), args.get("ceil", False), args.get("include_pad", True),
+                    args.get("divisor"))
         else:
-            yt = F.adaptive_avg_pool2d(xt, args["out"])
+            yt = fn(xt, args["out"])
         DY = rng.standard_normal(tuple(yt.shape))
         yt.backward(torch.tensor(DY))
         y, dx = reference(X, DY, ref_kind(kind), **args)
@@ -210,21 +222,23 @@ def test_window_of_padding_only_is_minus_infinity_like_torch(mode):
 
 @st.composite
 def pool_problems(draw):
+    """2-D and 3-D poolings (3-D ones smaller, so each example stays fast)."""
     kind = draw(st.sampled_from(["max", "avg", "adaptive", "adaptive_max"]))
+    nd = draw(st.integers(2, 3))
     n, c = draw(st.integers(1, 2)), draw(st.integers(1, 3))
-    h, w = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    size = tuple(draw(st.integers(1, 9 if nd == 2 else 5)) for _ in range(nd))
     if kind.startswith("adaptive"):
-        return kind, (n, c, h, w), dict(out=(draw(st.integers(1, 6)), draw(st.integers(1, 6))))
-    k = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
-    args = dict(k=k, s=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
-                p=(draw(st.integers(0, k[0] // 2)), draw(st.integers(0, k[1] // 2))), ceil=draw(st.booleans()))
-    d = (1, 1)
+        return kind, (n, c) + size, dict(out=tuple(draw(st.integers(1, 6 if nd == 2 else 4)) for _ in range(nd)))
+    k = tuple(draw(st.integers(1, 4 if nd == 2 else 3)) for _ in range(nd))
+    args = dict(k=k, s=tuple(draw(st.integers(1, 3)) for _ in range(nd)),
+                p=tuple(draw(st.integers(0, kk // 2)) for kk in k), ceil=draw(st.booleans()))
+    d = (1,) * nd
     if kind == "max":
-        d = args["d"] = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+        d = args["d"] = tuple(draw(st.integers(1, 2)) for _ in range(nd))
     else:
         args["include_pad"] = draw(st.booleans())
-    assume(h + 2 * args["p"][0] >= d[0] * (k[0] - 1) + 1 and w + 2 * args["p"][1] >= d[1] * (k[1] - 1) + 1)
-    return kind, (n, c, h, w), args
+    assume(all(i + 2 * pp >= dd * (kk - 1) + 1 for i, pp, dd, kk in zip(size, args["p"], d, k)))
+    return kind, (n, c) + size, args
 
 
 @settings(max_examples=25, deadline=None)
@@ -272,7 +286,7 @@ def test_input_on_one_tile_is_exchanged(mode):
     x = g.addVariable("float32", (2, 4, 8, 8), "x")
     g.setTileMapping(x, 3)
     prog = ip.Sequence()
-    y = P.max_pool2d(g, x, 3, prog, 2, 1)
+    y = P.max_pool(g, x, 3, prog, 2, 1)
     X = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
     e = ip.Engine(g, prog, mode=mode).load()
     e.writeTensor(x, X)
@@ -287,7 +301,7 @@ def test_strict_mode_needs_the_exchange():
     x = g.addVariable("float32", (2, 4, 8, 8), "x")
     g.map_linearly(x)
     prog = ip.Sequence()
-    y = P.avg_pool2d(g, x, 2, prog)
+    y = P.avg_pool(g, x, 2, prog)
     without_exchange = ip.Sequence(*[p for p in prog.programs[0].body.programs if not isinstance(p, ip.Copy)])
     X = np.random.default_rng(2).standard_normal(x.shape).astype(np.float32) + 3
     e = ip.Engine(g, [prog, without_exchange], mode="strict").load()
@@ -315,13 +329,13 @@ def test_vertex_estimates_count_the_real_window_positions():
     x = g.addVariable("float32", (1, 2, 7, 6), "x")
     g.map_linearly(x)
     prog = ip.Sequence()
-    y = P.max_pool2d(g, x, 3, prog, 2, 1)
+    y = P.max_pool(g, x, 3, prog, 2, 1)
     dy = g.addVariable("float32", y.shape, "dy")
     g.map_linearly(dy)
-    P.max_pool2d_backward(g, x, y, dy, 3, prog, 2, 1)
+    P.max_pool_backward(g, x, y, dy, 3, prog, 2, 1)
     geom = P.pool_geometry("max", x.shape, 3, 2, 1)
-    rows_h = [[r for r in range(o * 2 - 1, o * 2 + 2) if 0 <= r < 7] for o in range(geom.h.out_size)]
-    per_col = sum(len([c for c in range(o * 2 - 1, o * 2 + 2) if 0 <= c < 6]) for o in range(geom.w.out_size))
+    rows_h = [[r for r in range(o * 2 - 1, o * 2 + 2) if 0 <= r < 7] for o in range(geom.dims[0].out_size)]
+    per_col = sum(len([c for c in range(o * 2 - 1, o * 2 + 2) if 0 <= c < 6]) for o in range(geom.dims[1].out_size))
     fwd_cs, bwd_cs = g.compute_sets
     (fwd,), (bwd,) = fwd_cs.tables, bwd_cs.tables
     got = P.POOL_VERTEX.cycles(fwd.sizes(), fwd.params, np.dtype("float32"), g.target)
@@ -331,7 +345,7 @@ def test_vertex_estimates_count_the_real_window_positions():
         assert got[v] == P.pool_cycles("max", planes * rows, out, taps, "float32", g.target)
     got = P.MAX_GRAD_VERTEX.cycles(bwd.sizes(), bwd.params, np.dtype("float32"), g.target)
     for v, (params, dx) in enumerate(zip(bwd.params.astype(int).tolist(), bwd.sizes()["dx"])):
-        planes, row0, rows, out0, outs = (params[i] for i in (1, 2, 3, 7, 8))
+        planes, row0, rows, out0, outs = (params[i] for i in (1, 2, 3, 6, 7))
         pairs = planes * sum(len([r for r in rows_h[o] if row0 <= r < row0 + rows]) for o in range(out0, out0 + outs))
         assert got[v] == P.pool_cycles("max_grad", planes * rows, dx, pairs * per_col, "float32", g.target)
 
@@ -342,26 +356,26 @@ def test_output_sizes_follow_torch():
     for k, s, p, d, ceil in [(3, 2, 1, 1, False), (3, 2, 1, 1, True), (2, 3, 1, 2, True), (4, 4, 2, 1, True)]:
         want = F.max_pool2d(x, k, s, p, d, ceil).shape[2:]
         geom = P.pool_geometry("max", x.shape, k, s, p, d, ceil)
-        assert (geom.h.out_size, geom.w.out_size) == tuple(want)
-    assert P.adaptive_geometry((1, 1, 11, 10), (None, 3)).h.out_size == 11
+        assert (geom.dims[0].out_size, geom.dims[1].out_size) == tuple(want)
+    assert P.adaptive_geometry((1, 1, 11, 10), (None, 3)).dims[0].out_size == 11
 
 
 def test_bad_arguments_are_clear_errors():
     g = ip.Graph(ip.Target.test(4))
     x = g.addVariable("float32", (1, 2, 5, 5), "x")
     with pytest.raises(ValueError, match="pad should be at most half of kernel size"):
-        P.max_pool2d(g, x, 2, ip.Sequence(), padding=2)
+        P.max_pool(g, x, 2, ip.Sequence(), padding=2)
     with pytest.raises(ValueError, match="output size .* is too small"):
-        P.avg_pool2d(g, x, 7, ip.Sequence())
+        P.avg_pool(g, x, 7, ip.Sequence())
     with pytest.raises(ValueError, match="4-D input"):
-        P.max_pool2d(g, x.reshape(2, 5, 5), 2, ip.Sequence())
+        P.max_pool(g, x.reshape(2, 5, 5), 2, ip.Sequence())
     with pytest.raises(ValueError, match="output_size must be positive"):
-        P.adaptive_avg_pool2d(g, x, 0, ip.Sequence())
+        P.adaptive_avg_pool(g, x, 0, ip.Sequence())
     with pytest.raises(TypeError, match="int32"):
-        P.max_pool2d(g, g.addVariable("int32", (1, 1, 4, 4), "i"), 2, ip.Sequence())
+        P.max_pool(g, g.addVariable("int32", (1, 1, 4, 4), "i"), 2, ip.Sequence())
     dy = g.addVariable("float32", (1, 2, 3, 3), "dy")
     with pytest.raises(ValueError, match="gives \\[1, 2, 2, 2\\]"):
-        P.avg_pool2d_backward(g, dy, (1, 2, 5, 5), 2, ip.Sequence())
-    y = P.adaptive_max_pool2d(g, x, 2, ip.Sequence())
+        P.avg_pool_backward(g, dy, (1, 2, 5, 5), 2, ip.Sequence())
+    y = P.adaptive_max_pool(g, x, 2, ip.Sequence())
     with pytest.raises(ValueError, match="differ in shape"):
-        P.adaptive_max_pool2d_backward(g, x, y, dy, ip.Sequence())
+        P.adaptive_max_pool_backward(g, x, y, dy, ip.Sequence())

@@ -162,7 +162,7 @@ def test_operations_name_their_aten_op_source_line_and_cost(profiled):
     assert {o["block"] for o in ops} == {"B1", "B2", "B3", "B4"} and {o["pass"] for o in ops} == {"fwd", "bwd",
                                                                                                    "recompute"}
     assert {o["block"] for o in ops if o["pass"] == "recompute"} == {"B1", "B2", "B3"}
-    conv = [o for o in ops if o["aten"] == "aten.convolution.default" and o["op"] == "conv2d" and o["pass"] == "fwd"]
+    conv = [o for o in ops if o["aten"] == "aten.convolution.default" and o["op"] == "conv" and o["pass"] == "fwd"]
     assert [o["module"] for o in conv] == ["model.layer1.conv (Conv2d)", "model.layer2.conv (Conv2d)"]
     assert all(o["source"].endswith("tutorial_model.py:18") for o in conv)
     assert all(o["cycles"] == o["compute"] + o["exchange"] + o["sync"] + o["inter_ipu"] + o["host"] for o in ops)

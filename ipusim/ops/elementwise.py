@@ -28,6 +28,7 @@ from ..device.kernels import JIT, kernel_view, ld, st
 from ..device.program import Execute, OpProgram, Sequence
 from ..device.tensor import Tensor
 from ..device.vertex import VertexType
+from . import special as sp
 from .common import lookup, new_output, placed, region_work
 
 # op name -> (code, thread instructions per vector, vectorised)
@@ -42,8 +43,14 @@ UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu":
          "atanh": (28, 30, False), "erf": (29, 25, False), "erfinv": (30, 60, False), "log2": (31, 15, False),
          "log10": (32, 15, False), "exp2": (33, 15, False), "floor": (34, 2, True), "ceil": (35, 2, True),
          "round": (36, 3, True), "trunc": (37, 2, True), "lgamma": (38, 60, False), "isnan": (39, 1, True),
-         "digamma": (40, 60, False)}
-BOOL_UNARY = {"logical_not", "isnan"}
+         "digamma": (40, 60, False), "isinf": (41, 1, True), "signbit": (42, 1, True), "erfc": (43, 25, False),
+         "erfcx": (44, 60, False), "ndtri": (45, 120, False), "i0": (46, 80, False), "i0e": (47, 80, False),
+         "i1": (48, 80, False), "i1e": (49, 80, False), "k0": (50, 120, False), "k0e": (51, 120, False),
+         "k1": (52, 120, False), "k1e": (53, 120, False), "j0": (54, 100, False), "j1": (55, 100, False),
+         "y0": (56, 120, False), "y1": (57, 120, False), "spherical_j0": (58, 25, False),
+         "airy_ai": (59, 150, False), "polygamma": (60, 150, False),   # scale = the order n
+         "angle": (61, 2, True), "frexp_mantissa": (62, 4, True), "frexp_exponent": (63, 4, True)}
+BOOL_UNARY = {"logical_not", "isnan", "isinf", "signbit"}
 BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": (3, 10, False),
           "max": (4, 1, True), "min": (5, 1, True), "pow": (6, 30, False),
           "relu_grad": (7, 2, True),       # (x, dy) -> dy where x > 0
@@ -56,8 +63,16 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "abs_grad": (19, 2, True),       # (x, dy) -> dy * sign(x)
           "atan2": (20, 30, False), "fmod": (21, 15, False),
           "remainder": (22, 15, False),    # x - floor(x / y) * y (Python's %, torch.remainder)
-          "hypot": (23, 15, False),
-          "bitwise_and": (24, 1, True), "bitwise_or": (25, 1, True), "bitwise_xor": (26, 1, True)}  # integers
+          "hypot": (23, 15, False), "copysign": (24, 1, True), "fmax": (25, 2, True), "fmin": (26, 2, True),
+          "logical_xor": (27, 1, True), "zeta": (28, 150, False), "igamma": (29, 200, False),
+          "igammac": (30, 200, False)}
+# torch.special's orthogonal polynomials p(x, n), one binary op each (codes from POLYNOMIAL_CODE)
+POLYNOMIALS = ("chebyshev_t", "chebyshev_u", "chebyshev_v", "chebyshev_w", "shifted_chebyshev_t",
+               "shifted_chebyshev_u", "shifted_chebyshev_v", "shifted_chebyshev_w", "hermite_h", "hermite_he",
+               "laguerre_l", "legendre_p")
+POLYNOMIAL_CODE = 31
+BINARY.update({name: (POLYNOMIAL_CODE + k, 40, False) for k, name in enumerate(POLYNOMIALS)})
+BINARY.update({"bitwise_and": (43, 1, True), "bitwise_or": (44, 1, True), "bitwise_xor": (45, 1, True)})  # integers
 # Fast-mode NumPy equivalents of the correctly rounded ops (same bits as `apply_*`).
 # Each computes into `out` (the output's dtype).
 NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lambda x, p0, p1, out: np.abs(x, out=out),
@@ -65,14 +80,15 @@ NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lam
                "square": lambda x, p0, p1, out: np.square(x, out=out),
                "cast": lambda x, p0, p1, out: np.copyto(out, x, casting="unsafe"),
                "fill": lambda x, p0, p1, out: out.fill(p0)}
-COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or"}
+COMPARISONS = {"eq", "gt", "lt", "ge", "le", "ne", "logical_and", "logical_or", "logical_xor"}
 
 
 # (comparisons, of any dtype, are exact too)
 ARITHMETIC = ("add", "sub", "mul", "div")
 NUMPY_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
                 "eq": np.equal, "gt": np.greater, "lt": np.less, "ge": np.greater_equal, "le": np.less_equal,
-                "ne": np.not_equal, "logical_and": np.logical_and, "logical_or": np.logical_or}
+                "ne": np.not_equal, "logical_and": np.logical_and, "logical_or": np.logical_or,
+                "logical_xor": np.logical_xor}
 GELU, GELU_GRAD = UNARY["gelu"][0], BINARY["gelu_grad"][0]
 SQRT1_2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
@@ -104,27 +120,6 @@ def erfinv(x):
     for _ in range(2):
         y -= (math.erf(y) - x) / (TWO_OVER_SQRT_PI * math.exp(-y * y))
     return y
-
-
-@njit(**JIT)
-def digamma(x):
-    """psi(x): reflection below 1/2, the recurrence up to 6, then the asymptotic series; -inf at 0
-    and nan at the negative integers, as torch."""
-    if x == 0.0:
-        return math.copysign(np.inf, -x)
-    reflect = 0.0
-    if x < 0.5:
-        if x == math.floor(x):
-            return np.nan
-        reflect = -math.pi / math.tan(math.pi * x)
-        x = 1.0 - x
-    acc = 0.0
-    while x < 6.0:
-        acc -= 1.0 / x
-        x += 1.0
-    f = 1.0 / (x * x)
-    series = f * (-1.0 / 12 + f * (1.0 / 120 + f * (-1.0 / 252 + f * (1.0 / 240 + f * (-1.0 / 132)))))
-    return reflect + acc + math.log(x) - 0.5 / x + series
 
 
 # erfc(z) = exp(-z^2) R(t) with t = 2 / (2 + z) for z >= 0: R is smooth on (0, 1], and its
@@ -215,13 +210,15 @@ def apply_unary(op, x, p0, p1):
         return 1.0 if x == 0 else 0.0
     if op == 15:
         return p0
-    return apply_math(op, x)
+    return apply_math(op, x, p0)
 
 
 @njit(**JIT)
-def apply_math(op, x):
+def apply_math(op, x, p0):
     """The unary maths of codes 16 and up, in float64 (the domain's edges as in C's libm: nan
-    outside it, +-inf at its poles)."""
+    outside it, +-inf at its poles; the special functions' as torch's, see special.py)."""
+    if op >= 41:
+        return apply_special(op, x, p0)
     if x != x:
         return 1.0 if op == 39 else x
     if op == 16:
@@ -261,7 +258,7 @@ def apply_math(op, x):
     if op == 33:
         return 2.0 ** x if x < 1024.0 else np.inf
     if op == 40:
-        return digamma(x) if x != -np.inf else np.nan
+        return sp.digamma(x) if x != -np.inf else np.nan
     if abs(x) == np.inf:
         return np.inf if op == 38 else (0.0 if op == 39 else x)
     if op == 34:
@@ -275,6 +272,41 @@ def apply_math(op, x):
     if op == 38:
         return math.lgamma(x) if not (x <= 0 and x == math.floor(x)) else np.inf
     return 0.0
+
+
+@njit(**JIT)
+def apply_special(op, x, p0):
+    """Unary codes 41 and up: tests of a float's class and bits, and special functions."""
+    if op == 41:
+        return 1.0 if abs(x) == np.inf else 0.0
+    if op == 42:
+        return 1.0 if math.copysign(1.0, x) < 0 and x == x else 0.0
+    if op == 61:
+        return x if x != x else (math.pi if x < 0 else 0.0)
+    if op == 62 or op == 63:
+        if x != x or abs(x) == np.inf or x == 0:
+            return (x if op == 62 else 0.0)
+        mantissa, exponent = math.frexp(x)
+        return mantissa if op == 62 else float(exponent)
+    if op == 43:
+        return math.erfc(x)
+    if op == 44:
+        return sp.erfcx(x)
+    if op == 45:
+        return sp.ndtri(x)
+    if op <= 49:
+        return sp.bessel_i(0 if op <= 47 else 1, x, op % 2 == 1)
+    if op <= 53:
+        return sp.bessel_k(0 if op <= 51 else 1, x, op % 2 == 1)
+    if op <= 55:
+        return sp.bessel_j(op - 54, x)
+    if op <= 57:
+        return sp.bessel_y(op - 56, x)
+    if op == 58:
+        return sp.spherical_bessel_j0(x)
+    if op == 59:
+        return sp.airy_ai(x)
+    return sp.polygamma(int(p0), x)
 
 
 @njit(**JIT)
@@ -331,13 +363,27 @@ def apply_binary(op, x, y):
             return np.nan
         r = np.fmod(np.float64(x), np.float64(y))
         return r + y if r != 0 and (r < 0) != (y < 0) else (math.copysign(0.0, y) if r == 0 else r)
+    if op == 23:
+        return math.hypot(x, y)
     if op == 24:
-        return int(x) & int(y)
+        return math.copysign(x, y)
     if op == 25:
-        return int(x) | int(y)
+        return y if x != x else (x if y != y or x >= y else y)
     if op == 26:
+        return y if x != x else (x if y != y or x <= y else y)
+    if op == 27:
+        return 1.0 if (x != 0) != (y != 0) else 0.0
+    if op == 28:
+        return sp.zeta(x, y)
+    if op == 29 or op == 30:
+        return sp.igamma(x, y, op == 30)
+    if op == 43:
+        return int(x) & int(y)
+    if op == 44:
+        return int(x) | int(y)
+    if op == 45:
         return int(x) ^ int(y)
-    return math.hypot(x, y)
+    return sp.polynomial(op - POLYNOMIAL_CODE, x, y)
 
 
 @njit(parallel=True, **JIT)
@@ -358,6 +404,23 @@ def binary_codelet(a, a_addr, a_start, b, b_addr, b_start, out, o_addr, o_start,
             st(out, o_addr[bo + i], apply_binary(op, ld(a, a_addr[ba + i]), ld(b, b_addr[bb + i])))
 
 
+# Codes from which the ops share one fast kernel, the op an argument: the special functions and
+# the float tests (their loops do not vectorise, and each would compile all of special.py again).
+SHARED_UNARY, SHARED_BINARY = 41, 24
+
+
+@njit(**JIT)
+def shared_unary_kernel(op, x, out, p0, p1):
+    for i in range(out.size):
+        st(out, i, apply_unary(op, ld(x, i), p0, p1))
+
+
+@njit(**JIT)
+def shared_binary_kernel(op, a, b, out):
+    for i in range(out.size):
+        st(out, i, apply_binary(op, ld(a, i), ld(b, i)))
+
+
 @lru_cache(maxsize=None)
 def unary_kernel(op: int):
     """The fast mode's kernel of one unary op over whole flat arrays: out[i] = apply_unary(op,
@@ -365,7 +428,11 @@ def unary_kernel(op: int):
     formula and the loop runs in SIMD lanes (one kernel for every op would dispatch on the op for
     each element). A serial loop, as fast-mode kernels run on one thread by default
     (docs/performance.md, Threads), and a parallel one compiles 8x slower; gelu's is a parallel
-    loop, which vectorises its normal CDF where the serial loop does not (5x faster, one thread)."""
+    loop, which vectorises its normal CDF where the serial loop does not (5x faster, one thread).
+    Codes from SHARED_UNARY on run `shared_unary_kernel`."""
+    if op >= SHARED_UNARY:
+        return lambda x, out, p0, p1: shared_unary_kernel(op, x, out, p0, p1)
+
     @njit(parallel=op == GELU, **JIT)
     def kernel(x, out, p0, p1):
         if op == GELU:  # the normal CDF called from the loop itself
@@ -381,7 +448,11 @@ def unary_kernel(op: int):
 @lru_cache(maxsize=None)
 def binary_kernel(op: int):
     """The fast mode's kernel of one binary op over whole flat arrays: out[i] = apply_binary(op,
-    a[i], b[i]), compiled for that op alone as `unary_kernel` is (gelu's gradient as gelu)."""
+    a[i], b[i]), compiled for that op alone as `unary_kernel` is (gelu's gradient as gelu; codes
+    from SHARED_BINARY on run `shared_binary_kernel`)."""
+    if op >= SHARED_BINARY:
+        return lambda a, b, out: shared_binary_kernel(op, a, b, out)
+
     @njit(parallel=op == GELU_GRAD, **JIT)
     def kernel(a, b, out):
         if op == GELU_GRAD:

@@ -31,7 +31,8 @@ PLAN_TYPES = ("parallel", "serial")
 
 @dataclass(frozen=True)
 class ConvSpec:
-    """One convolution of a multi-convolution: y = conv2d(x, w) like torch (no bias)."""
+    """One convolution of a multi-convolution: y = conv(x, w) like torch (no bias; 1 to 3 spatial
+    dimensions)."""
     x_shape: tuple
     w_shape: tuple
     stride: object = 1
@@ -43,10 +44,9 @@ class ConvSpec:
 
     @property
     def macs(self) -> int:
-        s, p, d = conv.conv_params(self.stride, self.padding, self.dilation, "multiconv")
-        shape = conv.conv2d_output_shape(self.x_shape, self.w_shape, s, p, d, self.groups, "multiconv")
-        o, cg, kh, kw = self.w_shape
-        return int(np.prod(shape)) * cg * kh * kw
+        shape = conv.conv_output_shape(self.x_shape, self.w_shape, self.stride, self.padding, self.dilation,
+                                       self.groups, "multiconv")
+        return int(np.prod(shape)) * int(np.prod(self.w_shape[1:]))
 
 
 def tile_shares(num_tiles: int, macs: list[int], reserved_tiles: int) -> list[range]:
@@ -84,8 +84,8 @@ class MultiConv:
         self.plans, self.outputs, self.args = [], [], []
         for i, (spec, tiles) in enumerate(zip(self.specs, self.ranges)):
             dtype = np.dtype(spec.dtype)
-            s, p, d = conv.conv_params(spec.stride, spec.padding, spec.dilation, name)
-            shape = conv.conv2d_output_shape(spec.x_shape, spec.w_shape, s, p, d, spec.groups, name)
+            s, p, d = spec.stride, spec.padding, spec.dilation
+            shape = conv.conv_output_shape(spec.x_shape, spec.w_shape, s, p, d, spec.groups, name)
             geom = conv.forward_geometry(spec.x_shape, spec.w_shape, s, p, d, spec.groups)
             plan = conv.plan_conv(replace(target, num_tiles=len(tiles)), geom, dtype, output_dtype(None, dtype, name),
                                   spec.available_memory_proportion)
@@ -108,13 +108,11 @@ class MultiConv:
             if tuple(x.shape) != tuple(spec.x_shape) or tuple(w.shape) != tuple(spec.w_shape):
                 raise ValueError(f"{self.name}: convolution {i} was planned for {spec.x_shape} * {spec.w_shape}, "
                                  f"given {x.shape} * {w.shape}")
-            n, c, hh, ww = x.shape
-            o, cg, kh, kw = w.shape
             g = spec.groups
             compute = Sequence(name=f"{self.name}/conv{i}") if self.plan_type == "parallel" else body
             conv._build(self.graph, body, f"{self.name}/conv{i}", plan,
-                        x.reshape(n, g, cg, hh, ww).transpose(1, 0, 2, 3, 4), w.reshape(g, o // g, cg, kh, kw), out,
-                        out.reshape(n, g, o // g, *out.shape[2:]).transpose(1, 0, 2, 3, 4), compute, tiles)
+                        conv.general_view(x, g, 1, (1, 0, 2)), conv.general_view(w, g, 0, (0, 1, 2)), out,
+                        conv.general_view(out, g, 1, (1, 0, 2)), compute, tiles)
             computes.append(compute)
         if self.plan_type == "parallel":
             body.add(Parallel(*computes, name=f"{self.name}/side by side"))
@@ -122,7 +120,7 @@ class MultiConv:
 
         def fast(io):
             for x, w, spec, (s, p, d), out in zip(xs, ws, specs, args, outs):
-                io.write(out, conv.conv2d_numpy(io.read(x), io.read(w), s, p, d, spec.groups))
+                io.write(out, conv.conv_numpy(io.read(x), io.read(w), s, p, d, spec.groups))
 
         prog.add(OpProgram(self.name, body, fast, (*xs, *ws), tuple(outs)))
         return outs

@@ -1,13 +1,14 @@
-"""2-D pooling in PyTorch's conventions (NCHW): max and average pooling with kernel, stride,
-padding (and dilation for max, `count_include_pad` and `divisor_override` for average),
-`ceil_mode`, adaptive average and max pooling, and the gradients of all four.
+"""Pooling over two or three spatial dimensions in PyTorch's conventions ([N, C, H, W] or
+[N, C, D, H, W]): max and average pooling with kernel, stride, padding (and dilation for max,
+`count_include_pad` and `divisor_override` for average), `ceil_mode`, adaptive average and max
+pooling, and the gradients of all four.
 
 Windows, along each spatial dimension (`PoolDim`): output o reads the input positions
 start + t * step for t in [0, count), positions outside [0, in_size) being padding:
   regular   start = o * stride - padding, count = kernel, step = dilation
   adaptive  start = floor(o * in / out), end = ceil((o + 1) * in / out), count = end - start, step 1
 (torch's definitions). Output sizes follow torch, including ceil_mode's rule that the last window
-must start inside the input or its left padding.
+must start inside the input or its left padding. A window is the product of its dimensions' windows.
 - max: the largest value in the window, padding acting as -inf; a NaN wins (torch's rule).
 - avg: the sum of the window's real elements divided by divisor_override if given; else, with
   count_include_pad, by the window's extent clipped to the padded input, min(start + kernel,
@@ -18,12 +19,14 @@ must start inside the input or its left padding.
   For a window holding several NaNs torch's CPU kernel routes to the last NaN; here it is the first.
 - avg gradient: dy / divisor to every real position of the window.
 
-Plan (`plan_pool`): planes (N * C) and rows (output rows forward, input rows backward) are split
-into blocks, one per tile, spread over the IPU; a tile receives by exchange the input rows its
-windows read (halo included; backward: the x rows of every window touching its rows and the
-y and dy rows of those windows) and writes its piece of the output, which lives there. The cost
-model and the choice rule are matmul's (see matmul.py), with the estimators below. A block's
-work is split into about one vertex per worker, over planes or, with few planes, over rows.
+The general form has three spatial dimensions, `rows` (the outermost), `mid` and `cols` (the
+innermost); 2-D pooling has a unit `mid`. Plan (`plan_pool`): planes (N * C) and rows (output
+rows forward, input rows backward) are split into blocks, one per tile, spread over the IPU; a
+tile receives by exchange the input rows its windows read (halo included; backward: the x rows
+of every window touching its rows and the y and dy rows of those windows), each row a whole
+mid x cols slab, and writes its piece of the output, which lives there. The cost model and the
+choice rule are matmul's (see matmul.py), with the estimators below. A block's work is split
+into about one vertex per worker, over planes or, with few planes, over rows.
 
 Cycle estimators (thread instructions, like popnn's pooling estimators; vector width V = 2
 float32 or 4 float16; `rows` output rows forward and gradient rows backward, `outputs` output
@@ -109,33 +112,69 @@ class PoolDim:
         return (self.positions(o) >= 0).sum(axis=1)
 
     @property
+    def real_taps(self) -> int:
+        """Real window positions summed over every output."""
+        return int((self.positions(np.arange(self.out_size)) >= 0).sum())
+
+    @property
     def params(self) -> tuple[int, ...]:
         return (int(self.adaptive), self.kernel, self.stride, self.padding, self.dilation, self.in_size,
                 self.out_size)
 
 
+UNIT = PoolDim(1, 1)   # the mid dimension of 2-D pooling
+
+
 @dataclass(frozen=True)
 class PoolGeometry:
-    """The windows of a pooling op over planes of in_h x in_w inputs."""
+    """The windows of a pooling op over planes of 2 or 3 spatial dimensions (`dims`, outermost first)."""
     kind: str                    # "max" or "avg"
-    h: PoolDim
-    w: PoolDim
+    dims: tuple[PoolDim, ...]
     count_include_pad: bool = True
     divisor_override: int = 0    # 0: none
 
+    @property
+    def slots(self) -> tuple[PoolDim, PoolDim, PoolDim]:
+        """(rows, mid, cols) of the general form (a unit mid for 2-D)."""
+        return (self.dims[0],) + (UNIT,) * (3 - len(self.dims)) + tuple(self.dims[1:])
+
+    @property
+    def rows(self) -> PoolDim:
+        return self.dims[0]
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(d.in_size for d in self.dims)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(d.out_size for d in self.dims)
+
+    @property
+    def in_row(self) -> int:
+        """Input elements of one row (a mid x cols slab)."""
+        return int(np.prod(self.in_shape[1:]))
+
+    @property
+    def out_row(self) -> int:
+        return int(np.prod(self.out_shape[1:]))
+
     def divisors(self) -> np.ndarray:
-        """[OH, OW] divisors of the average."""
+        """[*out_shape] divisors of the average."""
         if self.divisor_override:
-            return np.full((self.h.out_size, self.w.out_size), float(self.divisor_override))
-        dh = self.h.divisor_extent(np.arange(self.h.out_size), self.count_include_pad)
-        dw = self.w.divisor_extent(np.arange(self.w.out_size), self.count_include_pad)
-        return np.multiply.outer(dh, dw).astype(np.float64)
+            return np.full(self.out_shape, float(self.divisor_override))
+        out = np.ones((), np.int64)
+        for d in self.dims:
+            out = np.multiply.outer(out, d.divisor_extent(np.arange(d.out_size), self.count_include_pad))
+        return out.astype(np.float64)
 
 
-def _pair(v, what: str) -> tuple[int, int]:
-    t = tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v), int(v))
-    if len(t) != 2:
-        raise ValueError(f"{what} must be an int or a pair of ints, got {v!r}")
+def _spatial(v, nd: int, what: str) -> tuple[int, ...]:
+    t = tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * nd
+    if len(t) == 1 and nd > 1:
+        t = t * nd
+    if len(t) != nd:
+        raise ValueError(f"{what} must be an int or {nd} ints, got {v!r}")
     return t
 
 
@@ -147,10 +186,11 @@ def pool_output_size(in_size: int, kernel: int, stride: int, padding: int, dilat
     return out
 
 
-def _input_shape(shape, what: str) -> tuple[int, int, int, int]:
+def _input_shape(shape, what: str) -> tuple[int, ...]:
     shape = tuple(int(v) for v in shape)
-    if len(shape) != 4:
-        raise ValueError(f"{what}: expected a 4-D input [N, C, H, W], got shape {list(shape)}")
+    if len(shape) not in (4, 5):
+        raise ValueError(f"{what}: expected a 4-D input [N, C, H, W] or a 5-D input [N, C, D, H, W], got shape "
+                         f"{list(shape)}")
     if min(shape) < 1:
         raise ValueError(f"{what}: empty input {list(shape)}")
     return shape
@@ -158,40 +198,42 @@ def _input_shape(shape, what: str) -> tuple[int, int, int, int]:
 
 def pool_geometry(kind: str, x_shape, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
                   count_include_pad=True, divisor_override=None, what: str | None = None) -> PoolGeometry:
-    """Geometry of max_pool2d / avg_pool2d with torch's argument checks."""
-    what = what or f"{kind}_pool2d"
-    n, c, h, w = _input_shape(x_shape, what)
-    k = _pair(kernel_size, f"{what}: kernel_size")
-    s = _pair(stride if stride is not None and stride != () else k, f"{what}: stride")
-    p = _pair(padding, f"{what}: padding")
-    d = _pair(dilation, f"{what}: dilation")
+    """Geometry of max or average pooling (2-D or 3-D by the input's rank) with torch's argument checks."""
+    what = what or f"{kind}_pool"
+    shape = _input_shape(x_shape, what)
+    nd = len(shape) - 2
+    k = _spatial(kernel_size, nd, f"{what}: kernel_size")
+    s = _spatial(stride if stride is not None and stride != () and stride != [] else k, nd, f"{what}: stride")
+    p = _spatial(padding, nd, f"{what}: padding")
+    d = _spatial(dilation, nd, f"{what}: dilation")
     if min(k) < 1 or min(s) < 1 or min(d) < 1:
         raise ValueError(f"{what}: kernel_size {k}, stride {s} and dilation {d} must be positive")
-    if min(p) < 0 or p[0] > k[0] // 2 or p[1] > k[1] // 2:
+    if min(p) < 0 or any(pp > kk // 2 for pp, kk in zip(p, k)):
         raise ValueError(f"{what}: pad should be at most half of kernel size, but got padding={p} and "
                          f"kernel_size={k}")
     if divisor_override is not None and int(divisor_override) < 1:
         raise ValueError(f"{what}: divisor_override must be positive, got {divisor_override}")
-    oh, ow = (pool_output_size(h, k[0], s[0], p[0], d[0], ceil_mode),
-              pool_output_size(w, k[1], s[1], p[1], d[1], ceil_mode))
-    if oh < 1 or ow < 1:
-        raise ValueError(f"{what}: given input size {c}x{h}x{w}, the calculated output size {c}x{oh}x{ow} is too "
-                         "small")
-    return PoolGeometry(kind, PoolDim(h, oh, k[0], s[0], p[0], d[0]), PoolDim(w, ow, k[1], s[1], p[1], d[1]),
+    out = [pool_output_size(i, *a, ceil_mode) for i, a in zip(shape[2:], zip(k, s, p, d))]
+    if min(out) < 1:
+        sizes = "x".join(map(str, shape[1:]))
+        raise ValueError(f"{what}: given input size {sizes}, the calculated output size "
+                         f"{'x'.join(map(str, [shape[1]] + out))} is too small")
+    return PoolGeometry(kind, tuple(PoolDim(i, o, *a) for i, o, a in zip(shape[2:], out, zip(k, s, p, d))),
                         bool(count_include_pad), int(divisor_override or 0))
 
 
-def adaptive_geometry(x_shape, output_size, what: str = "adaptive_avg_pool2d", kind: str = "avg") -> PoolGeometry:
-    """Geometry of adaptive_avg_pool2d (kind "avg") or adaptive_max_pool2d (kind "max"); None in
-    output_size keeps that input size (torch)."""
-    n, c, h, w = _input_shape(x_shape, what)
-    sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size, output_size)
-    if len(sizes) != 2:
-        raise ValueError(f"{what}: output_size must be an int or a pair, got {output_size!r}")
-    oh, ow = (h if sizes[0] is None else int(sizes[0])), (w if sizes[1] is None else int(sizes[1]))
-    if oh < 1 or ow < 1:
+def adaptive_geometry(x_shape, output_size, what: str = "adaptive_avg_pool", kind: str = "avg") -> PoolGeometry:
+    """Geometry of adaptive average (kind "avg") or max (kind "max") pooling, 2-D or 3-D by the
+    input's rank; None in output_size keeps that input size (torch)."""
+    shape = _input_shape(x_shape, what)
+    nd = len(shape) - 2
+    sizes = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * nd
+    if len(sizes) != nd:
+        raise ValueError(f"{what}: output_size must be an int or {nd} ints, got {output_size!r}")
+    out = [i if o is None else int(o) for i, o in zip(shape[2:], sizes)]
+    if min(out) < 1:
         raise ValueError(f"{what}: output_size must be positive, got {output_size!r}")
-    return PoolGeometry(kind, PoolDim(h, oh, adaptive=True), PoolDim(w, ow, adaptive=True), False, 0)
+    return PoolGeometry(kind, tuple(PoolDim(i, o, adaptive=True) for i, o in zip(shape[2:], out)), False, 0)
 
 
 # ---- cycle estimators ------------------------------------------------------------------------
@@ -231,63 +273,75 @@ def _real(start, count, step, n_in):
 
 
 @njit(**JIT)
-def _divisor(oh, ow, q, base):
-    """Divisor of the average of window (oh, ow); q[base:base + 16] holds the h and w dimension
-    parameters, count_include_pad and divisor_override."""
-    if q[base + 15] > 0:
-        return q[base + 15]
-    ha, hk, hs, hp, hd, hn, hm = _dim(q, base)
-    wa, wk, ws, wp, wd, wn, wm = _dim(q, base + 7)
-    h0, hc, hstep = _window(oh, ha, hk, hs, hp, hd, hn, hm)
-    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
-    if q[base + 14] != 0 and ha == 0:
-        return float((min(h0 + hk, hn + hp) - h0) * (min(w0 + wk, wn + wp) - w0))
-    return float(_real(h0, hc, hstep, hn) * _real(w0, wc, wstep, wn))
+def _extent(o, q, base, include_pad):
+    """The divisor's factor along the dimension whose DIM_PARAMS start at q[base], for output o."""
+    a, k, s, p, d, n, m = _dim(q, base)
+    start, count, step = _window(o, a, k, s, p, d, n, m)
+    if include_pad and a == 0:
+        return min(start + k, n + p) - start
+    return _real(start, count, step, n)
+
+
+@njit(**JIT)
+def _divisor(orow, omid, ocol, q, base):
+    """Divisor of the average of window (orow, omid, ocol); q[base:base + TAIL] holds the rows,
+    mid and cols dimension parameters, count_include_pad and divisor_override."""
+    if q[base + 22] > 0:
+        return q[base + 22]
+    pad = q[base + 21] != 0
+    return float(_extent(orow, q, base, pad) * _extent(omid, q, base + 7, pad) * _extent(ocol, q, base + 14, pad))
 
 
 # Forward vertex parameters: op (0 max, 1 avg), the vertex's planes and output rows, the
-# window's first input row and size, then DIM_PARAMS for h and w, count_include_pad, divisor.
-FWD_PARAMS = ("op", "plane0", "planes", "row0", "rows", "win_row0", "win_rows", "in_cols", "out_cols")
-GRAD_PARAMS = ("plane0", "planes", "row0", "rows", "win_row0", "win_rows", "in_cols", "out_row0", "out_rows",
-               "out_cols")
+# window's first input row and size, then DIM_PARAMS for rows, mid and cols, count_include_pad,
+# divisor. A row is a whole mid x cols slab of its plane.
+FWD_PARAMS = ("op", "plane0", "planes", "row0", "rows", "win_row0", "win_rows")
+GRAD_PARAMS = ("plane0", "planes", "row0", "rows", "win_row0", "win_rows", "out_row0", "out_rows")
 DIM_PARAMS = ("adaptive", "kernel", "stride", "padding", "dilation", "in", "out")
-TAIL = 2 * len(DIM_PARAMS) + 2
+TAIL = 3 * len(DIM_PARAMS) + 2
 
 
 @njit(parallel=True, **JIT)
 def pool_codelet(x, x_addr, x_start, out, o_addr, o_start, params):
     """Output rows [row0, row0 + rows) of planes [plane0, plane0 + planes) of the block; x is the
-    block's input window [block planes, win_rows, in_cols] starting at input row win_row0."""
+    block's input window [block planes, win_rows, mid, cols] starting at input row win_row0."""
     for v in prange(params.shape[0]):
         q = params[v]
         op, plane0, planes, row0, rows = int(q[0]), int(q[1]), int(q[2]), int(q[3]), int(q[4])
-        win_row0, win_rows, in_cols, out_cols = int(q[5]), int(q[6]), int(q[7]), int(q[8])
-        ha, hk, hs, hp, hd, hn, hm = _dim(q, 9)
-        wa, wk, ws, wp, wd, wn, wm = _dim(q, 16)
+        win_row0, win_rows = int(q[5]), int(q[6])
+        ha, hk, hs, hp, hd, hn, hm = _dim(q, 7)
+        ma, mk, ms, mp, md, mn, mm = _dim(q, 14)
+        wa, wk, ws, wp, wd, wn, wm = _dim(q, 21)
         bx, bo = x_start[v], o_start[v]
         for pl in range(planes):
             plane = (plane0 + pl) * win_rows
             for r in range(rows):
                 h0, hc, hstep = _window(row0 + r, ha, hk, hs, hp, hd, hn, hm)
-                for ow in range(out_cols):
-                    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
-                    acc = -np.inf if op == 0 else 0.0
-                    for th in range(hc):
-                        ih = h0 + th * hstep
-                        if ih < 0 or ih >= hn:
-                            continue
-                        for tw in range(wc):
-                            iw = w0 + tw * wstep
-                            if iw < 0 or iw >= wn:
+                for om in range(mm):
+                    m0, mc, mstep = _window(om, ma, mk, ms, mp, md, mn, mm)
+                    for ow in range(wm):
+                        w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+                        acc = -np.inf if op == 0 else 0.0
+                        for th in range(hc):
+                            ih = h0 + th * hstep
+                            if ih < 0 or ih >= hn:
                                 continue
-                            val = ld(x, x_addr[bx + (plane + ih - win_row0) * in_cols + iw])
-                            if op == 1:
-                                acc += val
-                            elif val > acc or val != val:
-                                acc = val
-                    if op == 1:
-                        acc = acc / _divisor(row0 + r, ow, q, 9)
-                    st(out, o_addr[bo + (pl * rows + r) * out_cols + ow], acc)
+                            for tm in range(mc):
+                                im = m0 + tm * mstep
+                                if im < 0 or im >= mn:
+                                    continue
+                                for tw in range(wc):
+                                    iw = w0 + tw * wstep
+                                    if iw < 0 or iw >= wn:
+                                        continue
+                                    val = ld(x, x_addr[bx + ((plane + ih - win_row0) * mn + im) * wn + iw])
+                                    if op == 1:
+                                        acc += val
+                                    elif val > acc or val != val:
+                                        acc = val
+                        if op == 1:
+                            acc = acc / _divisor(row0 + r, om, ow, q, 7)
+                        st(out, o_addr[bo + ((pl * rows + r) * mm + om) * wm + ow], acc)
 
 
 @njit(parallel=True, **JIT)
@@ -298,12 +352,13 @@ def max_grad_codelet(x, x_addr, x_start, y, y_addr, y_start, dy, dy_addr, dy_sta
     for v in prange(params.shape[0]):
         q = params[v]
         plane0, planes, row0, rows = int(q[0]), int(q[1]), int(q[2]), int(q[3])
-        win_row0, win_rows, in_cols = int(q[4]), int(q[5]), int(q[6])
-        out_row0, out_rows, out_cols = int(q[7]), int(q[8]), int(q[9])
-        ha, hk, hs, hp, hd, hn, hm = _dim(q, 10)
-        wa, wk, ws, wp, wd, wn, wm = _dim(q, 17)
+        win_row0, win_rows, out_row0, out_rows = int(q[4]), int(q[5]), int(q[6]), int(q[7])
+        ha, hk, hs, hp, hd, hn, hm = _dim(q, 8)
+        ma, mk, ms, mp, md, mn, mm = _dim(q, 15)
+        wa, wk, ws, wp, wd, wn, wm = _dim(q, 22)
+        slab = mn * wn
         bx, by, bd, bo = x_start[v], y_start[v], dy_start[v], dx_start[v]
-        acc = np.zeros(rows * in_cols)
+        acc = np.zeros(rows * slab)
         for pl in range(planes):
             acc[:] = 0.0
             plane = plane0 + pl
@@ -311,29 +366,37 @@ def max_grad_codelet(x, x_addr, x_start, y, y_addr, y_start, dy, dy_addr, dy_sta
                 h0, hc, hstep = _window(out_row0 + oi, ha, hk, hs, hp, hd, hn, hm)
                 if h0 + (hc - 1) * hstep < row0 or h0 >= row0 + rows:
                     continue
-                for ow in range(out_cols):
-                    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
-                    k = (plane * out_rows + oi) * out_cols + ow
-                    target = ld(y, y_addr[by + k])
-                    found = False
-                    for th in range(hc):
-                        ih = h0 + th * hstep
-                        if ih < 0 or ih >= hn:
-                            continue
-                        for tw in range(wc):
-                            iw = w0 + tw * wstep
-                            if iw < 0 or iw >= wn:
+                for om in range(mm):
+                    m0, mc, mstep = _window(om, ma, mk, ms, mp, md, mn, mm)
+                    for ow in range(wm):
+                        w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+                        k = ((plane * out_rows + oi) * mm + om) * wm + ow
+                        target = ld(y, y_addr[by + k])
+                        found = False
+                        for th in range(hc):
+                            ih = h0 + th * hstep
+                            if ih < 0 or ih >= hn:
                                 continue
-                            val = ld(x, x_addr[bx + (plane * win_rows + ih - win_row0) * in_cols + iw])
-                            if val == target or (val != val and target != target):
-                                if row0 <= ih < row0 + rows:
-                                    acc[(ih - row0) * in_cols + iw] += ld(dy, dy_addr[bd + k])
-                                found = True
+                            for tm in range(mc):
+                                im = m0 + tm * mstep
+                                if im < 0 or im >= mn:
+                                    continue
+                                for tw in range(wc):
+                                    iw = w0 + tw * wstep
+                                    if iw < 0 or iw >= wn:
+                                        continue
+                                    val = ld(x, x_addr[bx + ((plane * win_rows + ih - win_row0) * mn + im) * wn + iw])
+                                    if val == target or (val != val and target != target):
+                                        if row0 <= ih < row0 + rows:
+                                            acc[((ih - row0) * mn + im) * wn + iw] += ld(dy, dy_addr[bd + k])
+                                        found = True
+                                        break
+                                if found:
+                                    break
+                            if found:
                                 break
-                        if found:
-                            break
-            for i in range(rows * in_cols):
-                st(dx, dx_addr[bo + pl * rows * in_cols + i], acc[i])
+            for i in range(rows * slab):
+                st(dx, dx_addr[bo + pl * rows * slab + i], acc[i])
 
 
 @njit(parallel=True, **JIT)
@@ -343,11 +406,13 @@ def avg_grad_codelet(dy, dy_addr, dy_start, dx, dx_addr, dx_start, params):
     for v in prange(params.shape[0]):
         q = params[v]
         plane0, planes, row0, rows = int(q[0]), int(q[1]), int(q[2]), int(q[3])
-        in_cols, out_row0, out_rows, out_cols = int(q[6]), int(q[7]), int(q[8]), int(q[9])
-        ha, hk, hs, hp, hd, hn, hm = _dim(q, 10)
-        wa, wk, ws, wp, wd, wn, wm = _dim(q, 17)
+        out_row0, out_rows = int(q[6]), int(q[7])
+        ha, hk, hs, hp, hd, hn, hm = _dim(q, 8)
+        ma, mk, ms, mp, md, mn, mm = _dim(q, 15)
+        wa, wk, ws, wp, wd, wn, wm = _dim(q, 22)
+        slab = mn * wn
         bd, bo = dy_start[v], dx_start[v]
-        acc = np.zeros(rows * in_cols)
+        acc = np.zeros(rows * slab)
         for pl in range(planes):
             acc[:] = 0.0
             plane = plane0 + pl
@@ -355,43 +420,57 @@ def avg_grad_codelet(dy, dy_addr, dy_start, dx, dx_addr, dx_start, params):
                 h0, hc, hstep = _window(out_row0 + oi, ha, hk, hs, hp, hd, hn, hm)
                 if h0 + (hc - 1) * hstep < row0 or h0 >= row0 + rows:
                     continue
-                for ow in range(out_cols):
-                    w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
-                    g = ld(dy, dy_addr[bd + (plane * out_rows + oi) * out_cols + ow])
-                    g = g / _divisor(out_row0 + oi, ow, q, 10)
-                    for th in range(hc):
-                        ih = h0 + th * hstep
-                        if ih < row0 or ih >= row0 + rows or ih < 0 or ih >= hn:
-                            continue
-                        for tw in range(wc):
-                            iw = w0 + tw * wstep
-                            if 0 <= iw < wn:
-                                acc[(ih - row0) * in_cols + iw] += g
-            for i in range(rows * in_cols):
-                st(dx, dx_addr[bo + pl * rows * in_cols + i], acc[i])
+                for om in range(mm):
+                    m0, mc, mstep = _window(om, ma, mk, ms, mp, md, mn, mm)
+                    for ow in range(wm):
+                        w0, wc, wstep = _window(ow, wa, wk, ws, wp, wd, wn, wm)
+                        g = ld(dy, dy_addr[bd + ((plane * out_rows + oi) * mm + om) * wm + ow])
+                        g = g / _divisor(out_row0 + oi, om, ow, q, 8)
+                        for th in range(hc):
+                            ih = h0 + th * hstep
+                            if ih < row0 or ih >= row0 + rows or ih < 0 or ih >= hn:
+                                continue
+                            for tm in range(mc):
+                                im = m0 + tm * mstep
+                                if im < 0 or im >= mn:
+                                    continue
+                                for tw in range(wc):
+                                    iw = w0 + tw * wstep
+                                    if 0 <= iw < wn:
+                                        acc[((ih - row0) * mn + im) * wn + iw] += g
+            for i in range(rows * slab):
+                st(dx, dx_addr[bo + pl * rows * slab + i], acc[i])
 
 
 @lru_cache(maxsize=65536)
-def _dims(params: tuple) -> tuple[PoolDim, PoolDim]:
-    h, w = (tuple(int(v) for v in params[i:i + 7]) for i in (0, 7))
-    return (PoolDim(h[5], h[6], h[1], h[2], h[3], h[4], bool(h[0])),
-            PoolDim(w[5], w[6], w[1], w[2], w[3], w[4], bool(w[0])))
+def _dims(params: tuple) -> tuple[PoolDim, PoolDim, PoolDim]:
+    """The (rows, mid, cols) dimensions of a vertex's DIM_PARAMS."""
+    out = []
+    for i in (0, 7, 14):
+        a = tuple(int(v) for v in params[i:i + 7])
+        out.append(PoolDim(a[5], a[6], a[1], a[2], a[3], a[4], bool(a[0])))
+    return tuple(out)
 
 
 @lru_cache(maxsize=65536)
 def _taps(dim_params: tuple, out0: int, outs: int, row0: int, rows: int) -> int:
-    """Real window positions of outputs rows [out0, out0 + outs) (all columns) that fall in input
-    rows [row0, row0 + rows)."""
-    h, w = _dims(dim_params)
+    """Real window positions of outputs rows [out0, out0 + outs) (all of their mid x cols
+    outputs) that fall in input rows [row0, row0 + rows)."""
+    h, m, w = _dims(dim_params)
     pos = h.positions(np.arange(out0, out0 + outs))
-    per_col = int((w.positions(np.arange(w.out_size)) >= 0).sum())
-    return int(((pos >= row0) & (pos < row0 + rows)).sum()) * per_col
+    return int(((pos >= row0) & (pos < row0 + rows)).sum()) * m.real_taps * w.real_taps
+
+
+DIMS_AT = len(FWD_PARAMS)   # where the forward vertex's DIM_PARAMS start
+GRAD_DIMS_AT = len(GRAD_PARAMS)
+IN_ROWS = 5   # the rows dimension's "in" among DIM_PARAMS
 
 
 def _fwd_vertex_cycles(sizes, params, dtype, target):
     op, planes, rows = (params[:, i].astype(np.int64) for i in (0, 2, 4))
-    taps = planes * by_distinct_rows(params[:, [3, 4] + list(range(9, 9 + 14))],
-                                     lambda r: _taps(r[2:], int(r[0]), int(r[1]), 0, int(r[2 + 5])))
+    dims = list(range(DIMS_AT, DIMS_AT + 21))
+    taps = planes * by_distinct_rows(params[:, [3, 4] + dims],
+                                     lambda r: _taps(r[2:], int(r[0]), int(r[1]), 0, int(r[2 + IN_ROWS])))
     return np.where(op == 0, pool_cycles("max", planes * rows, sizes["out"], taps, dtype, target),
                     pool_cycles("avg", planes * rows, sizes["out"], taps, dtype, target))
 
@@ -399,7 +478,8 @@ def _fwd_vertex_cycles(sizes, params, dtype, target):
 def _grad_vertex_cycles(kind):
     def estimate(sizes, params, dtype, target):
         planes, rows = (params[:, i].astype(np.int64) for i in (1, 3))
-        pairs = planes * by_distinct_rows(params[:, [2, 3, 7, 8] + list(range(10, 10 + 14))],
+        dims = list(range(GRAD_DIMS_AT, GRAD_DIMS_AT + 21))
+        pairs = planes * by_distinct_rows(params[:, [2, 3, 6, 7] + dims],
                                           lambda r: _taps(r[4:], int(r[2]), int(r[3]), int(r[0]), int(r[1])))
         return pool_cycles(kind, planes * rows, sizes["dx"], pairs, dtype, target)
     return estimate
@@ -450,7 +530,7 @@ def _pool_work(planes: np.ndarray, rows: np.ndarray, workers: int):
 
 def _pool_model(target: Target, kind: str, geom: PoolGeometry, planes: int, splits: np.ndarray, dtype):
     """(cycles, working-set bytes) of every candidate split, vectorised."""
-    h, w = geom.h, geom.w
+    h, m, w = geom.slots
     pb = ceil_div(planes, splits[:, 0])
     backward = kind.endswith("grad")
     rb = ceil_div(h.in_size if backward else h.out_size, splits[:, 1])
@@ -460,21 +540,22 @@ def _pool_model(target: Target, kind: str, geom: PoolGeometry, planes: int, spli
     reach = (h.max_count - 1) * (1 if h.adaptive else h.dilation) + 1  # input rows one window spans
     step = max(1, h.in_size // h.out_size) if h.adaptive else h.stride  # between consecutive windows
     taps_per_out = (h.positions(np.arange(h.out_size)) >= 0).mean(axis=0).sum() * \
+        (m.positions(np.arange(m.out_size)) >= 0).mean(axis=0).sum() * \
         (w.positions(np.arange(w.out_size)) >= 0).mean(axis=0).sum()
+    in_row, out_row = geom.in_row, geom.out_row
     if backward:
         out_rows = np.minimum(h.out_size, ceil_div(rb + reach, step))
         win_rows = np.minimum(h.in_size, (out_rows - 1) * step + reach) if kind == "max_grad" else 0
-        received = (pb * win_rows * w.in_size + (2 if kind == "max_grad" else 1) * pb * out_rows * w.out_size) * isz
-        piece = pb * rb * w.in_size
-        per_input = h.out_size * w.out_size * taps_per_out / (h.in_size * w.in_size)
+        received = (pb * win_rows * in_row + (2 if kind == "max_grad" else 1) * pb * out_rows * out_row) * isz
+        piece = pb * rb * in_row
+        per_input = h.out_size * out_row * taps_per_out / (h.in_size * in_row)
     else:
         win_rows = np.minimum(h.in_size, (rb - 1) * step + reach)
-        received = pb * win_rows * w.in_size * isz
-        piece = pb * rb * w.out_size
+        received = pb * win_rows * in_row * isz
+        piece = pb * rb * out_row
     v_planes = np.where(pb >= workers, ceil_div(pb, workers), 1)
     v_rows = np.where(pb >= workers, rb, ceil_div(rb, np.maximum(1, workers // pb)))
-    cols = w.in_size if backward else w.out_size
-    elements = v_planes * v_rows * cols
+    elements = v_planes * v_rows * (in_row if backward else out_row)
     taps = np.ceil(elements * (per_input if backward else taps_per_out)).astype(np.int64)
     vertex = pool_cycles(kind, v_planes * v_rows, elements, taps, dtype, target) + target.vertex_overhead_cycles
     sent = ceil_div(received * splits.prod(axis=1), tiles)
@@ -487,7 +568,7 @@ def plan_pool(target: Target, kind: str, geometry: PoolGeometry, planes: int, dt
     """The tile plan of a pooling op of `kind` (one of KINDS) over `planes` planes."""
     if kind not in KINDS:
         raise ValueError(f"unknown pooling kind {kind!r}; use one of {KINDS}")
-    rows = geometry.h.in_size if kind.endswith("grad") else geometry.h.out_size
+    rows = geometry.rows.in_size if kind.endswith("grad") else geometry.rows.out_size
     splits = split_grid((planes, rows), target.num_tiles)
     cycles, memory = _pool_model(target, kind, geometry, planes, splits, dtype)
     budget = available_memory_proportion * target.bytes_per_tile
@@ -503,28 +584,27 @@ def _spans(span, size: int, parts: int) -> np.ndarray:
 
 
 def _dim_params(geom: PoolGeometry) -> tuple:
-    return geom.h.params + geom.w.params + (int(geom.count_include_pad), geom.divisor_override)
+    return sum((d.params for d in geom.slots), ()) + (int(geom.count_include_pad), geom.divisor_override)
 
 
 def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: str) -> Tensor:
-    n, c, hh, ww = x.shape
-    planes, oh, ow = n * c, geom.h.out_size, geom.w.out_size
+    n, c = x.shape[:2]
+    planes, oh, ow, iw = n * c, geom.rows.out_size, geom.out_row, geom.in_row
     dtype = float_dtype(x, name)
     plan = plan_pool(graph.target, geom.kind, geom, planes, dtype)
-    out = graph.addVariable(dtype, (n, c, oh, ow), name, category="activations", always_live=False)
+    out = graph.addVariable(dtype, (n, c) + geom.out_shape, name, category="activations", always_live=False)
     (p0, r0), (pb, rb) = (a.T for a in block_grid((planes, oh), plan.splits))
     tiles = block_tiles(p0.size, graph.target.num_tiles)
-    lo, hi = _spans(geom.h.span, oh, plan.splits[1])[r0 // ceil_div(oh, plan.splits[1])].T
+    lo, hi = _spans(geom.rows.span, oh, plan.splits[1])[r0 // ceil_div(oh, plan.splits[1])].T
     map_boxes(Tensor(out.var).reshape(planes, oh * ow), np.stack([p0, r0 * ow], 1), np.stack([pb, rb * ow], 1),
               tiles)
     body = Sequence(name=name)
-    windows, at = gather_boxes(graph, body, x.reshape(planes, hh * ww), np.stack([p0, lo * ww], 1),
-                         np.stack([pb, (hi - lo) * ww], 1), tiles, f"{name}/in")
+    windows, at = gather_boxes(graph, body, x.reshape(planes, geom.rows.in_size * iw), np.stack([p0, lo * iw], 1),
+                               np.stack([pb, (hi - lo) * iw], 1), tiles, f"{name}/in")
     blk, vp, vn, vr, vrows = _pool_work(pb, rb, graph.target.workers_per_tile)
     op = 0 if geom.kind == "max" else 1
-    params = np.concatenate([np.stack(np.broadcast_arrays(op, vp, vn, r0[blk] + vr, vrows, lo[blk], (hi - lo)[blk],
-                                                          ww, ow), 1),
-                             np.broadcast_to(_dim_params(geom), (blk.size, len(_dim_params(geom))))], 1)
+    params = np.concatenate([np.stack(np.broadcast_arrays(op, vp, vn, r0[blk] + vr, vrows, lo[blk], (hi - lo)[blk]), 1),
+                             np.broadcast_to(_dim_params(geom), (blk.size, TAIL))], 1)
     fields = {"x": Field.strided(windows, at[blk], 1, np.diff(at)[blk]),
               "out": Field.strided(out, (p0[blk] + vp) * oh * ow + (r0[blk] + vr) * ow, vn, vrows * ow, oh * ow)}
     cs = graph.addComputeSet(f"{name}/pool")
@@ -541,40 +621,42 @@ def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: 
 
 def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: Sequence, name: str,
               x: Tensor | None = None, y: Tensor | None = None) -> Tensor:
-    n, c, hh, ww = input_shape
-    planes, oh, ow = n * c, geom.h.out_size, geom.w.out_size
-    if tuple(dy.shape) != (n, c, oh, ow):
+    n, c = input_shape[:2]
+    hh, iw = geom.rows.in_size, geom.in_row
+    planes, oh, ow = n * c, geom.rows.out_size, geom.out_row
+    if tuple(dy.shape) != (n, c) + geom.out_shape:
         raise ValueError(f"{name}: output gradient {dy.name!r} has shape {list(dy.shape)}, but pooling an input "
-                         f"{list(input_shape)} gives {[n, c, oh, ow]}")
+                         f"{list(input_shape)} gives {[n, c, *geom.out_shape]}")
     dtype = float_dtype(dy, name)
     kind = "max_grad" if geom.kind == "max" else "avg_grad"
     plan = plan_pool(graph.target, kind, geom, planes, dtype)
-    dx = graph.addVariable(dtype, (n, c, hh, ww), name, category="gradients", always_live=False)
+    dx = graph.addVariable(dtype, tuple(input_shape), name, category="gradients", always_live=False)
     (p0, r0), (pb, rb) = (a.T for a in block_grid((planes, hh), plan.splits))
     tiles = block_tiles(p0.size, graph.target.num_tiles)
     row_block = r0 // ceil_div(hh, plan.splits[1])
-    o0, o1 = _spans(geom.h.touching, hh, plan.splits[1])[row_block].T
-    map_boxes(Tensor(dx.var).reshape(planes, hh * ww), np.stack([p0, r0 * ww], 1), np.stack([pb, rb * ww], 1),
+    o0, o1 = _spans(geom.rows.touching, hh, plan.splits[1])[row_block].T
+    map_boxes(Tensor(dx.var).reshape(planes, hh * iw), np.stack([p0, r0 * iw], 1), np.stack([pb, rb * iw], 1),
               tiles)
     body = Sequence(name=name)
     outs_first, outs_extent = np.stack([p0, o0 * ow], 1), np.stack([pb, (o1 - o0) * ow], 1)
-    grads, grads_at = gather_boxes(graph, body, dy.reshape(planes, oh * ow), outs_first, outs_extent, tiles, f"{name}/dy")
+    grads, grads_at = gather_boxes(graph, body, dy.reshape(planes, oh * ow), outs_first, outs_extent, tiles,
+                                   f"{name}/dy")
     blk, vp, vn, vr, vrows = _pool_work(pb, rb, graph.target.workers_per_tile)
     fields = {"dy": Field.strided(grads, grads_at[blk], 1, np.diff(grads_at)[blk]),
-              "dx": Field.strided(dx, (p0[blk] + vp) * hh * ww + (r0[blk] + vr) * ww, vn, vrows * ww, hh * ww)}
+              "dx": Field.strided(dx, (p0[blk] + vp) * hh * iw + (r0[blk] + vr) * iw, vn, vrows * iw, hh * iw)}
     if kind == "max_grad":
-        lo, hi = _spans(lambda b, e: geom.h.span(*geom.h.touching(b, e)), hh, plan.splits[1])[row_block].T
-        windows, at = gather_boxes(graph, body, x.reshape(planes, hh * ww), np.stack([p0, lo * ww], 1),
-                             np.stack([pb, (hi - lo) * ww], 1), tiles, f"{name}/x")
+        lo, hi = _spans(lambda b, e: geom.rows.span(*geom.rows.touching(b, e)), hh, plan.splits[1])[row_block].T
+        windows, at = gather_boxes(graph, body, x.reshape(planes, hh * iw), np.stack([p0, lo * iw], 1),
+                                   np.stack([pb, (hi - lo) * iw], 1), tiles, f"{name}/x")
         pooled, pooled_at = gather_boxes(graph, body, y.reshape(planes, oh * ow), outs_first, outs_extent, tiles,
-                                   f"{name}/y")
+                                         f"{name}/y")
         fields.update(x=Field.strided(windows, at[blk], 1, np.diff(at)[blk]),
                       y=Field.strided(pooled, pooled_at[blk], 1, np.diff(pooled_at)[blk]))
     else:
         lo = hi = np.zeros_like(p0)
-    params = np.concatenate([np.stack(np.broadcast_arrays(vp, vn, r0[blk] + vr, vrows, lo[blk], (hi - lo)[blk], ww,
-                                                          o0[blk], (o1 - o0)[blk], ow), 1),
-                             np.broadcast_to(_dim_params(geom), (blk.size, len(_dim_params(geom))))], 1)
+    params = np.concatenate([np.stack(np.broadcast_arrays(vp, vn, r0[blk] + vr, vrows, lo[blk], (hi - lo)[blk],
+                                                          o0[blk], (o1 - o0)[blk]), 1),
+                             np.broadcast_to(_dim_params(geom), (blk.size, TAIL))], 1)
     cs = graph.addComputeSet(f"{name}/pool")
     graph.addVertices(cs, MAX_GRAD_VERTEX if kind == "max_grad" else AVG_GRAD_VERTEX, tiles[blk], fields,
                       params.astype(np.float64))
@@ -587,7 +669,7 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
             target = io.output(dx)
             store(io, dx, max_pool_grad_numpy(io.read(x), io.read(y), io.read(dy), geom, target), target)
         else:
-            io.write(dx, avg_pool_grad_numpy(io.read(dy), (n, c, hh, ww), geom))
+            io.write(dx, avg_pool_grad_numpy(io.read(dy), tuple(input_shape), geom))
 
     prog.add(OpProgram(name, body, fast, reads, (dx,)))
     return dx
@@ -670,8 +752,8 @@ def _avg_grad_whole(dy, win, divisors, dx):
 
 
 def _planes(a: np.ndarray) -> np.ndarray:
-    """a [N, C, H, W] as contiguous [N*C, H*W] flattened planes of a dtype the kernels take
-    (float16 widens to float32 exactly)."""
+    """a [N, C, *spatial] as contiguous [N*C, positions] flattened planes of a dtype the kernels
+    take (float16 widens to float32 exactly)."""
     a = np.ascontiguousarray(a)
     if a.dtype not in (np.float32, np.float64):
         a = a.astype(np.float32)
@@ -681,27 +763,38 @@ def _planes(a: np.ndarray) -> np.ndarray:
 @lru_cache(maxsize=1024)
 def _windows(geom: PoolGeometry) -> tuple:
     """The whole-array kernels' window table, divisors and op: per output (row-major), the flat
-    input positions of its window, rows of taps outer and columns inner as the codelets visit
-    them, -1 where the window reads padding."""
-    h, w = (d.positions(np.arange(d.out_size)) for d in (geom.h, geom.w))   # [OH, KH], [OW, KW]
-    rows, cols = h[:, None, :, None], w[None, :, None, :]
-    win = np.where((rows < 0) | (cols < 0), -1, rows * geom.w.in_size + cols)
-    win = win.reshape(geom.h.out_size * geom.w.out_size, -1)
-    if geom.kind == "max":
-        return win, np.ones(1), 0
-    return win, geom.divisors().reshape(-1), 1
+    input positions of its window, taps row-major as the codelets visit them (outer dimensions
+    outer), -1 where the window reads padding."""
+    return (window_table(geom), np.ones(1), 0) if geom.kind == "max" else \
+        (window_table(geom), geom.divisors().reshape(-1), 1)
+
+
+def window_table(geom: PoolGeometry) -> np.ndarray:
+    """[outputs, taps]: per output (row-major) the flat input positions of its window, taps
+    row-major (outer dimensions outer), -1 where the window reads padding."""
+    nd = len(geom.dims)
+    win, real = np.zeros((1,) * 2 * nd, np.int64), np.ones((1,) * 2 * nd, bool)
+    for i, d in enumerate(geom.dims):
+        pos = d.positions(np.arange(d.out_size))                  # [O_i, K_i]
+        shape = [1] * 2 * nd
+        shape[i], shape[nd + i] = pos.shape
+        pos = pos.reshape(shape)
+        win = win * d.in_size + pos
+        real = real & (pos >= 0)
+    outputs = int(np.prod(geom.out_shape))
+    return np.where(real, win, -1).reshape(outputs, -1)
 
 
 def pool_numpy(x: np.ndarray, geom: PoolGeometry, out: np.ndarray | None = None) -> np.ndarray:
-    """max or average pooling of x [N, C, H, W] (float64 result for averages, x's dtype for max),
-    a max written into `out` when it is contiguous and of that dtype."""
+    """max or average pooling of x [N, C, *spatial] (float64 result for averages, x's dtype for
+    max), a max written into `out` when it is contiguous and of that dtype."""
     n, c = x.shape[:2]
     planes = _planes(x)
     # a maximum is one of the inputs: it is stored in their dtype, without a float64 detour
     dtype = planes.dtype if geom.kind == "max" else np.float64
-    res = kernel_array(out, (n * c, geom.h.out_size * geom.w.out_size), dtype)
+    res = kernel_array(out, (n * c, int(np.prod(geom.out_shape))), dtype)
     pool_whole(planes, *_windows(geom), res)
-    res = res.reshape(n, c, geom.h.out_size, geom.w.out_size)
+    res = res.reshape((n, c) + geom.out_shape)
     return res.astype(x.dtype, copy=False) if geom.kind == "max" else res
 
 
@@ -717,11 +810,11 @@ def max_pool_grad_numpy(x: np.ndarray, y: np.ndarray, dy: np.ndarray, geom: Pool
 
 def avg_pool_grad_numpy(dy: np.ndarray, input_shape, geom: PoolGeometry) -> np.ndarray:
     """Gradient of average pooling: dy / divisor to every real window position (float32, or dy's float64)."""
-    n, c, hh, ww = (int(v) for v in input_shape)
+    input_shape = tuple(int(v) for v in input_shape)
     planes = _planes(dy)
-    dx = np.empty((n * c, hh * ww), planes.dtype)
+    dx = np.empty((input_shape[0] * input_shape[1], int(np.prod(input_shape[2:]))), planes.dtype)
     pool_grad_whole(planes, planes, planes, *_windows(geom), dx)
-    return dx.reshape(n, c, hh, ww)
+    return dx.reshape(input_shape)
 
 
 def _max_grad_checks(x: Tensor, y: Tensor, dy: Tensor, name: str) -> None:
@@ -732,68 +825,75 @@ def _max_grad_checks(x: Tensor, y: Tensor, dy: Tensor, name: str) -> None:
         raise TypeError(f"{name}: x, y and dy must share a dtype, got {x.dtype.name}, {y.dtype.name}, {dy.dtype.name}")
 
 
+def _output_size(dy: Tensor, input_shape, name: str) -> tuple:
+    if dy.rank != len(input_shape):
+        raise ValueError(f"{name}: expected a {len(input_shape)}-D output gradient [N, C, *out] for an input "
+                         f"{list(input_shape)}, got shape {list(dy.shape)}")
+    return tuple(dy.shape[2:])
+
+
 # ---- the ops ---------------------------------------------------------------------------------
-def max_pool2d(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0, dilation=1,
-               ceil_mode: bool = False, name: str = "max_pool2d") -> Tensor:
-    """y = max_pool2d(x[N, C, H, W]) like torch (stride defaults to kernel_size)."""
+def max_pool(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0, dilation=1,
+             ceil_mode: bool = False, name: str = "max_pool") -> Tensor:
+    """y = max pooling of x [N, C, H, W] or [N, C, D, H, W] like torch's max_pool2d and
+    max_pool3d (stride defaults to kernel_size)."""
     geom = pool_geometry("max", x.shape, kernel_size, stride, padding, dilation, ceil_mode, what=name)
     return _forward(graph, x, geom, prog, name)
 
 
-def avg_pool2d(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0,
-               ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
-               name: str = "avg_pool2d") -> Tensor:
-    """y = avg_pool2d(x[N, C, H, W]) like torch (stride defaults to kernel_size)."""
+def avg_pool(graph: Graph, x: Tensor, kernel_size, prog: Sequence, stride=None, padding=0,
+             ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+             name: str = "avg_pool") -> Tensor:
+    """y = average pooling of x [N, C, H, W] or [N, C, D, H, W] like torch's avg_pool2d and
+    avg_pool3d (stride defaults to kernel_size)."""
     geom = pool_geometry("avg", x.shape, kernel_size, stride, padding, 1, ceil_mode, count_include_pad,
                          divisor_override, what=name)
     return _forward(graph, x, geom, prog, name)
 
 
-def adaptive_avg_pool2d(graph: Graph, x: Tensor, output_size, prog: Sequence,
-                        name: str = "adaptive_avg_pool2d") -> Tensor:
-    """y = adaptive_avg_pool2d(x[N, C, H, W], output_size) like torch."""
+def adaptive_avg_pool(graph: Graph, x: Tensor, output_size, prog: Sequence,
+                      name: str = "adaptive_avg_pool") -> Tensor:
+    """y = adaptive average pooling of x [N, C, H, W] or [N, C, D, H, W] to `output_size` like torch."""
     return _forward(graph, x, adaptive_geometry(x.shape, output_size, name), prog, name)
 
 
-def max_pool2d_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, kernel_size, prog: Sequence, stride=None,
-                        padding=0, dilation=1, ceil_mode: bool = False, name: str = "max_pool2d_backward") -> Tensor:
-    """dx of max_pool2d: each window's dy goes to its first maximum (y = max_pool2d(x) with the same arguments)."""
+def max_pool_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, kernel_size, prog: Sequence, stride=None,
+                      padding=0, dilation=1, ceil_mode: bool = False, name: str = "max_pool_backward") -> Tensor:
+    """dx of max pooling: each window's dy goes to its first maximum (y = max_pool(x) with the same arguments)."""
     geom = pool_geometry("max", x.shape, kernel_size, stride, padding, dilation, ceil_mode, what=name)
     _max_grad_checks(x, y, dy, name)
     return _backward(graph, geom, dy, x.shape, prog, name, x, y)
 
 
-def avg_pool2d_backward(graph: Graph, dy: Tensor, input_shape, kernel_size, prog: Sequence, stride=None, padding=0,
-                        ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
-                        name: str = "avg_pool2d_backward") -> Tensor:
-    """dx of avg_pool2d for an input of `input_shape`."""
+def avg_pool_backward(graph: Graph, dy: Tensor, input_shape, kernel_size, prog: Sequence, stride=None, padding=0,
+                      ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None,
+                      name: str = "avg_pool_backward") -> Tensor:
+    """dx of average pooling for an input of `input_shape`."""
     geom = pool_geometry("avg", input_shape, kernel_size, stride, padding, 1, ceil_mode, count_include_pad,
                          divisor_override, what=name)
     return _backward(graph, geom, dy, tuple(int(v) for v in input_shape), prog, name)
 
 
-def adaptive_avg_pool2d_backward(graph: Graph, dy: Tensor, input_shape, prog: Sequence,
-                                 name: str = "adaptive_avg_pool2d_backward") -> Tensor:
-    """dx of adaptive_avg_pool2d for an input of `input_shape` (the output size is dy's)."""
-    if dy.rank != 4:
-        raise ValueError(f"{name}: expected a 4-D output gradient [N, C, OH, OW], got shape {list(dy.shape)}")
-    geom = adaptive_geometry(input_shape, tuple(dy.shape[2:]), name)
-    return _backward(graph, geom, dy, tuple(int(v) for v in input_shape), prog, name)
+def adaptive_avg_pool_backward(graph: Graph, dy: Tensor, input_shape, prog: Sequence,
+                               name: str = "adaptive_avg_pool_backward") -> Tensor:
+    """dx of adaptive average pooling for an input of `input_shape` (the output size is dy's)."""
+    input_shape = tuple(int(v) for v in input_shape)
+    geom = adaptive_geometry(input_shape, _output_size(dy, input_shape, name), name)
+    return _backward(graph, geom, dy, input_shape, prog, name)
 
 
-def adaptive_max_pool2d(graph: Graph, x: Tensor, output_size, prog: Sequence,
-                        name: str = "adaptive_max_pool2d") -> Tensor:
-    """y = adaptive_max_pool2d(x[N, C, H, W], output_size) like torch (the values; the gradient
-    finds each window's first maximum again, as max_pool2d_backward does)."""
+def adaptive_max_pool(graph: Graph, x: Tensor, output_size, prog: Sequence,
+                      name: str = "adaptive_max_pool") -> Tensor:
+    """y = adaptive max pooling of x [N, C, H, W] or [N, C, D, H, W] to `output_size` like torch
+    (the values; the gradient finds each window's first maximum again, as max_pool_backward does)."""
     return _forward(graph, x, adaptive_geometry(x.shape, output_size, name, "max"), prog, name)
 
 
-def adaptive_max_pool2d_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, prog: Sequence,
-                                 name: str = "adaptive_max_pool2d_backward") -> Tensor:
-    """dx of adaptive_max_pool2d: each window's dy goes to its first maximum (y =
-    adaptive_max_pool2d(x) with dy's output size)."""
-    if dy.rank != 4:
-        raise ValueError(f"{name}: expected a 4-D output gradient [N, C, OH, OW], got shape {list(dy.shape)}")
+def adaptive_max_pool_backward(graph: Graph, x: Tensor, y: Tensor, dy: Tensor, prog: Sequence,
+                               name: str = "adaptive_max_pool_backward") -> Tensor:
+    """dx of adaptive max pooling: each window's dy goes to its first maximum (y =
+    adaptive_max_pool(x) with dy's output size)."""
+    output_size = _output_size(dy, x.shape, name)
     _max_grad_checks(x, y, dy, name)
-    geom = adaptive_geometry(x.shape, tuple(dy.shape[2:]), name, "max")
+    geom = adaptive_geometry(x.shape, output_size, name, "max")
     return _backward(graph, geom, dy, x.shape, prog, name, x, y)

@@ -326,7 +326,7 @@ class Lowerer:
                                  for i, v in zip(j.input_updates, values[j.num_outputs:j.num_outputs + updated])]
         if j.loss is not None:
             self.ir.loss, rest = rest[0], rest[1:]
-            self.ir.grads = dict(zip(j.grads, rest[:len(j.grads)]))
+            self.ir.grads = {name: self.constant_gradient(name, g) for name, g in zip(j.grads, rest[:len(j.grads)])}
             rest = rest[len(j.grads):]
         for name, new in zip(j.buffers, rest):
             old = self.ir.buffers[name]
@@ -344,6 +344,20 @@ class Lowerer:
         if not isinstance(v, Value):
             raise self.error(f"input {self.joint.inputs[index]} is changed in place to a value that is not a tensor")
         return self.cast(v, self.ir.inputs[index].dtype)
+
+    def constant_gradient(self, name: str, g):
+        """A gradient that is a constant (zeros, of floor, round or sign) made in the backward
+        pass on its weight's IPU (a copy), so that the weight is trained like the others: its
+        gradient accumulates and its optimiser (momentum, weight decay) updates it."""
+        if not (isinstance(g, Value) and g.kind == "const"):
+            return g
+        w = self.ir.params[name]
+        reader = next((node for node in self.ir.nodes if any(x is w for x in node.inputs)), None)
+        if reader is None:
+            return g
+        self.template = Node("", [], [], block=reader.block, stage=reader.stage, ipu=reader.ipu, phase=reader.phase,
+                             pass_="bwd", source=reader.source)
+        return self.one("copy", [g], g.shape, g.dtype)
 
     def copy_of_state(self, v):
         """A parameter or buffer the model returns as it is, copied where its first reader runs
@@ -370,7 +384,7 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
 # Lowerings: (lowerer, *ATen arguments with Values for tensors) -> Value, tuple, list or Only
 # =========================================================================================
 LOWERINGS: dict = {}
-COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or"}
+COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or", "logical_xor"}
 
 
 def lowers(*packets, doc: str = "", raw: bool = False):
@@ -828,8 +842,54 @@ for _packet, _fn in [(aten.neg, "neg"), (aten.abs, "abs"), (aten.relu, "relu"), 
                      (aten.acosh, "acosh"), (aten.atanh, "atanh"), (aten.erf, "erf"), (aten.erfinv, "erfinv"),
                      (aten.log2, "log2"), (aten.log10, "log10"), (aten.exp2, "exp2"), (aten.floor, "floor"),
                      (aten.ceil, "ceil"), (aten.round, "round"), (aten.trunc, "trunc"), (aten.lgamma, "lgamma"),
-                     (aten.digamma, "digamma")]:
+                     (aten.digamma, "digamma"), (aten.erfc, "erfc"), (aten.special_erfcx, "erfcx"),
+                     (aten.special_ndtri, "ndtri"), (aten.i0, "i0"), (aten.special_modified_bessel_i0, "i0"),
+                     (aten.special_i0e, "i0e"), (aten.special_i1, "i1"), (aten.special_modified_bessel_i1, "i1"),
+                     (aten.special_i1e, "i1e"), (aten.special_modified_bessel_k0, "k0"),
+                     (aten.special_scaled_modified_bessel_k0, "k0e"), (aten.special_modified_bessel_k1, "k1"),
+                     (aten.special_scaled_modified_bessel_k1, "k1e"), (aten.special_bessel_j0, "j0"),
+                     (aten.special_bessel_j1, "j1"), (aten.special_bessel_y0, "y0"), (aten.special_bessel_y1, "y1"),
+                     (aten.special_spherical_bessel_j0, "spherical_j0"), (aten.special_airy_ai, "airy_ai"),
+                     (aten.angle, "angle")]:
     LOWERINGS[_packet] = _unary(_fn)
+
+
+@lowers(aten.round, doc="unary round (half to even); with decimals d: mul 10^d, round, div 10^d (10^-d and mul for "
+                        "d < 0), in the input's dtype as torch")
+def _round(c, x, decimals=0):
+    x = c.cast(x, c.out_dtype())
+    if not decimals:
+        return c.unary("round", x)
+    if decimals > 0:
+        ten = float(10.0 ** decimals)
+        return c.binary("div", c.unary("round", c.binary("mul", x, ten)), ten)
+    ten = float(10.0 ** -decimals)
+    return c.binary("mul", c.unary("round", c.binary("div", x, ten)), ten)
+
+
+@lowers(aten.polygamma, doc="unary polygamma (order n): digamma for n = 0, else (-1)^(n+1) n! zeta(n + 1, x)")
+def _polygamma(c, n, x):
+    if int(n) < 0:
+        raise c.error(f"polygamma of a negative order {n} is not defined")
+    return c.unary("polygamma", c.cast(x, c.out_dtype()), scale=float(int(n)))
+
+
+@lowers(aten.frexp, doc="unary frexp_mantissa and frexp_exponent (int32)")
+def _frexp(c, x):
+    mantissa = c.unary("frexp_mantissa", x)
+    return mantissa, c.one("unary", [x], x.shape, np.int32, fn="frexp_exponent")
+
+
+def _bool_test(fn):
+    def lower(c, x):
+        if x.dtype.kind != "f":   # integers and booleans are finite, and their sign is their value's
+            return c.binary("lt", x, 0, dtype=x.dtype) if fn == "signbit" else c.binary("ne", x, x, dtype=x.dtype)
+        return c.one("unary", [x], x.shape, np.bool_, fn=fn)
+    lower.doc = f"unary {fn} (bool)"
+    return lower
+
+
+LOWERINGS.update({aten.isinf: _bool_test("isinf"), aten.signbit: _bool_test("signbit")})
 
 
 @lowers(aten.isnan, doc="unary isnan (bool)")
@@ -873,11 +933,16 @@ def _gelu(c, x, approximate="none"):
     return c.binary("mul", c.binary("mul", x, 0.5), c.unary("scale", t, scale=1.0, bias=1.0))
 
 
-@lowers(aten.logical_not, aten.bitwise_not, doc="unary logical_not (bool)")
+@lowers(aten.logical_not, aten.bitwise_not, doc="unary logical_not (bool); logical_not of numbers: eq 0; "
+                                                "bitwise_not of integers: -x - 1 (two's complement)")
 def _not(c, x):
-    if x.dtype != np.bool_:
-        raise c.error("bitwise not of integers is not supported")
-    return c.one("unary", [x], x.shape, np.bool_, fn="logical_not")
+    if x.dtype == np.bool_:
+        return c.one("unary", [x], x.shape, np.bool_, fn="logical_not")
+    if c.node.target.overloadpacket is aten.logical_not:
+        return c.binary("eq", x, 0, dtype=x.dtype)
+    if x.dtype.kind != "i":
+        raise c.error(f"bitwise not of {x.dtype.name} is not defined (integers and booleans have one)")
+    return c.unary("scale", x, scale=-1.0, bias=-1.0)
 
 
 @lowers(aten.sign, aten.sgn, doc="binary abs_grad(x, 1)")
@@ -900,7 +965,23 @@ def _arith(fn):
 LOWERINGS.update({aten.add: _arith("add"), aten.sub: _arith("sub"), aten.mul: _arith("mul"),
                   aten.div: _arith("div"), aten.maximum: _arith("max"), aten.minimum: _arith("min"),
                   aten.atan2: _arith("atan2"), aten.fmod: _arith("fmod"), aten.remainder: _arith("remainder"),
-                  aten.hypot: _arith("hypot")})
+                  aten.hypot: _arith("hypot"), aten.copysign: _arith("copysign"), aten.fmax: _arith("fmax"),
+                  aten.fmin: _arith("fmin"), aten.special_zeta: _arith("zeta"), aten.igamma: _arith("igamma"),
+                  aten.igammac: _arith("igammac")})
+
+
+def _polynomial(fn):
+    def lower(c, x, n):
+        return c.binary(fn, x, n)
+    lower.doc = f"binary {fn} (x, n): torch.special's recurrence, the trigonometric form for high degrees"
+    return lower
+
+
+for _name in ("chebyshev_t", "chebyshev_u", "chebyshev_v", "chebyshev_w", "shifted_chebyshev_t",
+              "shifted_chebyshev_u", "shifted_chebyshev_v", "shifted_chebyshev_w", "hermite_h", "hermite_he",
+              "laguerre_l", "legendre_p"):
+    _family, _letter = _name.rsplit("_", 1)
+    LOWERINGS[getattr(aten, f"special_{_family}_polynomial_{_letter}")] = _polynomial(_name)
 
 
 @lowers(aten.rsub, doc="binary sub")
@@ -950,6 +1031,7 @@ def _bitwise(fn, logical):
 LOWERINGS.update({aten.bitwise_and: _bitwise("bitwise_and", "logical_and"),
                   aten.bitwise_or: _bitwise("bitwise_or", "logical_or"),
                   aten.bitwise_xor: _bitwise("bitwise_xor", "ne")})
+LOWERINGS[aten.logical_xor] = _comparison("logical_xor")
 
 
 @lowers(aten.clamp, doc="binary max and min")
@@ -1205,77 +1287,67 @@ def _addmm(c, bias, a, b, beta=1, alpha=1):
 
 # ---- convolution ------------------------------------------------------------------------------------
 def _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd):
-    """The conv2d attributes (1-D lifted to 2-D). A transposed convolution is the input gradient of
-    the convolution it transposes (its output_padding only lengthens the output, which the shape says)."""
-    if nd not in (1, 2):
-        raise c.error(f"{nd}-D convolution is not supported (1-D and 2-D are)")
+    """The conv attributes (1 to 3 spatial dimensions). A transposed convolution is the input
+    gradient of the convolution it transposes (its output_padding only lengthens the output, which
+    the shape says)."""
+    if not 1 <= nd <= 3:
+        raise c.error(f"{nd}-D convolution is not supported (1-D, 2-D and 3-D are)")
     if transposed and any(o >= st for o, st in zip(_int_list(output_padding, nd), _int_list(stride, nd))):
         raise c.error(f"transposed convolution with output_padding {list(output_padding)} not below the stride "
                       f"{list(stride)} is not supported (the rows past the last window's reach)")
-    lift = (lambda v: (1,) + _int_list(v, 1)) if nd == 1 else (lambda v: _int_list(v, 2))
-    pad = (0,) + _int_list(padding, 1) if nd == 1 else _int_list(padding, 2)
-    return dict(stride=lift(stride), padding=pad, dilation=lift(dilation), groups=int(groups))
+    return dict(stride=_int_list(stride, nd), padding=_int_list(padding, nd), dilation=_int_list(dilation, nd),
+                groups=int(groups))
 
 
-def _to_2d(c, x, nd):
-    return c.reshape(x, x.shape[:2] + (1,) + x.shape[2:]) if nd == 1 else x
-
-
-@lowers(aten.convolution, doc="conv2d (1-D as 2-D), add; transposed: conv2d_backward_input, add")
+@lowers(aten.convolution, doc="conv (1-D to 3-D), add; transposed: conv_backward_input, add")
 def _convolution(c, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
     nd = len(x.shape) - 2
     attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
-    out = c.out_meta().shape
-    x2, w2 = _to_2d(c, x, nd), _to_2d(c, w, nd)
-    op = "conv2d_backward_input" if transposed else "conv2d"
-    y = c.one(op, [x2, w2], (out[0], out[1]) + ((1,) if nd == 1 else ()) + tuple(out[2:]), x.dtype, **attrs,
+    y = c.one("conv_backward_input" if transposed else "conv", [x, w], tuple(c.out_meta().shape), x.dtype, **attrs,
               **({} if transposed else member_attrs(c)))
     if b is not None:
-        y = c.binary("add", y, c.reshape(b, (1, -1, 1, 1)))
-    return c.reshape(y, tuple(out))
+        y = c.binary("add", y, c.reshape(b, (1, -1) + (1,) * nd))
+    return y
 
 
-@lowers(aten.convolution_backward, doc="conv2d_backward_input, conv2d_backward_weights, reduce sum; transposed: "
-                                       "conv2d, conv2d_backward_weights, reduce sum")
+@lowers(aten.convolution_backward, doc="conv_backward_input, conv_backward_weights, reduce sum; transposed: "
+                                       "conv, conv_backward_weights, reduce sum")
 def _convolution_backward(c, grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding,
                           groups, output_mask):
     nd = len(x.shape) - 2
     attrs = _conv_attrs(c, stride, padding, dilation, transposed, output_padding, groups, nd)
-    g2, x2, w2 = _to_2d(c, grad, nd), _to_2d(c, x, nd), _to_2d(c, w, nd)
     if transposed:   # x went through the input gradient of a conv of w: its gradient is that conv
-        gx = c.reshape(c.one("conv2d", [g2, w2], x2.shape, grad.dtype, **attrs), x.shape) if output_mask[0] else None
-        gw = c.reshape(c.one("conv2d_backward_weights", [x2, g2], w2.shape, grad.dtype, **attrs), w.shape) \
-            if output_mask[1] else None
+        gx = c.one("conv", [grad, w], x.shape, grad.dtype, **attrs) if output_mask[0] else None
+        gw = c.one("conv_backward_weights", [x, grad], w.shape, grad.dtype, **attrs) if output_mask[1] else None
     else:
-        gx = c.reshape(c.one("conv2d_backward_input", [g2, w2], x2.shape, grad.dtype, **attrs), x.shape) \
-            if output_mask[0] else None
-        gw = c.reshape(c.one("conv2d_backward_weights", [g2, x2], w2.shape, grad.dtype, **attrs), w.shape) \
-            if output_mask[1] else None
+        gx = c.one("conv_backward_input", [grad, w], x.shape, grad.dtype, **attrs) if output_mask[0] else None
+        gw = c.one("conv_backward_weights", [grad, x], w.shape, grad.dtype, **attrs) if output_mask[1] else None
     gb = c.reduce("sum", grad, [0] + list(range(2, len(grad.shape))), False) if output_mask[2] else None
     return gx, gw, gb
 
 
 # ---- pooling ----------------------------------------------------------------------------------------
-def _pool_attrs(c, kernel, stride, padding, dilation=1, ceil_mode=False):
-    k = _int_list(kernel)
-    s = _int_list(stride) if stride not in (None, []) else k
-    return dict(kernel=k, stride=s, padding=_int_list(padding), dilation=_int_list(dilation),
+def _pool_attrs(c, nd, kernel, stride, padding, dilation=1, ceil_mode=False):
+    k = _int_list(kernel, nd)
+    s = _int_list(stride, nd) if stride not in (None, []) else k
+    return dict(kernel=k, stride=s, padding=_int_list(padding, nd), dilation=_int_list(dilation, nd),
                 ceil_mode=bool(ceil_mode))
 
 
-def _planes4(c, *xs):
-    """The operands of a 2-D pooling as [N, C, H, W] (an unbatched [C, H, W] gets N = 1)."""
-    return [x if x is None or len(x.shape) == 4 else c.reshape(x, (1,) + x.shape) for x in xs]
+def _batched(c, nd, *xs):
+    """The operands of an nd-D pooling as [N, C, *spatial] (an unbatched [C, *spatial] gets N = 1)."""
+    return [x if x is None or len(x.shape) == nd + 2 else c.reshape(x, (1,) + x.shape) for x in xs]
 
 
-def _pooled(c, op, inputs, shape, dtype, **attrs) -> Value:
-    """op of [N, C, H, W] inputs, the result reshaped to `shape` (the node's, maybe unbatched)."""
+def _pooled(c, op, nd, inputs, shape, dtype, **attrs) -> Value:
+    """op of [N, C, *spatial] inputs, the result reshaped to `shape` (the node's, maybe unbatched)."""
     shape = tuple(shape)
-    y = c.one(op, _planes4(c, *inputs), shape if len(shape) == 4 else (1,) + shape, dtype, **attrs)
+    y = c.one(op, _batched(c, nd, *inputs), shape if len(shape) == nd + 2 else (1,) + shape, dtype, **attrs)
     return c.reshape(y, shape)
 
 
-MAX_POOL_BACKWARDS = (aten.max_pool2d_with_indices_backward, aten.adaptive_max_pool2d_backward)
+MAX_POOL_BACKWARDS = (aten.max_pool2d_with_indices_backward, aten.adaptive_max_pool2d_backward,
+                      aten.max_pool3d_with_indices_backward, aten.adaptive_max_pool3d_backward)
 
 
 def _indices_read(c) -> bool:
@@ -1292,48 +1364,47 @@ def _indices_read(c) -> bool:
 def _window_table(geom) -> tuple[np.ndarray, np.ndarray]:
     """Per output of a max pooling (row-major) and window position (row-major): the input position
     to gather (a padding position takes the window's first real one, which leaves the maximum and
-    its first position as they are) and the flat position h * W + w it stands for."""
-    w = geom.w.in_size
-    rows = geom.h.positions(np.arange(geom.h.out_size))[:, None, :, None]
-    cols = geom.w.positions(np.arange(geom.w.out_size))[None, :, None, :]
-    flat = np.where((rows < 0) | (cols < 0), -1, rows * w + cols).reshape(geom.h.out_size * geom.w.out_size, -1)
+    its first position as they are) and the flat position in the plane it stands for."""
+    from ipusim.ops.pool import window_table
+    flat = window_table(geom)
     real = flat >= 0
     first = flat[np.arange(flat.shape[0]), real.argmax(axis=1)]
     empty = ~real.any(axis=1)   # dilation can leave a window with padding only: torch points at its start
     if empty.any():
-        oh, ow = np.divmod(np.flatnonzero(empty), geom.w.out_size)
+        outs = np.unravel_index(np.flatnonzero(empty), geom.out_shape)
         starts = []
-        for o, d in ((oh, geom.h), (ow, geom.w)):
+        for o, d in zip(outs, geom.dims):
             s0 = o * d.stride - d.padding
             starts.append(np.where(s0 < 0, s0 + -(-(-s0) // d.dilation) * d.dilation, s0))
-        first[empty] = starts[0] * w + starts[1]
+        strides = np.cumprod((1,) + geom.in_shape[:0:-1])[::-1]   # (torch's start may lie past the plane)
+        first[empty] = sum(st * stride for st, stride in zip(starts, strides))
     table = np.where(real, flat, first[:, None])
     return np.where(real, flat, np.where(empty, 0, first)[:, None]), table
 
 
 def _pool_indices(c, x: Value, geom) -> Value:
-    """PyTorch's indices of a max pooling of x [N, C, H, W]: per window the flat position h * W + w
-    of its first maximum in row-major window order (every window's values gathered, topk k=1 along
-    the window, the position looked up in the window's table)."""
-    n, ch, h, w = x.shape
+    """PyTorch's indices of a max pooling of x [N, C, *spatial]: per window the flat position in
+    the plane of its first maximum in row-major window order (every window's values gathered,
+    topk k=1 along the window, the position looked up in the window's table)."""
+    n, ch = x.shape[:2]
     gather, table = _window_table(geom)
     P, (O, K) = n * ch, gather.shape
     taps = c.expand(c.const(gather.reshape(1, O * K), np.int32), (P, O * K))
-    values = c.reshape(_gather_along(c, c.reshape(x, (P, h * w)), taps, 1), (P, O, K))
+    values = c.reshape(_gather_along(c, c.reshape(x, (P, -1)), taps, 1), (P, O, K))
     first = _topk_along(c, values, 1, 2, True)[1]
     where = _gather_along(c, c.expand(c.const(table.reshape(1, O, K), np.int32), (P, O, K)), first, 2)
-    return c.reshape(where, (n, ch, geom.h.out_size, geom.w.out_size))
+    return c.reshape(where, (n, ch) + geom.out_shape)
 
 
-def _max_pooled(c, op, x, attrs, geom_of, what):
+def _max_pooled(c, op, nd, x, attrs, geom_of, what):
     """A max pooling's values, and its indices: computed when something other than the backward
     reads them, else an Only standing for the values."""
     out = tuple(c.out_meta(0).shape)
-    y = _pooled(c, op, [x], out, x.dtype, **attrs)
+    y = _pooled(c, op, nd, [x], out, x.dtype, **attrs)
     if not _indices_read(c):
         return y, Only(what, y)
-    x4 = _planes4(c, x)[0]
-    return y, c.reshape(_pool_indices(c, x4, geom_of(x4.shape)), out)
+    xb = _batched(c, nd, x)[0]
+    return y, c.reshape(_pool_indices(c, xb, geom_of(xb.shape)), out)
 
 
 def _pooled_values(c, indices: torch.fx.Node) -> Value:
@@ -1346,67 +1417,81 @@ def _pooled_values(c, indices: torch.fx.Node) -> Value:
     raise c.error("the indices of a max pooling backward must come from its max pooling")
 
 
-@lowers(aten.max_pool2d_with_indices, doc="max_pool2d; indices read by other ops than the backward: a gather of "
-                                          "every window, topk k=1 along it, a gather of the window's positions")
+def _spatial_rank(c) -> int:
+    """2 or 3: the spatial dimensions of the pooling op being lowered (from its name)."""
+    return 3 if "3d" in c.node.target.overloadpacket.__name__ else 2
+
+
+@lowers(aten.max_pool2d_with_indices, aten.max_pool3d_with_indices,
+        doc="max_pool; indices read by other ops than the backward: a gather of every window, topk k=1 along it, "
+            "a gather of the window's positions")
 def _max_pool(c, x, kernel, stride=None, padding=0, dilation=1, ceil_mode=False):
     from ipusim.ops.pool import pool_geometry
-    attrs = _pool_attrs(c, kernel, stride, padding, dilation, ceil_mode)
-    return _max_pooled(c, "max_pool2d", x, attrs, lambda shape: pool_geometry(
+    nd = _spatial_rank(c)
+    attrs = _pool_attrs(c, nd, kernel, stride, padding, dilation, ceil_mode)
+    return _max_pooled(c, "max_pool", nd, x, attrs, lambda shape: pool_geometry(
         "max", shape, attrs["kernel"], attrs["stride"], attrs["padding"], attrs["dilation"], attrs["ceil_mode"]),
         "max pooling's indices")
 
 
-@lowers(aten.max_pool2d_with_indices_backward, doc="max_pool2d_backward (each window's gradient to its first "
-                                                   "maximum)", raw=True)
+@lowers(aten.max_pool2d_with_indices_backward, aten.max_pool3d_with_indices_backward,
+        doc="max_pool_backward (each window's gradient to its first maximum)", raw=True)
 def _max_pool_backward(c, n):
+    nd = _spatial_rank(c)
     grad, x = c.load(n.args[0]), c.load(n.args[1])
-    attrs = _pool_attrs(c, *[c.load(a) for a in n.args[2:7]])
-    return _pooled(c, "max_pool2d_backward", [x, _pooled_values(c, n.args[7]), grad], x.shape, grad.dtype, **attrs)
+    attrs = _pool_attrs(c, nd, *[c.load(a) for a in n.args[2:7]])
+    return _pooled(c, "max_pool_backward", nd, [x, _pooled_values(c, n.args[7]), grad], x.shape, grad.dtype, **attrs)
 
 
-def _avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    return dict(_pool_attrs(c, kernel, stride, padding, 1, ceil_mode), count_include_pad=bool(count_include_pad),
+def _avg_attrs(c, nd, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    return dict(_pool_attrs(c, nd, kernel, stride, padding, 1, ceil_mode), count_include_pad=bool(count_include_pad),
                 divisor_override=None if divisor_override is None else int(divisor_override))
 
 
-@lowers(aten.avg_pool2d, doc="avg_pool2d")
+@lowers(aten.avg_pool2d, aten.avg_pool3d, doc="avg_pool")
 def _avg_pool(c, x, kernel, stride=None, padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    return _pooled(c, "avg_pool2d", [x], c.out_meta().shape, x.dtype,
-                   **_avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
+    nd = _spatial_rank(c)
+    return _pooled(c, "avg_pool", nd, [x], c.out_meta().shape, x.dtype,
+                   **_avg_attrs(c, nd, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
 
 
-@lowers(aten.avg_pool2d_backward, doc="avg_pool2d_backward")
+@lowers(aten.avg_pool2d_backward, aten.avg_pool3d_backward, doc="avg_pool_backward")
 def _avg_pool_backward(c, grad, x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    return _pooled(c, "avg_pool2d_backward", [grad], x.shape, grad.dtype,
-                   **_avg_attrs(c, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
+    nd = _spatial_rank(c)
+    return _pooled(c, "avg_pool_backward", nd, [grad], x.shape, grad.dtype,
+                   **_avg_attrs(c, nd, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override))
 
 
-@lowers(aten._adaptive_avg_pool2d, doc="adaptive_avg_pool2d")
+@lowers(aten._adaptive_avg_pool2d, aten._adaptive_avg_pool3d, doc="adaptive_avg_pool")
 def _adaptive(c, x, output_size):
+    nd = _spatial_rank(c)
     out = tuple(c.out_meta().shape)
-    return _pooled(c, "adaptive_avg_pool2d", [x], out, x.dtype, output_size=out[-2:])
+    return _pooled(c, "adaptive_avg_pool", nd, [x], out, x.dtype, output_size=out[-nd:])
 
 
-@lowers(aten._adaptive_avg_pool2d_backward, doc="adaptive_avg_pool2d_backward")
+@lowers(aten._adaptive_avg_pool2d_backward, aten._adaptive_avg_pool3d_backward, doc="adaptive_avg_pool_backward")
 def _adaptive_backward(c, grad, x):
-    return _pooled(c, "adaptive_avg_pool2d_backward", [grad], x.shape, grad.dtype, output_size=grad.shape[-2:])
+    nd = _spatial_rank(c)
+    return _pooled(c, "adaptive_avg_pool_backward", nd, [grad], x.shape, grad.dtype, output_size=grad.shape[-nd:])
 
 
-@lowers(aten.adaptive_max_pool2d, doc="adaptive_max_pool2d; indices read by other ops than the backward: as "
-                                     "max_pool2d's")
+@lowers(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
+        doc="adaptive_max_pool; indices read by other ops than the backward: as max_pool's")
 def _adaptive_max(c, x, output_size):
     from ipusim.ops.pool import adaptive_geometry
-    out = tuple(c.out_meta(0).shape)[-2:]
-    return _max_pooled(c, "adaptive_max_pool2d", x, dict(output_size=out),
+    nd = _spatial_rank(c)
+    out = tuple(c.out_meta(0).shape)[-nd:]
+    return _max_pooled(c, "adaptive_max_pool", nd, x, dict(output_size=out),
                        lambda shape: adaptive_geometry(shape, out, kind="max"), "adaptive max pooling's indices")
 
 
-@lowers(aten.adaptive_max_pool2d_backward, doc="adaptive_max_pool2d_backward (each window's gradient to its first "
-                                               "maximum)", raw=True)
+@lowers(aten.adaptive_max_pool2d_backward, aten.adaptive_max_pool3d_backward,
+        doc="adaptive_max_pool_backward (each window's gradient to its first maximum)", raw=True)
 def _adaptive_max_backward(c, n):
+    nd = _spatial_rank(c)
     grad, x = c.load(n.args[0]), c.load(n.args[1])
-    return _pooled(c, "adaptive_max_pool2d_backward", [x, _pooled_values(c, n.args[2]), grad], x.shape, grad.dtype,
-                   output_size=grad.shape[-2:])
+    return _pooled(c, "adaptive_max_pool_backward", nd, [x, _pooled_values(c, n.args[2]), grad], x.shape, grad.dtype,
+                   output_size=grad.shape[-nd:])
 
 
 # ---- softmax, norms, dropout, losses, embedding --------------------------------------------------------
@@ -1740,7 +1825,7 @@ def _cpu_op(c, inputs, key):
     return c.emit("cpu_op", list(inputs), [(shape, np_dtype(dtype)) for shape, dtype in call.outputs], call=call)
 
 
-PLANNED = frozenset({"matmul", "conv2d"})   # IR ops whose planner takes a temporary-memory budget
+PLANNED = frozenset({"matmul", "conv"})   # IR ops whose planner takes a temporary-memory budget
 
 
 def planned_producers(v: Value) -> list[Node]:
@@ -1847,6 +1932,11 @@ def ops_markdown() -> str:
              "(`compiler/recurrent.py`). PopTorch's `for_loop`, `cond`, `nop`, `dynamic_slice` and",
              "`dynamic_update` are ops of their own; a loop or branch body is the ops between its",
              "markers (`compiler/control_flow.py`).", "",
+             "Measured with `benchmarks/opinfo_coverage.py` (PyTorch's OpInfo database, float32 samples,",
+             "against eager PyTorch): 503 of 673 ops pass forward (74.7%), 391 of 519 ops with a gradient",
+             "pass backward (75.3%). The largest groups of the rest: complex and unsigned dtypes, linear",
+             "algebra factorisations and solves (svd, qr, lu, cholesky, eigh, inv, pinv), FFTs, in-place",
+             "updates of inputs, as_strided, index_reduce, segment_reduce, unfold and nanmedian.", "",
              "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
     lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
     return "\n".join(lines) + "\n"

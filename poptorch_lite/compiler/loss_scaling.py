@@ -43,7 +43,7 @@ from .ir import VIEW_OPS
 
 PREFIX = "automaticLossScalingSettings."
 TRACKING = {0: "AllNonViewChangingGradientTensors", 1: "ConvAndMatmulGradients"}
-CONV_AND_MATMUL = frozenset({"matmul", "conv2d", "conv2d_backward_input", "conv2d_backward_weights"})
+CONV_AND_MATMUL = frozenset({"matmul", "conv", "conv_backward_input", "conv_backward_weights"})
 
 
 @dataclass(frozen=True)

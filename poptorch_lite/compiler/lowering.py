@@ -652,7 +652,7 @@ def _assign(ctx, n, ins):
 def _unary(ctx, n, ins):
     a = n.attrs
     return [ew.unary(ctx.graph, a["fn"], ins[0], ctx.prog, ctx.name, scale=a.get("scale", 1.0),
-                     bias=a.get("bias", 0.0))]
+                     bias=a.get("bias", 0.0), out_dtype=n.outputs[0].dtype)]
 
 
 @lowers("binary")
@@ -690,12 +690,12 @@ def _conv_args(a):
     return dict(stride=a["stride"], padding=a["padding"], dilation=a["dilation"], groups=a["groups"])
 
 
-@lowers("conv2d")
-def _conv2d(ctx, n, ins):
+@lowers("conv")
+def _conv(ctx, n, ins):
     if "multiconv" in n.attrs:   # a convolution of a poptorch.MultiConv (compiler/multiconv.py)
         return lower_member(ctx, n, ins, _conv_args)
-    return [conv.conv2d(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs),
-                        **_memory(n.attrs))]
+    return [conv.conv(ctx.graph, ins[0], ins[1], ctx.prog, name=ctx.name, **_conv_args(n.attrs),
+                      **_memory(n.attrs))]
 
 
 @lowers("print_tensor")
@@ -784,15 +784,15 @@ def _cpu_op(ctx, n, ins):
     return outs
 
 
-@lowers("conv2d_backward_input")
-def _conv2d_bwd_input(ctx, n, ins):
-    return [conv.conv2d_backward_input(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
-                                       **_conv_args(n.attrs))]
+@lowers("conv_backward_input")
+def _conv_bwd_input(ctx, n, ins):
+    return [conv.conv_backward_input(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
+                                     **_conv_args(n.attrs))]
 
 
-@lowers("conv2d_backward_weights")
-def _conv2d_bwd_weights(ctx, n, ins):
-    return [conv.conv2d_backward_weights(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
+@lowers("conv_backward_weights")
+def _conv_bwd_weights(ctx, n, ins):
+    return [conv.conv_backward_weights(ctx.graph, ins[0], ins[1], n.outputs[0].shape, ctx.prog, name=ctx.name,
                                          **_conv_args(n.attrs))]
 
 
@@ -804,49 +804,49 @@ def _avg_args(a):
     return dict(_pool_args(a), count_include_pad=a["count_include_pad"], divisor_override=a.get("divisor_override"))
 
 
-@lowers("max_pool2d")
+@lowers("max_pool")
 def _max_pool(ctx, n, ins):
     a = n.attrs
-    return [pool.max_pool2d(ctx.graph, ins[0], a["kernel"], ctx.prog, dilation=a.get("dilation", 1), name=ctx.name,
-                            **_pool_args(a))]
+    return [pool.max_pool(ctx.graph, ins[0], a["kernel"], ctx.prog, dilation=a.get("dilation", 1), name=ctx.name,
+                          **_pool_args(a))]
 
 
-@lowers("max_pool2d_backward")
+@lowers("max_pool_backward")
 def _max_pool_bwd(ctx, n, ins):
     a = n.attrs
-    return [pool.max_pool2d_backward(ctx.graph, ins[0], ins[1], ins[2], a["kernel"], ctx.prog,
-                                     dilation=a.get("dilation", 1), name=ctx.name, **_pool_args(a))]
+    return [pool.max_pool_backward(ctx.graph, ins[0], ins[1], ins[2], a["kernel"], ctx.prog,
+                                   dilation=a.get("dilation", 1), name=ctx.name, **_pool_args(a))]
 
 
-@lowers("avg_pool2d")
+@lowers("avg_pool")
 def _avg_pool(ctx, n, ins):
-    return [pool.avg_pool2d(ctx.graph, ins[0], n.attrs["kernel"], ctx.prog, name=ctx.name, **_avg_args(n.attrs))]
+    return [pool.avg_pool(ctx.graph, ins[0], n.attrs["kernel"], ctx.prog, name=ctx.name, **_avg_args(n.attrs))]
 
 
-@lowers("avg_pool2d_backward")
+@lowers("avg_pool_backward")
 def _avg_pool_bwd(ctx, n, ins):
-    return [pool.avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, n.attrs["kernel"], ctx.prog,
-                                     name=ctx.name, **_avg_args(n.attrs))]
+    return [pool.avg_pool_backward(ctx.graph, ins[0], n.outputs[0].shape, n.attrs["kernel"], ctx.prog,
+                                   name=ctx.name, **_avg_args(n.attrs))]
 
 
-@lowers("adaptive_avg_pool2d")
+@lowers("adaptive_avg_pool")
 def _adaptive(ctx, n, ins):
-    return [pool.adaptive_avg_pool2d(ctx.graph, ins[0], n.attrs["output_size"], ctx.prog, name=ctx.name)]
+    return [pool.adaptive_avg_pool(ctx.graph, ins[0], n.attrs["output_size"], ctx.prog, name=ctx.name)]
 
 
-@lowers("adaptive_avg_pool2d_backward")
+@lowers("adaptive_avg_pool_backward")
 def _adaptive_bwd(ctx, n, ins):
-    return [pool.adaptive_avg_pool2d_backward(ctx.graph, ins[0], n.outputs[0].shape, ctx.prog, name=ctx.name)]
+    return [pool.adaptive_avg_pool_backward(ctx.graph, ins[0], n.outputs[0].shape, ctx.prog, name=ctx.name)]
 
 
-@lowers("adaptive_max_pool2d")
+@lowers("adaptive_max_pool")
 def _adaptive_max(ctx, n, ins):
-    return [pool.adaptive_max_pool2d(ctx.graph, ins[0], n.attrs["output_size"], ctx.prog, name=ctx.name)]
+    return [pool.adaptive_max_pool(ctx.graph, ins[0], n.attrs["output_size"], ctx.prog, name=ctx.name)]
 
 
-@lowers("adaptive_max_pool2d_backward")
+@lowers("adaptive_max_pool_backward")
 def _adaptive_max_bwd(ctx, n, ins):
-    return [pool.adaptive_max_pool2d_backward(ctx.graph, ins[0], ins[1], ins[2], ctx.prog, name=ctx.name)]
+    return [pool.adaptive_max_pool_backward(ctx.graph, ins[0], ins[1], ins[2], ctx.prog, name=ctx.name)]
 
 
 @lowers("softmax", "log_softmax")
