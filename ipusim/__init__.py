@@ -1,5 +1,9 @@
 """ipusim: a tile-level IPU emulator (the Poplar + PopLibs + IPU Model role), torch-free."""
-from .device.cost import Cost, Cycles
+from .device import kernel_cache
+
+kernel_cache.use_versioned_cache()   # first: before any module defines a cached kernel
+
+from .device.cost import Cost, Cycles  # noqa: E402 (after the kernel cache is chosen)
 from .device.engine import Engine, EstimateModeError, RunReport
 from .device.graph import Device, Graph
 from .device.mapping import TileMap

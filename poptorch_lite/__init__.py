@@ -35,7 +35,7 @@ from .api.overlap import set_overlap_for_input, set_overlap_for_output
 _ON_FIRST_USE = {
     "optim": ("poptorch_lite.api.optim", None),
     "poptorch_core": ("poptorch_lite.api.poptorch_core", None),
-    "_impl": ("poptorch_lite.api._impl", None),
+    "_impl": ("poptorch_lite._impl", None),
     "profiling": ("poptorch_lite.api.profiling", None),
     "importPoptorchMetadataFromFile": ("poptorch_lite.runtime.saved", "importPoptorchMetadataFromFile"),
     **{name: ("poptorch_lite.api.strategies", name)

@@ -575,7 +575,7 @@ class PoplarExecutor:
             self.last_run = record
             if self._profiler is not None:
                 self._profiler.called(record)
-            return self._shape_outputs(exe)
+            return self._shape_outputs(exe, tensors)
         self._inputs = self._split_inputs(tensors)
         self._outputs.clear()
         for anchor in self._anchors:
