@@ -170,6 +170,29 @@ def test_engine_profile_files_schema_and_trace(tmp_path, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_a_long_trace_details_the_first_steps_and_keeps_every_step(tmp_path, monkeypatch):
+    """Past TRACE_EVENT_LIMIT events the IPUs' lanes stop (a full-size call has thousands of steps
+    of thousands of events); the schedule lane keeps every step and otherData says how many are
+    detailed."""
+    engine = two_ipu_engine(str(tmp_path))
+    runs = [engine.run(i % 2) for i in range(6)]
+    engine.close()
+    whole = json.loads((tmp_path / "trace.json").read_text())
+    assert whole["otherData"]["steps_detailed"] == whole["otherData"]["steps"] == 6
+    first = [e for e in whole["traceEvents"]
+             if e["ph"] == "X" and e["pid"] > 0 and (e["args"]["call"], e["args"]["step"]) == (1, 1)]
+    monkeypatch.setattr(prof, "TRACE_EVENT_LIMIT", 1)   # reached within the first step's events
+    engine = two_ipu_engine(str(tmp_path / "limited"))
+    assert [engine.run(i % 2) for i in range(6)] == runs
+    engine.close()
+    trace = json.loads((tmp_path / "limited" / "trace.json").read_text())
+    assert trace["otherData"]["steps_detailed"] == 1 and trace["otherData"]["steps"] == 6
+    steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
+    assert [e["args"]["cycles"] for e in steps] == runs
+    detailed = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] > 0]
+    assert {(e["args"]["call"], e["args"]["step"]) for e in detailed} == {(1, 1)} and len(detailed) == len(first) > 0
+
+
 def test_engine_profile_is_written_when_the_engine_is_freed(tmp_path):
     engine = two_ipu_engine(str(tmp_path))
     engine.run(1)

@@ -44,6 +44,10 @@ LANE_TITLES = {"ops": "ops (stage, micro-batch)", "programs": "programs", "compu
                "exchange": "exchange", "sync": "sync", "inter_ipu": "inter-IPU", "host": "host I/O"}
 # A Repeat whose body would give more trace segments than this is drawn as one segment per kind.
 REPEAT_EXPAND_LIMIT = 256
+# trace.json details the IPUs' lanes of the steps that begin before it holds this many events (some
+# 100 MB); later steps keep their schedule event and live bytes (a full-size model's call has
+# thousands of steps of thousands of events each).
+TRACE_EVENT_LIMIT = 600_000
 
 
 # =========================================================================================
@@ -640,7 +644,9 @@ def chrome_trace(static: StaticProfile, rec: Recording, cost_of=None) -> dict:
     """The traced calls as Chrome trace events: one process per IPU with lanes for ops, program
     runs, compute, exchange, sync, inter-IPU and host I/O, and a "schedule" process with the
     steps. Complete events ("X"), timestamps in microseconds at the target clock, sorted per
-    lane. `cost_of` resolves engine-recorded nodes (plain Engine profiles)."""
+    lane. `cost_of` resolves engine-recorded nodes (plain Engine profiles). The IPUs' lanes detail
+    the steps that begin before the trace holds `TRACE_EVENT_LIMIT` events, the schedule all
+    (`otherData`: `steps_detailed` of `steps`)."""
     tr = _Trace(static.target.clock_hz)
     meta = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "schedule"}},
             {"name": "process_sort_index", "ph": "M", "pid": 0, "tid": 0, "args": {"sort_index": 0}},
@@ -653,10 +659,11 @@ def chrome_trace(static: StaticProfile, rec: Recording, cost_of=None) -> dict:
                      {"name": "thread_sort_index", "ph": "M", "pid": i + 1, "tid": k + 1, "args": {"sort_index": k + 1}}]
     live_peaks = _program_live_peaks(static)
     base = [int(r.always_live.sum() + r.vertex_state.sum() + r.code.sum()) for r in static.memory]
-    t = 0
+    t, summarised, total = 0, 0, sum(len(steps) for steps in rec.traced)
     for call, steps in enumerate(rec.traced):
         for s in steps:
             args = {"call": call + 1, "step": s.index + 1}
+            detailed = len(tr.events) < TRACE_EVENT_LIMIT
             if static.source == "ipusim":
                 name = f"run {call + 1}: {step_label(static, s)}"
             else:
@@ -669,7 +676,9 @@ def chrome_trace(static: StaticProfile, rec: Recording, cost_of=None) -> dict:
                 live = base[r.ipu] + (int(live_peaks[programs, r.ipu].max()) if programs else 0)
                 tr.events.append({"name": "live bytes", "ph": "C", "pid": r.ipu + 1, "ts": tr.us(t),
                                   "args": {"bytes": live}})
-            if any(e.nodes is not None for e in s.events if isinstance(e, ProgramEvent)) and cost_of is not None:
+            if not detailed:
+                summarised += 1
+            elif any(e.nodes is not None for e in s.events if isinstance(e, ProgramEvent)) and cost_of is not None:
                 for e in s.events:
                     info = static.programs[e.program]
                     for ipu in sorted(e.per_ipu):
@@ -682,7 +691,8 @@ def chrome_trace(static: StaticProfile, rec: Recording, cost_of=None) -> dict:
     return {"traceEvents": meta + body, "displayTimeUnit": "ns",
             "otherData": {"schema": SCHEMA_NAME, "version": SCHEMA_VERSION, "name": static.name,
                           "target": static.target.name, "clock_hz": static.target.clock_hz,
-                          "time_unit": "microseconds at the target clock"}}
+                          "time_unit": "microseconds at the target clock",
+                          "steps_detailed": total - summarised, "steps": total}}
 
 
 # =========================================================================================
