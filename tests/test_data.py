@@ -300,8 +300,6 @@ def test_loader_freezes_its_options():
     ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
     ({"num_workers": -1}, ValueError, "num_workers must be >= 0"),
     ({"mode": 1}, TypeError, "DataLoaderMode.Sync"),
-    ({"rebatched_worker_size": 2}, ValueError,
-     "only used with mode=DataLoaderMode.AsyncRebatched"),
     ({"mode": DataLoaderMode.AsyncRebatched, "rebatched_worker_size": 9},
      ValueError, r"rebatched_worker_size \(9\) must be <= the combined"),
     ({"mode": DataLoaderMode.Async, "async_options": {"rebatched_size": 4}},
@@ -776,7 +774,7 @@ def test_accessor_over_a_sync_loader():
 def test_failed_construction_leaves_options_unfrozen():
     opts = options()
     with pytest.raises(ValueError):
-        DataLoader(opts, Numbered(8), rebatched_worker_size=2)
+        DataLoader(opts, Numbered(8), mode=DataLoaderMode.AsyncRebatched, rebatched_worker_size=9)
     opts.deviceIterations(2)
 
 
