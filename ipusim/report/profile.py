@@ -1312,12 +1312,13 @@ def _track_collection(phase: str, info: dict) -> None:
 gc.callbacks.append(_track_collection)
 
 
-def _finish_when_safe(finish: Callable[[], object]) -> None:
+def _finish_when_safe(finish: Callable[[], object]):
+    """`finish()` now, and what it returns; inside the garbage collector, at the next safe point."""
     if _collecting:
         with _collected_lock:
             _collected.append(finish)
-    else:
-        finish()
+        return None
+    return finish()
 
 
 def finish_collected() -> None:

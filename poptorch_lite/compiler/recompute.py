@@ -34,8 +34,9 @@ recompute.cpp, transforms/streamingmemory.cpp):
   within one graph (liveness-driven checkpoints), which this emulator does not model: an error;
 - a pipeline over one IPU is not pipelined by PopTorch, so `Pipeline` there is an error too;
 - inference: nothing to recompute (no backward);
-- a loop or branch whose body draws random numbers is stashed, not recomputed (its draws
-  advance the seed as they go).
+- a loop or branch (poptorch.for_loop, cond, the recurrent layers) is stashed, not recomputed:
+  its body is lowered once, for the values it was made with (and draws in a body advance the
+  seed as they go).
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def _recompute_stage(ir: IRGraph, stage: int, *, keep_sent: bool, final: bool) -
     fwd = [n for n in ir.nodes if n.pass_ == "fwd" and n.stage == stage]
     backward = [n for n in ir.nodes if n.pass_ != "fwd" and n.stage == stage]
     made_by = {v.id: n for n in fwd for v in n.outputs}
-    kept = {id(n) for n in fwd if n.op in _KEPT or _draws_in_body(n)} | _weight_views(fwd, made_by)
+    kept = {id(n) for n in fwd if n.op in _KEPT or _has_body(n)} | _weight_views(fwd, made_by)
     if keep_sent:   # PopART's implicit pipeline recomputation stashes what goes to another stage
         elsewhere = {v.id for n in ir.nodes if n.stage != stage for v in n.inputs}
         kept |= {id(n) for n in fwd if any(v.id in elsewhere for v in n.outputs)}
@@ -170,11 +171,10 @@ def _recompute_stage(ir: IRGraph, stage: int, *, keep_sent: bool, final: bool) -
     return True
 
 
-def _draws_in_body(n: Node) -> bool:
-    """Whether a loop or branch draws random numbers in its body (from the IPU's live seed, which
-    it advances): kept, not recomputed, as a recomputation must draw what its forward drew."""
-    return any(m.op in RANDOM_OPS or _draws_in_body(m) for key in ("body", "then", "else")
-               for m in n.attrs.get(key, ()) if isinstance(m, Node))
+def _has_body(n: Node) -> bool:
+    """Whether `n` is a loop or a branch: its body nodes read the values it was made with, so it
+    is kept, not recomputed."""
+    return any(isinstance(m, Node) for key in ("body", "then", "else") for m in n.attrs.get(key, ()))
 
 
 def _weight_views(fwd: list[Node], made_by: dict) -> set[int]:
