@@ -49,46 +49,33 @@ GRAPHCORE_SCRIPT = os.path.join("tutorials", "tutorials", "pytorch", "pipelining
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 IDX = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
-# The phase marks of the PyTorch twins: the lines poptorch_lite.api.phases writes.
-TWIN_PHASES = '''
-import atexit, os, time
+# What both PyTorch twins share: the phase marks (the lines poptorch_lite.api.phases writes), the
+# tutorial's network (the same layers as Graphcore's script) and the loops of one run: each item of
+# the training loader is one call's samples, cut into micro-batches, `acc` accumulated per step.
+TWIN_COMMON = """
+import atexit, os, sys, time
 _PHASES = os.environ.get("IPUSIM_PHASES")
 
 def mark(event):
     if _PHASES:
         t = os.times()
         with open(_PHASES, "a") as f:
-            f.write(f"{{time.time():.6f}} {{os.getpid()}} host {{event}} cpu={{t.user + t.system:.3f}} "
-                    f"children={{t.children_user + t.children_system:.3f}}\\n")
+            f.write(f"{time.time():.6f} {os.getpid()} host {event} cpu={t.user + t.system:.3f} "
+                    f"children={t.children_user + t.children_system:.3f}\\n")
 
 if _PHASES:
     atexit.register(mark, "exit-handlers:end")
-'''
 
-TUTORIAL_TWIN = TWIN_PHASES + """
-import sys
-sys.path.insert(0, {tutorial!r})
+sys.path.insert(0, TUTORIAL)
 import torch
-from mnist_data import load_datasets
 from mnist_pipeline import SEED, Network, accuracy, parse_args
-mark("imports:end")
 
-def main():
-    opts = parse_args(sys.argv[1:])
-    data = load_datasets(opts.dataset, opts.data_dir)
-    micro, acc = opts.batch_size, opts.gradient_accumulation
-    train = torch.utils.data.DataLoader(data.train, batch_size=micro * acc * opts.device_iterations, shuffle=True,
-                                        drop_last=True, num_workers=opts.num_workers,
-                                        generator=torch.Generator().manual_seed(SEED))
-    test = torch.utils.data.DataLoader(data.test, batch_size=opts.test_batch_size * acc * opts.device_iterations,
-                                       shuffle=True, drop_last=True, num_workers=opts.num_workers,
-                                       generator=torch.Generator().manual_seed(SEED + 1))
-    torch.manual_seed(SEED)
-    model = Network()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)
+
+def train_and_test(model, train, test, micro, acc, epochs, learning_rate):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     loss_fn = torch.nn.CrossEntropyLoss()
     mark("model:end")
-    for _ in range(opts.epochs):
+    for _ in range(epochs):
         mark("call:begin model=training")
         for images, labels in train:
             for start in range(0, len(images), micro * acc):
@@ -107,50 +94,31 @@ def main():
             mark("call:end model=inference")
             mark("call:begin model=inference")
     mark("test:end")
-    print(f"Accuracy on test set: {{total / len(test):0.2f}}%")
-
-if __name__ == "__main__":
-    main()
+    print(f"Accuracy on test set: {total / len(test):0.2f}%")
 """
 
-GRAPHCORE_TWIN = TWIN_PHASES.format() + """
-import sys
-import torch
-import torch.nn as nn
+TUTORIAL_TWIN = f"TUTORIAL = {TUTORIAL!r}" + TWIN_COMMON + """
+from mnist_data import load_datasets
+mark("imports:end")
+
+if __name__ == "__main__":
+    opts = parse_args(sys.argv[1:])
+    data = load_datasets(opts.dataset, opts.data_dir)
+    micro, acc = opts.batch_size, opts.gradient_accumulation
+    train = torch.utils.data.DataLoader(data.train, batch_size=micro * acc * opts.device_iterations, shuffle=True,
+                                        drop_last=True, num_workers=opts.num_workers,
+                                        generator=torch.Generator().manual_seed(SEED))
+    test = torch.utils.data.DataLoader(data.test, batch_size=opts.test_batch_size * acc * opts.device_iterations,
+                                       shuffle=True, drop_last=True, num_workers=opts.num_workers,
+                                       generator=torch.Generator().manual_seed(SEED + 1))
+    torch.manual_seed(SEED)
+    train_and_test(Network(), train, test, micro, acc, opts.epochs, opts.learning_rate)
+"""
+
+GRAPHCORE_TWIN = f"TUTORIAL = {TUTORIAL!r}" + TWIN_COMMON + """
 import torchvision
 mark("imports:end")
 torch.manual_seed(0)
-
-
-class ConvLayer(nn.Module):
-    def __init__(self, in_channels, num_filters, kernel_size, pool_size):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, num_filters, kernel_size=kernel_size)
-        self.pool = nn.MaxPool2d(kernel_size=pool_size)
-        self.relu = nn.ReLU()
-
-    def forward(self, x):
-        return self.relu(self.pool(self.conv(x)))
-
-
-class Network(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer1 = ConvLayer(1, 10, 5, 2)
-        self.layer2 = ConvLayer(10, 20, 5, 2)
-        self.layer3 = nn.Linear(320, 256)
-        self.layer3_act = nn.ReLU()
-        self.layer4 = nn.Linear(256, 10)
-
-    def forward(self, x):
-        x = self.layer2(self.layer1(x))
-        return self.layer4(self.layer3_act(self.layer3(x.view(-1, 320))))
-
-
-def accuracy(predictions, labels):
-    _, ind = torch.max(predictions, 1)
-    labels = labels[-predictions.size()[0]:]
-    return torch.sum(torch.eq(ind, labels)).item() / labels.size()[0] * 100.0
 
 
 def data(train, batch_size):
@@ -164,30 +132,7 @@ def data(train, batch_size):
 if __name__ == "__main__":
     micro, acc, iterations, test_micro, epochs = 40, 10, 10, 8, int(sys.argv[sys.argv.index("--epochs") + 1])
     training_data, test_data = data(True, micro * acc * iterations), data(False, test_micro * acc * iterations)
-    model = Network()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.001)
-    loss_fn = nn.CrossEntropyLoss()
-    mark("model:end")
-    for _ in range(epochs):
-        mark("call:begin model=training")
-        for images, labels in training_data:
-            for start in range(0, len(images), micro * acc):
-                optimizer.zero_grad()
-                for i in range(start, start + micro * acc, micro):
-                    (loss_fn(model(images[i:i + micro]), labels[i:i + micro]) / acc).backward()
-                optimizer.step()
-            mark("call:end model=training")
-            mark("call:begin model=training")
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        mark("call:begin model=inference")
-        for images, labels in test_data:
-            total += accuracy(model(images), labels)
-            mark("call:end model=inference")
-            mark("call:begin model=inference")
-    mark("test:end")
-    print(f"Accuracy on test set: {total / len(test_data):0.2f}%")
+    train_and_test(Network(), training_data, test_data, micro, acc, epochs, 0.001)
 """
 
 
@@ -399,7 +344,7 @@ def main() -> None:
         if "tutorial" in args.rows:
             twin = os.path.join(tmp, "torch_tutorial.py")
             with open(twin, "w", encoding="utf-8") as f:
-                f.write(TUTORIAL_TWIN.format(tutorial=TUTORIAL))
+                f.write(TUTORIAL_TWIN)
             common = ["--epochs", "1", "--num-workers", str(args.workers), "--dataset", args.dataset]
             rows["tutorial"] = ([sys.executable, os.path.join(TUTORIAL, "mnist_pipeline.py"), *common],
                                 [sys.executable, twin, *common], env)
