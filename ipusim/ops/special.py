@@ -147,6 +147,24 @@ def bessel_i(nu, x, scaled):
 
 
 @njit(**JIT)
+def _psi_pair_series(q):
+    """sum over k >= 0 of (psi(k + 1) + psi(k + 2)) q^k / (k! (k + 1)!): the series of the
+    order-1 Bessel functions of the second kind (K1 with q = x^2/4, Y1 with q = -x^2/4)."""
+    term = 1.0
+    psi1 = -EULER
+    psi2 = 1.0 - EULER
+    series = psi1 + psi2
+    for k in range(1, 200):
+        term *= q / (k * (k + 1))
+        psi1 += 1.0 / k
+        psi2 += 1.0 / (k + 1)
+        series += term * (psi1 + psi2)
+        if abs(term) * (psi1 + psi2) < 1e-17 * max(abs(series), 1e-300) and k > 2:
+            break
+    return series
+
+
+@njit(**JIT)
 def bessel_k(nu, x, scaled):
     """K_nu(x) (nu = 0 or 1), times exp(x) when `scaled`: the series below 2 (where the
     logarithmic term cancels little), the asymptotic expansion above 12, and between them the
@@ -185,18 +203,7 @@ def bessel_k(nu, x, scaled):
                 if term * (harmonic + abs(log_half) + 1.0) < 1e-17 * abs(total):
                     break
         else:         # K1 = 1/x + log(x/2) I1 - (x/4) sum (psi(k+1) + psi(k+2)) q^k / (k! (k+1)!)
-            term = 1.0
-            psi1 = -EULER
-            psi2 = 1.0 - EULER
-            series = psi1 + psi2
-            for k in range(1, 60):
-                term *= q / (k * (k + 1))
-                psi1 += 1.0 / k
-                psi2 += 1.0 / (k + 1)
-                series += term * (psi1 + psi2)
-                if term * (psi1 + psi2) < 1e-17 * abs(series):
-                    break
-            total = 1.0 / x + log_half * _bessel_i_series(1, x) - 0.25 * x * series
+            total = 1.0 / x + log_half * _bessel_i_series(1, x) - 0.25 * x * _psi_pair_series(q)
         return total * math.exp(x) if scaled else total
     # 2 < x <= 12: the integral by the trapezoidal rule (exponentially convergent for this integrand)
     h = 0.05
@@ -288,18 +295,8 @@ def bessel_y(nu, x):
                 break
         return (2.0 / math.pi) * ((log_half + EULER) * bessel_j(0, x) + total)
     # Y1 = -2/(pi x) + (2/pi) log(x/2) J1 - (x/(2 pi)) sum (psi(k+1) + psi(k+2)) (-q)^k... / (k!(k+1)!)
-    term = 1.0
-    psi1 = -EULER
-    psi2 = 1.0 - EULER
-    series = psi1 + psi2
-    for k in range(1, 200):
-        term *= q / (k * (k + 1))
-        psi1 += 1.0 / k
-        psi2 += 1.0 / (k + 1)
-        series += term * (psi1 + psi2)
-        if abs(term) * (psi1 + psi2) < 1e-17 * max(abs(series), 1e-300) and k > 2:
-            break
-    return -2.0 / (math.pi * x) + (2.0 / math.pi) * log_half * bessel_j(1, x) - x / (2.0 * math.pi) * series
+    return (-2.0 / (math.pi * x) + (2.0 / math.pi) * log_half * bessel_j(1, x)
+            - x / (2.0 * math.pi) * _psi_pair_series(q))
 
 
 @njit(**JIT)
