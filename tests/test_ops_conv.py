@@ -421,3 +421,36 @@ def test_patches_match_sliding_windows(x_shape, k, s, p, d):
     oh, ow = windows.shape[2:4]
     want = windows.transpose(1, 4, 5, 0, 2, 3).reshape(1, c * k[0] * k[1], n * oh * ow)
     np.testing.assert_array_equal(_im2col(X[:, :, None], (1,) + k, (1, oh, ow), (1,) + s, (0,) + p, (1,) + d, 1), want)
+
+
+@pytest.mark.parametrize("spatial_shape, kernel", [((6,), (3,)), ((6, 5), (3, 3)), ((4, 6, 5), (2, 3, 3))],
+                         ids=["1d", "2d", "3d"])
+def test_vertex_state_holds_the_parameters_of_the_ops_own_rank(spatial_shape, kernel):
+    """The general-form vertex takes parameters for three spatial dimensions; a 1-D or 2-D
+    convolution's vertices hold those of a two-dimensional vertex (as Poplar instantiates the vertex
+    for the op's rank), a 3-D one's all of them, and the memory report counts that state."""
+    from ipusim.device.memory import FIELD_BYTES, PARAM_BYTES, memory_reports
+    from ipusim.ops.conv import DEPTH_PARAMS, PARAMS
+    g = ip.Graph(SMALL)
+    x = g.addVariable("float32", (2, 3) + spatial_shape, "x")
+    w = g.addVariable("float32", (4, 3) + kernel, "w")
+    g.map_linearly(x)
+    g.map_linearly(w)
+    prog = ip.Sequence()
+    conv(g, x, w, prog)
+    tables = [t for cs in g.compute_sets for t in cs.tables if t.type is CONV_VERTEX]
+    want = len(PARAMS) - (len(DEPTH_PARAMS) if len(spatial_shape) < 3 else 0)
+    assert tables and {t.state_params for t in tables} == {want}
+    state = sum(t.tiles.size * (FIELD_BYTES * len(CONV_VERTEX.fields) + PARAM_BYTES * want) for t in tables)
+    others = sum(t.tiles.size * (FIELD_BYTES * len(t.type.fields) + PARAM_BYTES * t.state_params)
+                 for cs in g.compute_sets for t in cs.tables if t.type is not CONV_VERTEX)
+    assert int(memory_reports([g], [prog])[0].vertex_state.sum()) == state + others
+
+
+def test_state_params_outside_the_vertex_parameters_are_an_error():
+    g = ip.Graph(SMALL)
+    x = g.addVariable("float32", (4,), "x")
+    g.map_linearly(x)
+    cs = g.addComputeSet("c")
+    with pytest.raises(ValueError, match="state_params=40 is outside 0..32"):
+        g.addVertices(cs, CONV_VERTEX, [0], {}, np.zeros((1, len(P))), state_params=40)

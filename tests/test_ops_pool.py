@@ -379,3 +379,20 @@ def test_bad_arguments_are_clear_errors():
     y = P.adaptive_max_pool(g, x, 2, ip.Sequence())
     with pytest.raises(ValueError, match="differ in shape"):
         P.adaptive_max_pool_backward(g, x, y, dy, ip.Sequence())
+
+
+@pytest.mark.parametrize("spatial_shape", [(6, 6), (4, 6, 6)], ids=["2d", "3d"])
+def test_vertex_state_holds_the_parameters_of_the_ops_own_rank(spatial_shape):
+    """The general-form pooling vertices take three spatial dimensions' parameters; a 2-D op's
+    vertices hold only their own two dimensions' (Poplar instantiates the vertex for the rank)."""
+    g = ip.Graph(ip.Target.test(16, 64 * 1024))
+    x = g.addVariable("float32", (2, 3) + spatial_shape, "x")
+    g.map_linearly(x)
+    prog = ip.Sequence()
+    y = P.max_pool(g, x, 2, prog)
+    P.max_pool_backward(g, x, y, y, 2, prog)
+    unit = len(P.DIM_PARAMS) * (3 - len(spatial_shape))
+    seen = {t.type: t.state_params for cs in g.compute_sets for t in cs.tables
+            if t.type in (P.POOL_VERTEX, P.MAX_GRAD_VERTEX)}
+    assert seen == {P.POOL_VERTEX: P.POOL_VERTEX.num_params - unit,
+                    P.MAX_GRAD_VERTEX: P.MAX_GRAD_VERTEX.num_params - unit}

@@ -150,9 +150,10 @@ class Graph:
         return self.addVertices(cs, vertex_type, [tile], {f: Field.of(t) for f, t in fields.items()}, params)
 
     def addVertices(self, cs: ComputeSet, vertex_type: VertexType, tiles, fields: dict[str, Field],
-                    params=None) -> VertexTable:
+                    params=None, state_params: int | None = None) -> VertexTable:
         """Vertices of one type: vertex v on `tiles[v]`, row v of `params` (num_vertices x
-        num_params) and row v of every field (see `Field`)."""
+        num_params) and row v of every field (see `Field`); `state_params`: how many of a row's
+        parameters its vertex state holds (all of them by default; see `VertexTable`)."""
         if cs.ipu != self.ipu:
             raise ValueError(f"compute set {cs.name!r} belongs to IPU {cs.ipu}, not IPU {self.ipu}")
         tiles = np.asarray(tiles, dtype=np.int32).reshape(-1)
@@ -171,7 +172,7 @@ class Graph:
         params = np.asarray(params, dtype=np.float64)
         if params.ndim == 1 and params.size == vertex_type.num_params:
             params = np.broadcast_to(params, (n, params.size))
-        return cs.add(VertexTable(vertex_type, tiles, np.ascontiguousarray(params), dict(fields)))
+        return cs.add(VertexTable(vertex_type, tiles, np.ascontiguousarray(params), dict(fields), state_params))
 
     def _stream(self, name, dtype, shape, direction) -> DataStream:
         if name in self.streams:

@@ -250,7 +250,7 @@ def memory_reports(graphs, programs: list[Program]) -> list[MemoryReport]:
             for table in cs.tables:
                 vt = table.type
                 count = tile_counts(table.tiles, n)
-                state += count * (FIELD_BYTES * len(vt.fields) + PARAM_BYTES * vt.num_params)
+                state += count * (FIELD_BYTES * len(vt.fields) + PARAM_BYTES * table.state_params)
                 on_tiles[id(vt.kernel)] = on_tiles.get(id(vt.kernel), np.zeros(n, bool)) | (count > 0)
         for used in on_tiles.values():
             code += CODELET_BYTES * used

@@ -206,11 +206,25 @@ class Field:
 
 @dataclass(eq=False)
 class VertexTable:
-    """The vertices of one type in one compute set: tile, parameters and fields, one row each."""
+    """The vertices of one type in one compute set: tile, parameters and fields, one row each.
+
+    `state_params` is how many of a row's parameters the vertex holds in its state on the tile
+    (all of them unless the builder says fewer): a general-form codelet serving several ranks (the
+    convolution and pooling vertices take three spatial dimensions) is, in Poplar, a vertex
+    instantiated for the op's own rank, whose state holds no fields for the unit dimensions the
+    general form adds."""
     type: VertexType
     tiles: np.ndarray   # (n,) int32
     params: np.ndarray  # (n, num_params) float64
     fields: dict[str, Field]
+    state_params: int | None = None
+
+    def __post_init__(self):
+        if self.state_params is None:
+            self.state_params = self.type.num_params
+        elif not 0 <= self.state_params <= self.type.num_params:
+            raise ValueError(f"vertex {self.type.name}: state_params={self.state_params} is outside 0.."
+                             f"{self.type.num_params} (the parameters it takes)")
 
     @property
     def num_vertices(self) -> int:

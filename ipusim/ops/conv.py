@@ -238,6 +238,14 @@ PARAMS = ("groups", "batch", "in_ch", "out_ch", "win_planes", "win_rows", "win_c
           "stride_h", "dilation_h", "in_dilation_h", "base_h", "stride_w", "dilation_w", "in_dilation_w", "base_w",
           "k_plane0", "kernel_d", "k_row0", "kernel_h", "flip")
 P = {name: i for i, name in enumerate(PARAMS)}
+DEPTH_PARAMS = ("win_planes", "k_planes", "out_planes", "stride_d", "dilation_d", "in_dilation_d", "base_d",
+                "k_plane0", "kernel_d")
+
+
+def _state_params(geometry: ConvGeometry) -> int:
+    """The parameters a vertex holds as state: a convolution with a unit depth (every 1-D and 2-D
+    one) is a two-dimensional vertex in Poplar, without the depth's."""
+    return len(PARAMS) - (len(DEPTH_PARAMS) if geometry.d == ConvDim() else 0)
 
 
 def _valid(count: int, taps: np.ndarray, stride: int, dilation: int, in_dilation: int, base: int,
@@ -484,7 +492,7 @@ def _build(graph: Graph, body: Sequence, name: str, plan: ConvPlan, xv: Tensor, 
     fields = {"x": Field.strided(xs, xs_at[blk], 1, np.diff(xs_at)[blk]),
               "w": Field.strided(ws, ws_at[blk], 1, np.diff(ws_at)[blk]),
               "out": Field.strided(dst, dst_at[blk] + l0 * ow_b, 1, n * ow_b)}
-    graph.addVertices(cs, CONV_VERTEX, tiles[blk], fields, params)
+    graph.addVertices(cs, CONV_VERTEX, tiles[blk], fields, params, state_params=_state_params(geom))
     compute.add(Execute(cs))
     if reduction > 1:
         reduce_partials(graph, compute, dst, reduction, *block_partials(outv, first[:, :6], extent[:, :6], reduction, dst_at),

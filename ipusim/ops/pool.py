@@ -583,6 +583,12 @@ def _spans(span, size: int, parts: int) -> np.ndarray:
     return np.asarray([span(b, e) for b, e in ranges(size, parts)], np.int64).reshape(-1, 2)
 
 
+def _unit_slot_params(geom: PoolGeometry) -> int:
+    """The parameters of the unit slots the general form adds to an op of fewer spatial
+    dimensions: its vertex in Poplar is one of the op's own rank, whose state holds none of them."""
+    return len(DIM_PARAMS) * (3 - len(geom.dims))
+
+
 def _dim_params(geom: PoolGeometry) -> tuple:
     return sum((d.params for d in geom.slots), ()) + (int(geom.count_include_pad), geom.divisor_override)
 
@@ -608,7 +614,8 @@ def _forward(graph: Graph, x: Tensor, geom: PoolGeometry, prog: Sequence, name: 
     fields = {"x": Field.strided(windows, at[blk], 1, np.diff(at)[blk]),
               "out": Field.strided(out, (p0[blk] + vp) * oh * ow + (r0[blk] + vr) * ow, vn, vrows * ow, oh * ow)}
     cs = graph.addComputeSet(f"{name}/pool")
-    graph.addVertices(cs, POOL_VERTEX, tiles[blk], fields, params.astype(np.float64))
+    graph.addVertices(cs, POOL_VERTEX, tiles[blk], fields, params.astype(np.float64),
+                      state_params=POOL_VERTEX.num_params - _unit_slot_params(geom))
     body.add(Execute(cs))
 
     def fast(io):
@@ -658,8 +665,9 @@ def _backward(graph: Graph, geom: PoolGeometry, dy: Tensor, input_shape, prog: S
                                                           o0[blk], (o1 - o0)[blk]), 1),
                              np.broadcast_to(_dim_params(geom), (blk.size, TAIL))], 1)
     cs = graph.addComputeSet(f"{name}/pool")
-    graph.addVertices(cs, MAX_GRAD_VERTEX if kind == "max_grad" else AVG_GRAD_VERTEX, tiles[blk], fields,
-                      params.astype(np.float64))
+    vertex = MAX_GRAD_VERTEX if kind == "max_grad" else AVG_GRAD_VERTEX
+    graph.addVertices(cs, vertex, tiles[blk], fields, params.astype(np.float64),
+                      state_params=vertex.num_params - _unit_slot_params(geom))
     body.add(Execute(cs))
 
     reads = (x, y, dy) if kind == "max_grad" else (dy,)
