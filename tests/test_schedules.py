@@ -66,7 +66,7 @@ def test_inference_runs_stage_s_on_micro_batch_k_at_step_k_plus_s():
 
 def test_shared_ipu_cells_name_the_stage():
     s = pipelined_schedule(2, training=False, device_iterations=2, stage_ipus=[0, 0])
-    assert s.render() == "step   1    2    3    4\nIPU0   F1s0 F1s1 F2s0 F2s1"
+    assert s.render() == "step   1    2         3\nIPU0   F1s0 F2s0+F1s1 F2s1"
 
 
 # --------------------------------------------------------------------------- closed forms
@@ -179,8 +179,51 @@ def test_sequential_pipeline_kind_matches_sharded_steps():
 
 def test_all_stages_on_one_ipu_serialise():
     s = pipelined_schedule(3, training=True, gradient_accumulation=5, stage_ipus=[0, 0, 0])
-    assert s.num_ipus == 1 and s.num_steps == 2 * 3 * 5 + 1
+    assert s.num_ipus == 1 and len(s.ops) == 2 * 3 * 5 + 1
     assert s.bubble_fraction() == 0
+
+
+@pytest.mark.parametrize("stage_ipus", [(0, 1, 2, 3, 0), (0, 1, 0, 1), (0, 0, 1), (1, 0, 2)])
+@pytest.mark.parametrize("g", [9, 12])
+def test_grouped_runs_popart_pipeline_cycles_on_shared_ipus(stage_ipus, g):
+    """Every stage runs once a PopART pipeline cycle, an IPU holding several stages running all
+    of theirs in the cycle's step: F of stage s for micro-batch k in cycle k+s, its B in cycle
+    k+2N-2-s; each cycle is a forward step then a backward step (empty ones left out)."""
+    n = len(stage_ipus)
+    s = pipelined_schedule(n, training=True, gradient_accumulation=g, stage_ipus=stage_ipus)
+    cycle_steps = [(c, kind) for c in range(g + 2 * n - 2) for kind in "FB"
+                   if any(0 <= (c - st if kind == "F" else c - (2 * n - 2 - st)) < g for st in range(n))]
+    assert s.num_steps == len(cycle_steps) + 1
+    for (kind, stage, k), t in step_of(s).items():
+        assert cycle_steps[t] == (k + (stage if kind == "F" else 2 * n - 2 - stage), kind)
+    assert not s.order_errors()
+    # the BERT placement (heads back on IPU 0): IPU 0 runs F of stages 0 and 4, then B of 4 and 0
+    if stage_ipus == (0, 1, 2, 3, 0):
+        mid = next(step for step in s.steps if len(step.ops_on(0)) == 2 and step.ops[0].kind == "B")
+        assert [(op.kind, op.stage) for op in mid.ops_on(0)] == [("B", 4), ("B", 0)]
+        assert s.peak_in_flight(0) == (2 * n - 1) + 1  # stage 0's stash 2N-1 and stage 4's one
+
+
+def test_shared_ipu_step_lasts_as_long_as_its_ops_together():
+    """Lock-step pricing: a step in which IPU 0 runs two stages costs their sum; BERT's placement
+    (stage 4 back on IPU 0) costs per micro-batch in steady state the busiest IPU's work."""
+    from ipusim.schedules import pricing
+    placement, g = (0, 1, 2, 3, 0), 64
+    s = pipelined_schedule(5, training=True, gradient_accumulation=g, stage_ipus=placement)
+    stage = [pricing.StageCosts(1.0, 2.0)] * 4 + [pricing.StageCosts(0.25, 0.5)]
+    timing = pricing.lock_step(s, pricing.Costs(tuple(stage)))
+    # IPU 0: 1 + 0.25 forward and 2 + 0.5 backward a cycle; the call is G + 2N - 2 cycles at most
+    assert timing.cycles <= (g + 2 * 5 - 2) * (1.25 + 2.5)
+    assert timing.cycles >= g * (1.25 + 2.5)
+
+
+def test_a_step_refuses_two_ops_of_one_stage_on_an_ipu():
+    from ipusim.schedules.core import Op, Step
+    with pytest.raises(ValueError, match="one op per stage"):
+        Step((Op("F", 0, 0, 0, 0, 0), Op("F", 0, 1, 0, 0, 1)), 0)
+    with pytest.raises(ValueError, match="one op per stage"):
+        Step((Op("F", 0, 0, 0, 0, 0), Op("U", None, None, 0, 0, None)), 0)
+    Step((Op("F", 0, 2, 0, 0, 2), Op("F", 2, 0, 0, 0, 0)), 0)  # two stages of IPU 0: fine
 
 
 # --------------------------------------------------------------------------- flushes
@@ -270,8 +313,8 @@ def test_errors_say_what_is_wrong_and_how_to_fix_it(call, message):
 def test_data_types_validate():
     with pytest.raises(ValueError, match="op kind 'X'"):
         Op("X", 0, 0, 0, 0, 0)
-    with pytest.raises(ValueError, match="two ops on one IPU"):
-        Step((Op("F", 0, 0, 0, 0, 0), Op("F", 1, 1, 0, 0, 1)), 0)
+    with pytest.raises(ValueError, match="one op per stage"):
+        Step((Op("F", 1, 0, 0, 0, 0), Op("F", 1, 1, 0, 0, 1)), 0)
     with pytest.raises(ValueError, match="group 1 out of range"):
         tutorial().ramp_up(1)
 
@@ -329,9 +372,10 @@ def test_schedule_invariants(s: Schedule):
     assert len([op for op in s.ops if op.kind != "U"]) == len(at)
     for op in s.ops:
         assert op.kind == "U" or op.ipu == s.stage_ipus[op.stage]
-    # no IPU runs two ops in one step
+    # an IPU runs one op a step, or (grouped pipelines) one op of each stage it holds
     for step in s.steps:
-        assert len({op.ipu for op in step.ops}) == len(step.ops)
+        for ops in step.by_ipu():
+            assert len(ops) == 1 or (s.strategy == "pipelined-grouped" and len({op.stage for op in ops}) == len(ops))
     # dependencies: each op runs in a later step than the op it needs
     for m in range(total):
         for stage in range(1, n):
@@ -349,6 +393,6 @@ def test_schedule_invariants(s: Schedule):
     # derived figures are consistent
     assert s.ramp_up() + s.main() + s.ramp_down() + len(updates) == s.num_steps
     assert s.main() >= 1 and 0 <= s.bubble_fraction() < 1
-    assert sum(s.busy(i) for i in range(s.num_ipus)) == len(s.ops)
+    assert sum(s.busy(i) for i in range(s.num_ipus)) == sum(len(step.by_ipu()) for step in s.steps)
     assert [len([op for op in row if op]) for row in s.grid()] == [
         s.busy(i) for i in range(s.num_ipus)]

@@ -27,9 +27,9 @@ def test_r_runs_in_its_b_step_before_it():
 
 
 def test_r_needs_its_b_and_training():
-    with pytest.raises(ValueError, match="two ops on one IPU"):
+    with pytest.raises(ValueError, match="a recompute R only right before the B of its stage and micro-batch"):
         Step((Op("R", 0, 0, 0, 0, 0), Op("B", 0, 1, 0, 0, 1)), 0)
-    with pytest.raises(ValueError, match="two ops on one IPU"):
+    with pytest.raises(ValueError, match="a recompute R only right before the B of its stage and micro-batch"):
         Step((Op("B", 0, 0, 0, 0, 0), Op("R", 0, 0, 0, 0, 0)), 0)
     with pytest.raises(ValueError, match="inference"):
         schedules.pipelined_schedule(2, training=False, device_iterations=2).with_recomputation([0])

@@ -5,7 +5,8 @@ forward "F", backward "B" (the whole backward, or only its input gradient when t
 gradient "W" is a separate op) or recompute "R" of one stage for one micro-batch, or the weight
 update "U" of every stage on one IPU. An R re-runs its stage's forward from what the forward
 stashed, just before that stage's backward and in the same step (PopART runs the recomputation
-in the backward's pipeline stage): it is the only op that shares an IPU's step with another. In training a *group* is one gradient-accumulation group
+in the backward's pipeline stage). An IPU runs one op a step, or, when it holds several stages, one op of
+each of them (PopART's pipeline cycle), each B after its R. In training a *group* is one gradient-accumulation group
 (one device iteration, closed by a weight update that flushes the pipeline); in inference the
 whole call is one group of `device_iterations` micro-batches.
 """
@@ -52,18 +53,25 @@ def recomputes(first: Op, then: Op) -> bool:
 
 @dataclass(frozen=True)
 class Step:
-    """Ops that run concurrently, one per IPU, except that a recompute R runs on its IPU right
-    before the B it serves, in the same step (listed in that order)."""
+    """Ops that run concurrently, one per IPU, except that an IPU holding several stages runs
+    one op of each of them (PopART's pipeline cycle runs every stage once) and that a recompute
+    R runs on its IPU right before the B it serves, in the same step (listed in that order).
+    The ops of one IPU run one after the other, in their order in `ops`."""
 
     ops: tuple[Op, ...]
     group: int
 
     def __post_init__(self):
         for ops in self.by_ipu():
-            if len(ops) > 1 and not (len(ops) == 2 and recomputes(*ops)):
-                raise ValueError(f"a step runs two ops on one IPU ({', '.join(op.label for op in ops)} on IPU "
-                                 f"{ops[0].ipu}): an IPU runs one op per step, except a recompute R right before "
-                                 f"the B of its stage and micro-batch: {self.ops}")
+            if len(ops) == 1:
+                continue
+            ops_ = [op for i, op in enumerate(ops)
+                    if not (op.kind == "R" and i + 1 < len(ops) and recomputes(op, ops[i + 1]))]
+            stages = [op.stage for op in ops_]
+            if any(op.kind in ("U", "R") for op in ops_) or len(set(stages)) < len(stages):
+                raise ValueError(f"a step runs {', '.join(op.label for op in ops)} on IPU {ops[0].ipu}: an IPU runs "
+                                 f"one op per stage it holds in a step (a weight update alone), and a recompute R "
+                                 f"only right before the B of its stage and micro-batch: {self.ops}")
 
     def by_ipu(self) -> list[tuple[Op, ...]]:
         """The ops of each IPU in the step, in order (an R before its B), IPUs in order of their
@@ -74,11 +82,12 @@ class Step:
         return [tuple(ops) for ops in out.values()]
 
     def ops_on(self, ipu: int) -> tuple[Op, ...]:
-        """Every op `ipu` runs in the step, in order: none, one, or an R and its B."""
+        """Every op `ipu` runs in the step, in order: none, one, an R and its B, or one of each
+        stage the IPU holds."""
         return tuple(op for op in self.ops if op.ipu == ipu)
 
     def op_on(self, ipu: int) -> Op | None:
-        """The op `ipu` runs in the step (the B when an R precedes it), or None."""
+        """The last op `ipu` runs in the step (the B when an R precedes it), or None."""
         ops = self.ops_on(ipu)
         return ops[-1] if ops else None
 
@@ -244,11 +253,11 @@ class Schedule:
         live: set[tuple[int, int]] = set()
         out = []
         for step in self.steps:
-            op = step.op_on(ipu)
-            if op is not None and op.kind == "F":
-                live.add((op.stage, op.global_micro_batch))
-            elif op is not None and op.kind == release:
-                live.discard((op.stage, op.global_micro_batch))
+            for op in step.ops_on(ipu):
+                if op.kind == "F":
+                    live.add((op.stage, op.global_micro_batch))
+                elif op.kind == release:
+                    live.discard((op.stage, op.global_micro_batch))
             out.append(len(live))
         return out
 
@@ -319,16 +328,21 @@ class Schedule:
         one row per IPU with `.` for idle. Each column is as wide as its widest cell, columns are
         separated by one space, the label column by three. When an IPU holds several stages,
         cells name the stage too ("F3s2": forward of micro-batch 3, stage 2). An IPU that
-        recomputes before a backward shows "RB3": R3 then B3 in one step. `mark` (a step
+        recomputes before a backward shows "RB3": R3 then B3 in one step; an IPU that runs
+        several stages' ops in a step shows them joined by "+" ("F5s0+F1s4"). `mark` (a step
         index within the range) adds a last line with "^" under that step's column."""
         shared = len(set(self.stage_ipus)) < len(self.stage_ipus)
 
         def cell(ops: tuple[Op, ...]) -> str:
             if not ops:
                 return "."
-            op = ops[-1]
-            label = ("R" if len(ops) > 1 else "") + op.label   # "RB3": recompute, then the backward
-            return f"{label}s{op.stage}" if shared and op.kind != "U" else label
+            labels = []
+            for i, op in enumerate(ops):
+                if op.kind == "R" and i + 1 < len(ops) and recomputes(op, ops[i + 1]):
+                    continue
+                label = ("R" if i and recomputes(ops[i - 1], op) else "") + op.label  # "RB3": recompute, backward
+                labels.append(f"{label}s{op.stage}" if shared and op.kind != "U" else label)
+            return "+".join(labels)
 
         indices = range(len(self.steps))[start:stop]
         columns = [[str(t + 1)] + [cell(self.steps[t].ops_on(i)) for i in range(self.num_ipus)] for t in indices]

@@ -23,17 +23,42 @@ def _one_at_a_time(order: Iterable[tuple[int, int | None]], per_group: int, trai
     return steps
 
 
-def _pipelined_group(placement: tuple[int, ...], per_group: int, training: bool,
-                     kind: str) -> list[list[tuple]]:
-    """One flush group of a filled pipeline, simulated step by step.
+def _pipeline_cycles(placement: tuple[int, ...], per_group: int, training: bool) -> list[list[tuple]]:
+    """One flush group of the grouped schedule: PopART's pipeline cycles, each split into a
+    forward step and a backward step.
+
+    Training turns N forward stages into 2N-1 pipeline stages, so the forward of stage s for
+    micro-batch k runs in cycle k+s and its backward in cycle k+2N-2-s; in inference the forward
+    runs in cycle k+s. Every stage runs once a cycle on its IPU, so an IPU that holds several
+    stages runs all of their ops of the cycle in the cycle's step (forwards in stage order,
+    backwards in reverse stage order), one after the other: the step lasts as long as that IPU's
+    ops together. Steps with no op (the backward steps of the fill, the forward steps of the
+    flush) are left out. With one stage per IPU every IPU runs one op a step: the tutorial's
+    figure (docs/schedules.md)."""
+    n = len(placement)
+    cycles = per_group + (2 * n - 2 if training else n - 1)
+
+    def step(kind: str, pairs) -> list[tuple]:
+        ops = [(kind, s, k, None) for s, k in pairs if 0 <= k < per_group]
+        order = (lambda op: (placement[op[1]], op[1])) if kind == "F" else (lambda op: (placement[op[1]], -op[1]))
+        return sorted(ops, key=order)
+
+    steps = []
+    for c in range(cycles):
+        forward = step("F", ((s, c - s) for s in range(n)))
+        backward = step("B", ((s, c - (2 * n - 2 - s)) for s in range(n))) if training else []
+        steps += [ops for ops in (forward, backward) if ops]
+    return steps
+
+
+def _interleaved_group(placement: tuple[int, ...], per_group: int, training: bool) -> list[list[tuple]]:
+    """One flush group of the interleaved schedule, simulated step by step.
 
     Each (kind, stage) has a queue of micro-batches in order; an op is ready when its
     dependency ran in an earlier step (F of s-1 for F of s; F of the last stage for its B; B of
-    s+1 for B of s). In every step each IPU runs its oldest ready op of the kind it may run:
-    "grouped" runs forward-only steps until a backward is ready, then alternates a backward step
-    and a forward step on all IPUs; "interleaved" lets each IPU alternate on its own, forward on
-    the steps of the parity of its first stage. Steps in which no IPU can run anything are
-    skipped."""
+    s+1 for B of s). In every step each IPU runs its oldest ready op of the kind it may run: it
+    alternates forward and backward on its own, forward on the steps of the parity of its first
+    stage. Steps in which no IPU can run anything are skipped."""
     n = len(placement)
     kinds = ("F", "B") if training else ("F",)
     ipus = sorted(set(placement))
@@ -48,26 +73,11 @@ def _pipelined_group(placement: tuple[int, ...], per_group: int, training: bool,
             return False
         return all(done.get(need, len(steps)) < len(steps) for need in dependencies(k, s, m, n))
 
-    def any_ready(k: str) -> bool:
-        return any(ready(k, s) for s in range(n))
-
-    phase, alternating, tick = "F", False, 0
+    tick = 0
     while len(done) < len(kinds) * n * per_group:
-        if kind == "grouped" and training:
-            if not alternating and any_ready("B"):
-                alternating, phase = True, "B"
-            elif alternating:
-                phase = "F" if phase == "B" else "B"
-            if not any_ready(phase):
-                phase = "F" if phase == "B" else "B"
         step = []
         for ipu in ipus:
-            if not training:
-                allowed = "F"
-            elif kind == "grouped":
-                allowed = phase
-            else:
-                allowed = "F" if (tick - parity[ipu]) % 2 == 0 else "B"
+            allowed = "F" if not training or (tick - parity[ipu]) % 2 == 0 else "B"
             candidates = [(head[(allowed, s)], s) for s in range(n)
                           if placement[s] == ipu and ready(allowed, s)]
             if candidates:
@@ -75,8 +85,6 @@ def _pipelined_group(placement: tuple[int, ...], per_group: int, training: bool,
                 step.append((allowed, s, m, None))
         tick += 1
         if not step:
-            if kind == "grouped":
-                raise AssertionError("no op ready although ops remain")  # acyclic: unreachable
             continue
         for k, s, m, _ in step:
             head[(k, s)] += 1
@@ -93,7 +101,9 @@ def pipelined_schedule(num_stages: int, *, training: bool, gradient_accumulation
     """PopTorch's PipelinedExecution.
 
     num_stages: forward pipeline stages; stage s runs on IPU `stage_ipus[s]` (default s), and
-        so does its backward. Several stages may share an IPU: their ops queue on it.
+        so does its backward. Several stages may share an IPU: in the grouped kind the IPU runs
+        each of its stages once a pipeline cycle, their ops one after the other in one step (as
+        PopART's pipeline does); in the interleaved kind their ops queue on it.
     training: forward and backward ops, and a weight update "U" closing every group.
     gradient_accumulation: micro-batches per weight update (training only; 1 in inference).
     device_iterations: in training, groups per call (each flushed by its weight update); in
@@ -123,8 +133,10 @@ def pipelined_schedule(num_stages: int, *, training: bool, gradient_accumulation
             "options.deviceIterations).")
     if kind == "sequential":
         group = _one_at_a_time(((s, None) for s in range(num_stages)), per_group, training)
+    elif kind == "grouped":
+        group = _pipeline_cycles(placement, per_group, training)
     else:
-        group = _pipelined_group(placement, per_group, training, kind)
+        group = _interleaved_group(placement, per_group, training)
     return assemble(f"pipelined-{kind}", placement, training, groups, per_group, group)
 
 
