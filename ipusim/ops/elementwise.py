@@ -31,8 +31,11 @@ from ..device.vertex import VertexType
 from . import special as sp
 from .common import lookup, new_output, placed, region_work
 
-# op name -> (code, thread instructions per vector, vectorised)
-UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu": (3, 40, False),
+# op name -> (code, thread instructions per vector, vectorised); a cost (half, float) differs by dtype.
+# GELU follows PopLibs' NonLinearity estimator (popnn PerformanceEstimation.hpp and
+# popnnCycleEstimators.cpp): two ops per vector of 4 halves or 2 floats at 5 (half) or 10 (float)
+# cycles an op; its gradient is charged the forward's per vector (it evaluates the same tanh).
+UNARY = {"neg": (0, 1, True), "abs": (1, 1, True), "relu": (2, 1, True), "gelu": (3, (10, 20), True),
          "tanh": (4, 20, False), "sigmoid": (5, 20, False), "exp": (6, 15, False), "log": (7, 15, False),
          "sqrt": (8, 10, False), "rsqrt": (9, 10, False), "square": (10, 1, True),
          "reciprocal": (11, 10, False), "cast": (12, 1, True), "scale": (13, 2, True),
@@ -56,7 +59,7 @@ BINARY = {"add": (0, 1, True), "sub": (1, 1, True), "mul": (2, 1, True), "div": 
           "relu_grad": (7, 2, True),       # (x, dy) -> dy where x > 0
           "tanh_grad": (8, 3, True),       # (y, dy) -> dy * (1 - y^2)
           "sigmoid_grad": (9, 3, True),    # (y, dy) -> dy * y * (1 - y)
-          "gelu_grad": (10, 50, False),    # (x, dy) -> dy * gelu'(x)
+          "gelu_grad": (10, (10, 20), True),  # (x, dy) -> dy * gelu'(x)
           "eq": (11, 1, True), "gt": (12, 1, True), "lt": (13, 1, True), "ge": (14, 1, True),
           "le": (15, 1, True), "ne": (16, 1, True), "logical_and": (17, 1, True),
           "logical_or": (18, 1, True),
@@ -508,14 +511,16 @@ def broadcast_rows(part_shape: tuple, shape: tuple) -> tuple[int, int] | None:
 
 
 def _cycles(table):
-    costs = {code: cost for code, cost, _ in table.values()}
+    half = {code: cost[0] if isinstance(cost, tuple) else cost for code, cost, _ in table.values()}
+    other = {code: cost[1] if isinstance(cost, tuple) else cost for code, cost, _ in table.values()}
     vectorised = {code: vec for code, _, vec in table.values()}
 
     def estimate(sizes, params, dtype, target):
         codes = params[:, 0].astype(np.int64)
         full = 4 if dtype == np.float16 else 2 if dtype == np.float32 else 1
         width = np.where(lookup(vectorised, codes), full, 1)
-        return target.thread_cycles(np.ceil(sizes["out"] / width) * lookup(costs, codes) + 6)
+        costs = lookup(half if dtype == np.float16 else other, codes)
+        return target.thread_cycles(np.ceil(sizes["out"] / width) * costs + 6)
     return estimate
 
 
