@@ -222,6 +222,16 @@ CONFIGS = {
         _bert(BertConfig(**BERT_LARGE, matmul_proportion=[0.14, 0.19, 0.19, 0.19], replicas=16,
                          gradient_accumulation=512)),
         8 * 512 * 16, BERT_LEAVES_OUT),
+    "bert_large_512_pod16": Config(
+        "bert_large_512_pod16", f"{APPS}: nlp/bert/pytorch configs_pretraining.yml pretrain_large_512 (micro-batch 2, "
+        "SL512, 76 masked tokens, matmul proportions [0.10, 0.15, 0.15, 0.15]); gradient accumulation 1024, the "
+        "application's 2048 divided by its packing factor for SL512 (2.0) as it does when packing, which is the "
+        "published batch of 8,192",
+        _bert(BertConfig(**dict(BERT_LARGE, micro_batch=2), sequence=512, mask_tokens=76,
+                         matmul_proportion=[0.10, 0.15, 0.15, 0.15], replicas=4, gradient_accumulation=1024)),
+        2 * 1024 * 4, BERT_LEAVES_OUT[:1] + [
+            "sequence packing: rows of 512 tokens are priced; packed throughput counts 2.0 sequences a row "
+            "(the application's packing factor for SL512)"]),
     "bert_base_128_pod16": Config(
         "bert_base_128_pod16", f"{APPS}: nlp/bert/pytorch configs_pretraining.yml pretrain_base_128",
         _bert(BertConfig(**BERT_BASE, replicas=4, gradient_accumulation=512), bias_correction=False),

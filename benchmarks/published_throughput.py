@@ -8,8 +8,8 @@ The cycle model is not fitted to these figures (docs/calibration.md says why a r
     python benchmarks/published_throughput.py [--rows bert_large_128_pod16,...]
 
 Packed BERT rows: Graphcore's figure counts sequences, a packed row of 128 tokens holding 1.17 on
-average (the application's packing factor for SL128); the estimate prices rows of 128 tokens and
-multiplies by that factor.
+average and one of 512 tokens 2.0 (the application's packing factors, configs_pretraining.yml);
+the estimate prices rows of that many tokens and multiplies by the factor.
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ ROWS = [
         "batch 56,064, 16.16", PERFORMANCE_RESULTS, 1.17),
     Row("bert_large_128_pod64", 18442, "BERT Large Ph1 pre-training SL128, packed, Bow Pod64, SDK 3.2, PyTorch, "
         "batch 56,064, 16.16", PERFORMANCE_RESULTS, 1.17),
+    Row("bert_large_512_pod16", 1973, "BERT Large Ph2 pre-training SL512, packed, Bow Pod16, SDK 3.3, PyTorch, "
+        "batch 8,192, 16.16", PERFORMANCE_RESULTS, 2.0),
     Row("bert_base_128_pod16", 15911, "BERT Base Ph1 pre-training SL128, Bow Pod16, SDK 3.3, PyTorch, batch 65,536, "
         "16.16", PERFORMANCE_RESULTS),
     Row("optimum_bert_large_pod64", 18442, "BERT Large Ph1 pre-training SL128, packed, Bow Pod64 (the closest "
