@@ -21,6 +21,21 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def phases(record) -> dict:
+    """Busy cycles of the priced call per IPU, by phase (the op kind: F forward, R recompute, B
+    backward, U weight update; with "+copies" for the inter-IPU sends of its results) and by kind of
+    cycles (compute, exchange, sync, inter_ipu, host)."""
+    out: dict = {}
+    for step in record.steps:
+        for event in step.events:
+            phase = event.op.kind + ("+copies" if event.part == "send" else "")
+            for ipu, c in event.per_ipu.items():
+                kinds = out.setdefault(str(ipu), {}).setdefault(phase, {})
+                for k, v in c.to_dict().items():
+                    kinds[k] = kinds.get(k, 0) + v
+    return out
+
+
 def one(name: str) -> dict:
     sys.path.insert(0, HERE)
     import full_size
@@ -29,7 +44,9 @@ def one(name: str) -> dict:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"seconds": priced.compile_seconds, "cpu_seconds": priced.cpu_seconds, "peak_mb": usage.ru_maxrss / 1024,
             "fits": est.fits, "cycles_per_step": est.cycles_per_step, "bubble": est.bubble_fraction,
-            "samples_per_second": est.samples_per_second, "text": est.text()}
+            "samples_per_second": est.samples_per_second, "call_cycles": est.call_cycles, "clock_hz": est.clock_hz,
+            "micro_batches": priced.model._executable.schedule.num_micro_batches,
+            "phases": phases(priced.model.last_run), "text": est.text()}
 
 
 def main() -> None:

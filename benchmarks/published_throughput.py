@@ -5,7 +5,12 @@ Every row prices one config of benchmarks/full_size.py in estimate mode on the B
 model, platform, batch and precision (16.16), with the source and what the estimate leaves out.
 The cycle model is not fitted to these figures (docs/calibration.md says why a row is off).
 
-    python benchmarks/published_throughput.py [--rows bert_large_128_pod16,...]
+    python benchmarks/published_throughput.py [--rows bert_large_128_pod16,...] [--phases]
+
+`--phases` prints, under the table, each row's busy cycles per micro-batch on each IPU of a
+replica by phase (forward F, recompute R, backward B, weight update U, the inter-IPU copies of
+each) and kind (compute, exchange, sync, inter-IPU, host), the call's cycles per micro-batch and
+the cycles per micro-batch of the published figure: docs/calibration.md's breakdown.
 
 Packed BERT rows: Graphcore's figure counts sequences, a packed row of 128 tokens holding 1.17 on
 average and one of 512 tokens 2.0 (the application's packing factors, configs_pretraining.yml);
@@ -62,14 +67,20 @@ def main() -> None:
     import full_size
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default=",".join(r.config for r in ROWS))
+    parser.add_argument("--phases", action="store_true", help="break each row down by IPU and phase")
     args = parser.parse_args()
     wanted = args.rows.split(",")
     print("| config | published | source | estimated | ratio | fits | leaves out |")
     print("|---|---|---|---|---|---|---|")
     within = 0
     rows = [r for r in ROWS if r.config in wanted]
+    unknown = sorted(set(wanted) - {r.config for r in ROWS})
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {', '.join(r.config for r in ROWS)}")
+    breakdowns = []
     for r in rows:
         got = price(r.config)
+        breakdowns.append((r, got))
         estimated = got["samples_per_second"] * r.per_sample
         ratio = estimated / r.published
         within += abs(ratio - 1) <= 0.15
@@ -77,6 +88,24 @@ def main() -> None:
         print(f"| {r.config} | {r.published:,.0f} ({r.what}) | {r.source} | {estimated:,.0f} | {ratio:.2f} | "
               f"{'yes' if got['fits'] else 'no'} | {leaves} |", flush=True)
     print(f"\n{within} of {len(rows)} rows within 15%")
+    if args.phases:
+        for r, got in breakdowns:
+            print(breakdown(r, got))
+
+
+def breakdown(row: Row, got: dict) -> str:
+    """Busy cycles per micro-batch by IPU and phase of one priced row (see the module doc)."""
+    m, clock = got["micro_batches"], got["clock_hz"]
+    samples = got["samples_per_second"] * got["call_cycles"] / clock / m  # of one micro-batch on every replica
+    published = clock * samples / (row.published / row.per_sample)
+    lines = [f"\n{row.config}: {got['call_cycles'] / m:,.0f} cycles per micro-batch in the call, "
+             f"{published:,.0f} in the published figure",
+             "| IPU | phase | total | compute | exchange | sync | inter-IPU | host |", "|---|---|---|---|---|---|---|---|"]
+    for ipu, phases in sorted(got["phases"].items(), key=lambda kv: int(kv[0])):
+        for phase, c in sorted(phases.items()):
+            lines.append(f"| {ipu} | {phase} | " + " | ".join(f"{c[k] / m:,.0f}" for k in
+                         ("total", "compute", "exchange", "sync", "inter_ipu", "host")) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
