@@ -30,10 +30,10 @@ def test_poptorch_optimisers_share_a_base_class():
 
 
 def test_variable_attributes_as_poptorch():
-    opt = poptorch.optim.AdamW(Regression().parameters(), lr=0.01, loss_scaling=None)
+    opt = poptorch.optim.AdamW(Regression().parameters(), lr=0.01, weight_decay=0.1, loss_scaling=None)
     attrs = opt.variable_attrs
     assert not attrs.isConstant("lr") and not attrs.isConstant("weight_decay")
-    assert attrs.isConstant("loss_scaling")  # not given: constant, as in PopTorch
+    assert attrs.isConstant("loss_scaling") and attrs.isConstant("eps")  # not given: constant, as in PopTorch
     attrs.markAsConstant("weight_decay")
     assert attrs.isConstant("weight_decay")
     attrs.markAsVariable("loss_scaling")

@@ -559,9 +559,10 @@ class SGD(Optimiser):
     nesterov: bool = False
     loss_scaling: float = 1.0
     state_dtype: str | dict = "float32"
+    momentum_state: bool = False    # keep the velocity at momentum 0 too (a momentum `set` may change)
     KIND: ClassVar[int] = SGD_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "momentum", "dampening")
-    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "nesterov")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "nesterov", "momentum_state")
 
     def check(self):
         super().check()
@@ -575,7 +576,7 @@ class SGD(Optimiser):
                 "momentum": self.momentum, "dampening": self.dampening}
 
     def layout(self):
-        m = self.momentum != 0
+        m = self.momentum != 0 or self.momentum_state
         return Layout(("momentum_buffer" if m else None, None, None), m,
                       (MOMENTUM if m else 0) | (NESTEROV if self.nesterov else 0))
 
@@ -627,14 +628,15 @@ class RMSprop(Optimiser):
     centered: bool = False
     loss_scaling: float = 1.0
     state_dtype: str | dict = "float32"
+    momentum_state: bool = False    # keep the momentum buffer at momentum 0 too (a momentum `set` may change)
     KIND: ClassVar[int] = RMSPROP_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "alpha", "momentum", "eps")
-    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "centered")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "centered", "momentum_state")
 
     def check(self):
         super().check()
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"RMSprop: invalid alpha {self.alpha}; it must be in [0, 1]")
+        if not self.alpha >= 0.0:   # torch.optim.RMSprop's bound
+            raise ValueError(f"RMSprop: invalid alpha {self.alpha}; it must be >= 0")
         if not self.momentum >= 0.0 or not self.eps >= 0.0:
             raise ValueError(f"RMSprop: invalid momentum {self.momentum} or eps {self.eps}; both must be >= 0")
 
@@ -643,7 +645,7 @@ class RMSprop(Optimiser):
                 "alpha": self.alpha, "momentum": self.momentum, "eps": self.eps}
 
     def layout(self):
-        m = self.momentum > 0
+        m = self.momentum > 0 or self.momentum_state
         return Layout(("square_avg", "grad_avg" if self.centered else None, "momentum_buffer" if m else None),
                       False, (MOMENTUM if m else 0) | (CENTERED if self.centered else 0))
 

@@ -3,9 +3,15 @@ accept PopTorch's extra arguments (`loss_scaling`, `accum_type`, ...). The compi
 parameter group into a device optimiser (`poptorch_lite.compiler.updates`)."""
 from __future__ import annotations
 
+import logging
+import math
+
+import numpy as np
 import torch
 
 from ipusim.ops import optim as dev
+
+logger = logging.getLogger("poptorch_lite")
 
 POPTORCH_EXTRAS = ("loss_scaling", "accum_type", "first_order_momentum_accum_type",
                    "second_order_momentum_accum_type", "velocity_scaling", "use_combined_accum",
@@ -91,15 +97,24 @@ class VariableAttributes:
             self._variable_attributes.append(attr)
 
 
+def _given(arguments: dict) -> set:
+    """The hyperparameters a constructor call gave (not None): PopTorch marks those variable
+    (the learning rate always has a value)."""
+    return {k for k, v in arguments.items() if v is not None and k not in ("self", "params", "__class__")}
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
 class Optimizer:
     """The base of PopTorch's optimisers (`isinstance(opt, poptorch.optim.Optimizer)`): records
-    PopTorch's extra arguments on every parameter group, and which attributes are variable."""
+    PopTorch's extra arguments on every parameter group, and which attributes are variable: those
+    the constructor was given (not None), as in PopTorch."""
 
-    def _poptorch_defaults(self, loss_scaling, accum_type, **extra):
+    def _poptorch_defaults(self, given: set, loss_scaling, accum_type, **extra):
         if loss_scaling is not None and not loss_scaling > 0:
             raise ValueError(f"loss_scaling must be > 0, got {loss_scaling}")
-        given = {k for k, v in (("loss_scaling", loss_scaling), ("accum_type", accum_type), *extra.items())
-                 if v is not None}
         self.defaults.setdefault("loss_scaling", 1.0 if loss_scaling is None else float(loss_scaling))
         self.defaults.setdefault("accum_type", accum_type)
         for k, v in extra.items():
@@ -107,76 +122,100 @@ class Optimizer:
         for group in self.param_groups:
             for k in ("loss_scaling", "accum_type", *extra):
                 group.setdefault(k, self.defaults[k])
-        poptorch_keys = {"loss_scaling", "accum_type", *extra}
-        variable = [k for k, v in self.defaults.items() if k in given or (k not in poptorch_keys and v is not None)]
-        self.variable_attrs = VariableAttributes(variable, list(self.defaults))
+        self.variable_attrs = VariableAttributes([k for k in self.defaults if k in given],
+                                                 list(self.defaults))
+
+    @property
+    def loss_scaling(self) -> float:
+        """The loss scaling: one value for the whole optimiser (not per group), as in PopTorch;
+        setting it takes effect at the next `setOptimizer`."""
+        return self.defaults["loss_scaling"]
+
+    @loss_scaling.setter
+    def loss_scaling(self, value) -> None:
+        if not value > 0:
+            raise ValueError(f"loss_scaling must be > 0, got {value}")
+        self.defaults["loss_scaling"] = float(value)
+        for group in self.param_groups:
+            group["loss_scaling"] = float(value)
 
 
 class SGD(Optimizer, torch.optim.SGD):
-    def __init__(self, params, lr=0.01, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                 maximize=False, foreach=None, differentiable=False, loss_scaling=None, velocity_scaling=None,
+    def __init__(self, params, lr=0.01, momentum=None, dampening=None, weight_decay=None, nesterov=None,
+                 maximize=None, foreach=None, differentiable=None, loss_scaling=None, velocity_scaling=None,
                  use_combined_accum=None, accum_type=None, velocity_accum_type=None, max_grad_norm=None):
+        given = _given(locals())
         if maximize:
             raise ValueError("SGD(maximize=True) is not supported on the IPU")
-        torch.optim.SGD.__init__(self, params, lr=lr, momentum=momentum, dampening=dampening,
-                                 weight_decay=weight_decay, nesterov=nesterov)
-        self._poptorch_defaults(loss_scaling, accum_type, velocity_scaling=velocity_scaling,
+        torch.optim.SGD.__init__(self, params, lr=lr, momentum=_or(momentum, 0.0), dampening=_or(dampening, 0.0),
+                                 weight_decay=_or(weight_decay, 0.0), nesterov=_or(nesterov, False))
+        self._poptorch_defaults(given, loss_scaling, accum_type, velocity_scaling=velocity_scaling,
                                 velocity_accum_type=velocity_accum_type, max_grad_norm=max_grad_norm,
                                 use_combined_accum=use_combined_accum)
 
 
 class Adam(Optimizer, torch.optim.Adam):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+    def __init__(self, params, lr=1e-3, betas=None, eps=None, weight_decay=None, amsgrad=None,
+                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
                  loss_scaling=None, accum_type=None, first_order_momentum_accum_type=None,
                  second_order_momentum_accum_type=None, max_grad_norm=None):
+        given = _given(locals())
         if amsgrad or maximize:
             raise ValueError("Adam(amsgrad=True or maximize=True) is not supported on the IPU")
-        torch.optim.Adam.__init__(self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self._poptorch_defaults(loss_scaling, accum_type,
+        torch.optim.Adam.__init__(self, params, lr=lr, betas=_or(betas, (0.9, 0.999)), eps=_or(eps, 1e-8),
+                                  weight_decay=_or(weight_decay, 0.0))
+        self._poptorch_defaults(given, loss_scaling, accum_type,
                                 first_order_momentum_accum_type=first_order_momentum_accum_type,
                                 second_order_momentum_accum_type=second_order_momentum_accum_type,
                                 max_grad_norm=max_grad_norm)
 
 
 class AdamW(Optimizer, torch.optim.AdamW):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
+    def __init__(self, params, lr=1e-3, betas=None, eps=None, weight_decay=None, amsgrad=None,
+                 foreach=None, maximize=None, capturable=None, differentiable=None, fused=None,
                  loss_scaling=None, bias_correction=True, accum_type=None, first_order_momentum_accum_type=None,
                  second_order_momentum_accum_type=None, max_grad_norm=None):
+        given = _given(locals()) - {"bias_correction"}
         if amsgrad or maximize:
             raise ValueError("AdamW(amsgrad=True or maximize=True) is not supported on the IPU")
-        torch.optim.AdamW.__init__(self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self._poptorch_defaults(loss_scaling, accum_type, bias_correction=bias_correction,
+        torch.optim.AdamW.__init__(self, params, lr=lr, betas=_or(betas, (0.9, 0.999)), eps=_or(eps, 1e-8),
+                                   weight_decay=_or(weight_decay, 1e-2))
+        self._poptorch_defaults(given, loss_scaling, accum_type, bias_correction=bias_correction,
                                 first_order_momentum_accum_type=first_order_momentum_accum_type,
                                 second_order_momentum_accum_type=second_order_momentum_accum_type,
                                 max_grad_norm=max_grad_norm)
 
 
 class RMSprop(Optimizer, torch.optim.RMSprop):
-    def __init__(self, params, lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
-                 foreach=None, maximize=False, differentiable=False, capturable=False, loss_scaling=None,
-                 accum_type=None, first_order_momentum_accum_type=None, second_order_momentum_accum_type=None):
+    def __init__(self, params, lr=0.01, alpha=None, eps=None, weight_decay=None, momentum=None, centered=None,
+                 foreach=None, maximize=None, differentiable=None, capturable=None, loss_scaling=None,
+                 accum_type=None, first_order_momentum_accum_type=None, second_order_momentum_accum_type=None,
+                 use_tf_variant=None):
+        given = _given(locals())
         if maximize:
             raise ValueError("RMSprop(maximize=True) is not supported on the IPU")
-        torch.optim.RMSprop.__init__(self, params, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                                     momentum=momentum, centered=centered)
-        self._poptorch_defaults(loss_scaling, accum_type,
+        torch.optim.RMSprop.__init__(self, params, lr=lr, alpha=_or(alpha, 0.99), eps=_or(eps, 1e-8),
+                                     weight_decay=_or(weight_decay, 0.0), momentum=_or(momentum, 0.0),
+                                     centered=_or(centered, False))
+        self._poptorch_defaults(given, loss_scaling, accum_type,
                                 first_order_momentum_accum_type=first_order_momentum_accum_type,
-                                second_order_momentum_accum_type=second_order_momentum_accum_type)
+                                second_order_momentum_accum_type=second_order_momentum_accum_type,
+                                use_tf_variant=bool(use_tf_variant))
 
 
 class LAMB(Optimizer, torch.optim.Optimizer):
     """Layer-wise adaptive moments (You et al. 2019) with PopTorch's options."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, bias_correction=True,
+    def __init__(self, params, lr=1e-3, betas=None, eps=None, weight_decay=None, bias_correction=True,
                  loss_scaling=None, max_weight_norm=None, accum_type=None, first_order_momentum_accum_type=None,
                  second_order_momentum_accum_type=None):
+        given = _given(locals()) - {"bias_correction"}
+        betas, eps, weight_decay = _or(betas, (0.9, 0.999)), _or(eps, 1e-8), _or(weight_decay, 1e-2)
         dev.LAMB(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_weight_norm=max_weight_norm)  # validates
         torch.optim.Optimizer.__init__(self, params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                                           bias_correction=bias_correction,
                                                           max_weight_norm=max_weight_norm))
-        self._poptorch_defaults(loss_scaling, accum_type,
+        self._poptorch_defaults(given, loss_scaling, accum_type,
                                 first_order_momentum_accum_type=first_order_momentum_accum_type,
                                 second_order_momentum_accum_type=second_order_momentum_accum_type)
 
@@ -211,3 +250,169 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         return loss
 
 
+# --- what the device is told of an optimiser: PopTorch's description of it ------------------------
+#
+# PopTorch turns an optimiser into one set of hyperparameters for the graph (the defaults, named
+# `default...`, with the loss scaling) and one per parameter group, each value marked constant or
+# variable, and logs each at debug level when the device receives it ("Updating graph optimizer
+# with ...", "Updating group N optimizer with ..."). Attributes it does not know are reported once.
+
+# When no VariableAttributes say so (torch's optimisers), a value is constant when it has the
+# value that makes it a no-op (torch's default); the learning rate is always variable.
+_CONST_WHEN = {"lr": None, "weight_decay": 0.0, "momentum": 0.0, "dampening": 0.0, "velocity_scaling": 1.0,
+               "eps": 1e-08, "max_weight_norm": 65500.0, "alpha": "always", "nesterov": "always",
+               "betas": "always", "loss_scaling": 1.0}
+_TORCH = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+
+
+def kind(optimizer) -> str:
+    """PopTorch's name of the device optimiser `optimizer` becomes: SGD1 (combined accumulator),
+    SGD2 (separate), ADAM, ADAMW, RMSPROP or LAMB."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return "SGD1" if optimizer.defaults.get("use_combined_accum") else "SGD2"
+    if isinstance(optimizer, torch.optim.AdamW):
+        return "ADAMW"
+    if isinstance(optimizer, torch.optim.Adam):
+        return "ADAM"
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return "RMSPROP"
+    if isinstance(optimizer, LAMB):
+        return "LAMB"
+    raise TypeError(f"optimizer {type(optimizer).__name__} is not supported: use SGD, Adam, AdamW, RMSprop "
+                    "(torch.optim or poptorch.optim) or poptorch.optim.LAMB")
+
+
+def _is_const(optimizer, name: str, value) -> bool:
+    attrs = getattr(optimizer, "variable_attrs", None)
+    if attrs is not None:
+        return attrs.isConstant(name)
+    rule = _CONST_WHEN[name]
+    if name == "weight_decay" and isinstance(optimizer, torch.optim.AdamW):
+        rule = 1e-2
+    return rule == "always" or (rule is not None and value == rule)
+
+
+def _group_values(optimizer, group: dict, sgd_separate_scale) -> dict:
+    """One group's (or the defaults') hyperparameters: PopTorch name -> (value, constant)."""
+    k = kind(optimizer)
+    out = {}
+
+    def put(popart_name, torch_name, value):
+        out[popart_name] = (float(value), _is_const(optimizer, torch_name, value))
+
+    put("learningRate", "lr", group["lr"])
+    put("weightDecay", "weight_decay", group.get("weight_decay", 0.0))
+    if k.startswith("SGD"):
+        put("momentum", "momentum", group.get("momentum", 0.0))
+        put("dampening", "dampening", group.get("dampening", 0.0))
+        put("nesterov", "nesterov", bool(group.get("nesterov", False)))
+        if sgd_separate_scale is None:
+            put("velocityScaling", "velocity_scaling", group.get("velocity_scaling") or 1.0)
+        else:   # the separate variant scales its velocity by the loss scaling
+            out["velocityScaling"] = sgd_separate_scale
+    elif k == "RMSPROP":
+        put("alpha", "alpha", group["alpha"])
+        put("momentum", "momentum", group.get("momentum", 0.0))
+        put("eps", "eps", group["eps"])
+    else:
+        b1, b2 = group["betas"]
+        const = _is_const(optimizer, "betas", group["betas"])
+        out["beta1"], out["beta2"] = (float(b1), const), (float(b2), const)
+        put("eps", "eps", group["eps"])
+        if k == "LAMB":
+            norm = group.get("max_weight_norm")
+            put("maxWeightNorm", "max_weight_norm", 65500.0 if norm is None else norm)
+    return out
+
+
+def _dtype_text(dtype) -> str:
+    return "float16" if dtype == torch.float16 else "float32"
+
+
+def describe(optimizer) -> tuple:
+    """PopTorch's description of `optimizer` as the device gets it: (graph line, group lines).
+    Values print as C++ prints a float; `(const)` marks a constant."""
+    k = kind(optimizer)
+    d = optimizer.defaults
+    scale = float(d.get("loss_scaling", 1.0))
+    loss = (scale, _is_const(optimizer, "loss_scaling", scale))
+    separate = loss if k == "SGD2" else None
+    first = "velocity_accum_type" if k.startswith("SGD") else "first_order_momentum_accum_type"
+    second = None if k.startswith("SGD") else d.get("second_order_momentum_accum_type")
+    tail = (f", accumType={_dtype_text(d.get('accum_type'))}"
+            f", firstOrderMomentumAccumType={_dtype_text(d.get(first))}"
+            f", secondOrderMomentumAccumType={_dtype_text(second)}"
+            f", useTfVariant={int(bool(d.get('use_tf_variant', False)))}"
+            f", maxGradNorm={_float_text(d.get('max_grad_norm') or math.inf)}")
+
+    def line(values: dict) -> str:
+        text = "".join(f", {n}={_float_text(v)}{' (const)' if c else ''}" for n, (v, c) in sorted(values.items()))
+        return k + text + tail
+
+    # the defaults' per-group names take PopTorch's `default` prefix (not nesterov)
+    defaults = {(n if n == "nesterov" else "default" + n[0].upper() + n[1:]): v
+                for n, v in _group_values(optimizer, d, separate).items()}
+    defaults["lossScaling"] = loss
+    groups = [line(_group_values(optimizer, g, separate)) for g in optimizer.param_groups]
+    return line(defaults), groups
+
+
+def _float_text(value: float) -> str:
+    """A float32 as C++'s stream prints it (six significant digits)."""
+    v = float(np.float32(value))
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:g}"
+
+
+class OptimizerUpdates:
+    """A training model's record of what its device was told of the optimiser: warns (once) when
+    an optimiser is a subclass PopTorch would not run the Python code of, and about attributes
+    added after the first optimiser was seen (PopTorch ignores them; debug level with
+    `Options.relaxOptimizerAttributesChecks`), and logs the hyperparameters the device receives
+    when they change."""
+
+    _HIDDEN = ("defaults", "state", "param_groups", "variable_attrs")
+
+    def __init__(self, relaxed: bool):
+        self._log = logger.debug if relaxed else logger.warning
+        self._known: dict[str, list] = {"group": [], "optimizer": []}
+        self._recording = True
+        self._printed: set[str] = set()
+        self._sent = None
+
+    def convert(self, optimizer) -> tuple:
+        """Check `optimizer` as PopTorch does when it is given to the model; its description."""
+        k = kind(optimizer)
+        bases = type(optimizer).__bases__
+        if type(optimizer) not in _TORCH and torch.optim.Optimizer not in bases and Optimizer not in bases:
+            logger.warning("Optimizer `%s` subclassed from classes in poptorch.optim or torch.optim are unlikely "
+                           "to behave as intended. Poptorch does not run Python optimizer code directly; but "
+                           "instead uses IPU native optimisers.", type(optimizer).__name__)
+        self._check("group", list(optimizer.defaults), "default group variable", k)
+        self._check("optimizer", [a for a in vars(optimizer) if a not in self._HIDDEN and not a.startswith("_")
+                                  and a != "state_dict"], "optimizer attribute", k)
+        for i, group in enumerate(optimizer.param_groups):
+            self._check("group", [a for a in group if a != "params"], f"group {i} attribute", k)
+        self._recording = False
+        return describe(optimizer)
+
+    def _check(self, key: str, provided: list, what: str, k: str) -> None:
+        extra = [a for a in provided if a not in self._known[key]]
+        if self._recording:
+            self._known[key] += extra
+        elif extra:
+            message = f"Ignoring unexpected {what} in {k} optimizer: {extra}"
+            if message not in self._printed:
+                self._printed.add(message)
+                self._log(message)
+
+    def send(self, description: tuple) -> None:
+        """The device receives `description` (from `convert`): log it if it changed."""
+        if description == self._sent:
+            return
+        self._sent = description
+        graph, groups = description
+        logger.debug("Updating graph optimizer with %s", graph)
+        for i, text in enumerate(groups):
+            logger.debug("Updating group %d optimizer with %s", i, text)

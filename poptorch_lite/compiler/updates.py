@@ -45,13 +45,17 @@ def _device_optimiser(optimizer: torch.optim.Optimizer, group: dict, ls: float) 
             raise ValueError("Adam(amsgrad=True) is not supported on the IPU")
         return dev.Adam(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                         weight_decay=group["weight_decay"], loss_scaling=ls)
+    # a momentum marked variable (PopTorch's VariableAttributes) keeps its state at zero too
+    attrs = getattr(optimizer, "variable_attrs", None)
+    momentum_state = attrs is not None and not attrs.isConstant("momentum") if "momentum" in group else False
     if isinstance(optimizer, torch.optim.SGD):
         return dev.SGD(lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-                       weight_decay=group["weight_decay"], nesterov=group["nesterov"], loss_scaling=ls)
+                       weight_decay=group["weight_decay"], nesterov=group["nesterov"], loss_scaling=ls,
+                       momentum_state=momentum_state)
     if isinstance(optimizer, torch.optim.RMSprop):
         return dev.RMSprop(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
                            weight_decay=group["weight_decay"], momentum=group["momentum"],
-                           centered=group["centered"], loss_scaling=ls)
+                           centered=group["centered"], loss_scaling=ls, momentum_state=momentum_state)
     if isinstance(optimizer, LAMB):
         return dev.LAMB(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                         weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],

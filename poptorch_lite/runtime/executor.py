@@ -34,7 +34,7 @@ from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api import errors
 from ..api.errors import Error, UnsupportedAttributeError
-from ..api.optim import mean_reduction_strategy
+from ..api.optim import OptimizerUpdates, mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..api.profiling import Channel
@@ -169,6 +169,8 @@ class PoplarExecutor:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             self._optimizer = optimizer
+            self._optimizer_updates = OptimizerUpdates(self._options.relax_optimizer_attributes_checks)
+            self._optimizer_description = self._optimizer_updates.convert(optimizer)
             self._resolve_mean_strategy()
             self._hook_optimizer_state()
             self._install_weight_sync()
@@ -414,6 +416,8 @@ class PoplarExecutor:
             else set()
         if scaling is not None and not self._pricing:   # estimate mode: no device values to set
             scaling.initialise(executable.engine)
+        if self._training:
+            self._optimizer_updates.send(self._optimizer_description)
 
     # ---- host <-> device ----------------------------------------------------------------------
     def _connect_streams(self) -> None:
@@ -788,6 +792,9 @@ class PoplarExecutor:
         """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
+        self._optimizer_description = self._optimizer_updates.convert(optimizer)
+        if self._executable is not None:
+            self._optimizer_updates.send(self._optimizer_description)
         if self._executable is not None and not self._pricing:
             exe = self._executable
             write_hyperparameters(exe.engine, exe.updates, optimizer, self._options, exe.replicas)

@@ -1,0 +1,135 @@
+"""poptorch.optim as PopTorch has it: which attributes are variable, what the device is told of an
+optimiser (the debug log of its hyperparameters), the warnings about attributes and subclasses."""
+import logging
+
+import pytest
+import torch
+
+import poptorch_lite as poptorch
+from poptorch_lite.api.optim import describe
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        out = self.lin(x)
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def batch():
+    torch.manual_seed(0)
+    return torch.randn(3, 4), torch.randn(3, 2)
+
+
+@pytest.fixture
+def debug_log(caplog):
+    poptorch.setLogLevel("DEBUG")
+    caplog.set_level(logging.DEBUG, logger="poptorch_lite")
+    yield caplog
+    poptorch.setLogLevel("WARN")
+
+
+def test_only_given_hyperparameters_are_variable():
+    params = Regression().parameters()
+    opt = poptorch.optim.SGD(params, lr=0.1, momentum=0.0)
+    assert not opt.variable_attrs.isConstant("momentum")   # given, even at its default value
+    assert opt.variable_attrs.isConstant("weight_decay") and opt.variable_attrs.isConstant("dampening")
+    adamw = poptorch.optim.AdamW(Regression().parameters())
+    assert adamw.variable_attrs.isConstant("weight_decay") and adamw.variable_attrs.isConstant("betas")
+    assert adamw.defaults["weight_decay"] == 1e-2 and adamw.defaults["betas"] == (0.9, 0.999)
+
+
+def test_description_names_defaults_groups_constants_and_types():
+    opt = poptorch.optim.Adam(Regression().parameters(), lr=0.01, eps=1e-6, accum_type=torch.float16)
+    graph, groups = describe(opt)
+    assert graph.startswith("ADAM, ")
+    assert "defaultLearningRate=0.01," in graph and "defaultEps=1e-06," in graph
+    assert "defaultWeightDecay=0 (const)" in graph and "lossScaling=1 (const)" in graph
+    assert "accumType=float16" in graph and "firstOrderMomentumAccumType=float32" in graph
+    assert len(groups) == 1 and "learningRate=0.01," in groups[0] and "defaultEps" not in groups[0]
+    # torch's own optimiser: a value at its no-op default is constant
+    graph, _ = describe(torch.optim.SGD(Regression().parameters(), lr=0.5, momentum=0.9))
+    assert graph.startswith("SGD2, ") and "defaultMomentum=0.9," in graph and "defaultDampening=0 (const)" in graph
+    # the separate SGD variant scales its velocity by the loss scaling
+    graph, _ = describe(poptorch.optim.SGD(Regression().parameters(), lr=1.0, loss_scaling=2.0))
+    assert "defaultVelocityScaling=2," in graph and "lossScaling=2," in graph
+
+
+def test_the_device_receives_a_changed_optimiser_once(debug_log):
+    model = Regression()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(*batch())
+    assert sum("Updating graph optimizer with SGD2" in r.message for r in debug_log.records) == 1
+    debug_log.clear()
+    training.setOptimizer(opt)   # unchanged: nothing sent
+    assert not any("Updating" in r.message for r in debug_log.records)
+    opt.param_groups[0]["lr"] = 0.05
+    training.setOptimizer(opt)
+    assert any("Updating group 0 optimizer with SGD2" in r.message and "learningRate=0.05," in r.message
+               for r in debug_log.records)
+
+
+def test_loss_scaling_is_an_optimiser_attribute():
+    opt = poptorch.optim.Adam(Regression().parameters(), loss_scaling=4.0)
+    assert opt.loss_scaling == 4.0
+    opt.loss_scaling = 8.0
+    assert opt.defaults["loss_scaling"] == 8.0 and opt.param_groups[0]["loss_scaling"] == 8.0
+    assert "loss_scaling" not in vars(opt)
+    with pytest.raises(ValueError, match="loss_scaling must be > 0"):
+        opt.loss_scaling = 0.0
+
+
+def test_attributes_added_after_the_first_use_are_reported_once(caplog):
+    model = Regression()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    opt.before = 1   # known from the start: no warning
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(*batch())
+    opt.step_count = 0
+    opt.param_groups[0]["initial_lr"] = 0.1
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        training.setOptimizer(opt)
+        training.setOptimizer(opt)
+    messages = [r.message for r in caplog.records]
+    assert messages.count("Ignoring unexpected optimizer attribute in SGD2 optimizer: ['step_count']") == 1
+    assert messages.count("Ignoring unexpected group 0 attribute in SGD2 optimizer: ['initial_lr']") == 1
+    assert not any("before" in m for m in messages)
+
+
+def test_a_subclassed_optimiser_is_warned_about(caplog):
+    class Mine(torch.optim.SGD):
+        pass
+
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        poptorch.trainingModel(Regression(), optimizer=torch.optim.AdamW(Regression().parameters()))
+        assert not caplog.records
+        model = Regression()
+        poptorch.trainingModel(model, optimizer=Mine(model.parameters(), lr=0.1))
+    assert "Poptorch does not run Python optimizer code directly" in caplog.records[0].message
+
+
+def test_a_variable_momentum_can_start_at_zero():
+    """Momentum given to the constructor is variable: its velocity exists at zero (holding the
+    last gradient), so a later setOptimizer can turn it on without a new model and the velocity
+    carries on: the steps equal torch's with that momentum from the start (its first velocity is
+    the first gradient too)."""
+    model = Regression()
+    reference = Regression()
+    reference.load_state_dict(model.state_dict())
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    cpu = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.5)
+    x, y = batch()
+    for step in range(3):
+        if step == 1:
+            opt.param_groups[0]["momentum"] = 0.5
+            training.setOptimizer(opt)
+        training(x, y)
+        cpu.zero_grad()
+        reference(x, y)[1].backward()
+        cpu.step()
+    torch.testing.assert_close(model.lin.weight.detach(), reference.lin.weight.detach(), rtol=1e-5, atol=1e-6)
