@@ -837,3 +837,36 @@ def test_worker_does_not_outlive_its_host(tmp_path, exit_mode):
                             check=True, env={**os.environ, "PYTHONPATH": REPO})
     worker = int(result.stdout.split()[0])
     assert wait_until(lambda: not alive(worker))
+
+
+def test_a_released_epoch_keeps_torchs_bound_on_batches_in_flight():
+    """Releasing a metered epoch dispatches up to torch's prefetch_factor * num_workers batches
+    in flight, counting those received out of order and not yet returned: torch dispatches one
+    more as it returns each of them and asserts the bound."""
+    from poptorch_lite.api.data import _Meter
+
+    class Iterator:   # the parts of torch's multiprocessing iterator release() uses
+        _prefetch_factor, _num_workers = 2, 2
+
+        def __init__(self, meter):
+            self.meter = meter
+            self._task_info = {0: (0,), 1: (1, "data"), 2: (0, "data")}   # one outstanding, two stored
+            self._tasks_outstanding = 1
+
+        def _try_put_index(self):
+            assert self._tasks_outstanding < self._prefetch_factor * self._num_workers
+            next(self.meter)
+            self._task_info[max(self._task_info) + 1] = (0,)
+            self._tasks_outstanding += 1
+
+    meter = _Meter(list(range(10)))
+    iter(meter)
+    meter.allowance = 3
+    for _ in range(3):
+        next(meter)
+    iterator = Iterator(meter)
+    meter.release(iterator)
+    assert len(iterator._task_info) == 4 and iterator._tasks_outstanding == 2
+    for idx in (1, 2):   # torch returns the stored batches, each dispatching one more
+        del iterator._task_info[idx]
+        iterator._try_put_index()

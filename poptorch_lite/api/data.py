@@ -661,10 +661,13 @@ class _Meter:
         return self.allowance is not None and not self.exhausted and pulled >= self.dispatched
 
     def release(self, iterator) -> None:
-        """The program iterates the epoch: dispatch as torch would have."""
+        """The program iterates the epoch: dispatch as torch would have. Torch keeps at most
+        ``prefetch_factor * num_workers`` batches in flight, counting those received out of
+        order and not yet returned (each one it returns dispatches another; torch asserts the
+        bound), so the batches its ``_task_info`` holds count, not only the outstanding ones."""
         self.allowance = None
         limit = iterator._prefetch_factor * iterator._num_workers  # pylint: disable=protected-access
-        while not self.exhausted and iterator._tasks_outstanding < limit:  # pylint: disable=protected-access
+        while not self.exhausted and len(iterator._task_info) < limit:  # pylint: disable=protected-access
             before = self.dispatched
             iterator._try_put_index()  # pylint: disable=protected-access
             if self.dispatched == before:
