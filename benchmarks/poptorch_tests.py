@@ -61,6 +61,10 @@ LEFT_OUT: dict[str, str] = {
                                             "attributes)",
     "misc_test.py::test_set_popart_log_level": "PopART's own log output (popart:devicex, popart:ir, ...) through "
                                                "PopTorch's private _logging module",
+    "dataloader_test.py::test_custom_batch_sampler": "the test's batch samplers call torch.utils.data.Sampler."
+                                                     "__init__(None), which the torch this project runs "
+                                                     "(2.14) no longer accepts (TypeError before the "
+                                                     "DataLoader is made)",
 }
 
 
