@@ -133,3 +133,40 @@ def test_a_variable_momentum_can_start_at_zero():
         reference(x, y)[1].backward()
         cpu.step()
     torch.testing.assert_close(model.lin.weight.detach(), reference.lin.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum, centered", [(0.0, False), (0.9, False), (0.9, True)])
+def test_rmsprop_tf_variant_matches_tensorflows_update(momentum, centered):
+    """use_tf_variant: the squared-gradient average starts at one, eps goes inside the square root
+    and the momentum buffer accumulates lr times the step (TensorFlow's RMSprop)."""
+    model = Regression()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    lr, alpha, eps = 0.01, 0.9, 1e-3
+    opt = poptorch.optim.RMSprop(model.parameters(), lr=lr, alpha=alpha, eps=eps, momentum=momentum,
+                                 centered=centered, use_tf_variant=True)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    x, y = batch()
+    reference = Regression()
+    reference.load_state_dict(start)
+    sq = {n: torch.ones_like(p) for n, p in reference.named_parameters()}
+    avg = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    buf = {n: torch.zeros_like(p) for n, p in reference.named_parameters()}
+    for _ in range(3):
+        training(x, y)
+        reference.zero_grad()
+        reference(x, y)[1].backward()
+        with torch.no_grad():
+            for n, p in reference.named_parameters():
+                sq[n] = alpha * sq[n] + (1 - alpha) * p.grad ** 2
+                s = sq[n]
+                if centered:
+                    avg[n] = alpha * avg[n] + (1 - alpha) * p.grad
+                    s = s - avg[n] ** 2
+                step = p.grad / torch.sqrt(s + eps)
+                if momentum:
+                    buf[n] = momentum * buf[n] + lr * step
+                    p -= buf[n]
+                else:
+                    p -= lr * step
+    torch.testing.assert_close(model.lin.weight.detach(), reference.lin.weight.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model.lin.bias.detach(), reference.lin.bias.detach(), rtol=1e-4, atol=1e-5)

@@ -71,12 +71,12 @@ KERNEL = dict(JIT, error_model="numpy")  # IEEE results (inf, nan) instead of Py
 
 # Codelet kinds and flags.
 SGD_KIND, ADAM_KIND, RMSPROP_KIND, LAMB_DIRECTION, LAMB_APPLY = range(5)
-MOMENTUM, NESTEROV, DECOUPLED, CENTERED, BIAS_CORRECTION = 1, 2, 4, 8, 16
+MOMENTUM, NESTEROV, DECOUPLED, CENTERED, BIAS_CORRECTION, TF_VARIANT = 1, 2, 4, 8, 16, 32
 
 # kind -> (instructions per vector, per element, per vertex); see the module docstring.
 UPDATE_COSTS = {SGD_KIND: (3, 0, 8), ADAM_KIND: (10, 20, 40), RMSPROP_KIND: (6, 20, 8),
                 LAMB_DIRECTION: (11, 20, 40), LAMB_APPLY: (3, 0, 40)}
-FLAG_COSTS = {MOMENTUM: 3, NESTEROV: 1, DECOUPLED: 1, CENTERED: 3}
+FLAG_COSTS = {MOMENTUM: 3, NESTEROV: 1, DECOUPLED: 1, CENTERED: 3, TF_VARIANT: 1}
 FLOAT_DTYPES = ("float32", "float16")
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -123,10 +123,13 @@ def rmsprop_element(w, wi, g, gi, sq, si, ga, gai, buf, bi, flags, lr, ls, wd, a
     if flags & CENTERED:
         st(ga, gai, alpha * ld(ga, gai) + (1.0 - alpha) * d)
         a = ld(ga, gai)
-        avg = math.sqrt(s - a * a) + eps
-    else:
-        avg = math.sqrt(s) + eps
-    if flags & MOMENTUM:
+        s = s - a * a
+    # TensorFlow's variant adds eps inside the square root and folds lr into the momentum buffer
+    avg = math.sqrt(s + eps) if flags & TF_VARIANT else math.sqrt(s) + eps
+    if flags & MOMENTUM and flags & TF_VARIANT:
+        st(buf, bi, momentum * ld(buf, bi) + lr * d / avg)
+        st(w, wi, x - ld(buf, bi))
+    elif flags & MOMENTUM:
         st(buf, bi, momentum * ld(buf, bi) + d / avg)
         st(w, wi, x - lr * ld(buf, bi))
     else:
@@ -458,6 +461,10 @@ class Optimiser:
     def layout(self) -> Layout:
         raise NotImplementedError
 
+    def initial_state(self, slot: str) -> float:
+        """The value state `slot` starts at (zero unless an optimiser says otherwise)."""
+        return 0.0
+
     # -- device tensors --
     def hyper(self, graph: Graph) -> Hyper:
         """This optimiser's hyper tensor on `graph` (created on first use, initialised to the
@@ -482,7 +489,7 @@ class Optimiser:
         h.tensor.var.constant[:] = np.asarray([values[n] for n in h.names], dtype=np.float32)
 
     def state(self, graph: Graph, weight: Tensor) -> WeightState:
-        """The state of `weight` (created on first use: zeros, mapped like the weight)."""
+        """The state of `weight` (created on first use at `initial_state`, mapped like the weight)."""
         found = self._states.get(_key(weight))
         if found is not None:
             return found
@@ -498,6 +505,8 @@ class Optimiser:
                 t = graph.addVariable(self.slot_dtype(slot), weight.shape, f"{weight.name}/{slot}",
                                       category="optimiser_state")
                 t.var.mapping = tiles
+                if self.initial_state(slot):
+                    t.var.constant = np.full(weight.shape, self.initial_state(slot), dtype=self.slot_dtype(slot))
                 tensors[slot] = t
         step = None
         if layout.uses_step:
@@ -619,7 +628,9 @@ class AdamW(Adam):
 
 @dataclass(eq=False)
 class RMSprop(Optimiser):
-    """torch.optim.RMSprop."""
+    """torch.optim.RMSprop; `tf_variant`: TensorFlow's RMSprop (PopTorch's `use_tf_variant`): the
+    average of squared gradients starts at one, eps is added inside the square root and the
+    momentum buffer accumulates lr times the step."""
     lr: float = 1e-2
     alpha: float = 0.99
     eps: float = 1e-8
@@ -629,9 +640,10 @@ class RMSprop(Optimiser):
     loss_scaling: float = 1.0
     state_dtype: str | dict = "float32"
     momentum_state: bool = False    # keep the momentum buffer at momentum 0 too (a momentum `set` may change)
+    tf_variant: bool = False
     KIND: ClassVar[int] = RMSPROP_KIND
     HYPER: ClassVar[tuple[str, ...]] = ("lr", "loss_scaling", "weight_decay", "alpha", "momentum", "eps")
-    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "centered", "momentum_state")
+    STRUCTURAL: ClassVar[tuple[str, ...]] = ("state_dtype", "centered", "momentum_state", "tf_variant")
 
     def check(self):
         super().check()
@@ -647,7 +659,11 @@ class RMSprop(Optimiser):
     def layout(self):
         m = self.momentum > 0 or self.momentum_state
         return Layout(("square_avg", "grad_avg" if self.centered else None, "momentum_buffer" if m else None),
-                      False, (MOMENTUM if m else 0) | (CENTERED if self.centered else 0))
+                      False, (MOMENTUM if m else 0) | (CENTERED if self.centered else 0) |
+                      (TF_VARIANT if self.tf_variant else 0))
+
+    def initial_state(self, slot: str) -> float:
+        return 1.0 if self.tf_variant and slot == "square_avg" else 0.0
 
 
 @dataclass(eq=False)

@@ -55,7 +55,8 @@ def _device_optimiser(optimizer: torch.optim.Optimizer, group: dict, ls: float) 
     if isinstance(optimizer, torch.optim.RMSprop):
         return dev.RMSprop(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
                            weight_decay=group["weight_decay"], momentum=group["momentum"],
-                           centered=group["centered"], loss_scaling=ls, momentum_state=momentum_state)
+                           centered=group["centered"], loss_scaling=ls, momentum_state=momentum_state,
+                           tf_variant=bool(group.get("use_tf_variant", False)))
     if isinstance(optimizer, LAMB):
         return dev.LAMB(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                         weight_decay=group["weight_decay"], bias_correction=group["bias_correction"],
@@ -178,6 +179,10 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                 state = cfg.state(g, w_upd)
                 offloaded = [t for t in (*state.tensors.values(), state.step)
                              if t is not None and offload_state and t.numel >= min_offload]
+                if any(t.var.constant is not None for t in offloaded):
+                    raise ValueError(f"{type(cfg).__name__}: optimiser state that does not start at zero (RMSprop's "
+                                     "use_tf_variant) cannot live in Streaming Memory yet: keep the optimiser state "
+                                     "on chip (TensorLocationSettings.useOnChipStorage(True))")
                 loads, stores = _streamed(low, g, w, acc, offloaded, plan)
                 for p in loads:
                     seq.add(p)
