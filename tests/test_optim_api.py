@@ -1,5 +1,6 @@
 """poptorch.optim as PopTorch has it: which attributes are variable, what the device is told of an
 optimiser (the debug log of its hyperparameters), the warnings about attributes and subclasses."""
+import copy
 import logging
 
 import pytest
@@ -73,14 +74,27 @@ def test_the_device_receives_a_changed_optimiser_once(debug_log):
                for r in debug_log.records)
 
 
-def test_loss_scaling_is_an_optimiser_attribute():
-    opt = poptorch.optim.Adam(Regression().parameters(), loss_scaling=4.0)
-    assert opt.loss_scaling == 4.0
+def test_loss_scaling_is_an_optimiser_attribute_and_velocity_scaling_a_combined_sgd_group_value(caplog):
+    """As in PopTorch: the loss scaling is one value for the optimiser (a group's copy would be
+    ignored, and is reported); SGD's velocity scaling is a group value of the combined variant."""
+    model = Regression()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=4.0)
+    assert opt.loss_scaling == 4.0 and "loss_scaling" not in opt.defaults and "loss_scaling" not in opt.param_groups[0]
+    assert "velocity_scaling" not in opt.defaults
+    combined = poptorch.optim.SGD(model.parameters(), lr=0.1, velocity_scaling=2.0, use_combined_accum=True)
+    assert combined.param_groups[0]["velocity_scaling"] == 2.0
+    copied = copy.copy(opt)
+    assert copied.loss_scaling == 4.0 and not copied.variable_attrs.isConstant("loss_scaling")
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(*batch())
     opt.loss_scaling = 8.0
-    assert opt.defaults["loss_scaling"] == 8.0 and opt.param_groups[0]["loss_scaling"] == 8.0
-    assert "loss_scaling" not in vars(opt)
+    opt.param_groups[0]["loss_scaling"] = 2.0
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        training.setOptimizer(opt)
+    assert "Ignoring unexpected group 0 attribute in SGD2 optimizer: ['loss_scaling']" in caplog.text
+    assert training._executable.updates.configs[0][1].loss_scaling == 8.0
     with pytest.raises(ValueError, match="loss_scaling must be > 0"):
-        opt.loss_scaling = 0.0
+        poptorch.optim.Adam(model.parameters(), loss_scaling=0.0)
 
 
 def test_attributes_added_after_the_first_use_are_reported_once(caplog):
@@ -170,3 +184,16 @@ def test_rmsprop_tf_variant_matches_tensorflows_update(momentum, centered):
                     p -= lr * step
     torch.testing.assert_close(model.lin.weight.detach(), reference.lin.weight.detach(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(model.lin.bias.detach(), reference.lin.bias.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_lamb_steps_on_the_cpu_with_its_loss_scaling():
+    """LAMB's own (CPU) step divides the gradients by the optimiser's loss scaling."""
+    torch.manual_seed(0)
+    models = [Regression(), Regression()]
+    models[1].load_state_dict(models[0].state_dict())
+    x, y = batch()
+    for model, scale in zip(models, (1.0, 4.0)):
+        opt = poptorch.optim.LAMB(model.parameters(), lr=0.01, loss_scaling=scale)
+        (model(x, y)[1] * scale).backward()
+        opt.step()
+    torch.testing.assert_close(models[0].lin.weight, models[1].lin.weight)

@@ -115,29 +115,29 @@ class Optimizer:
     def _poptorch_defaults(self, given: set, loss_scaling, accum_type, **extra):
         if loss_scaling is not None and not loss_scaling > 0:
             raise ValueError(f"loss_scaling must be > 0, got {loss_scaling}")
-        self.defaults.setdefault("loss_scaling", 1.0 if loss_scaling is None else float(loss_scaling))
+        # one value for the whole optimiser (not per group), as in PopTorch
+        self.loss_scaling = 1.0 if loss_scaling is None else float(loss_scaling)
         self.defaults.setdefault("accum_type", accum_type)
         for k, v in extra.items():
             self.defaults.setdefault(k, v)
         for group in self.param_groups:
-            for k in ("loss_scaling", "accum_type", *extra):
+            for k in ("accum_type", *extra):
                 group.setdefault(k, self.defaults[k])
-        self.variable_attrs = VariableAttributes([k for k in self.defaults if k in given],
-                                                 list(self.defaults))
+        self.variable_attrs = VariableAttributes([k for k in (*self.defaults, "loss_scaling") if k in given],
+                                                 [*self.defaults, "loss_scaling"])
 
-    @property
-    def loss_scaling(self) -> float:
-        """The loss scaling: one value for the whole optimiser (not per group), as in PopTorch;
-        setting it takes effect at the next `setOptimizer`."""
-        return self.defaults["loss_scaling"]
+    def __getstate__(self):
+        # torch keeps defaults, state and groups; the optimiser-wide attributes come along
+        return {**torch.optim.Optimizer.__getstate__(self), "loss_scaling": self.loss_scaling,
+                "variable_attrs": self.variable_attrs}
 
-    @loss_scaling.setter
-    def loss_scaling(self, value) -> None:
-        if not value > 0:
-            raise ValueError(f"loss_scaling must be > 0, got {value}")
-        self.defaults["loss_scaling"] = float(value)
-        for group in self.param_groups:
-            group["loss_scaling"] = float(value)
+
+def loss_scaling(optimizer) -> float:
+    """An optimiser's loss scaling: PopTorch's optimiser attribute (1 for torch's optimisers)."""
+    value = float(getattr(optimizer, "loss_scaling", 1.0))
+    if not value > 0:
+        raise ValueError(f"loss_scaling must be > 0, got {value}")
+    return value
 
 
 class SGD(Optimizer, torch.optim.SGD):
@@ -149,7 +149,14 @@ class SGD(Optimizer, torch.optim.SGD):
             raise ValueError("SGD(maximize=True) is not supported on the IPU")
         torch.optim.SGD.__init__(self, params, lr=lr, momentum=_or(momentum, 0.0), dampening=_or(dampening, 0.0),
                                  weight_decay=_or(weight_decay, 0.0), nesterov=_or(nesterov, False))
-        self._poptorch_defaults(given, loss_scaling, accum_type, velocity_scaling=velocity_scaling,
+        # velocity scaling is a group value of the combined variant only; the separate variant
+        # scales the velocity by the loss scaling
+        scaling = {"velocity_scaling": 1.0 if velocity_scaling is None else float(velocity_scaling)} \
+            if use_combined_accum else {}
+        if velocity_scaling is not None and not use_combined_accum:
+            logger.warning("velocity_scaling value ignored when using the separate variant (use_combined_accum="
+                           "False): the velocity is scaled by the loss scaling")
+        self._poptorch_defaults(given, loss_scaling, accum_type, **scaling,
                                 velocity_accum_type=velocity_accum_type, max_grad_norm=max_grad_norm,
                                 use_combined_accum=use_combined_accum)
 
@@ -233,7 +240,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                     st["exp_avg"] = torch.zeros_like(p)
                     st["exp_avg_sq"] = torch.zeros_like(p)
                 st["step"] += 1
-                d = p.grad / group["loss_scaling"]
+                d = p.grad / self.loss_scaling
                 st["exp_avg"].mul_(b1).add_(d, alpha=1 - b1)
                 st["exp_avg_sq"].mul_(b2).addcmul_(d, d, value=1 - b2)
                 m, v = st["exp_avg"], st["exp_avg_sq"]
@@ -334,7 +341,7 @@ def describe(optimizer) -> tuple:
     Values print as C++ prints a float; `(const)` marks a constant."""
     k = kind(optimizer)
     d = optimizer.defaults
-    scale = float(d.get("loss_scaling", 1.0))
+    scale = loss_scaling(optimizer)
     loss = (scale, _is_const(optimizer, "loss_scaling", scale))
     separate = loss if k == "SGD2" else None
     first = "velocity_accum_type" if k.startswith("SGD") else "first_order_momentum_accum_type"

@@ -18,6 +18,7 @@ from ipusim.device.memory import check_fits
 from ..api import phases
 from ..api.enums import ConnectionType, Liveness
 from ..api.multiconv import entered_groups, reset_groups
+from ..api.optim import loss_scaling
 from . import recompute
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
@@ -183,14 +184,6 @@ def tensor_locations(options, placement) -> Locations:
                                     ("activations", "activation"), ("optimiser", "optimizer"))}
     return Locations(weights=off["weight"], accumulators=off["accumulator"], optimiser=off["optimizer"],
                      activations=stash_off_chip, min_elements=minimum)
-
-
-def loss_scaling(optimizer) -> float:
-    """The loss scaling of a PopTorch optimizer (1 for plain torch optimizers)."""
-    values = {float(g.get("loss_scaling", 1.0)) for g in optimizer.param_groups}
-    if len(values) > 1:
-        raise ValueError(f"all parameter groups must use the same loss_scaling, got {sorted(values)}")
-    return values.pop()
 
 
 def target_of(options) -> ip.Target:

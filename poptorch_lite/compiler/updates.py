@@ -22,13 +22,13 @@ from ipusim.ops import elementwise as ew
 from ipusim.ops import optim as dev
 
 from ..api.enums import MeanReductionStrategy, ReductionType
-from ..api.optim import LAMB, accumulator_dtype, state_dtypes
+from ..api.optim import LAMB, accumulator_dtype, loss_scaling, state_dtypes
 
 
 def device_config(optimizer: torch.optim.Optimizer, group: dict, divisor: float) -> dev.Optimiser:
     """The ipusim optimiser configuration of one parameter group; `divisor` folds the gradient
     reduction (e.g. 1/G for Mean) into the loss-scaling divisor."""
-    config = _device_optimiser(optimizer, group, float(group.get("loss_scaling", 1.0)) * divisor)
+    config = _device_optimiser(optimizer, group, loss_scaling(optimizer) * divisor)
     slots = [s for s in config.layout().slots if s is not None]
     return dataclasses.replace(config, state_dtype=state_dtypes(group, slots))
 

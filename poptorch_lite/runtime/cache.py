@@ -71,6 +71,7 @@ from ipusim.ops import optim as device_optim
 from ..compiler.aten import decompositions
 from ..compiler.export import JointGraph, annotation_of, capture_joint, pass_of
 from ..compiler.executable import Executable
+from ..api.optim import loss_scaling
 from ..compiler.updates import device_config
 
 try:
@@ -183,9 +184,8 @@ def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
             "device": type(config).__name__,
             "layout": repr(config.layout()),
             "structural": {k: repr(getattr(config, k)) for k in config.STRUCTURAL},
-            "loss_scaling": float(group.get("loss_scaling", 1.0)),
         })
-    return {"type": _qualified_name(type(optimizer)), "groups": groups}
+    return {"type": _qualified_name(type(optimizer)), "groups": groups, "loss_scaling": loss_scaling(optimizer)}
 
 
 def software_versions() -> dict:

@@ -34,11 +34,11 @@ from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api import errors
 from ..api.errors import Error, UnsupportedAttributeError
-from ..api.optim import OptimizerUpdates, mean_reduction_strategy
+from ..api.optim import OptimizerUpdates, loss_scaling, mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..api.profiling import Channel
-from ..compiler.executable import Executable, compile_model, estimating, loss_scaling, target_of
+from ..compiler.executable import Executable, compile_model, estimating, target_of
 from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.ir_json import popart_ir
