@@ -279,3 +279,23 @@ def test_a_constant_gradient_still_trains_its_weight():
     optimizer.step()
     torch.testing.assert_close(model.p.detach(), ref.p.detach())
     torch.testing.assert_close(model.q.detach(), ref.q.detach())
+
+
+@pytest.mark.parametrize("beta,alpha", [(0, 1.5), (0.5, 0), (0, 0), (0.5, 1.5)])
+def test_addmm_and_addmv_ignore_the_term_of_a_zero_factor(beta, alpha):
+    """As eager PyTorch: a zero beta ignores the input's NaNs, a zero alpha the product's."""
+    class Add(nn.Module):
+        def forward(self, bias, mat, vec, bias2d, mat2):
+            return (torch.addmv(bias, mat, vec, beta=beta, alpha=alpha),
+                    torch.addmm(bias2d, mat, mat2, beta=beta, alpha=alpha))
+
+    torch.manual_seed(0)
+    args = [torch.randn(4), torch.randn(4, 3), torch.randn(3), torch.randn(4, 5), torch.randn(3, 5)]
+    for t in args:
+        t.view(-1)[0] = float("nan")
+    if beta != 0:
+        args[0][0] = args[3][0, 0] = 1.0
+    if alpha != 0:
+        args[1][0, 0] = args[2][0] = args[4][0, 0] = 1.0
+    for got, want in zip(poptorch.inferenceModel(Add())(*args), Add()(*args)):
+        torch.testing.assert_close(got, want)

@@ -1275,14 +1275,32 @@ def _mm(c, a, b):
     return c.one("matmul", [a, b], shape, c.out_dtype())
 
 
-@lowers(aten.addmm, doc="matmul, add")
+def _scaled_sum(c, bias, product, beta, alpha, shape):
+    """beta * bias + alpha * product() as eager PyTorch computes it: a zero beta ignores the bias and
+    a zero alpha the product (their NaNs and infinities never reach the result)."""
+    terms = []
+    if alpha != 0:
+        y = product()
+        terms.append(y if alpha == 1 else c.binary("mul", y, alpha))
+    if beta != 0:
+        terms.append(bias if beta == 1 else c.binary("mul", bias, beta))
+    if not terms:
+        return _full(c, shape, 0)
+    out = terms[0] if len(terms) == 1 else c.binary("add", terms[0], terms[1])
+    out = c.cast(out, c.out_dtype())
+    return out if out.shape == tuple(shape) else c.expand(out, shape)
+
+
+@lowers(aten.addmm, doc="matmul, add (a zero alpha or beta drops its term)")
 def _addmm(c, bias, a, b, beta=1, alpha=1):
-    y = _mm(c, a, b)
-    if alpha != 1:
-        y = c.binary("mul", y, alpha)
-    if beta != 1:
-        bias = c.binary("mul", bias, beta)
-    return c.binary("add", y, bias)
+    return _scaled_sum(c, bias, lambda: _mm(c, a, b), beta, alpha, a.shape[:-1] + (b.shape[-1],))
+
+
+@lowers(aten.addmv, doc="matmul of the matrix by the vector as a column, add (a zero alpha or beta drops its term)")
+def _addmv(c, bias, mat, vec, beta=1, alpha=1):
+    n, k = mat.shape
+    product = lambda: c.reshape(c.one("matmul", [mat, c.reshape(vec, (k, 1))], (n, 1), c.out_dtype()), (n,))
+    return _scaled_sum(c, bias, product, beta, alpha, (n,))
 
 
 # ---- convolution ------------------------------------------------------------------------------------
