@@ -299,3 +299,13 @@ def test_addmm_and_addmv_ignore_the_term_of_a_zero_factor(beta, alpha):
         args[1][0, 0] = args[2][0] = args[4][0, 0] = 1.0
     for got, want in zip(poptorch.inferenceModel(Add())(*args), Add()(*args)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("fn", [F.hardshrink, F.softshrink])
+def test_shrink_gradients(fn):
+    run_op(lambda x: fn(x, 0.3), (6, 5))
+
+
+def test_rrelu_uses_the_mean_slope_in_inference():
+    x = torch.randn(50)
+    torch.testing.assert_close(poptorch.inferenceModel(nn.RReLU(0.1, 0.3).eval())(x), nn.RReLU(0.1, 0.3).eval()(x))

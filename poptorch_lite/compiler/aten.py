@@ -1054,6 +1054,21 @@ def _leaky_relu(c, x, negative_slope=0.01):
     return c.where(c.binary("gt", x, 0.0, dtype=x.dtype), x, c.binary("mul", x, negative_slope))
 
 
+@lowers(aten.hardshrink_backward, aten.softshrink_backward, doc="where(|x| > lambda, grad, 0)")
+def _shrink_backward(c, grad, x, lambd):
+    return c.where(c.binary("gt", c.unary("abs", x), lambd, dtype=x.dtype), grad, 0.0)
+
+
+@lowers(aten.rrelu_with_noise_functional, doc="where(x >= 0, x, x * slope): the mean slope in inference, in "
+                                             "training a random uniform slope per element (the noise output)")
+def _rrelu_with_noise(c, x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    if not training:
+        return _leaky_relu(c, x, (float(lower) + float(upper)) / 2), noise
+    slope = c.one("random", [], x.shape, x.dtype, kind="uniform", a=float(lower), b=float(upper))
+    positive = c.binary("ge", x, 0.0, dtype=x.dtype)
+    return c.where(positive, x, c.binary("mul", x, slope)), c.where(positive, 1.0, slope)
+
+
 @lowers(aten.clamp_min, doc="binary max")
 def _clamp_min(c, x, m):
     return c.binary("max", x, m)
