@@ -309,3 +309,26 @@ def test_shrink_gradients(fn):
 def test_rrelu_uses_the_mean_slope_in_inference():
     x = torch.randn(50)
     torch.testing.assert_close(poptorch.inferenceModel(nn.RReLU(0.1, 0.3).eval())(x), nn.RReLU(0.1, 0.3).eval()(x))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_boolean_mask_assignment_broadcasts_its_value(accumulate):
+    class Put(nn.Module):
+        def forward(self, x, mask, v):
+            return x.index_put((mask,), v, accumulate=accumulate), x.index_put((mask[:, 0],), v, accumulate=accumulate)
+
+    torch.manual_seed(0)
+    x, mask, v = torch.randn(2, 3, 4, 5), torch.rand(2, 3) > 0.5, torch.randn(5)
+    for got, want in zip(poptorch.inferenceModel(Put())(x, mask, v), Put()(x, mask, v)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_value_per_masked_position_is_refused():
+    class Put(nn.Module):
+        def forward(self, x, mask, v):
+            x[mask] = v
+            return x
+
+    mask = torch.tensor([True, False, True])
+    with pytest.raises(UnsupportedOpError, match="count, which depends on the data"):
+        poptorch.inferenceModel(Put())(torch.zeros(3, 2), mask, torch.ones(2, 2))

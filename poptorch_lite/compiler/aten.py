@@ -683,9 +683,33 @@ def _index(c, x, indices):
     return c.reshape(_gather_along(c, x3, lin, 1), shape)
 
 
+def _masked_put(c, x, indices, values, accumulate):
+    """x[mask] = values with one boolean mask whose values broadcast over the masked positions (a
+    value per position would need their count, which depends on the data): where(mask, values, x),
+    or x + where(mask, values, 0) when accumulating. None when the indices are not such a mask."""
+    used = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(used) != 1 or used[0][1].dtype != np.bool_:
+        return None
+    start, mask = used[0]
+    rest = x.shape[start + len(mask.shape):]
+    if len(values.shape) > len(rest) and any(s != 1 for s in values.shape[:len(values.shape) - len(rest)]):
+        raise c.error("assigning a value per masked position needs their count, which depends on the data; "
+                      "assign one value (or one row) broadcast over the mask, or use torch.where")
+    values = c.reshape(values, values.shape[len(values.shape) - len(rest):] if len(values.shape) > len(rest)
+                       else values.shape)
+    m = c.reshape(mask, (1,) * start + mask.shape + (1,) * len(rest))
+    v = c.expand(c.cast(values, x.dtype), x.shape)
+    if accumulate:
+        return c.binary("add", x, c.where(c.expand(m, x.shape), v, 0.0))
+    return c.where(c.expand(m, x.shape), v, x)
+
+
 @lowers(aten.index_put, aten._unsafe_index_put, doc="scatter along an axis (advanced indexing: the indexed axes "
                                                     "merged; accumulate adds)")
 def _index_put(c, x, indices, values, accumulate=False):
+    masked = _masked_put(c, x, indices, values, accumulate)
+    if masked is not None:
+        return masked
     x3, lin, shape, perm = _advanced(c, x, indices)
     src = c.reshape(c.expand(c.cast(values, x.dtype), shape), lin.shape)
     y = _scatter_along(c, x3, lin, src, 1, accumulate)
