@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -405,6 +406,11 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             try:
                 with annotator, sdpa_kernel([SDPBackend.MATH]):
                     out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+            except TypeError as e:
+                # torch's argument parser names the classes it got: the user passed Tensors
+                if "FakeTensor" not in str(e):
+                    raise
+                raise TypeError(re.sub(r"\bFakeTensor\b", "Tensor", str(e))).with_traceback(e.__traceback__) from None
             finally:
                 watch.remove()
         # outputs in any nesting of tuples, namedtuples, lists and dicts (subclasses too)
