@@ -332,3 +332,8 @@ def test_a_value_per_masked_position_is_refused():
     mask = torch.tensor([True, False, True])
     with pytest.raises(UnsupportedOpError, match="count, which depends on the data"):
         poptorch.inferenceModel(Put())(torch.zeros(3, 2), mask, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("dim,size,step", [(1, 3, 2), (0, 2, 1), (-1, 7, 3)])
+def test_unfold_and_its_gradient(dim, size, step):
+    run_op(lambda x: x.unfold(dim, size, step) * 1.0, (4, 7))

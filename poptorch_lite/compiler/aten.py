@@ -717,6 +717,18 @@ def _index_put(c, x, indices, values, accumulate=False):
     return c.transpose(y, tuple(int(i) for i in np.argsort(perm)))
 
 
+@lowers(aten.unfold, aten.unfold_copy, doc="gather along an axis (the windows' positions), the window axis moved last")
+def _unfold(c, x, dim, size, step):
+    if not len(x.shape):
+        return c.reshape(x, (1,))
+    dim = dim % len(x.shape)
+    windows = (x.shape[dim] - size) // step + 1
+    positions = np.arange(windows)[:, None] * step + np.arange(size)[None, :]
+    y = _index(c, x, [None] * dim + [c.const(positions, np.int32)])     # [..., windows, size, ...]
+    rank = len(y.shape)
+    return c.transpose(y, tuple(d for d in range(rank) if d != dim + 1) + (dim + 1,))
+
+
 @lowers(aten.upsample_nearest2d_backward, doc="scatter along an axis (the nearest source positions, accumulated)")
 def _upsample_nearest2d_backward(c, grad, output_size, input_size, scales_h=None, scales_w=None):
     """Each output position's gradient added to the input position it copied: the positions as the
