@@ -337,3 +337,8 @@ def test_a_value_per_masked_position_is_refused():
 @pytest.mark.parametrize("dim,size,step", [(1, 3, 2), (0, 2, 1), (-1, 7, 3)])
 def test_unfold_and_its_gradient(dim, size, step):
     run_op(lambda x: x.unfold(dim, size, step) * 1.0, (4, 7))
+
+
+@pytest.mark.parametrize("shape,scale", [((1, 2, 5), 2), ((1, 2, 3, 2, 4), (2, 1, 3)), ((1, 1, 4, 3), 1.5)])
+def test_nearest_upsampling_gradient_in_1_to_3_dimensions(shape, scale):
+    run_op(lambda x: F.interpolate(x, scale_factor=scale, mode="nearest"), shape)

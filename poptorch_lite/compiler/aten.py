@@ -729,17 +729,20 @@ def _unfold(c, x, dim, size, step):
     return c.transpose(y, tuple(d for d in range(rank) if d != dim + 1) + (dim + 1,))
 
 
-@lowers(aten.upsample_nearest2d_backward, doc="scatter along an axis (the nearest source positions, accumulated)")
-def _upsample_nearest2d_backward(c, grad, output_size, input_size, scales_h=None, scales_w=None):
+@lowers(aten.upsample_nearest1d_backward, aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
+        doc="scatter along an axis (the nearest source positions, accumulated)")
+def _upsample_nearest_backward(c, grad, output_size, input_size, *scales):
     """Each output position's gradient added to the input position it copied: the positions as the
     forward's decomposition computes them (float32 index times scale, truncated)."""
+    nd = len(output_size)
+    scales = (tuple(scales) + (None,) * nd)[:nd]
     sources = []
-    for o, i, s in zip(output_size, input_size[2:], (scales_h, scales_w)):
+    for o, i, s in zip(output_size, input_size[2:], scales):
         scale = np.float32(i / (i * s) if s else i / o)
         sources.append(np.minimum((np.arange(o, dtype=np.float32) * scale).astype(np.int64), i - 1))
-    rows, cols = c.const(sources[0].reshape(-1, 1), np.int32), c.const(sources[1].reshape(1, -1), np.int32)
+    index = [c.const(src.reshape((1,) * d + (-1,) + (1,) * (nd - 1 - d)), np.int32) for d, src in enumerate(sources)]
     zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
-    return _index_put(c, zeros, [None, None, rows, cols], grad, True)
+    return _index_put(c, zeros, [None, None] + index, grad, True)
 
 
 def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
