@@ -342,3 +342,31 @@ def test_unfold_and_its_gradient(dim, size, step):
 @pytest.mark.parametrize("shape,scale", [((1, 2, 5), 2), ((1, 2, 3, 2, 4), (2, 1, 3)), ((1, 1, 4, 3), 1.5)])
 def test_nearest_upsampling_gradient_in_1_to_3_dimensions(shape, scale):
     run_op(lambda x: F.interpolate(x, scale_factor=scale, mode="nearest"), shape)
+
+
+def test_bilinear_and_its_gradients():
+    run_op(lambda x1, x2, w, b: F.bilinear(x1, x2, w, b), (4, 3), (4, 5), (2, 3, 5), (2,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dim", [0, 1, None])
+def test_weight_norm_trains_its_direction_and_magnitude(dim):
+    torch.manual_seed(0)
+    model = nn.utils.weight_norm(nn.Linear(6, 4), "weight", dim)
+    ref = nn.utils.weight_norm(nn.Linear(6, 4), "weight", dim)
+    ref.load_state_dict(model.state_dict())
+
+    class Loss(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return poptorch.identity_loss((self.lin(x) ** 2).sum(), reduction="sum")
+
+    x = torch.randn(3, 6)
+    poptorch.trainingModel(Loss(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))(x)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    Loss(ref)(x).backward()
+    optimizer.step()
+    for name in ("weight_g", "weight_v"):
+        torch.testing.assert_close(getattr(model, name).detach(), getattr(ref, name).detach(), rtol=1e-4, atol=1e-5)

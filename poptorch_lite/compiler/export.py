@@ -50,6 +50,7 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
+from torch._decomp.decompositions import _weight_norm_interface as weight_norm_interface
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
@@ -86,9 +87,23 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None
     return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
 
 
+def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Weight normalisation as PyTorch's decomposition of ``_weight_norm_interface`` composes it, so
+    that its gradient is that composition's (ATen's fused backward has no decomposition)."""
+    return weight_norm_interface(v, g, dim)[0]
+
+
+def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x1^T W_o x2 (+ b_o) for each output o, as matrix products: ATen's ``_trilinear`` has no
+    decomposition."""
+    y = torch.einsum("...i,oij,...j->...o", x1, weight, x2)
+    return y if bias is None else y + bias
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, torch.cdist: _cdist, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
+FUNCTIONS = {F.dropout: _dropout, torch.cdist: _cdist, torch._weight_norm: _weight_norm, F.bilinear: _bilinear,
+             torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
              overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
