@@ -370,3 +370,25 @@ def test_weight_norm_trains_its_direction_and_magnitude(dim):
     optimizer.step()
     for name in ("weight_g", "weight_v"):
         torch.testing.assert_close(getattr(model, name).detach(), getattr(ref, name).detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_with_offsets_padding_and_an_empty_bag(mode):
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(10, 3, mode=mode, padding_idx=2)
+
+        def forward(self, x, offsets):
+            return self.bag(x, offsets)
+
+    torch.manual_seed(0)
+    model = Bags()
+    x, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 2]), torch.tensor([0, 3, 3, 8])
+    torch.testing.assert_close(poptorch.inferenceModel(model)(x, offsets), model(x, offsets))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_gradient(mode):
+    x = torch.tensor([[1, 2, 4], [4, 3, 9]])
+    run_op(lambda w: F.embedding_bag(x, w, mode=mode), (10, 3))

@@ -100,9 +100,50 @@ def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias=Non
     return y if bias is None else y + bias
 
 
+def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                   mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """F.embedding_bag as an embedding and a scatter of its rows into their bags (sum, mean or max;
+    an empty bag is zeros, rows at padding_idx are left out): ATen's ``_embedding_bag`` has no
+    decomposition. A bag's position comes from the offsets on the device, so the offsets may be
+    data; their number fixes the number of bags."""
+    if max_norm is not None:
+        raise ValueError("embedding_bag with max_norm (renormalising the weight in place) is not supported on the IPU")
+    if mode not in ("sum", "mean", "max"):
+        raise ValueError(f"mode has to be one of sum, mean or max, got {mode!r}")
+    if per_sample_weights is not None and mode != "sum":
+        raise NotImplementedError(f"embedding_bag: per_sample_weights was not None. per_sample_weights is only "
+                                  f"supported for mode='sum' (got mode='{mode}'). Please open a feature request "
+                                  f"on GitHub.")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("if input is 2D, then offsets has to be None, as input is treated is a mini-batch of "
+                             "fixed length sequences.")
+        offsets = torch.arange(0, input.numel(), input.size(1), device=input.device)
+        include_last_offset = False
+        input = input.reshape(-1)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+    elif offsets is None:
+        raise ValueError("offsets has to be a 1D Tensor but got None")
+    bags = offsets.numel() - (1 if include_last_offset else 0)
+    positions = torch.arange(input.numel(), device=input.device)
+    bag = (offsets[:bags].unsqueeze(0) <= positions.unsqueeze(1)).sum(1) - 1
+    rows = F.embedding(input, weight)
+    keep = torch.ones_like(input, dtype=weight.dtype) if padding_idx is None else (input != padding_idx).to(weight.dtype)
+    count = weight.new_zeros(bags).index_add(0, bag, keep).unsqueeze(1)
+    if mode == "max":
+        rows = torch.where(keep.unsqueeze(1) > 0, rows, float("-inf"))
+        best = weight.new_full((bags, weight.size(1)), float("-inf"))
+        best = best.scatter_reduce(0, bag.unsqueeze(1).expand_as(rows), rows, "amax")
+        return torch.where(count > 0, best, 0.0)
+    weights = keep if per_sample_weights is None else keep * per_sample_weights
+    total = weight.new_zeros(bags, weight.size(1)).index_add(0, bag, rows * weights.unsqueeze(1))
+    return total if mode == "sum" else total / count.clamp(min=1)
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, torch.cdist: _cdist, torch._weight_norm: _weight_norm, F.bilinear: _bilinear,
+FUNCTIONS = {F.dropout: _dropout, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm, F.bilinear: _bilinear,
              torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
