@@ -351,8 +351,14 @@ def final_loss(losses: list[tuple[torch.Tensor, Annotation]], outputs: list) -> 
 
     from_outputs = reach(outputs)
     candidates = [(t, a) for t, a in losses if t.grad_fn is not None and t.grad_fn in from_outputs]
-    if not candidates and any(t.grad_fn is None for t, _ in losses):
-        raise RuntimeError("the loss does not depend on any trainable parameter")
+    if not candidates:
+        # a loss of constants among the outputs (a model whose layers are all in eval mode or frozen):
+        # PopTorch trains it with zero gradients
+        constant = [(t, a) for t, a in losses if t.grad_fn is None and any(t is o for o in outputs)]
+        if len(constant) == 1:
+            candidates = constant
+        elif any(t.grad_fn is None for t, _ in losses):
+            raise RuntimeError("the loss does not depend on any trainable parameter")
     finals = [(t, a) for t, a in candidates
               if not any(o is not t and t.grad_fn in reach([o]) for o, _ in candidates)]
     if not finals:
@@ -483,7 +489,8 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
                 else:
                     seed = loss * loss_scaling if loss_scaling != 1.0 else loss
             with fx_traceback.annotate({"pass": "bwd"}):
-                grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True)
+                grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True) if seed.requires_grad \
+                    else [None] * len(wrt)
             found["grads"] = [n for n, g in zip(wrt, grads) if g is not None]
             extra = [loss.detach()] + [g for g in grads if g is not None]
         return [t.detach() for t in tensors] + extra + [b[n] for n in bnames]
