@@ -392,3 +392,15 @@ def test_embedding_bag_with_offsets_padding_and_an_empty_bag(mode):
 def test_embedding_bag_gradient(mode):
     x = torch.tensor([[1, 2, 4], [4, 3, 9]])
     run_op(lambda w: F.embedding_bag(x, w, mode=mode), (10, 3))
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_prod_and_mean(reduce, include_self):
+    class Scatter(nn.Module):
+        def forward(self, x, i, s):
+            return x.scatter_reduce(1, i, s, reduce, include_self=include_self)
+
+    torch.manual_seed(0)
+    x, i, s = torch.randn(3, 4), torch.randint(4, (3, 6)), torch.randn(3, 6)
+    torch.testing.assert_close(poptorch.inferenceModel(Scatter())(x, i, s), Scatter()(x, i, s))

@@ -595,13 +595,15 @@ def _gather(c, x, dim, index, sparse_grad=False):
     return _gather_along(c, _crop(c, x, idx.shape, dim), idx, dim)
 
 
-SCATTER_REDUCTIONS = {"sum": "add", "add": "add", "amax": "max", "amin": "min"}
+SCATTER_REDUCTIONS = {"sum": "add", "add": "add", "amax": "max", "amin": "min", "prod": "mul", "multiply": "mul"}
 
 
 def _identity(how: str, dtype) -> float:
     """The value a scatter's reduction starts from where include_self=False leaves out the base."""
     if how == "add":
         return 0
+    if how == "mul":
+        return 1
     if np.dtype(dtype).kind == "f":
         return -np.inf if how == "max" else np.inf
     info = np.iinfo(np.int32)
@@ -610,7 +612,8 @@ def _identity(how: str, dtype) -> float:
 
 @lowers(aten.scatter, aten.scatter_add, aten.scatter_reduce,
         doc="scatter along an axis (writes; adds for scatter_add and reduce='sum'/'add'; keeps the larger or "
-            "smaller for 'amax'/'amin'; include_self=False: a scatter of the reduction's identity first)")
+            "smaller for 'amax'/'amin', multiplies for 'prod'; 'mean': the sum over the count; include_self=False: "
+            "a scatter of the reduction's identity first)")
 def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     if not len(x.shape):   # a 0-d tensor as one element
         one = c.reshape(src, (1,)) if isinstance(src, Value) else src
@@ -618,6 +621,14 @@ def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
         return c.reshape(y, ())
     dim = dim % len(x.shape)
     how = "add" if c.node.target.overloadpacket is aten.scatter_add else None
+    if reduce == "mean":   # the sum over the count, both with the base unless include_self=False
+        total = _scatter(c, x, dim, index, src, "sum", include_self)
+        ones = c.const(np.ones(index.shape), x.dtype)
+        count = _scatter(c, c.const(np.full(x.shape, 1 if include_self else 0), x.dtype), dim, index, ones, "sum")
+        mean = c.binary("div", total, c.binary("max", count, 1.0))
+        if c.out_dtype().kind != "f":
+            mean = c.unary("floor", mean)
+        return mean     # untouched positions: x over 1
     if reduce is not None:
         if reduce not in SCATTER_REDUCTIONS:
             raise c.error(f"scatter with reduce={reduce!r} is not supported (writes, and the reductions "
@@ -630,7 +641,7 @@ def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     base = part
     if how is not None and not include_self:
         base = _scatter_along(c, part, idx, c.const(np.full(idx.shape, _identity(how, x.dtype)), x.dtype), dim, False)
-    y = _scatter_along(c, base, idx, src, dim, how == "add", how if how in ("max", "min") else None)
+    y = _scatter_along(c, base, idx, src, dim, how == "add", how if how in ("max", "min", "mul") else None)
     if part is x:
         return y
     key = tuple(slice(0, n) for n in part.shape)   # an index smaller than x on other axes: the rest is x
