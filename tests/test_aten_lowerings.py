@@ -404,3 +404,16 @@ def test_scatter_reduce_prod_and_mean(reduce, include_self):
     torch.manual_seed(0)
     x, i, s = torch.randn(3, 4), torch.randint(4, (3, 6)), torch.randn(3, 6)
     torch.testing.assert_close(poptorch.inferenceModel(Scatter())(x, i, s), Scatter()(x, i, s))
+
+
+@pytest.mark.parametrize("right", [False, True])
+@pytest.mark.parametrize("boundaries", [[1.0, 2.5, 2.5, 4.0, 9.0], [1, 2, 3, 6, 4, 5], [0.5]])
+def test_bucketize_is_torchs_binary_search(right, boundaries):
+    class Buckets(nn.Module):
+        def forward(self, x, b):
+            return torch.bucketize(x, b, right=right)
+
+    x = torch.tensor([[0.0, 1.0, 2.5, 3.0], [4.0, 5.0, 6.0, 10.0]])
+    b = torch.tensor(boundaries)
+    got, want = poptorch.inferenceModel(Buckets())(x, b), Buckets()(x, b)
+    assert torch.equal(got.long(), want)

@@ -648,6 +648,33 @@ def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     return c.one("scatter_slice", [x, y], x.shape, x.dtype, key=key)
 
 
+@lowers(aten.bucketize, doc="binary search as torch's: per step a gather of the middle boundary, a comparison "
+                             "(ge, or gt with right=True) and where on the bounds")
+def _bucketize(c, x, boundaries, out_int32=False, right=False):
+    """torch.bucketize's binary search over the boundaries (lower bound, or upper bound with
+    right=True), the same steps for every value: ceil(log2(B + 1)) of them, a value whose bounds
+    have met keeping them (so unsorted boundaries give torch's answer too)."""
+    if not isinstance(x, Value):
+        x = c.const(np.asarray(x), np.float32 if isinstance(x, float) else np.int32)
+    common = np.float32 if "f" in (x.dtype.kind, boundaries.dtype.kind) else np.int32
+    n = boundaries.shape[0] if boundaries.shape else 1
+    bounds = c.reshape(boundaries, (n,))
+    lo = c.const(np.zeros(x.shape), np.int32)
+    hi = c.const(np.full(x.shape, n), np.int32)
+    for _ in range(int(np.ceil(np.log2(n + 1)))):
+        total = c.binary("add", lo, hi, dtype=np.int32)
+        mid = c.binary("div", c.binary("sub", total, c.binary("remainder", total, 2, dtype=np.int32), dtype=np.int32),
+                       2, dtype=np.int32)
+        value = c.reshape(_gather_along(c, bounds, c.reshape(mid, (-1,)), 0), x.shape)
+        active = c.binary("lt", lo, hi, dtype=np.int32)
+        upper = c.binary("gt" if right else "ge", value, x, dtype=common)
+        move_hi = c.binary("logical_and", active, upper, dtype=np.bool_)
+        move_lo = c.binary("logical_and", active, c.unary("logical_not", upper), dtype=np.bool_)
+        hi = c.where(move_hi, mid, hi)
+        lo = c.where(move_lo, c.binary("add", mid, 1, dtype=np.int32), lo)
+    return c.cast(lo, c.out_dtype())
+
+
 @lowers(aten.index_select, doc="gather along an axis (the index broadcast)")
 def _index_select(c, x, dim, index):
     dim = dim % max(len(x.shape), 1)
