@@ -417,3 +417,15 @@ def test_bucketize_is_torchs_binary_search(right, boundaries):
     b = torch.tensor(boundaries)
     got, want = poptorch.inferenceModel(Buckets())(x, b), Buckets()(x, b)
     assert torch.equal(got.long(), want)
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce(reduce, include_self):
+    class Reduce(nn.Module):
+        def forward(self, x, i, s):
+            return x.index_reduce(1, i, s, reduce, include_self=include_self)
+
+    torch.manual_seed(0)
+    x, i, s = torch.randn(3, 5, 2), torch.tensor([4, 0, 4, 1]), torch.randn(3, 4, 2)
+    torch.testing.assert_close(poptorch.inferenceModel(Reduce())(x, i, s), Reduce()(x, i, s))

@@ -648,6 +648,16 @@ def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     return c.one("scatter_slice", [x, y], x.shape, x.dtype, key=key)
 
 
+@lowers(aten.index_reduce, doc="scatter along an axis with the reduction (the index broadcast over the source), "
+                                "as scatter_reduce")
+def _index_reduce(c, x, dim, index, source, reduce, include_self=True):
+    if not len(x.shape):
+        return _scatter(c, x, 0, index, source, reduce, include_self)
+    dim = dim % len(x.shape)
+    idx = c.reshape(index, (1,) * dim + (-1,) + (1,) * (len(x.shape) - dim - 1))
+    return _scatter(c, x, dim, c.expand(idx, source.shape), source, reduce, include_self)
+
+
 @lowers(aten.bucketize, doc="binary search as torch's: per step a gather of the middle boundary, a comparison "
                              "(ge, or gt with right=True) and where on the bounds")
 def _bucketize(c, x, boundaries, out_int32=False, right=False):
