@@ -429,3 +429,16 @@ def test_index_reduce(reduce, include_self):
     torch.manual_seed(0)
     x, i, s = torch.randn(3, 5, 2), torch.tensor([4, 0, 4, 1]), torch.randn(3, 4, 2)
     torch.testing.assert_close(poptorch.inferenceModel(Reduce())(x, i, s), Reduce()(x, i, s))
+
+
+def test_batch_norm_without_affine_parameters_in_eval_mode():
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4, affine=False).eval()
+    norm.running_mean.uniform_(-1, 1)
+    norm.running_var.uniform_(0.5, 2)
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(poptorch.inferenceModel(norm)(x), norm(x))
+
+
+def test_batch_norm_of_a_5d_input_and_its_gradient():
+    run_op(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (2, 3, 2, 3, 4), (3,), (3,), rtol=1e-4)

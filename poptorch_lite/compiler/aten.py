@@ -1676,13 +1676,21 @@ def _nchw(c, x):
         return x
     if len(x.shape) in (2, 3):
         return c.reshape(x, x.shape + (1,) * (4 - len(x.shape)))
-    raise c.error(f"batch norm of a {len(x.shape)}-D input is not supported (2-D to 4-D are)")
+    if len(x.shape) > 4:   # statistics per channel over the batch and every spatial position: merged
+        return c.reshape(x, x.shape[:2] + (int(np.prod(x.shape[2:-1])), x.shape[-1]))
+    raise c.error(f"batch norm of a {len(x.shape)}-D input is not supported (2-D and more are)")
+
+
+def _affine(c, x, w, b):
+    """A batch norm's weight and bias, ones and zeros without affine parameters."""
+    ch = (x.shape[1],)
+    return (w if w is not None else c.const(np.ones(ch), x.dtype),
+            b if b is not None else c.const(np.zeros(ch), x.dtype))
 
 
 @lowers(aten._native_batch_norm_legit_functional, doc="batch_norm (running statistics updated in place)")
 def _batch_norm(c, x, w, b, running_mean, running_var, training, momentum, eps):
-    if w is None or b is None:
-        raise c.error("batch norm without affine parameters is not supported")
+    w, b = _affine(c, x, w, b)
     x4 = _nchw(c, x)
     ins = [x4, w, b, running_mean, running_var]
     ch = (x.shape[1],)
@@ -1697,8 +1705,7 @@ def _batch_norm(c, x, w, b, running_mean, running_var, training, momentum, eps):
 
 @lowers(aten._native_batch_norm_legit_no_training, doc="batch_norm (running statistics)")
 def _batch_norm_inference(c, x, w, b, running_mean, running_var, momentum, eps):
-    if w is None or b is None:
-        raise c.error("batch norm without affine parameters is not supported")
+    w, b = _affine(c, x, w, b)
     x4 = _nchw(c, x)
     y = c.one("batch_norm", [x4, w, b, running_mean, running_var], x4.shape, x.dtype, training=False, eps=float(eps))
     return c.reshape(y, x.shape), Only("batch norm statistics"), Only("batch norm statistics")

@@ -129,7 +129,8 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, sc
     positions = torch.arange(input.numel(), device=input.device)
     bag = (offsets[:bags].unsqueeze(0) <= positions.unsqueeze(1)).sum(1) - 1
     rows = F.embedding(input, weight)
-    keep = torch.ones_like(input, dtype=weight.dtype) if padding_idx is None else (input != padding_idx).to(weight.dtype)
+    keep = (torch.ones_like(input, dtype=weight.dtype) if padding_idx is None
+            else (input != padding_idx).to(weight.dtype))
     count = weight.new_zeros(bags).index_add(0, bag, keep).unsqueeze(1)
     if mode == "max":
         rows = torch.where(keep.unsqueeze(1) > 0, rows, float("-inf"))
@@ -143,8 +144,8 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, sc
 
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm, F.bilinear: _bilinear,
-             torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
+FUNCTIONS = {F.dropout: _dropout, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
+             F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
              overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
