@@ -498,7 +498,9 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
 
     flat = [(t[0] if n in per_replica else t).detach().requires_grad_(training and n in trainable)
             for n, t in params.items()]
-    flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
+    # an input with autograd history (made by an in-place op on a tensor that requires grad) is
+    # data to the model: the compiler differentiates parameters only
+    flat += [t.detach() for t in buffers.values()] + [t.detach() for _, t in inputs]
     table = decompositions
     with fx_traceback.preserve_node_meta():
         # tensors the model makes or holds outside its parameters and buffers (torch.tensor(...)
