@@ -436,3 +436,9 @@ def test_batch_norm_without_affine_parameters_in_eval_mode():
 
 def test_batch_norm_of_a_5d_input_and_its_gradient():
     run_op(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (2, 3, 2, 3, 4), (3,), (3,), rtol=1e-4)
+
+
+def test_index_select_of_a_0d_tensor_and_index_reduce_gradient():
+    index = torch.tensor([0, 0])
+    run_op(lambda x, s: x.index_reduce(0, index, s, "amax"), (1,), (2,))
+    run_op(lambda x: (x.sum() * 1.0).index_select(0, torch.tensor(0)) * 2.0, (3,))

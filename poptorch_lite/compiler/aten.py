@@ -687,6 +687,8 @@ def _bucketize(c, x, boundaries, out_int32=False, right=False):
 
 @lowers(aten.index_select, doc="gather along an axis (the index broadcast)")
 def _index_select(c, x, dim, index):
+    if not len(x.shape):   # a 0-d tensor's one element (the index can only be 0)
+        return c.reshape(x, tuple(c.out_meta().shape))
     dim = dim % max(len(x.shape), 1)
     idx = c.reshape(_indices(c, index), (-1,))
     shape = x.shape[:dim] + idx.shape + x.shape[dim + 1:]
