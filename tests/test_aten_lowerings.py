@@ -212,7 +212,7 @@ def test_linear_interpolation_and_its_gradient(align_corners):
            rtol=1e-4)
 
 
-@pytest.mark.parametrize("reduce", ["amax", "amin", "sum"])
+@pytest.mark.parametrize("reduce", ["amax", "amin", "sum", "prod", "mean"])
 @pytest.mark.parametrize("include_self", [True, False])
 @pytest.mark.parametrize("dim", [0, 1])
 def test_scatter_reduce_and_its_gradient(reduce, include_self, dim):
@@ -223,12 +223,6 @@ def test_scatter_reduce_and_its_gradient(reduce, include_self, dim):
     def op(x, s):   # rounded: ties between the base and the sources, which share the gradient
         return rounded(x).scatter_reduce(dim, index, rounded(s), reduce, include_self=include_self)
     run_op(op, shape, tuple(index.shape))
-
-
-def test_scatter_reduce_with_unsupported_reductions_is_refused():
-    for reduce in ("prod", "mean"):
-        with pytest.raises(UnsupportedOpError, match=f"reduce='{reduce}' is not supported"):
-            lower(lambda x: x.scatter_reduce(0, torch.tensor([0, 0]), x[:2] * 1.0, reduce), (3,))
 
 
 @pytest.mark.parametrize("pool", [
@@ -279,3 +273,172 @@ def test_a_constant_gradient_still_trains_its_weight():
     optimizer.step()
     torch.testing.assert_close(model.p.detach(), ref.p.detach())
     torch.testing.assert_close(model.q.detach(), ref.q.detach())
+
+
+@pytest.mark.parametrize("beta,alpha", [(0, 1.5), (0.5, 0), (0, 0), (0.5, 1.5)])
+def test_addmm_and_addmv_ignore_the_term_of_a_zero_factor(beta, alpha):
+    """As eager PyTorch: a zero beta ignores the input's NaNs, a zero alpha the product's."""
+    class Add(nn.Module):
+        def forward(self, bias, mat, vec, bias2d, mat2):
+            return (torch.addmv(bias, mat, vec, beta=beta, alpha=alpha),
+                    torch.addmm(bias2d, mat, mat2, beta=beta, alpha=alpha))
+
+    torch.manual_seed(0)
+    args = [torch.randn(4), torch.randn(4, 3), torch.randn(3), torch.randn(4, 5), torch.randn(3, 5)]
+    for t in args:
+        t.view(-1)[0] = float("nan")
+    if beta != 0:
+        args[0][0] = args[3][0, 0] = 1.0
+    if alpha != 0:
+        args[1][0, 0] = args[2][0] = args[4][0, 0] = 1.0
+    for got, want in zip(poptorch.inferenceModel(Add())(*args), Add()(*args)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("fn", [F.hardshrink, F.softshrink])
+def test_shrink_gradients(fn):
+    run_op(lambda x: fn(x, 0.3), (6, 5))
+
+
+def test_rrelu_uses_the_mean_slope_in_inference():
+    x = torch.randn(50)
+    torch.testing.assert_close(poptorch.inferenceModel(nn.RReLU(0.1, 0.3).eval())(x), nn.RReLU(0.1, 0.3).eval()(x))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_boolean_mask_assignment_broadcasts_its_value(accumulate):
+    class Put(nn.Module):
+        def forward(self, x, mask, v):
+            return x.index_put((mask,), v, accumulate=accumulate), x.index_put((mask[:, 0],), v, accumulate=accumulate)
+
+    torch.manual_seed(0)
+    x, mask, v = torch.randn(2, 3, 4, 5), torch.rand(2, 3) > 0.5, torch.randn(5)
+    for got, want in zip(poptorch.inferenceModel(Put())(x, mask, v), Put()(x, mask, v)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_value_per_masked_position_is_refused():
+    class Put(nn.Module):
+        def forward(self, x, mask, v):
+            x[mask] = v
+            return x
+
+    mask = torch.tensor([True, False, True])
+    with pytest.raises(UnsupportedOpError, match="count, which depends on the data"):
+        poptorch.inferenceModel(Put())(torch.zeros(3, 2), mask, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("dim,size,step", [(1, 3, 2), (0, 2, 1), (-1, 7, 3)])
+def test_unfold_and_its_gradient(dim, size, step):
+    run_op(lambda x: x.unfold(dim, size, step) * 1.0, (4, 7))
+
+
+@pytest.mark.parametrize("shape,scale", [((1, 2, 5), 2), ((1, 2, 3, 2, 4), (2, 1, 3)), ((1, 1, 4, 3), 1.5)])
+def test_nearest_upsampling_gradient_in_1_to_3_dimensions(shape, scale):
+    run_op(lambda x: F.interpolate(x, scale_factor=scale, mode="nearest"), shape)
+
+
+def test_bilinear_and_its_gradients():
+    run_op(lambda x1, x2, w, b: F.bilinear(x1, x2, w, b), (4, 3), (4, 5), (2, 3, 5), (2,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dim", [0, 1, None])
+def test_weight_norm_trains_its_direction_and_magnitude(dim):
+    torch.manual_seed(0)
+    model = nn.utils.weight_norm(nn.Linear(6, 4), "weight", dim)
+    ref = nn.utils.weight_norm(nn.Linear(6, 4), "weight", dim)
+    ref.load_state_dict(model.state_dict())
+
+    class Loss(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return poptorch.identity_loss((self.lin(x) ** 2).sum(), reduction="sum")
+
+    x = torch.randn(3, 6)
+    poptorch.trainingModel(Loss(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))(x)
+    optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    Loss(ref)(x).backward()
+    optimizer.step()
+    for name in ("weight_g", "weight_v"):
+        torch.testing.assert_close(getattr(model, name).detach(), getattr(ref, name).detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_with_offsets_padding_and_an_empty_bag(mode):
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(10, 3, mode=mode, padding_idx=2)
+
+        def forward(self, x, offsets):
+            return self.bag(x, offsets)
+
+    torch.manual_seed(0)
+    model = Bags()
+    x, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 2]), torch.tensor([0, 3, 3, 8])
+    torch.testing.assert_close(poptorch.inferenceModel(model)(x, offsets), model(x, offsets))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_gradient(mode):
+    x = torch.tensor([[1, 2, 4], [4, 3, 9]])
+    run_op(lambda w: F.embedding_bag(x, w, mode=mode), (10, 3))
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_prod_and_mean(reduce, include_self):
+    class Scatter(nn.Module):
+        def forward(self, x, i, s):
+            return x.scatter_reduce(1, i, s, reduce, include_self=include_self)
+
+    torch.manual_seed(0)
+    x, i, s = torch.randn(3, 4), torch.randint(4, (3, 6)), torch.randn(3, 6)
+    torch.testing.assert_close(poptorch.inferenceModel(Scatter())(x, i, s), Scatter()(x, i, s))
+
+
+@pytest.mark.parametrize("right", [False, True])
+@pytest.mark.parametrize("boundaries", [[1.0, 2.5, 2.5, 4.0, 9.0], [1, 2, 3, 6, 4, 5], [0.5]])
+def test_bucketize_is_torchs_binary_search(right, boundaries):
+    class Buckets(nn.Module):
+        def forward(self, x, b):
+            return torch.bucketize(x, b, right=right)
+
+    x = torch.tensor([[0.0, 1.0, 2.5, 3.0], [4.0, 5.0, 6.0, 10.0]])
+    b = torch.tensor(boundaries)
+    got, want = poptorch.inferenceModel(Buckets())(x, b), Buckets()(x, b)
+    assert torch.equal(got.long(), want)
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce(reduce, include_self):
+    class Reduce(nn.Module):
+        def forward(self, x, i, s):
+            return x.index_reduce(1, i, s, reduce, include_self=include_self)
+
+    torch.manual_seed(0)
+    x, i, s = torch.randn(3, 5, 2), torch.tensor([4, 0, 4, 1]), torch.randn(3, 4, 2)
+    torch.testing.assert_close(poptorch.inferenceModel(Reduce())(x, i, s), Reduce()(x, i, s))
+
+
+def test_batch_norm_without_affine_parameters_in_eval_mode():
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4, affine=False).eval()
+    norm.running_mean.uniform_(-1, 1)
+    norm.running_var.uniform_(0.5, 2)
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(poptorch.inferenceModel(norm)(x), norm(x))
+
+
+def test_batch_norm_of_a_5d_input_and_its_gradient():
+    run_op(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (2, 3, 2, 3, 4), (3,), (3,), rtol=1e-4)
+
+
+def test_index_select_of_a_0d_tensor_and_index_reduce_gradient():
+    index = torch.tensor([0, 0])
+    run_op(lambda x, s: x.index_reduce(0, index, s, "amax"), (1,), (2,))
+    run_op(lambda x: (x.sum() * 1.0).index_select(0, torch.tensor(0)) * 2.0, (3,))

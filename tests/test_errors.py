@@ -65,3 +65,18 @@ def test_pipeline_depth_errors_are_poptorch_errors():
     with pytest.raises(poptorch.Error, match=r"deviceIterations must be greater than or equal to the number of "
                                              r"pipeline stages \(2\)"):
         poptorch.inferenceModel(TwoStages())(torch.ones(1, 1))
+
+
+def test_an_argument_error_in_forward_names_the_users_tensor_class():
+    """torch's argument parser lists the classes it got; the capture's fake tensors are Tensors to
+    the user, as in eager PyTorch."""
+    class Scatter(torch.nn.Module):
+        def forward(self, x, i):
+            return x.scatter(0, i, x, None)
+
+    x, i = torch.randn(3, 3), torch.zeros(3, 3, dtype=torch.long)
+    with pytest.raises(TypeError) as eager:
+        Scatter()(x, i)
+    with pytest.raises(TypeError) as compiled:
+        poptorch.inferenceModel(Scatter())(x, i)
+    assert str(compiled.value) == str(eager.value)

@@ -93,3 +93,24 @@ def test_a_buffer_changed_in_place_is_kept_and_one_removed_or_reassigned_in_forw
         poptorch.inferenceModel(Buffered("remove"))(torch.ones(2))
     with pytest.raises(poptorch.Error, match=r"Buffer count is reassigned .*self\.count\.copy_\(src\)"):
         poptorch.inferenceModel(Buffered("reassign"))(torch.ones(2))
+
+
+def test_an_input_with_autograd_history_is_data_to_the_model():
+    """y.copy_(x) on a tensor that requires grad leaves y with a grad_fn; passed to a model later,
+    y is an input like any other (the compiler differentiates parameters only)."""
+    class Copy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((2, 3), 2.0))
+
+        def forward(self, x, y):
+            out = y.copy_(x * self.w)
+            return out, poptorch.identity_loss((out ** 2).sum(), reduction="sum")
+
+    x = torch.randn(2, 3)
+    y = torch.empty(2, 3)
+    y.copy_(x * torch.ones(2, 3, requires_grad=True))
+    assert y.grad_fn is not None
+    model = Copy()
+    out, _ = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))(x, y)
+    torch.testing.assert_close(out, x * 2)

@@ -158,3 +158,24 @@ def test_gather_cost_grows_with_the_work_of_the_busiest_tile():
     long = engine(lambda g, p, t: I.gather(g, t["x"], t["i"], 1, p), {"x": x, "i": np.zeros((64, 256), np.int32)},
                   "fast")[1]
     assert long > short
+
+
+@given(shape=shapes, m=st.integers(1, 7), axis=st.integers(0, 2), dtype=st.sampled_from(["float32", "int32"]),
+       seed=st.integers(0, 2**16))
+@settings(max_examples=15, deadline=None)
+def test_scatter_mul_is_torch_scatter_reduce_prod_in_both_modes(shape, m, axis, dtype, seed):
+    rng = np.random.default_rng(seed)
+    axis %= len(shape)
+    ishape = list(shape)
+    ishape[axis] = m
+    n = shape[axis]
+    base = rng.choice([-2, -1, 1, 2, 3], shape).astype(dtype)
+    src = rng.choice([-2, -1, 1, 2], ishape).astype(dtype)
+    idx = rng.integers(0, n, ishape).astype(np.int32)
+    values = {"base": base, "idx": idx, "src": src}
+    results = [engine(lambda g, p, t: I.scatter(g, t["base"], t["idx"], t["src"], axis, p, reduce="mul"),
+                      values, mode) for mode in ("strict", "fast")]
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1]
+    expected = torch.from_numpy(base).scatter_reduce(axis, torch.from_numpy(idx).long(), torch.from_numpy(src), "prod")
+    np.testing.assert_array_equal(results[0][0], expected.numpy())

@@ -333,3 +333,23 @@ def test_the_mean_reduction_strategy_follows_the_accumulation_type(training, acc
     explicit = mean_reduction_options(poptorch.MeanReductionStrategy.Running, accumulation=1)
     assert poptorch.inferenceModel(net, explicit).options.Training.meanAccumulationAndReplicationReductionStrategy \
         == poptorch.MeanReductionStrategy.Running
+
+
+def test_a_loss_of_constants_trains_with_zero_gradients():
+    """A loss that no trainable parameter reaches (every layer frozen or constant) is still the
+    model's loss, as in PopTorch: the weights keep their values."""
+    class Frozen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x, target):
+            return x * 2, torch.nn.functional.l1_loss(x * 2, target)
+
+    model = Frozen()
+    training = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, target = torch.randn(4, 3), torch.zeros(4, 3)
+    out, loss = training(x, target)
+    torch.testing.assert_close(out, x * 2)
+    torch.testing.assert_close(loss, (x * 2).abs().mean())
+    torch.testing.assert_close(model.w.detach(), torch.ones(3))

@@ -3,8 +3,8 @@
 `gather(x, indices, axis)`: out[.., m, ..] = x[.., indices[.., m, ..], ..], indices shaped like
 the output (a broadcast view for index_select). `scatter(base, indices, src, axis, reduce)`:
 a copy of base with src[.., m, ..] written to position indices[.., m, ..] along the axis, or
-combined with what is there (reduce "add", "max" or "min"; torch's scatter_reduce "sum", "amax",
-"amin" with include_self). A maximum takes a NaN from src and keeps a NaN already there (torch's
+combined with what is there (reduce "add", "max", "min" or "mul"; torch's scatter_reduce "sum", "amax",
+"amin", "prod" with include_self). A maximum takes a NaN from src and keeps a NaN already there (torch's
 rule); of equal values it keeps the one there. Indices are int32 on the device; a negative index counts from the end of the axis (as in
 torch); an index still outside the axis gathers zero and scatters nothing (PopLibs' dynamic
 slices; torch raises).
@@ -37,7 +37,7 @@ from .reduce import stored
 from .rows import along, plan_rows
 
 INT32_MAX = 2**31 - 1
-REDUCTIONS = {None: 0, "add": 1, "max": 2, "min": 3}
+REDUCTIONS = {None: 0, "add": 1, "max": 2, "min": 3, "mul": 4}
 
 
 # ---- codelets and estimators ------------------------------------------------------------------
@@ -65,6 +65,8 @@ def _combined(op, there, value):
         return value
     if op == 1:
         return there + value
+    if op == 4:
+        return there * value
     if value != value:
         return value
     if op == 2:
@@ -82,7 +84,7 @@ def scatter_rows(rows, r, c, values, op):
 @njit(parallel=True, **JIT)
 def scatter_codelet(base, b_addr, b_start, idx, i_addr, i_start, src, s_addr, s_start, out, o_addr, o_start,
                     params):
-    """params: row length n, updates per row m, reduction (0 write, 1 add, 2 max, 3 min)."""
+    """params: row length n, updates per row m, reduction (0 write, 1 add, 2 max, 3 min, 4 mul)."""
     for v in prange(params.shape[0]):
         n, m, op = int(params[v, 0]), int(params[v, 1]), int(params[v, 2])
         bb, ib, sb, ob = b_start[v], i_start[v], s_start[v], o_start[v]
@@ -179,7 +181,8 @@ def scatter(graph: Graph, base: Tensor, indices: Tensor, src: Tensor, axis: int,
             name: str = "scatter", accumulate: bool = False, reduce: str | None = None) -> Tensor:
     """A copy of `base` with `src` (shaped like indices) written at `indices` along `axis` (updates
     in order: of two writes to one element the later stays), or combined with what is there:
-    added when `accumulate` or reduce="add", the larger kept for "max", the smaller for "min"."""
+    added when `accumulate` or reduce="add", the larger kept for "max", the smaller for "min", multiplied
+    for "mul"."""
     if reduce not in REDUCTIONS:
         raise ValueError(f"{name}: unknown reduction {reduce!r}; use one of {sorted(r for r in REDUCTIONS if r)} "
                          "or None to write")
@@ -218,6 +221,8 @@ def scatter(graph: Graph, base: Tensor, indices: Tensor, src: Tensor, axis: int,
         c, values = idx[valid], values[valid]
         if op == REDUCTIONS["add"]:
             np.add.at(rows, (r, c), values)
+        elif op == REDUCTIONS["mul"]:
+            np.multiply.at(rows, (r, c), values)
         elif op:
             scatter_rows(rows, r, c, values, op)
         else:   # the last update of an element stays

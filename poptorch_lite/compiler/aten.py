@@ -595,13 +595,15 @@ def _gather(c, x, dim, index, sparse_grad=False):
     return _gather_along(c, _crop(c, x, idx.shape, dim), idx, dim)
 
 
-SCATTER_REDUCTIONS = {"sum": "add", "add": "add", "amax": "max", "amin": "min"}
+SCATTER_REDUCTIONS = {"sum": "add", "add": "add", "amax": "max", "amin": "min", "prod": "mul", "multiply": "mul"}
 
 
 def _identity(how: str, dtype) -> float:
     """The value a scatter's reduction starts from where include_self=False leaves out the base."""
     if how == "add":
         return 0
+    if how == "mul":
+        return 1
     if np.dtype(dtype).kind == "f":
         return -np.inf if how == "max" else np.inf
     info = np.iinfo(np.int32)
@@ -610,7 +612,8 @@ def _identity(how: str, dtype) -> float:
 
 @lowers(aten.scatter, aten.scatter_add, aten.scatter_reduce,
         doc="scatter along an axis (writes; adds for scatter_add and reduce='sum'/'add'; keeps the larger or "
-            "smaller for 'amax'/'amin'; include_self=False: a scatter of the reduction's identity first)")
+            "smaller for 'amax'/'amin', multiplies for 'prod'; 'mean': the sum over the count; include_self=False: "
+            "a scatter of the reduction's identity first)")
 def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     if not len(x.shape):   # a 0-d tensor as one element
         one = c.reshape(src, (1,)) if isinstance(src, Value) else src
@@ -618,6 +621,14 @@ def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
         return c.reshape(y, ())
     dim = dim % len(x.shape)
     how = "add" if c.node.target.overloadpacket is aten.scatter_add else None
+    if reduce == "mean":   # the sum over the count, both with the base unless include_self=False
+        total = _scatter(c, x, dim, index, src, "sum", include_self)
+        ones = c.const(np.ones(index.shape), x.dtype)
+        count = _scatter(c, c.const(np.full(x.shape, 1 if include_self else 0), x.dtype), dim, index, ones, "sum")
+        mean = c.binary("div", total, c.binary("max", count, 1.0))
+        if c.out_dtype().kind != "f":
+            mean = c.unary("floor", mean)
+        return mean     # untouched positions: x over 1
     if reduce is not None:
         if reduce not in SCATTER_REDUCTIONS:
             raise c.error(f"scatter with reduce={reduce!r} is not supported (writes, and the reductions "
@@ -630,15 +641,54 @@ def _scatter(c, x, dim, index, src, reduce=None, include_self=True):
     base = part
     if how is not None and not include_self:
         base = _scatter_along(c, part, idx, c.const(np.full(idx.shape, _identity(how, x.dtype)), x.dtype), dim, False)
-    y = _scatter_along(c, base, idx, src, dim, how == "add", how if how in ("max", "min") else None)
+    y = _scatter_along(c, base, idx, src, dim, how == "add", how if how in ("max", "min", "mul") else None)
     if part is x:
         return y
     key = tuple(slice(0, n) for n in part.shape)   # an index smaller than x on other axes: the rest is x
     return c.one("scatter_slice", [x, y], x.shape, x.dtype, key=key)
 
 
+@lowers(aten.index_reduce, doc="scatter along an axis with the reduction (the index broadcast over the source), "
+                                "as scatter_reduce")
+def _index_reduce(c, x, dim, index, source, reduce, include_self=True):
+    if not len(x.shape):
+        return _scatter(c, x, 0, index, source, reduce, include_self)
+    dim = dim % len(x.shape)
+    idx = c.reshape(index, (1,) * dim + (-1,) + (1,) * (len(x.shape) - dim - 1))
+    return _scatter(c, x, dim, c.expand(idx, source.shape), source, reduce, include_self)
+
+
+@lowers(aten.bucketize, doc="binary search as torch's: per step a gather of the middle boundary, a comparison "
+                             "(ge, or gt with right=True) and where on the bounds")
+def _bucketize(c, x, boundaries, out_int32=False, right=False):
+    """torch.bucketize's binary search over the boundaries (lower bound, or upper bound with
+    right=True), the same steps for every value: ceil(log2(B + 1)) of them, a value whose bounds
+    have met keeping them (so unsorted boundaries give torch's answer too)."""
+    if not isinstance(x, Value):
+        x = c.const(np.asarray(x), np.float32 if isinstance(x, float) else np.int32)
+    common = np.float32 if "f" in (x.dtype.kind, boundaries.dtype.kind) else np.int32
+    n = boundaries.shape[0] if boundaries.shape else 1
+    bounds = c.reshape(boundaries, (n,))
+    lo = c.const(np.zeros(x.shape), np.int32)
+    hi = c.const(np.full(x.shape, n), np.int32)
+    for _ in range(int(np.ceil(np.log2(n + 1)))):
+        total = c.binary("add", lo, hi, dtype=np.int32)
+        mid = c.binary("div", c.binary("sub", total, c.binary("remainder", total, 2, dtype=np.int32), dtype=np.int32),
+                       2, dtype=np.int32)
+        value = c.reshape(_gather_along(c, bounds, c.reshape(mid, (-1,)), 0), x.shape)
+        active = c.binary("lt", lo, hi, dtype=np.int32)
+        upper = c.binary("gt" if right else "ge", value, x, dtype=common)
+        move_hi = c.binary("logical_and", active, upper, dtype=np.bool_)
+        move_lo = c.binary("logical_and", active, c.unary("logical_not", upper), dtype=np.bool_)
+        hi = c.where(move_hi, mid, hi)
+        lo = c.where(move_lo, c.binary("add", mid, 1, dtype=np.int32), lo)
+    return c.cast(lo, c.out_dtype())
+
+
 @lowers(aten.index_select, doc="gather along an axis (the index broadcast)")
 def _index_select(c, x, dim, index):
+    if not len(x.shape):   # a 0-d tensor's one element (the index can only be 0)
+        return c.reshape(x, tuple(c.out_meta().shape))
     dim = dim % max(len(x.shape), 1)
     idx = c.reshape(_indices(c, index), (-1,))
     shape = x.shape[:dim] + idx.shape + x.shape[dim + 1:]
@@ -683,9 +733,33 @@ def _index(c, x, indices):
     return c.reshape(_gather_along(c, x3, lin, 1), shape)
 
 
+def _masked_put(c, x, indices, values, accumulate):
+    """x[mask] = values with one boolean mask whose values broadcast over the masked positions (a
+    value per position would need their count, which depends on the data): where(mask, values, x),
+    or x + where(mask, values, 0) when accumulating. None when the indices are not such a mask."""
+    used = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(used) != 1 or used[0][1].dtype != np.bool_:
+        return None
+    start, mask = used[0]
+    rest = x.shape[start + len(mask.shape):]
+    if len(values.shape) > len(rest) and any(s != 1 for s in values.shape[:len(values.shape) - len(rest)]):
+        raise c.error("assigning a value per masked position needs their count, which depends on the data; "
+                      "assign one value (or one row) broadcast over the mask, or use torch.where")
+    values = c.reshape(values, values.shape[len(values.shape) - len(rest):] if len(values.shape) > len(rest)
+                       else values.shape)
+    m = c.reshape(mask, (1,) * start + mask.shape + (1,) * len(rest))
+    v = c.expand(c.cast(values, x.dtype), x.shape)
+    if accumulate:
+        return c.binary("add", x, c.where(c.expand(m, x.shape), v, 0.0))
+    return c.where(c.expand(m, x.shape), v, x)
+
+
 @lowers(aten.index_put, aten._unsafe_index_put, doc="scatter along an axis (advanced indexing: the indexed axes "
                                                     "merged; accumulate adds)")
 def _index_put(c, x, indices, values, accumulate=False):
+    masked = _masked_put(c, x, indices, values, accumulate)
+    if masked is not None:
+        return masked
     x3, lin, shape, perm = _advanced(c, x, indices)
     src = c.reshape(c.expand(c.cast(values, x.dtype), shape), lin.shape)
     y = _scatter_along(c, x3, lin, src, 1, accumulate)
@@ -693,17 +767,32 @@ def _index_put(c, x, indices, values, accumulate=False):
     return c.transpose(y, tuple(int(i) for i in np.argsort(perm)))
 
 
-@lowers(aten.upsample_nearest2d_backward, doc="scatter along an axis (the nearest source positions, accumulated)")
-def _upsample_nearest2d_backward(c, grad, output_size, input_size, scales_h=None, scales_w=None):
+@lowers(aten.unfold, aten.unfold_copy, doc="gather along an axis (the windows' positions), the window axis moved last")
+def _unfold(c, x, dim, size, step):
+    if not len(x.shape):
+        return c.reshape(x, (1,))
+    dim = dim % len(x.shape)
+    windows = (x.shape[dim] - size) // step + 1
+    positions = np.arange(windows)[:, None] * step + np.arange(size)[None, :]
+    y = _index(c, x, [None] * dim + [c.const(positions, np.int32)])     # [..., windows, size, ...]
+    rank = len(y.shape)
+    return c.transpose(y, tuple(d for d in range(rank) if d != dim + 1) + (dim + 1,))
+
+
+@lowers(aten.upsample_nearest1d_backward, aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
+        doc="scatter along an axis (the nearest source positions, accumulated)")
+def _upsample_nearest_backward(c, grad, output_size, input_size, *scales):
     """Each output position's gradient added to the input position it copied: the positions as the
     forward's decomposition computes them (float32 index times scale, truncated)."""
+    nd = len(output_size)
+    scales = (tuple(scales) + (None,) * nd)[:nd]
     sources = []
-    for o, i, s in zip(output_size, input_size[2:], (scales_h, scales_w)):
+    for o, i, s in zip(output_size, input_size[2:], scales):
         scale = np.float32(i / (i * s) if s else i / o)
         sources.append(np.minimum((np.arange(o, dtype=np.float32) * scale).astype(np.int64), i - 1))
-    rows, cols = c.const(sources[0].reshape(-1, 1), np.int32), c.const(sources[1].reshape(1, -1), np.int32)
+    index = [c.const(src.reshape((1,) * d + (-1,) + (1,) * (nd - 1 - d)), np.int32) for d, src in enumerate(sources)]
     zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
-    return _index_put(c, zeros, [None, None, rows, cols], grad, True)
+    return _index_put(c, zeros, [None, None] + index, grad, True)
 
 
 def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
@@ -1054,6 +1143,21 @@ def _leaky_relu(c, x, negative_slope=0.01):
     return c.where(c.binary("gt", x, 0.0, dtype=x.dtype), x, c.binary("mul", x, negative_slope))
 
 
+@lowers(aten.hardshrink_backward, aten.softshrink_backward, doc="where(|x| > lambda, grad, 0)")
+def _shrink_backward(c, grad, x, lambd):
+    return c.where(c.binary("gt", c.unary("abs", x), lambd, dtype=x.dtype), grad, 0.0)
+
+
+@lowers(aten.rrelu_with_noise_functional, doc="where(x >= 0, x, x * slope): the mean slope in inference, in "
+                                             "training a random uniform slope per element (the noise output)")
+def _rrelu_with_noise(c, x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    if not training:
+        return _leaky_relu(c, x, (float(lower) + float(upper)) / 2), noise
+    slope = c.one("random", [], x.shape, x.dtype, kind="uniform", a=float(lower), b=float(upper))
+    positive = c.binary("ge", x, 0.0, dtype=x.dtype)
+    return c.where(positive, x, c.binary("mul", x, slope)), c.where(positive, 1.0, slope)
+
+
 @lowers(aten.clamp_min, doc="binary max")
 def _clamp_min(c, x, m):
     return c.binary("max", x, m)
@@ -1275,14 +1379,32 @@ def _mm(c, a, b):
     return c.one("matmul", [a, b], shape, c.out_dtype())
 
 
-@lowers(aten.addmm, doc="matmul, add")
+def _scaled_sum(c, bias, product, beta, alpha, shape):
+    """beta * bias + alpha * product() as eager PyTorch computes it: a zero beta ignores the bias and
+    a zero alpha the product (their NaNs and infinities never reach the result)."""
+    terms = []
+    if alpha != 0:
+        y = product()
+        terms.append(y if alpha == 1 else c.binary("mul", y, alpha))
+    if beta != 0:
+        terms.append(bias if beta == 1 else c.binary("mul", bias, beta))
+    if not terms:
+        return _full(c, shape, 0)
+    out = terms[0] if len(terms) == 1 else c.binary("add", terms[0], terms[1])
+    out = c.cast(out, c.out_dtype())
+    return out if out.shape == tuple(shape) else c.expand(out, shape)
+
+
+@lowers(aten.addmm, doc="matmul, add (a zero alpha or beta drops its term)")
 def _addmm(c, bias, a, b, beta=1, alpha=1):
-    y = _mm(c, a, b)
-    if alpha != 1:
-        y = c.binary("mul", y, alpha)
-    if beta != 1:
-        bias = c.binary("mul", bias, beta)
-    return c.binary("add", y, bias)
+    return _scaled_sum(c, bias, lambda: _mm(c, a, b), beta, alpha, a.shape[:-1] + (b.shape[-1],))
+
+
+@lowers(aten.addmv, doc="matmul of the matrix by the vector as a column, add (a zero alpha or beta drops its term)")
+def _addmv(c, bias, mat, vec, beta=1, alpha=1):
+    n, k = mat.shape
+    product = lambda: c.reshape(c.one("matmul", [mat, c.reshape(vec, (k, 1))], (n, 1), c.out_dtype()), (n,))
+    return _scaled_sum(c, bias, product, beta, alpha, (n,))
 
 
 # ---- convolution ------------------------------------------------------------------------------------
@@ -1556,13 +1678,21 @@ def _nchw(c, x):
         return x
     if len(x.shape) in (2, 3):
         return c.reshape(x, x.shape + (1,) * (4 - len(x.shape)))
-    raise c.error(f"batch norm of a {len(x.shape)}-D input is not supported (2-D to 4-D are)")
+    if len(x.shape) > 4:   # statistics per channel over the batch and every spatial position: merged
+        return c.reshape(x, x.shape[:2] + (int(np.prod(x.shape[2:-1])), x.shape[-1]))
+    raise c.error(f"batch norm of a {len(x.shape)}-D input is not supported (2-D and more are)")
+
+
+def _affine(c, x, w, b):
+    """A batch norm's weight and bias, ones and zeros without affine parameters."""
+    ch = (x.shape[1],)
+    return (w if w is not None else c.const(np.ones(ch), x.dtype),
+            b if b is not None else c.const(np.zeros(ch), x.dtype))
 
 
 @lowers(aten._native_batch_norm_legit_functional, doc="batch_norm (running statistics updated in place)")
 def _batch_norm(c, x, w, b, running_mean, running_var, training, momentum, eps):
-    if w is None or b is None:
-        raise c.error("batch norm without affine parameters is not supported")
+    w, b = _affine(c, x, w, b)
     x4 = _nchw(c, x)
     ins = [x4, w, b, running_mean, running_var]
     ch = (x.shape[1],)
@@ -1577,8 +1707,7 @@ def _batch_norm(c, x, w, b, running_mean, running_var, training, momentum, eps):
 
 @lowers(aten._native_batch_norm_legit_no_training, doc="batch_norm (running statistics)")
 def _batch_norm_inference(c, x, w, b, running_mean, running_var, momentum, eps):
-    if w is None or b is None:
-        raise c.error("batch norm without affine parameters is not supported")
+    w, b = _affine(c, x, w, b)
     x4 = _nchw(c, x)
     y = c.one("batch_norm", [x4, w, b, running_mean, running_var], x4.shape, x.dtype, training=False, eps=float(eps))
     return c.reshape(y, x.shape), Only("batch norm statistics"), Only("batch norm statistics")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -49,6 +50,7 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
+from torch._decomp.decompositions import _weight_norm_interface as weight_norm_interface
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
@@ -85,9 +87,65 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None
     return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
 
 
+def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Weight normalisation as PyTorch's decomposition of ``_weight_norm_interface`` composes it, so
+    that its gradient is that composition's (ATen's fused backward has no decomposition)."""
+    return weight_norm_interface(v, g, dim)[0]
+
+
+def _bilinear(x1: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x1^T W_o x2 (+ b_o) for each output o, as matrix products: ATen's ``_trilinear`` has no
+    decomposition."""
+    y = torch.einsum("...i,oij,...j->...o", x1, weight, x2)
+    return y if bias is None else y + bias
+
+
+def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                   mode="mean", sparse=False, per_sample_weights=None, include_last_offset=False, padding_idx=None):
+    """F.embedding_bag as an embedding and a scatter of its rows into their bags (sum, mean or max;
+    an empty bag is zeros, rows at padding_idx are left out): ATen's ``_embedding_bag`` has no
+    decomposition. A bag's position comes from the offsets on the device, so the offsets may be
+    data; their number fixes the number of bags."""
+    if max_norm is not None:
+        raise ValueError("embedding_bag with max_norm (renormalising the weight in place) is not supported on the IPU")
+    if mode not in ("sum", "mean", "max"):
+        raise ValueError(f"mode has to be one of sum, mean or max, got {mode!r}")
+    if per_sample_weights is not None and mode != "sum":
+        raise NotImplementedError(f"embedding_bag: per_sample_weights was not None. per_sample_weights is only "
+                                  f"supported for mode='sum' (got mode='{mode}'). Please open a feature request "
+                                  f"on GitHub.")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError("if input is 2D, then offsets has to be None, as input is treated is a mini-batch of "
+                             "fixed length sequences.")
+        offsets = torch.arange(0, input.numel(), input.size(1), device=input.device)
+        include_last_offset = False
+        input = input.reshape(-1)
+        if per_sample_weights is not None:
+            per_sample_weights = per_sample_weights.reshape(-1)
+    elif offsets is None:
+        raise ValueError("offsets has to be a 1D Tensor but got None")
+    bags = offsets.numel() - (1 if include_last_offset else 0)
+    positions = torch.arange(input.numel(), device=input.device)
+    bag = (offsets[:bags].unsqueeze(0) <= positions.unsqueeze(1)).sum(1) - 1
+    rows = F.embedding(input, weight)
+    keep = (torch.ones_like(input, dtype=weight.dtype) if padding_idx is None
+            else (input != padding_idx).to(weight.dtype))
+    count = weight.new_zeros(bags).index_add(0, bag, keep).unsqueeze(1)
+    if mode == "max":
+        rows = torch.where(keep.unsqueeze(1) > 0, rows, float("-inf"))
+        best = weight.new_full((bags, weight.size(1)), float("-inf"))
+        best = best.scatter_reduce(0, bag.unsqueeze(1).expand_as(rows), rows, "amax")
+        return torch.where(count > 0, best, 0.0)
+    weights = keep if per_sample_weights is None else keep * per_sample_weights
+    total = weight.new_zeros(bags, weight.size(1)).index_add(0, bag, rows * weights.unsqueeze(1))
+    return total if mode == "sum" else total / count.clamp(min=1)
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, torch.cdist: _cdist, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
+FUNCTIONS = {F.dropout: _dropout, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
+             F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
              overlap_output: library.overlap_output, ctc_decoder.ctc_beam_search_decoder: library.ctc_beam_search_decoder,
@@ -294,8 +352,14 @@ def final_loss(losses: list[tuple[torch.Tensor, Annotation]], outputs: list) -> 
 
     from_outputs = reach(outputs)
     candidates = [(t, a) for t, a in losses if t.grad_fn is not None and t.grad_fn in from_outputs]
-    if not candidates and any(t.grad_fn is None for t, _ in losses):
-        raise RuntimeError("the loss does not depend on any trainable parameter")
+    if not candidates:
+        # a loss of constants among the outputs (a model whose layers are all in eval mode or frozen):
+        # PopTorch trains it with zero gradients
+        constant = [(t, a) for t, a in losses if t.grad_fn is None and any(t is o for o in outputs)]
+        if len(constant) == 1:
+            candidates = constant
+        elif any(t.grad_fn is None for t, _ in losses):
+            raise RuntimeError("the loss does not depend on any trainable parameter")
     finals = [(t, a) for t, a in candidates
               if not any(o is not t and t.grad_fn in reach([o]) for o, _ in candidates)]
     if not finals:
@@ -405,6 +469,11 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             try:
                 with annotator, sdpa_kernel([SDPBackend.MATH]):
                     out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
+            except TypeError as e:
+                # torch's argument parser names the classes it got: the user passed Tensors
+                if "FakeTensor" not in str(e):
+                    raise
+                raise TypeError(re.sub(r"\bFakeTensor\b", "Tensor", str(e))).with_traceback(e.__traceback__) from None
             finally:
                 watch.remove()
         # outputs in any nesting of tuples, namedtuples, lists and dicts (subclasses too)
@@ -421,14 +490,17 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
                 else:
                     seed = loss * loss_scaling if loss_scaling != 1.0 else loss
             with fx_traceback.annotate({"pass": "bwd"}):
-                grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True)
+                grads = torch.autograd.grad(seed, [p[n] for n in wrt], allow_unused=True) if seed.requires_grad \
+                    else [None] * len(wrt)
             found["grads"] = [n for n, g in zip(wrt, grads) if g is not None]
             extra = [loss.detach()] + [g for g in grads if g is not None]
         return [t.detach() for t in tensors] + extra + [b[n] for n in bnames]
 
     flat = [(t[0] if n in per_replica else t).detach().requires_grad_(training and n in trainable)
             for n, t in params.items()]
-    flat += [t.detach() for t in buffers.values()] + [t for _, t in inputs]
+    # an input with autograd history (made by an in-place op on a tensor that requires grad) is
+    # data to the model: the compiler differentiates parameters only
+    flat += [t.detach() for t in buffers.values()] + [t.detach() for _, t in inputs]
     table = decompositions
     with fx_traceback.preserve_node_meta():
         # tensors the model makes or holds outside its parameters and buffers (torch.tensor(...)
