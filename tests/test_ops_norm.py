@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import ipusim as ip
 from ipusim.ops import norm as N
@@ -158,6 +158,7 @@ def test_running_stats_estimator():
 
 @settings(max_examples=12, deadline=None)
 @given(shape=st.lists(st.integers(1, 6), min_size=2, max_size=4), nd=st.integers(1, 2), seed=st.integers(0, 999))
+@example(shape=[2, 4, 4, 2], nd=1, seed=506)  # a 2-element row of close values: 1/std is large
 def test_property_layer_norm_shapes(shape, nd, seed):
     nd = min(nd, len(shape))
     xv, dyv = data(seed, tuple(shape), tuple(shape))
@@ -172,5 +173,14 @@ def test_property_layer_norm_shapes(shape, nd, seed):
     ref = F.layer_norm(xt, tuple(shape[-nd:]), wt, None, EPS)
     ref.backward(t64(dyv))
     close(got[0], ref.detach().numpy(), "y", tol=1e-4)
-    close(got[1], xt.grad.numpy(), "dx", tol=1e-3)  # tiny rows (1 or 2 elements) are ill-conditioned
+    # dx is a cancelling difference scaled by 1/std, and the float32 variance of a row of close
+    # values is itself off by eps*(|x|/std)^2, so float32 rounding bounds dx's error per row by
+    # eps * 1/std * max|w*dy| * (1 + (max|x|/std)^2); a flat tolerance fails on 2-element rows.
+    red = tuple(range(len(shape) - nd, len(shape)))
+    inv_std64 = 1 / np.sqrt(xv.astype(np.float64).var(axis=red, keepdims=True) + EPS)
+    bound = inv_std64 * np.abs(dyv * wv).max(axis=red, keepdims=True) * (
+        1 + (np.abs(xv).max(axis=red, keepdims=True) * inv_std64) ** 2)
+    err = np.abs(got[1] - xt.grad.numpy())
+    allowed = 1e-5 + 16 * np.finfo(np.float32).eps * bound
+    assert (err <= allowed).all(), f"dx off by {err.max():.3g} where float32 rounding allows {allowed.min():.3g}"
     close(got[2], wt.grad.numpy(), "dweight", tol=1e-4)
