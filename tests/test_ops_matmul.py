@@ -186,6 +186,44 @@ def test_k_split_path_is_correct_and_reduces_partials(mode):
     assert e.memory[0].fits
 
 
+@pytest.mark.parametrize("out_dtype", ["float16", "float32"])
+def test_half_partials_halve_the_k_splits_bytes_and_round_each_slice(out_dtype):
+    """PopLibs' partialsType "half": the K-split's partials are float16 (half the bytes written,
+    exchanged and held), the reduction reads 4 a vector, each slice's sum is rounded to float16;
+    with half partials both modes give the same bits (float ones: each within float32 rounding)."""
+    target = ip.Target.test(16, 64 * 1024)
+    shapes = ((48, 256), (256, 32))
+    rng = np.random.default_rng(7)
+    A, B = operands(rng, *shapes, dtype=np.float16)
+    got, cycles, peaks = {}, {}, {}
+    for partials in ("float", "half"):
+        plan = plan_matmul(target, *shapes, "float16", out_dtype, k_split=4, partials=partials)
+        assert plan.partials_dtype == ("float16" if partials == "half" else "float32")
+        for mode in MODES:
+            g, a, b, c, prog = build(target, *shapes, "float16", out_dtype=out_dtype, k_split=4, partials=partials)
+            part = next(v for v in g.variables if v.name == "matmul/partials")
+            assert part.dtype == np.dtype(plan.partials_dtype)
+            got[partials, mode], cycles[partials, mode], e = run(g, prog, mode, {a: A, b: B}, c)
+            peaks[partials] = e.memory[0].not_always_live_peak.max()
+        assert cycles[partials, "strict"] == cycles[partials, "fast"]
+    np.testing.assert_array_equal(got["half", "strict"], got["half", "fast"])
+    assert cycles["half", "fast"] < cycles["float", "fast"] and peaks["half"] < peaks["float"]
+    # each K slice's sum rounded to float16, the slices added exactly, rounded once to the output
+    a64, b64 = A.astype(np.float64), B.astype(np.float64)
+    step = 256 // 4
+    want = sum((a64[:, k:k + step] @ b64[k:k + step]).astype(np.float16).astype(np.float64) for k in range(0, 256, step))
+    np.testing.assert_array_equal(got["half", "strict"], want.astype(out_dtype))
+    assert not np.array_equal(got["half", "strict"], got["float", "strict"])
+
+
+def test_half_partials_apply_to_float16_operands_only():
+    target = ip.Target.test(16, 6 * 1024)
+    assert plan_matmul(target, (32, 64), (64, 32), "float32", partials="half").partials == "float32"
+    assert plan_matmul(target, (32, 64), (64, 32), "float16", partials="half").partials == "float16"
+    with pytest.raises(ValueError, match="partials type 'quarter' is not supported; use 'float'"):
+        plan_matmul(target, (32, 64), (64, 32), "float16", partials="quarter")
+
+
 def test_planner_working_set_is_the_measured_peak():
     for target, (m, k, n) in [(ip.Target.test(16, 6 * 1024), (32, 64, 32)), (ROOMY, (32, 64, 32)),
                               (ip.Target.test(16, 64 * 1024), (33, 70, 20))]:

@@ -152,3 +152,35 @@ def test_keep_precision_for_half_inputs():
     got = poptorch.inferenceModel(Half())(x, w)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), x.float() @ w.float(), rtol=0.01, atol=0.05)
+
+
+def test_half_partials_from_precision_options_shrink_the_k_split_and_keep_torch_values():
+    """Precision.setPartialsType(torch.half): a float16 product's K-split writes float16 partials
+    (PopLibs' partialsType "half"): fewer cycles and bytes than float partials, values within
+    float16 rounding of each K slice."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 4096).half(), torch.randn(4096, 64).half()
+
+    class Half(torch.nn.Module):
+        def forward(self, x, w):
+            return x @ w
+
+    runs = {}
+    for partials in (torch.float, torch.half):
+        opts = poptorch.Options().logCycleCount(True)
+        opts.Precision.setPartialsType(partials)
+        model = poptorch.inferenceModel(Half(), opts)
+        got = model(x, w)
+        part = [v for v in model._executable.engine.device.graphs[0].variables if v.name.endswith("/partials")]
+        runs[partials] = part, model.cycleCount()
+        assert part and {v.dtype for v in part} == {np.dtype("float16" if partials == torch.half else "float32")}
+        torch.testing.assert_close(got.float(), x.float() @ w.float(), rtol=0.01, atol=0.5)
+    assert sum(v.nbytes for v in runs[torch.half][0]) * 2 == sum(v.nbytes for v in runs[torch.float][0])
+    assert runs[torch.half][1] < runs[torch.float][1]
+
+
+def test_a_partials_type_popart_does_not_know_is_an_error():
+    opts = poptorch.Options()
+    opts._Popart.set("partialsTypeMatMuls", "quarter")
+    with pytest.raises(poptorch.Error, match="partialsTypeMatMuls must be 'float' or 'half', got 'quarter'"):
+        poptorch.inferenceModel(torch.nn.Linear(4, 4), opts)(torch.rand(2, 4))

@@ -6,9 +6,15 @@ reduction dimension K form a 4-D grid; a plan splits (B, M, N, K) into (pb, pm, 
 blocks, one block per tile, the blocks spread evenly over the IPU's tiles. A tile receives by
 exchange its A block [bb, bm, bk] and B block [bb, bk, bn] and computes their product over its K
 slice. With pk = 1 that is its piece of C, which lives on that tile. With pk > 1 (the K-split)
-each tile writes float32 partials; a second exchange brings, for every output element, its pk
+each tile writes partials; a second exchange brings, for every output element, its pk
 partials to the tile that owns the element (C is then spread linearly over all tiles) and a
 reduce compute set sums them and rounds once to the output dtype.
+
+Partials are float32 unless the caller asks for float16 ones (PopLibs' `partialsType` "half",
+which PopTorch's `Precision.setPartialsType(torch.half)` sets) and the operands are float16: a
+float32 product keeps float32 partials, as PopLibs does. Half partials halve the bytes the
+K-split writes, exchanges and holds, and the reduction reads 4 of them per 64-bit vector instead
+of 2; each is the block's sum over its K slice rounded to float16.
 
 Candidate splits of a dimension of size d: the smallest part counts giving the block sizes of
 1, 2, 3, 4, 6, 8, 12, ... parts (powers of two and 1.5 times powers of two) and of min(d, tiles)
@@ -47,13 +53,14 @@ Cycle estimators (thread cycles = instructions x workers per tile):
     fitted; against tessellate-ipu's per-tile measurement on Bow (fp16 [N,16] @ [16,16], N = 16 to
     2048, benchmarks/calibration.py) they are within 2.1% (ipusim.device.model_error). The float32
     path has no published per-tile measurement here: it uses the same structure at the float32 peak.
-  reduce of r float32 partials into n outputs, a worker vertex:
-      thread_cycles(17 + ceil(n / 2) * (r + 3))
+  reduce of r partials into n outputs, a worker vertex:
+      thread_cycles(17 + ceil(n / v) * (r + 3)),  v = 2 float32 or 4 float16 partials
     like PopLibs' reduce estimator (popops CycleEstimationFunctions.cpp): one load-and-add per
-    partial and 64-bit vector (2 floats), 3 more per vector to convert and store, 17 non-loop.
+    partial and 64-bit vector, 3 more per vector to convert and store, 17 non-loop.
 
 Numerics: strict vertices accumulate in float64 and round once to the partials or output dtype;
-the fast mode calls BLAS on whole arrays (float16 operands in float32, rounded once).
+the fast mode calls BLAS on whole arrays (float16 operands in float32, rounded once), and with
+float16 partials on each K slice in float64, rounding every slice's sum to float16 as the tiles do.
 
 Serialised matmul (`serialized_matmul`, PopART's serializeMatMuls): the product runs as `factor`
 smaller products one after the other, split along the rows of the result ("input_channels"),
@@ -85,6 +92,7 @@ from . import elementwise as ew
 from .common import GRAIN, box_runs, gather_boxes, map_boxes, new_output, placed, region_work
 
 PARTIALS = np.dtype(np.float32)
+"""The default partials type (PopLibs' matmul and convolution option `partialsType`, "float")."""
 AVAILABLE_MEMORY_PROPORTION = 0.6
 FLOAT_DTYPES = ("float16", "float32")
 
@@ -137,9 +145,10 @@ def amp_partial_cycles(groups, m, n, k, dtype, target: Target):
                         + in_groups * out_groups * one_pass))
 
 
-def reduce_cycles(n, r, target: Target):
-    """Cycles of one worker summing r float32 partials into n outputs (see module doc)."""
-    return target.workers_per_tile * (17 + ceil_div(n, 2) * (r + 3))
+def reduce_cycles(n, r, target: Target, partials=PARTIALS):
+    """Cycles of one worker summing r partials into n outputs (see module doc): a 64-bit vector
+    holds 2 float32 or 4 float16 partials."""
+    return target.workers_per_tile * (17 + ceil_div(n, 8 // np.dtype(partials).itemsize) * (r + 3))
 
 
 # ---- codelets --------------------------------------------------------------------------------
@@ -182,7 +191,7 @@ def _matmul_vertex_cycles(sizes, params, dtype, target):
 
 
 def _reduce_vertex_cycles(sizes, params, dtype, target):
-    return reduce_cycles(sizes["out"], params[:, 0].astype(np.int64), target)
+    return reduce_cycles(sizes["out"], params[:, 0].astype(np.int64), target, dtype)
 
 
 def _matmul_vertex(a_cols: bool, b_cols: bool) -> VertexType:
@@ -268,11 +277,11 @@ def linear_tile_elements(numel: int, num_tiles: int) -> int:
     return min(numel, per)
 
 
-def partials_variable(graph: Graph, sizes: list[int], tiles, name: str) -> tuple[Tensor, np.ndarray]:
-    """A float32 temporary holding consecutive partial blocks, block i on tiles[i]; returns it and
-    the block offsets."""
+def partials_variable(graph: Graph, sizes: list[int], tiles, name: str, dtype=PARTIALS) -> tuple[Tensor, np.ndarray]:
+    """A temporary of `dtype` (float32 partials by default) holding consecutive partial blocks,
+    block i on tiles[i]; returns it and the block offsets."""
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-    part = graph.addVariable(PARTIALS, (int(offsets[-1]),), name, category="temporaries", always_live=False)
+    part = graph.addVariable(np.dtype(dtype), (int(offsets[-1]),), name, category="temporaries", always_live=False)
     part.var.mapping = TileMap.from_lengths(sizes, tiles)
     return part, offsets
 
@@ -341,6 +350,7 @@ class MatMulPlan:
     cycles: int                          # the planner's estimate
     bytes_per_tile: int                  # working set of the busiest tile
     fits: bool                           # working set within the available memory proportion
+    partials: str = PARTIALS.name        # dtype of the K-split's partials
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -357,7 +367,7 @@ class MatMulPlan:
 
     @property
     def partials_dtype(self) -> str:
-        return PARTIALS.name if self.k_split > 1 else self.out_dtype
+        return self.partials if self.k_split > 1 else self.out_dtype
 
 
 def matmul_dims(a_shape, b_shape, what: str = "matmul") -> tuple[int, int, int, int]:
@@ -378,12 +388,25 @@ def matmul_dims(a_shape, b_shape, what: str = "matmul") -> tuple[int, int, int, 
     return dims
 
 
-def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype):
+def partials_type(partials, dtype, what: str = "matmul") -> np.dtype:
+    """The partials dtype of a product of `dtype` operands when `partials` ("float32"/"float",
+    "float16"/"half", or None for the default) is asked for: float16 only for float16 operands."""
+    if partials is None:
+        return PARTIALS
+    names = {"float": "float32", "half": "float16"}
+    name = names.get(partials, partials) if isinstance(partials, str) else np.dtype(partials).name
+    if name not in FLOAT_DTYPES:
+        raise ValueError(f"{what}: partials type {partials!r} is not supported; use 'float' (float32) or 'half' "
+                         "(float16)")
+    return np.dtype(name) if np.dtype(dtype) == np.float16 else PARTIALS
+
+
+def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype, partials=PARTIALS):
     """(cycles, working-set bytes) of every candidate split (rows of `splits`), vectorised."""
     B, M, N, K = dims
     pb, pm, pn, pk = (splits[:, i] for i in range(4))
     bb, bm, bn, bk = ceil_div(B, pb), ceil_div(M, pm), ceil_div(N, pn), ceil_div(K, pk)
-    isz, osz, psz = np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize, PARTIALS.itemsize
+    isz, osz, psz = np.dtype(dtype).itemsize, np.dtype(out_dtype).itemsize, np.dtype(partials).itemsize
     workers, tiles, xb, sync = (target.workers_per_tile, target.num_tiles, target.exchange_bytes_per_cycle,
                                 target.sync_cycles)
     compute = amp_partial_cycles(bb, bm, bn, bk, dtype, target) + target.vertex_overhead_cycles
@@ -396,7 +419,7 @@ def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype):
     out_tile = linear_tile_elements(B * M * N, tiles)
     gathered = pk * out_tile * psz
     reduction = (ceil_div(np.maximum(gathered, bb * bm * bn * psz), xb) + 2 * sync
-                 + reduce_cycles(ceil_div(out_tile, workers), pk, target) + target.vertex_overhead_cycles)
+                 + reduce_cycles(ceil_div(out_tile, workers), pk, target, partials) + target.vertex_overhead_cycles)
     cycles = cycles + np.where(split, reduction, 0)
     memory = np.maximum(memory, np.where(split, block_out + gathered + out_tile * osz, 0))
     return cycles, memory
@@ -404,24 +427,26 @@ def _matmul_model(target: Target, dims, splits: np.ndarray, dtype, out_dtype):
 
 def plan_matmul(target: Target, a_shape, b_shape, dtype="float32", out_dtype=None,
                 available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION,
-                k_split: int | None = None) -> MatMulPlan:
+                k_split: int | None = None, partials=None) -> MatMulPlan:
     """The tile plan `matmul` uses for these shapes and dtypes (see the module doc); with
-    `k_split`, among the splits that cut K into that many parts (a K-split candidate)."""
+    `k_split`, among the splits that cut K into that many parts (a K-split candidate); `partials`
+    as `partials_type` takes it."""
     B, M, K, N = matmul_dims(a_shape, b_shape)
     check_proportion(available_memory_proportion, "matmul")
     dtype = np.dtype(dtype)
     out_dtype = np.dtype(out_dtype) if out_dtype is not None else dtype
+    partials = partials_type(partials, dtype)
     dims = (B, M, N, K)
     splits = split_grid(dims, target.num_tiles)
     if k_split is not None:
         splits = splits[splits[:, 3] == k_split]
         if not len(splits):
             raise ValueError(f"matmul: K = {K} cannot be split into {k_split} parts on {target.num_tiles} tiles")
-    cycles, memory = _matmul_model(target, dims, splits, dtype, out_dtype)
+    cycles, memory = _matmul_model(target, dims, splits, dtype, out_dtype, partials)
     budget = available_memory_proportion * target.bytes_per_tile
     best = choose_split(cycles, memory, budget, np.stack([splits.prod(axis=1), splits[:, 3]], axis=1))
     return MatMulPlan(dims, tuple(int(s) for s in splits[best]), dtype.name, out_dtype.name,
-                      int(cycles[best]), int(memory[best]), bool(memory[best] <= budget))
+                      int(cycles[best]), int(memory[best]), bool(memory[best] <= budget), partials.name)
 
 
 # ---- the op ----------------------------------------------------------------------------------
@@ -446,12 +471,14 @@ def _operand_blocks(graph: Graph, body: Sequence, t: Tensor, shape3: tuple, firs
 
 
 def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matmul", *, out_dtype=None,
-           available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION, k_split: int | None = None) -> Tensor:
+           available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION, k_split: int | None = None,
+           partials=None) -> Tensor:
     """C = a @ b for a[M, K] @ b[K, N] or batched a[B, M, K] @ b[B, K, N] (float16 or float32).
 
     `out_dtype` (default: the operands' dtype) sets the result's dtype, e.g. float32 results of
     float16 operands. The plan is `plan_matmul(graph.target, a.shape, b.shape, ...)`, with K cut
-    into `k_split` parts when given.
+    into `k_split` parts when given; `partials` ("half" or "float", default float) is PopLibs'
+    partialsType, honoured for float16 operands.
     """
     B, M, K, N = matmul_dims(a.shape, b.shape, name)
     dtype = float_dtype(a, name)
@@ -459,7 +486,7 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
         raise TypeError(f"{name}: operands {a.name!r} ({dtype.name}) and {b.name!r} ({b.dtype.name}) have "
                         "different dtypes; cast one first")
     odt = output_dtype(out_dtype, dtype, name)
-    plan = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion, k_split)
+    plan = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion, k_split, partials)
     pb, pm, pn, pk = plan.splits
     out_shape = (B, M, N) if a.rank == 3 else (M, N)
     first, extent = block_grid((B, M, N, K), plan.splits)  # per block, (b, m, n, k)
@@ -477,7 +504,7 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
     rhs, rhs_at, b_cols = _operand_blocks(graph, body, b, (B, K, N), first[:, [0, 3, 2]], extent[:, [0, 3, 2]], tiles,
                                           f"{name}/rhs")
     if pk > 1:
-        part, part_at = partials_variable(graph, bb * bm * bn, tiles, f"{name}/partials")
+        part, part_at = partials_variable(graph, bb * bm * bn, tiles, f"{name}/partials", plan.partials)
     cs = graph.addComputeSet(f"{name}/product")
     # one supervisor vertex per block: its batch entries are the vertex's groups, each operand block
     # is contiguous where it was gathered, the output is bm rows of bn per entry
@@ -499,8 +526,13 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
                                                             part_at)
         reduce_partials(graph, body, part, pk, split, element, part_start, length, out, name)
 
+    half_slices = half_partial_slices(plan)
+
     def fast(io):
         x, y = io.read(a), io.read(b)
+        if half_slices:
+            io.write(out, sum_of_half_partials(x, y, half_slices).astype(odt))
+            return
         if dtype != np.float32:
             x, y = x.astype(np.float32), y.astype(np.float32)
         res = io.output(out) if odt == np.float32 else None
@@ -513,6 +545,19 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
     return out
 
 
+def half_partial_slices(plan: MatMulPlan) -> list[tuple[int, int]]:
+    """The K slices whose sums a plan rounds to float16 partials ([] without float16 partials)."""
+    return ranges(plan.shape[3], plan.k_split) if plan.partials_dtype == "float16" and plan.k_split > 1 else []
+
+
+def sum_of_half_partials(x: np.ndarray, y: np.ndarray, k_slices) -> np.ndarray:
+    """x @ y as tiles with float16 partials compute it: each K slice's sum rounded to float16, the
+    slices added in float64 (the fast mode's twin of the partials and reduce vertices)."""
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    return sum(np.matmul(x[..., k0:k1], y[..., k0:k1, :]).astype(np.float16).astype(np.float64)
+               for k0, k1 in k_slices)
+
+
 # ---- serialised matmul ----------------------------------------------------------------------------
 SERIALIZATION_MODES = {"input_channels": "M (the rows of the result)", "reducing_dim": "K (the reduced dimension)",
                        "output_channels": "N (the columns of the result)"}
@@ -520,10 +565,11 @@ SERIALIZATION_MODES = {"input_channels": "M (the rows of the result)", "reducing
 
 def serialized_matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, mode: str, factor: int,
                       name: str = "matmul", *, keep_precision: bool = False, out_dtype=None,
-                      available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION) -> Tensor:
+                      available_memory_proportion: float = AVAILABLE_MEMORY_PROPORTION, partials=None) -> Tensor:
     """C = a[M, K] @ b[K, N] as `factor` matmuls one after the other, split along `mode`
     ("input_channels": M, "reducing_dim": K, "output_channels": N), which `factor` must divide
-    (see the module doc). `keep_precision` adds float16 reducing-dimension pieces in float32."""
+    (see the module doc). `keep_precision` adds float16 reducing-dimension pieces in float32;
+    `partials` is the pieces' partials type (as `matmul` takes it)."""
     if mode not in SERIALIZATION_MODES:
         raise ValueError(f"{name}: unknown serialisation mode {mode!r}; use one of {sorted(SERIALIZATION_MODES)}")
     if a.rank != 2 or b.rank != 2:
@@ -536,12 +582,16 @@ def serialized_matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, mode: 
                          f"{SERIALIZATION_MODES[mode]} = {size}")
     dtype = float_dtype(a, name)
     odt = output_dtype(out_dtype, dtype, name)
-    budget = {"available_memory_proportion": available_memory_proportion}
+    budget = {"available_memory_proportion": available_memory_proportion, "partials": partials}
     body = Sequence(name=name)
+    pieces = ranges(K, factor) if mode == "reducing_dim" else ranges(size, factor)
     if mode == "reducing_dim":
         pdt = PARTIALS if keep_precision or odt == PARTIALS else odt
         acc = None
-        for i, (k0, k1) in enumerate(ranges(K, factor)):
+        piece_slices = [half_partial_slices(plan_matmul(graph.target, (M, k1 - k0), (k1 - k0, N), dtype, pdt,
+                                                        available_memory_proportion, partials=partials))
+                        for k0, k1 in pieces]
+        for i, (k0, k1) in enumerate(pieces):
             piece = matmul(graph, a[:, k0:k1], b[k0:k1, :], body, f"{name}/piece{i}", out_dtype=pdt, **budget)
             if acc is None:
                 acc = piece
@@ -549,22 +599,26 @@ def serialized_matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, mode: 
                 ew.binary(graph, "add", acc, piece, body, f"{name}/piece{i}/accumulate", out=acc)
         out = acc if pdt == odt else ew.cast(graph, acc, odt, body, f"{name}/cast")
     else:   # each piece sums over K as the whole product would: in the same parts
-        k_split = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion).k_split
+        whole = plan_matmul(graph.target, a.shape, b.shape, dtype, odt, available_memory_proportion, partials=partials)
+        k_split, whole_slices = whole.k_split, half_partial_slices(whole)
         out = new_output(graph, odt, (M, N), name)
-        for i, (lo, hi) in enumerate(ranges(size, factor)):
+        for i, (lo, hi) in enumerate(pieces):
             rows, cols = (slice(lo, hi), slice(None)) if mode == "input_channels" else (slice(None), slice(lo, hi))
             piece = matmul(graph, a[rows, :], b[:, cols], body, f"{name}/piece{i}", out_dtype=odt, k_split=k_split,
                            **budget)
             body.add(Copy(piece, out[rows, cols]))
 
+    def product(x, y, half_slices):
+        return sum_of_half_partials(x, y, half_slices) if half_slices else np.matmul(x, y)
+
     def fast(io):
         x, y = io.read(a).astype(np.float32), io.read(b).astype(np.float32)
         if mode != "reducing_dim":   # every element is the same sum as in one product
-            io.write(out, np.matmul(x, y).astype(odt))
+            io.write(out, product(x, y, whole_slices).astype(odt))
             return
         total = None
-        for k0, k1 in ranges(K, factor):
-            piece = np.matmul(x[:, k0:k1], y[k0:k1, :]).astype(pdt)
+        for (k0, k1), half_slices in zip(pieces, piece_slices):
+            piece = product(x[:, k0:k1], y[k0:k1, :], half_slices).astype(pdt)
             total = piece if total is None else (total + piece).astype(pdt)
         io.write(out, total.astype(odt))
 

@@ -436,7 +436,8 @@ class _PrecisionOptions(_OptionGroup):
 
     def setPartialsType(self, dtype: torch.dtype) -> "_PrecisionOptions":
         """Dtype of matmul and convolution partials: ``torch.float`` or
-        ``torch.half``."""
+        ``torch.half`` (float16 matmuls then write float16 partials where they
+        split the reduced dimension; the emulated convolutions keep float32)."""
         names = {torch.float32: "float", torch.float16: "half"}
         if dtype not in names:
             raise TypeError("Precision.setPartialsType expects torch.float or "

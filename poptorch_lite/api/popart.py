@@ -339,8 +339,11 @@ SESSION_OPTIONS: dict[str, SessionOption] = {
         automaticLossScalingSettings.thresholdUpperCountProportion
         automaticLossScalingSettings.binEdgeLocation"""),
     **_options("string", """
-        partialsTypeMatMuls customCodeletCompileFlags serializedPoprithmsShiftGraphsDir kahnTieBreaker
-        saveInitializersToFile"""),
+        customCodeletCompileFlags serializedPoprithmsShiftGraphsDir kahnTieBreaker saveInitializersToFile"""),
+    "partialsTypeMatMuls": SessionOption(
+        "partialsTypeMatMuls", "string",
+        effect="'half': float16 matmuls write float16 partials when they split the reduced dimension over "
+               "tiles (ipusim.ops.matmul), halving those bytes and their exchange (Precision.setPartialsType)"),
     "logDir": SessionOption(
         "logDir", "string", effect="ignored, as in PopTorch: Options.logDir() sets the log directory"),
     "cachePath": SessionOption(

@@ -17,6 +17,7 @@ from ipusim.device.memory import check_fits
 
 from ..api import phases
 from ..api.enums import ConnectionType, Liveness
+from ..api.errors import Error
 from ..api.multiconv import entered_groups, reset_groups
 from ..api.optim import loss_scaling
 from . import recompute
@@ -120,6 +121,16 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
     return ir, placement
 
 
+def matmul_partials(options) -> str | None:
+    """PopLibs' partialsType for the matmuls (`Precision.setPartialsType`, PopART's
+    partialsTypeMatMuls): "half" or "float" (None: unset, float)."""
+    value = options._Popart.get("partialsTypeMatMuls")
+    if value is not None and value not in ("float", "half"):
+        raise Error(f"_Popart option partialsTypeMatMuls must be 'float' or 'half', got {value!r}; "
+                    "Precision.setPartialsType(torch.half) sets it")
+    return value
+
+
 def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Target, optimizer, named_weights: dict,
                      *, check_memory: bool = True, variable_groups: dict | None = None) -> Executable:
     """Lower the IR once per replica onto one device (replica r on IPUs r*N .. r*N+N-1), add the
@@ -147,7 +158,7 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
                           schedule, replica=r, prefix=f"r{r}/" if replicas > 1 else "", locations=locations,
                           running_mean=optimizer is not None and running_mean(options),
                           accumulator_dtypes=accumulator_dtypes(optimizer, named_weights) if optimizer is not None else {},
-                          loss_scaling=scaling, templates=templates)
+                          loss_scaling=scaling, templates=templates, matmul_partials=matmul_partials(options))
                  for r in range(replicas)]
     for low in lowerings:
         low.build()

@@ -139,8 +139,10 @@ class Lowering:
 
     def __init__(self, ir: IRGraph, device: ip.Device, programs: list, stage_ipus: dict[int, int], schedule, *,
                  replica: int = 0, prefix: str = "", locations: Locations = Locations(), running_mean: bool = False,
-                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None, templates: dict | None = None):
+                 accumulator_dtypes: dict[str, str] | None = None, loss_scaling=None, templates: dict | None = None,
+                 matmul_partials: str | None = None):
         self.ir = ir
+        self.matmul_partials = matmul_partials   # PopLibs' partialsType of the matmuls ("half"), None: float
         self.running_mean = running_mean    # MeanReductionStrategy.Running: accumulators hold a running mean
         self.accumulator_dtypes = accumulator_dtypes or {}   # param name -> dtype (the optimiser's accum_type)
         self.loss_scaling = loss_scaling    # the loss scale of training (compiler/loss_scaling.py), or None
@@ -680,10 +682,11 @@ def _memory(a):
 @lowers("matmul")
 def _matmul(ctx, n, ins):
     a = n.attrs
+    partials = ctx.lowering.matmul_partials   # Precision.setPartialsType: honoured for float16 operands
     if a.get("serialization", "none") != "none":
         return [mm.serialized_matmul(ctx.graph, ins[0], ins[1], ctx.prog, a["serialization"], a["factor"], ctx.name,
-                                     keep_precision=a["keep_precision"], **_memory(a))]
-    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, **_memory(a))]
+                                     keep_precision=a["keep_precision"], partials=partials, **_memory(a))]
+    return [mm.matmul(ctx.graph, ins[0], ins[1], ctx.prog, ctx.name, partials=partials, **_memory(a))]
 
 
 def _conv_args(a):
