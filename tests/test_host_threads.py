@@ -283,3 +283,24 @@ def test_training_gives_the_same_bits_on_one_two_or_auto_threads():
         torch.testing.assert_close(other_losses, losses, rtol=0, atol=0)
         for name, value in params.items():
             np.testing.assert_array_equal(other_params[name].numpy(), value.numpy(), err_msg=name)
+
+
+@pytest.mark.skipif(blas._OPENBLAS is None, reason="needs NumPy's OpenBLAS to read its thread count")
+def test_a_product_too_small_to_split_runs_on_one_blas_thread(monkeypatch):
+    get, set_ = blas._OPENBLAS
+    before = get()
+    seen = []
+    real = np.matmul
+    monkeypatch.setattr(blas.np, "matmul", lambda *a, **k: (seen.append(get()), real(*a, **k))[1])
+    side = 16
+    while 2 * side ** 3 < blas.SMALL_GEMM_FLOPS:
+        side *= 2
+    small, large = np.ones((3, 16, 16), np.float32), np.ones((side, side), np.float32)
+    set_(2)
+    try:
+        np.testing.assert_array_equal(blas.matmul(small, small), real(small, small))   # stacked: per matrix
+        out = np.empty((side, side), np.float32)
+        assert blas.matmul(large, large, out=out) is out
+        assert seen == [1, 2] and get() == 2
+    finally:
+        set_(before)

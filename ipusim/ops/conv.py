@@ -48,6 +48,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit, prange
 
+from ..device import blas
 from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.mapping import readonly
@@ -646,11 +647,11 @@ def conv_numpy(x, w, stride=1, padding=0, dilation=1, groups=1, out=None) -> np.
     if positions >= PER_SAMPLE:
         per_sample = cols.reshape(groups, -1, n, positions).transpose(2, 0, 1, 3)  # [N, G, C/G*taps, positions]
         if out is not None and out.flags.c_contiguous:  # (a reshape of a strided `out` would be a copy)
-            np.matmul(wg, per_sample, out=out.reshape(n, groups, o // groups, positions))
+            blas.matmul(wg, per_sample, out=out.reshape(n, groups, o // groups, positions))
             return out
-        y = np.matmul(wg, per_sample).reshape(shape)
+        y = blas.matmul(wg, per_sample).reshape(shape)
     else:  # [G, O/G, N*positions] in order
-        y = np.moveaxis(np.matmul(wg, cols).reshape((o, n) + shape[2:]), 0, 1)
+        y = np.moveaxis(blas.matmul(wg, cols).reshape((o, n) + shape[2:]), 0, 1)
     if out is None:
         return y
     out[...] = y
@@ -670,7 +671,7 @@ def conv_backward_input_numpy(dy, w, input_shape, stride=1, padding=0, dilation=
     og = o // groups
     k, size, outs = _lead(w.shape[2:], 1), _lead(input_shape[2:], 1), _lead(dy.shape[2:], 1)
     wt = w.reshape(groups, og, cg * int(np.prod(k))).transpose(0, 2, 1)
-    patches = np.matmul(wt, _by_group(dy, groups))
+    patches = blas.matmul(wt, _by_group(dy, groups))
     padded = tuple(v + 2 * pad for v, pad in zip(size, p))
     dxp = kernel_array(out if not any(p) else None, (n, groups, cg) + padded, np.float32)
     dxp.fill(0)
@@ -694,10 +695,10 @@ def conv_backward_weights_numpy(dy, x, weight_shape, stride=1, padding=0, dilati
     n = dy.shape[0]
     pieces = _sample_pieces(n, positions) if cg * int(np.prod(k)) * (o // groups) <= THIN_PRODUCT else 1
     if pieces == 1:
-        dw = np.matmul(cols, grads.transpose(0, 2, 1))
+        dw = blas.matmul(cols, grads.transpose(0, 2, 1))
     else:
         cut = lambda a: a.reshape(groups, a.shape[1], pieces, -1).transpose(2, 0, 1, 3)  # noqa: E731
-        dw = np.matmul(cut(cols), cut(grads).transpose(0, 1, 3, 2)).sum(axis=0)
+        dw = blas.matmul(cut(cols), cut(grads).transpose(0, 1, 3, 2)).sum(axis=0)
     return dw.transpose(0, 2, 1).reshape(weight_shape)
 
 

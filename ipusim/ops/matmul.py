@@ -81,6 +81,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ..device import blas
 from ..device.graph import Graph
 from ..device.kernels import JIT, ld, st
 from ..device.program import Copy, Execute, OpProgram, Sequence
@@ -537,9 +538,9 @@ def matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, name: str = "matm
             x, y = x.astype(np.float32), y.astype(np.float32)
         res = io.output(out) if odt == np.float32 else None
         if res is None:
-            io.write(out, np.matmul(x, y))
+            io.write(out, blas.matmul(x, y))
         else:
-            np.matmul(x, y, out=res)
+            blas.matmul(x, y, out=res)
 
     prog.add(OpProgram(name, body, fast, (a, b), (out,)))
     return out
@@ -554,7 +555,7 @@ def sum_of_half_partials(x: np.ndarray, y: np.ndarray, k_slices) -> np.ndarray:
     """x @ y as tiles with float16 partials compute it: each K slice's sum rounded to float16, the
     slices added in float64 (the fast mode's twin of the partials and reduce vertices)."""
     x, y = x.astype(np.float64), y.astype(np.float64)
-    return sum(np.matmul(x[..., k0:k1], y[..., k0:k1, :]).astype(np.float16).astype(np.float64)
+    return sum(blas.matmul(x[..., k0:k1], y[..., k0:k1, :]).astype(np.float16).astype(np.float64)
                for k0, k1 in k_slices)
 
 
@@ -609,7 +610,7 @@ def serialized_matmul(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, mode: 
             body.add(Copy(piece, out[rows, cols]))
 
     def product(x, y, half_slices):
-        return sum_of_half_partials(x, y, half_slices) if half_slices else np.matmul(x, y)
+        return sum_of_half_partials(x, y, half_slices) if half_slices else blas.matmul(x, y)
 
     def fast(io):
         x, y = io.read(a).astype(np.float32), io.read(b).astype(np.float32)
