@@ -197,3 +197,92 @@ def test_lamb_steps_on_the_cpu_with_its_loss_scaling():
         (model(x, y)[1] * scale).backward()
         opt.step()
     torch.testing.assert_close(models[0].lin.weight, models[1].lin.weight)
+
+
+# ---- the device state in optimizer.state_dict(): PopTorch's ipu_state and ipu_param -----------------
+def test_state_dict_holds_the_device_state_and_variable_hyperparameters_by_popart_name():
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.05, weight_decay=0.025, loss_scaling=0.75)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    assert opt.state_dict()["ipu_state"] is None and opt.state_dict()["ipu_param"] is None   # not compiled
+    training(*batch())
+    state = opt.state_dict()
+    params = state["ipu_param"]
+    assert params["learningRate___specific___lin.weight"].item() == pytest.approx(0.05)
+    assert params["weightDecay___specific___lin.bias"].item() == pytest.approx(0.025)
+    assert params["lossScaling_FLOAT"].item() == pytest.approx(0.75)
+    assert not any(k.startswith(("adamBeta1", "adamEps")) for k in params)   # constants are no tensors
+    # the moments after one step are torch's
+    cpu = torch.optim.Adam(reference.parameters(), lr=0.05, weight_decay=0.025)
+    reference(*batch())[1].backward()
+    cpu.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(state["ipu_state"][f"Accl1___{name}"], cpu.state[p]["exp_avg"])
+        torch.testing.assert_close(state["ipu_state"][f"Accl2___{name}"], cpu.state[p]["exp_avg_sq"])
+        assert state["ipu_state"][f"Step___{name}"].item() == 1
+
+
+def test_sgd_hyperparameters_are_popart_compound_values():
+    model = Regression()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.025, loss_scaling=0.75)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training.compile(*batch())
+    params = opt.state_dict()["ipu_param"]
+    assert params["scaledLearningRate0___specific___lin.weight"].item() == pytest.approx(0.05 / 0.75)
+    assert params["weightDecayScaleFactor0___specific___lin.bias"].item() == pytest.approx(1 - 0.05 * 0.025)
+    assert opt.state_dict()["ipu_state"] == {}   # SGD without momentum keeps no state
+
+
+def test_a_loaded_state_is_what_the_next_step_starts_from():
+    """Device: one step, the first moment replaced through load_state_dict, a second step; the
+    CPU does the same with torch's Adam: the weights agree."""
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    cpu = torch.optim.Adam(reference.parameters(), lr=0.01)
+    x, y = batch()
+
+    def cpu_step():
+        cpu.zero_grad()
+        reference(x, y)[1].backward()
+        cpu.step()
+
+    training(x, y)
+    cpu_step()
+    state = opt.state_dict()
+    moments = {name: torch.randn_like(p) for name, p in reference.named_parameters()}
+    for name, p in reference.named_parameters():
+        state["ipu_state"][f"Accl1___{name}"] = moments[name].clone()
+        cpu.state[p]["exp_avg"] = moments[name].clone()
+    opt.load_state_dict(state)
+    assert torch.equal(opt.state_dict()["ipu_state"]["Accl1___lin.bias"], moments["lin.bias"])  # not run yet
+    training(x, y)
+    cpu_step()
+    torch.testing.assert_close(model.lin.weight.detach(), reference.lin.weight.detach())
+    torch.testing.assert_close(model.lin.bias.detach(), reference.lin.bias.detach())
+
+
+def test_state_dict_reads_the_device_once_per_run(debug_log):
+    model = Regression()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(*batch())
+    opt.state_dict()
+    assert sum("from IPU to host" in r.message for r in debug_log.records) == 1
+    debug_log.clear()
+    opt.state_dict()
+    assert any("Using cached optimiser state dict" in r.message for r in debug_log.records)
+    assert not any("from IPU to host" in r.message for r in debug_log.records)
+
+
+def test_only_an_ipu_state_dict_loads():
+    model = Regression()
+    cpu = torch.optim.Adam(model.parameters())
+    model(*batch())[1].backward()
+    cpu.step()
+    with pytest.raises(RuntimeError, match="Only IPU optimizer states can be loaded onto the IPU"):
+        poptorch.optim.Adam(model.parameters()).load_state_dict(cpu.state_dict())

@@ -126,10 +126,49 @@ class Optimizer:
         self.variable_attrs = VariableAttributes([k for k in (*self.defaults, "loss_scaling") if k in given],
                                                  [*self.defaults, "loss_scaling"])
 
+        # PopTorch's device state (`ipu_state`: the optimiser state tensors, `ipu_param`: the
+        # variable hyperparameter tensors, both named as PopART names them); None until a model
+        # compiled with this optimiser reads them. `ipu_state_is_dirty`: the host holds state the
+        # device must be given; `host_state_is_dirty`: the device ran since the host last read it.
+        self._state_dict = {"ipu_state": None, "ipu_param": None}
+        self.ipu_state_is_dirty = False
+        self.host_state_is_dirty = False
+
+    def state_dict(self) -> dict:
+        """torch's state dict with PopTorch's `ipu_state` and `ipu_param` (read from the device
+        first when a training model uses this optimiser)."""
+        return self.get_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """torch's state (LR schedulers need it) and the device state: written to the device when
+        a model next uses this optimiser."""
+        torch.optim.Optimizer.load_state_dict(self, state)
+        self.set_state_dict(state)
+
+    def get_state_dict(self) -> dict:
+        """The state dict as the host holds it (no device read)."""
+        return {**self._state_dict, **torch.optim.Optimizer.state_dict(self)}
+
+    def set_state_dict(self, state: dict) -> None:
+        """Keep `state`'s device state to write to the device."""
+        if not state:
+            raise RuntimeError("Cannot load optimizer state dictionary because it is empty.")
+        if not ("ipu_state" in state and "ipu_param" in state):
+            raise RuntimeError("Only IPU optimizer states can be loaded onto the IPU.")
+        self._state_dict = state
+        self.ipu_state_is_dirty = True
+        self.host_state_is_dirty = False
+
+    def has_state(self) -> bool:
+        """Whether the host holds device state (read from a device or loaded)."""
+        return self._state_dict.get("ipu_state") is not None and self._state_dict.get("ipu_param") is not None
+
     def __getstate__(self):
-        # torch keeps defaults, state and groups; the optimiser-wide attributes come along
+        # torch keeps defaults, state and groups; the optimiser-wide attributes come along, and
+        # the device state, which a copy must write to its device
         return {**torch.optim.Optimizer.__getstate__(self), "loss_scaling": self.loss_scaling,
-                "variable_attrs": self.variable_attrs}
+                "variable_attrs": self.variable_attrs, "_state_dict": self._state_dict,
+                "ipu_state_is_dirty": self.has_state(), "host_state_is_dirty": False}
 
 
 def loss_scaling(optimizer) -> float:
@@ -423,3 +462,99 @@ class OptimizerUpdates:
         logger.debug("Updating graph optimizer with %s", graph)
         for i, text in enumerate(groups):
             logger.debug("Updating group %d optimizer with %s", i, text)
+
+
+# --- the optimiser's device tensors as PopTorch's state dict names them ---------------------------
+#
+# `optimizer.state_dict()` of a poptorch.optim optimiser holds, besides torch's state, `ipu_state`
+# (the optimiser state tensors the device keeps per weight) and `ipu_param` (the host copies of
+# the hyperparameter tensors PopTorch streams to the device: the variable ones only, constants
+# being part of the program). Both are named as PopART names them: a prefix, then the weight.
+
+# the state slot -> PopART's tensor prefix, per device optimiser
+# (the count of updates applied, wherever the device keeps one, is `Step___`)
+_STATE_PREFIX = {
+    "SGD1": {"momentum_buffer": "Accl___", "step": "Step___"},
+    "SGD2": {"momentum_buffer": "Accl1___", "step": "Step___"},
+    "ADAM": {"exp_avg": "Accl1___", "exp_avg_sq": "Accl2___", "step": "Step___"},
+    "RMSPROP": {"square_avg": "Accl1___", "grad_avg": "Accl2___", "momentum_buffer": "Accl3___", "step": "Step___"},
+}
+_STATE_PREFIX["ADAMW"] = _STATE_PREFIX["LAMB"] = _STATE_PREFIX["ADAM"]
+
+
+def state_tensor_name(optimizer, slot: str, weight: str) -> str:
+    """PopART's name of optimiser state `slot` (torch's name: exp_avg, step, ...) of `weight`."""
+    return _STATE_PREFIX[kind(optimizer)][slot] + weight
+
+
+def state_slot(optimizer, name: str) -> tuple[str, str] | None:
+    """(slot, weight) of a PopART state tensor name of `optimizer`'s kind; None if not one."""
+    for slot, prefix in _STATE_PREFIX[kind(optimizer)].items():
+        if name.startswith(prefix):
+            return slot, name[len(prefix):]
+    return None
+
+
+def _sgd_without_momentum(optimizer) -> bool:
+    """PopART's SGD0: no group has a momentum and none may get one (momentum constant)."""
+    return all(g.get("momentum", 0.0) == 0.0 for g in optimizer.param_groups) and \
+        _is_const(optimizer, "momentum", 0.0)
+
+
+def hyperparameter_tensors(optimizer, trained: dict[int, tuple[str, torch.dtype]], replicas: int = 1) -> dict:
+    """The variable hyperparameter tensors of `optimizer` for the model's trained parameters
+    (`trained`: id of the parameter -> its name and dtype), as PopART names them (`<hyperparameter>___specific___<weight>`, the loss
+    scaling `lossScaling_FLOAT`): scalars holding what the device is given. SGD's are PopART's
+    compound values (e.g. scaledLearningRate0 = lr (1 - dampening) / loss scaling)."""
+    k = kind(optimizer)
+    ls = loss_scaling(optimizer)
+    ls_var = not _is_const(optimizer, "loss_scaling", ls)
+    out: dict[str, torch.Tensor] = {}
+    if ls_var:
+        out["lossScaling_FLOAT"] = torch.tensor(ls, dtype=torch.float32)
+    sgd0 = k.startswith("SGD") and _sgd_without_momentum(optimizer)
+    for group in optimizer.param_groups:
+        def var(attr):
+            return not _is_const(optimizer, attr, group.get(attr))
+        lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+        values = []   # (prefix, value, variable, in the weight's dtype)
+        if sgd0:
+            dm = float(group.get("dampening", 0.0))
+            values += [("scaledLearningRate0", lr * (1 - dm) / ls, var("lr") or var("dampening") or ls_var, False),
+                       ("weightDecayScaleFactor0", 1 - lr * (1 - dm) * wd,
+                        var("weight_decay") or (wd != 0 and (var("lr") or var("dampening"))), True)]
+        elif k.startswith("SGD"):
+            dm, mm = float(group.get("dampening", 0.0)), float(group.get("momentum", 0.0))
+            # the separate variant scales its velocity by the loss scaling
+            vs, vs_var = (float(group.get("velocity_scaling") or 1.0), var("velocity_scaling")) if k == "SGD1" \
+                else (ls, ls_var)
+            values += [("scaledWeightDecay1", (1 - dm) * wd * vs, var("dampening") or var("weight_decay") or vs_var,
+                        True),
+                       ("scaledLearningRate1", lr / (vs * replicas), var("lr") or vs_var, False),
+                       ("dampeningScaleFactor1", (1 - dm) * vs * replicas / ls, var("dampening") or vs_var or ls_var,
+                        False),
+                       ("scaledMomentum1", mm / replicas, var("momentum"), False)]
+        else:
+            values += [("learningRate", lr, var("lr"), False), ("weightDecay", wd, var("weight_decay"), False)]
+            if k == "RMSPROP":
+                values += [("adaptiveAlpha", group["alpha"], var("alpha"), False),
+                           ("adaptiveMomentum", group.get("momentum", 0.0), var("momentum"), False),
+                           ("adaptiveEps", group["eps"], var("eps"), False)]
+            else:
+                b1, b2 = group["betas"]
+                values += [("adamBeta1", b1, var("betas"), False), ("adamBeta2", b2, var("betas"), False),
+                           ("adamEps", group["eps"], var("eps"), False)]
+                if k == "LAMB":
+                    norm = group.get("max_weight_norm")
+                    values.append(("maxWeightNorm", 65500.0 if norm is None else norm, var("max_weight_norm"),
+                                   False))
+            values.append(("lossScaling", ls, ls_var, False))
+        for p in group["params"]:
+            if id(p) not in trained:
+                continue
+            name, dtype = trained[id(p)]
+            for prefix, value, variable, own_dtype in values:
+                if variable:
+                    out[f"{prefix}___specific___{name}"] = torch.tensor(
+                        float(value), dtype=dtype if own_dtype else torch.float32)
+    return out

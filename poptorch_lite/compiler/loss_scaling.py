@@ -249,6 +249,14 @@ class LossScaling:
                     values[:, h.names.index("loss_scaling")] = np.float32(cfg.loss_scaling * factor)
                     engine.writeTensor(h.tensor, values)
 
+    def set_update_factor(self, engine: ip.Engine, factor: float, configs: list, initial: float) -> None:
+        """Restore the product of automatic loss scaling's changes (from a state dict): the loss
+        scale and the optimisers' loss-scaling columns follow it."""
+        if not factor > 0:
+            raise ValueError(f"lossScaleUpdateFactor must be > 0, got {factor}")
+        engine.writeTensor(self.factor, [float(factor)])
+        self.new_optimizer(engine, configs, initial)
+
     def ipu_state(self, engine: ip.Engine) -> dict:
         """What PopTorch's `optimizer.state_dict()["ipu_state"]` holds of it."""
         import torch  # (the compiler layer may use torch)

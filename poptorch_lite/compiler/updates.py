@@ -22,7 +22,7 @@ from ipusim.ops import elementwise as ew
 from ipusim.ops import optim as dev
 
 from ..api.enums import MeanReductionStrategy, ReductionType
-from ..api.optim import LAMB, accumulator_dtype, loss_scaling, state_dtypes
+from ..api.optim import LAMB, accumulator_dtype, loss_scaling, state_dtypes, state_slot, state_tensor_name
 
 
 def device_config(optimizer: torch.optim.Optimizer, group: dict, divisor: float) -> dev.Optimiser:
@@ -326,9 +326,9 @@ def write_hyperparameters(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.
             cfg.set(engine, **changes)
 
 
-def read_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer, named_params: dict) -> None:
-    """Copy the device optimiser state into `optimizer.state` (torch's layout); sharded state is
-    gathered from the replicas' shards."""
+def _device_state(engine: ip.Engine, plan: UpdatePlan, named_params: dict):
+    """Each trained weight's optimiser state on the device: (name, {slot: host array shaped like
+    the weight}, step or None); sharded state is gathered from the replicas' shards."""
     def value(t):
         buf = plan.state_buffers.get(t.var.id)
         return engine.readRemoteBuffer(buf) if buf is not None else engine.readTensor(t)
@@ -349,7 +349,72 @@ def read_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optim
             if ws.step is not None:
                 step = int(np.asarray(value(ws.step)).reshape(-1)[0])
         else:
-            out = {k: torch.from_numpy(np.concatenate(v).reshape(p.shape)).to(p.dtype) for k, v in pieces.items()}
-            if step is not None:
-                out["step"] = torch.tensor(float(step))
-            optimizer.state[p] = out
+            yield name, {k: np.concatenate(v).reshape(p.shape) for k, v in pieces.items()}, step
+
+
+def read_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer, named_params: dict,
+               updates_applied: int) -> None:
+    """Copy the device optimiser state into `optimizer.state` (torch's layout); sharded state is
+    gathered from the replicas' shards. torch's `step` is the device's count where it keeps one,
+    else `updates_applied` (the weight updates the model ran: torch keeps a step for each of its
+    optimisers with state but SGD)."""
+    for name, arrays, step in _device_state(engine, plan, named_params):
+        p = named_params[name]
+        out = {k: torch.from_numpy(v).to(p.dtype) for k, v in arrays.items()}
+        if step is not None or (out and not isinstance(optimizer, torch.optim.SGD)):
+            out["step"] = torch.tensor(float(updates_applied if step is None else step))
+        optimizer.state[p] = out
+
+
+def read_ipu_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer,
+                   named_params: dict) -> dict:
+    """The device optimiser state as PopTorch's `ipu_state` holds it: PopART's tensor names
+    (`Accl1___<weight>`, `Step___<weight>`, ...), each tensor in the dtype the device keeps it."""
+    out = {}
+    for name, arrays, step in _device_state(engine, plan, named_params):
+        for slot, v in arrays.items():
+            out[state_tensor_name(optimizer, slot, name)] = torch.from_numpy(v)
+        if step is not None:
+            out[state_tensor_name(optimizer, "step", name)] = torch.tensor(float(step))
+    return out
+
+
+def write_ipu_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.Optimizer, state: dict,
+                    named_params: dict) -> list[str]:
+    """Write the state tensors of an `ipu_state` dict to the device (shards to their replicas);
+    what the dict leaves out keeps its device value. The names it holds that are no state of
+    this model are returned."""
+    wanted: dict[str, dict] = {}
+    unknown = []
+    for key, value in state.items():
+        found = state_slot(optimizer, key)
+        if found is None or found[1] not in plan.states:
+            unknown.append(key)
+            continue
+        wanted.setdefault(found[1], {})[found[0]] = value
+    for name, slots in wanted.items():
+        if name in plan.grouped:
+            raise ValueError(f"the optimiser state of {name!r}, a per-replica variable, cannot be written from "
+                             "a state dict: each replica group keeps its own")
+        shape = tuple(named_params[name].shape)
+        offset = 0
+        for cfg, w in plan.states[name]:
+            ws = cfg.state_of(w)
+            for slot, t in (*ws.tensors.items(), ("step", ws.step)):
+                if t is None or slot not in slots:
+                    continue
+                host = torch.as_tensor(slots[slot]).detach().cpu()
+                if slot == "step":
+                    values = np.full(t.shape, float(host.reshape(-1)[0]), dtype=np.float32)
+                else:
+                    if tuple(host.shape) != shape:
+                        raise ValueError(f"optimiser state {state_tensor_name(optimizer, slot, name)} has shape "
+                                         f"{tuple(host.shape)}; the weight's is {shape}")
+                    values = host.to(torch.float32).numpy().reshape(-1)[offset:offset + t.numel].reshape(t.shape)
+                buf = plan.state_buffers.get(t.var.id)
+                if buf is not None:
+                    engine.writeRemoteBuffer(buf, values)
+                else:
+                    engine.writeTensor(t, values)
+            offset += w.numel
+    return unknown

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import datetime
 import gc
+import logging
 import math
 import os
 import sys
@@ -34,7 +35,7 @@ from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api import errors
 from ..api.errors import Error, UnsupportedAttributeError
-from ..api.optim import OptimizerUpdates, loss_scaling, mean_reduction_strategy
+from ..api.optim import Optimizer, OptimizerUpdates, hyperparameter_tensors, loss_scaling, mean_reduction_strategy
 from ..api.options import Options
 from ..api.printing import PrintFormat, format_tensor
 from ..api.profiling import Channel
@@ -43,9 +44,11 @@ from ..compiler.loss_scaling import group_ends
 from ..compiler.ir import flatten_values, map_values
 from ..compiler.ir_json import popart_ir
 from ..compiler.lowering import program_key
-from ..compiler.updates import read_state, write_hyperparameters
+from ..compiler.updates import read_ipu_state, read_state, write_hyperparameters, write_ipu_state
 from . import anchors, cache, host_calls, overlap, saved, timeline
 from .step_threads import StepThreads
+
+logger = logging.getLogger("poptorch_lite")
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 TRACE = Channel("poptorch")   # the host tracepoints of compiled models (poptorch.profiling)
@@ -165,6 +168,9 @@ class PoplarExecutor:
         self._variable_groups: dict[str, replica_groups.VariableGrouping] = {}   # per-replica variables
         self._compilation_time: datetime.timedelta | None = None
         self._rng_state: list[int] | None = None     # set before compiling: written when the model compiles
+        self._ipu_params: dict[str, torch.Tensor] = {}  # host copies of the variable hyperparameter tensors
+        self._trained: dict[int, tuple[str, torch.dtype]] = {}   # see _install
+        self._updates_applied = 0   # weight updates the executable ran (torch's `step` where the device keeps none)
         if training:
             if optimizer is None:
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -417,7 +423,13 @@ class PoplarExecutor:
         if scaling is not None and not self._pricing:   # estimate mode: no device values to set
             scaling.initialise(executable.engine)
         if self._training:
+            self._updates_applied = 0
+            # the trained parameters by id (read once: reading them later may copy the weights back)
+            self._trained = {id(p): (n, p.dtype) for n, p in self._named_weights().items()
+                             if n in executable.updates.states}
             self._optimizer_updates.send(self._optimizer_description)
+            self._ipu_params = self._hyperparameter_tensors(self._optimizer)
+            self._on_device_attach()
 
     # ---- host <-> device ----------------------------------------------------------------------
     def _connect_streams(self) -> None:
@@ -481,6 +493,7 @@ class PoplarExecutor:
         """Copy the weights from the device into the model's parameters and buffers."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
+        logger.debug("copyWeightsToHost()")
         exe = self._executable
         if self._pricing:  # estimate mode: the device holds no weights, the host's are unchanged
             return
@@ -509,6 +522,7 @@ class PoplarExecutor:
             raise RuntimeError("Device is not attached")
         if self._training:
             self.copyWeightsToHostIfNeeded()
+            self._read_optim_state_dict_if_needed()
         self._is_attached = False
 
     def attachToDevice(self) -> None:
@@ -519,6 +533,8 @@ class PoplarExecutor:
             raise RuntimeError("Device is already attached")
         self._is_attached = True
         self.copyWeightsToDevice()
+        if self._training:
+            self._on_device_attach()
 
     def isAttachedToDevice(self) -> bool:
         """Whether the model is attached to its (emulated) device."""
@@ -580,6 +596,8 @@ class PoplarExecutor:
             if self._profiler is not None:
                 self._profiler.called(record)
             return self._shape_outputs(exe, tensors)
+        if self._training:
+            self._write_optim_state_dict_if_needed()
         self._inputs = self._split_inputs(tensors)
         self._outputs.clear()
         for anchor in self._anchors:
@@ -591,8 +609,12 @@ class PoplarExecutor:
         if self._profiler is not None:
             self._profiler.called(record)
         if self._training:
-            self._count_batch_norm_batches(len(self._inputs[0]) // exe.replicas if self._inputs else 0)
+            micro_batches = len(self._inputs[0]) // exe.replicas if self._inputs else 0
+            self._count_batch_norm_batches(micro_batches)
+            self._updates_applied += micro_batches // max(1, self._options.gradient_accumulation)
             self._dirty_host_weights = True
+            if isinstance(self._optimizer, Optimizer):   # the device state moved on
+                self._optimizer.host_state_is_dirty = True
         return _refuse_backward(self._shape_outputs(exe, tensors))
 
     def _count_batch_norm_batches(self, micro_batches: int) -> None:
@@ -789,10 +811,21 @@ class PoplarExecutor:
 
     # ---- optimiser ----------------------------------------------------------------------------
     def setOptimizer(self, optimizer) -> None:
-        """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on."""
+        """Use `optimizer`'s hyperparameters (learning rates, ...) from the next call on. A new
+        poptorch.optim optimiser holding device state (`load_state_dict`) has it written to the
+        device; the one it replaces keeps the state it had read back."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
-        self._optimizer_description = self._optimizer_updates.convert(optimizer)
+        if self._executable is not None and optimizer is not self._optimizer:
+            old = self._optimizer
+            if isinstance(old, Optimizer):
+                self._read_optim_state_dict_if_needed()
+                old.state_dict = old.get_state_dict   # no longer reads this model's device
+            if isinstance(optimizer, Optimizer):
+                optimizer.ipu_state_is_dirty = True
+        description = self._optimizer_updates.convert(optimizer)
+        changed = description != self._optimizer_description or optimizer is not self._optimizer
+        self._optimizer_description = description
         if self._executable is not None:
             self._optimizer_updates.send(self._optimizer_description)
         if self._executable is not None and not self._pricing:
@@ -802,23 +835,111 @@ class PoplarExecutor:
                 exe.updates.loss_scaling.new_optimizer(exe.engine, exe.updates.configs, loss_scaling(optimizer))
         self._optimizer = optimizer
         self._hook_optimizer_state()
+        if self._executable is not None and changed:
+            self._ipu_params = self._hyperparameter_tensors(optimizer)
+        if self._executable is not None and self._is_attached:
+            self._write_optim_state_dict_if_needed()
 
     def _hook_optimizer_state(self) -> None:
-        """`optimizer.state_dict()` reads the optimiser state from the device first."""
+        """`optimizer.state_dict()` reads the optimiser state from the device first (a
+        poptorch.optim optimiser: when the device ran since the last read)."""
         optimizer = self._optimizer
         parent = weakref.ref(self)
         original = type(optimizer).state_dict
 
         def state_dict(opt_self):
             p = parent()
+            if isinstance(opt_self, Optimizer):
+                if p is not None:
+                    p._read_optim_state_dict_if_needed()
+                return opt_self.get_state_dict()
             if p is not None and p._executable is not None:
-                read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights())
+                read_state(p._executable.engine, p._executable.updates, opt_self, p._named_weights(),
+                           p._updates_applied)
             out = original(opt_self)
             if p is not None and p._executable is not None and p._executable.updates.automatic_loss_scaling:
                 out["ipu_state"] = p._executable.updates.loss_scaling.ipu_state(p._executable.engine)
             return out
 
         optimizer.state_dict = state_dict.__get__(optimizer)
+
+    def _hyperparameter_tensors(self, optimizer) -> dict:
+        if not isinstance(optimizer, Optimizer):
+            return {}
+        return hyperparameter_tensors(optimizer, self._trained, self._executable.replicas)
+
+    def _device_holds_state(self) -> bool:
+        """Whether the device has optimiser state to read or write (not an offline target, not
+        estimate mode)."""
+        return self._executable is not None and not self._pricing and \
+            self._options.connection_type != ConnectionType.Never
+
+    def _on_device_attach(self) -> None:
+        """Attached (or compiled): a poptorch.optim optimiser holding state writes it to the
+        device; otherwise the device's state is the one to read."""
+        optimizer = self._optimizer
+        if not isinstance(optimizer, Optimizer) or not self._device_holds_state():
+            return
+        if optimizer.has_state():
+            optimizer.ipu_state_is_dirty = True
+            self._write_optim_state_dict_if_needed()
+        else:
+            optimizer.host_state_is_dirty = True
+            optimizer.ipu_state_is_dirty = False
+
+    def _read_optim_state_dict_if_needed(self) -> None:
+        """The device's optimiser state into the poptorch.optim optimiser's state dict, when the
+        device ran since the host last read it."""
+        optimizer = self._optimizer
+        if not isinstance(optimizer, Optimizer):
+            return
+        if not optimizer.host_state_is_dirty:
+            logger.debug("Using cached optimiser state dict")
+            return
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        logger.info("Writing optimiser state tensors from IPU to host.")
+        exe = self._executable
+        weights = self._named_weights()
+        read_state(exe.engine, exe.updates, optimizer, weights, self._updates_applied)    # torch's layout too
+        ipu_state = read_ipu_state(exe.engine, exe.updates, optimizer, weights)
+        if exe.updates.automatic_loss_scaling:
+            ipu_state.update(exe.updates.loss_scaling.ipu_state(exe.engine))
+        optimizer.set_state_dict({"ipu_state": ipu_state, "ipu_param": {k: v.clone() for k, v in
+                                                                         self._ipu_params.items()},
+                                  **torch.optim.Optimizer.state_dict(optimizer)})
+        optimizer.ipu_state_is_dirty = False
+
+    def _write_optim_state_dict_if_needed(self) -> None:
+        """The optimiser state the host holds (loaded into a poptorch.optim optimiser) to the
+        device, the weights copied to the host first (the device state is written whole)."""
+        optimizer = self._optimizer
+        if not isinstance(optimizer, Optimizer) or not optimizer.ipu_state_is_dirty:
+            return
+        if self._executable is None:
+            raise RuntimeError(NO_EXECUTABLE_ERR)
+        if optimizer.has_state() and self._device_holds_state():
+            self.copyWeightsToHostIfNeeded()
+            logger.info("Writing optimiser state tensors from host to IPU memory.")
+            state = optimizer.get_state_dict()
+            exe = self._executable
+            ipu_state = dict(state["ipu_state"])
+            factor = ipu_state.pop("lossScaleUpdateFactor", None)
+            if factor is not None and exe.updates.automatic_loss_scaling:
+                exe.updates.loss_scaling.set_update_factor(exe.engine, float(factor), exe.updates.configs,
+                                                           loss_scaling(optimizer))
+            unknown = write_ipu_state(exe.engine, exe.updates, optimizer, ipu_state, self._named_weights())
+            if unknown:
+                logger.warning("writeOptimizerState: ignoring state %s, which this model does not have", unknown)
+            missing = [k for k in self._ipu_params if k not in state["ipu_param"]]
+            if missing:
+                logger.warning("writeOptimizerState: ignoring missing parameter(s) %s", missing)
+            for k, v in state["ipu_param"].items():
+                if k in self._ipu_params:
+                    self._ipu_params[k] = torch.as_tensor(v).detach().clone().to(self._ipu_params[k].dtype)
+                else:
+                    logger.warning("writeOptimizerState: ignoring parameter %s, which this model does not have", k)
+        optimizer.ipu_state_is_dirty = False
 
     # ---- what the run record and the device tell ---------------------------------------------
     def cycleCount(self) -> int:
