@@ -286,3 +286,43 @@ def test_only_an_ipu_state_dict_loads():
     cpu.step()
     with pytest.raises(RuntimeError, match="Only IPU optimizer states can be loaded onto the IPU"):
         poptorch.optim.Adam(model.parameters()).load_state_dict(cpu.state_dict())
+
+
+def test_float16_accumulation_runs_the_running_mean_whatever_the_options_set():
+    opts = poptorch.Options()
+    opts.Training.setMeanAccumulationAndReplicationReductionStrategy(poptorch.MeanReductionStrategy.Post)
+    model = Regression()
+    half = poptorch.optim.Adam(model.parameters(), lr=0.01, accum_type=torch.float16)
+    training = poptorch.trainingModel(model, opts, optimizer=half)
+    assert training.options.Training.meanAccumulationAndReplicationReductionStrategy == \
+        poptorch.MeanReductionStrategy.Running
+    training.compile(*batch())
+    assert training._executable.lowering.accumulators["lin.weight"].dtype == "float16"
+
+    model = Regression()
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model, opts, optimizer=opt)
+    training.compile(*batch())
+    opt.accum_type = torch.float16   # the strategy is compiled in: this optimiser cannot run
+    with pytest.raises(ValueError, match="is already compiled"):
+        training.setOptimizer(opt)
+
+
+def test_adamw_without_bias_correction_steps_on_the_cpu_as_on_the_device():
+    torch.manual_seed(0)
+    models = [Regression() for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    x, y = batch()
+    device_opt = poptorch.optim.AdamW(models[0].parameters(), lr=0.01, bias_correction=False)
+    training = poptorch.trainingModel(models[0], optimizer=device_opt)
+    cpu = poptorch.optim.AdamW(models[1].parameters(), lr=0.01, bias_correction=False)
+    corrected = poptorch.optim.AdamW(models[2].parameters(), lr=0.01)
+    for _ in range(3):
+        training(x, y)
+        for model, opt in ((models[1], cpu), (models[2], corrected)):
+            opt.zero_grad()
+            model(x, y)[1].backward()
+            opt.step()
+    torch.testing.assert_close(models[0].lin.weight.detach(), models[1].lin.weight.detach())
+    assert not torch.allclose(models[1].lin.weight, models[2].lin.weight, atol=1e-4)

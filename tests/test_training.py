@@ -267,11 +267,15 @@ def test_running_and_post_mean_reduction_train_the_same_weights(replicas):
 def test_running_mean_keeps_float16_accumulators_finite_where_their_sum_overflows():
     x = torch.full((8, 3), 20000.0, dtype=torch.float16)  # a gradient of 40000 per micro-batch: 4 sum to inf
     results = {}
+    # (float16 accumulation runs Running whatever the options say, as in PopTorch, but for SGD's
+    # combined variant, which keeps the strategy set)
     for strategy in (poptorch.MeanReductionStrategy.Post, poptorch.MeanReductionStrategy.Running):
         net = Scaled(torch.float16)
         model = poptorch.trainingModel(net, mean_reduction_options(strategy),
-                                       optimizer=poptorch.optim.SGD(net.parameters(), lr=1e-5,
-                                                                    accum_type=torch.float16))
+                                       optimizer=poptorch.optim.SGD(
+                                           net.parameters(), lr=1e-5, accum_type=torch.float16,
+                                           use_combined_accum=strategy == poptorch.MeanReductionStrategy.Post))
+        assert model.options.Training.meanAccumulationAndReplicationReductionStrategy == strategy
         model(x)
         results[strategy] = net.w.detach().float()
     assert not torch.isfinite(results[poptorch.MeanReductionStrategy.Post]).any()

@@ -46,25 +46,28 @@ def state_dtypes(group: dict, slots) -> dict[str, str]:
     return out
 
 
-def accumulator_dtype(group: dict) -> str:
-    """PopTorch's `accum_type`: the dtype gradients are accumulated in (float32 unless given, for
-    float16 weights too)."""
-    return dtype_name(group.get("accum_type"), "accum_type")
+def accumulator_dtype(optimizer) -> str:
+    """PopTorch's `accum_type`, an attribute of the whole optimiser: the dtype gradients are
+    accumulated in (float32 unless given, for float16 weights too; torch's optimisers: float32)."""
+    return dtype_name(getattr(optimizer, "accum_type", None), "accum_type")
 
 
-def mean_reduction_strategy(options, optimizer, training: bool):
-    """The MeanReductionStrategy a model runs with: the one set in `options`, else PopTorch's
-    choice: ``Running`` when training accumulates in float16 (``accum_type=torch.float16``) without
-    SGD's combined accumulator, ``Post`` otherwise."""
+def mean_reduction_strategy(options, optimizer, training: bool, compiled: bool = False):
+    """The MeanReductionStrategy a model runs with, as PopTorch chooses it: ``Running`` when
+    training accumulates in float16 (``accum_type=torch.float16``) without SGD's combined
+    accumulator, whatever `options` set (a mean of float16 sums would overflow); else the one set
+    in `options`, else ``Post``. A `compiled` model cannot change it: an optimiser needing
+    ``Running`` when the model runs another strategy is refused."""
     from .enums import MeanReductionStrategy
     chosen = options.Training.mean_accumulation_and_replication_reduction_strategy
-    if chosen is not None:
-        return chosen
-    if not training or optimizer is None:
-        return MeanReductionStrategy.Post
-    half = any(g.get("accum_type") == torch.float16 for g in optimizer.param_groups)
-    combined = bool(optimizer.defaults.get("use_combined_accum"))
-    return MeanReductionStrategy.Running if half and not combined else MeanReductionStrategy.Post
+    half = training and optimizer is not None and accumulator_dtype(optimizer) == "float16"
+    if half and not bool(optimizer.defaults.get("use_combined_accum")):
+        if compiled and chosen != MeanReductionStrategy.Running:
+            raise ValueError("Invalid optimizer: the new optimizer would require changing options.Training."
+                             "meanAccumulationAndReplicationReductionStrategy to poptorch.MeanReductionStrategy."
+                             "Running but the executable is already compiled.")
+        return MeanReductionStrategy.Running
+    return MeanReductionStrategy.Post if chosen is None else chosen
 
 
 class VariableAttributes:
@@ -117,11 +120,12 @@ class Optimizer:
             raise ValueError(f"loss_scaling must be > 0, got {loss_scaling}")
         # one value for the whole optimiser (not per group), as in PopTorch
         self.loss_scaling = 1.0 if loss_scaling is None else float(loss_scaling)
-        self.defaults.setdefault("accum_type", accum_type)
+        dtype_name(accum_type, "accum_type")   # validates
+        self.accum_type = accum_type   # the whole optimiser's, as in PopTorch
         for k, v in extra.items():
             self.defaults.setdefault(k, v)
         for group in self.param_groups:
-            for k in ("accum_type", *extra):
+            for k in extra:
                 group.setdefault(k, self.defaults[k])
         self.variable_attrs = VariableAttributes([k for k in (*self.defaults, "loss_scaling") if k in given],
                                                  [*self.defaults, "loss_scaling"])
@@ -167,7 +171,7 @@ class Optimizer:
         # torch keeps defaults, state and groups; the optimiser-wide attributes come along, and
         # the device state, which a copy must write to its device
         return {**torch.optim.Optimizer.__getstate__(self), "loss_scaling": self.loss_scaling,
-                "variable_attrs": self.variable_attrs, "_state_dict": self._state_dict,
+                "accum_type": self.accum_type, "variable_attrs": self.variable_attrs, "_state_dict": self._state_dict,
                 "ipu_state_is_dirty": self.has_state(), "host_state_is_dirty": False}
 
 
@@ -230,6 +234,36 @@ class AdamW(Optimizer, torch.optim.AdamW):
                                 first_order_momentum_accum_type=first_order_momentum_accum_type,
                                 second_order_momentum_accum_type=second_order_momentum_accum_type,
                                 max_grad_norm=max_grad_norm)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch's AdamW step; a group with `bias_correction=False` steps as the device does,
+        without the moments' bias corrections (its gradients divided by the loss scaling)."""
+        if all(g.get("bias_correction", True) for g in self.param_groups):
+            return torch.optim.AdamW.step(self, closure)
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            corrected = group.get("bias_correction", True)
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p)
+                    st["exp_avg_sq"] = torch.zeros_like(p)
+                st["step"] += 1
+                d = p.grad / self.loss_scaling
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                st["exp_avg"].mul_(b1).add_(d, alpha=1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(d, d, value=1 - b2)
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                if corrected:
+                    m = m / (1 - b1 ** st["step"])
+                    v = v / (1 - b2 ** st["step"])
+                p.sub_(group["lr"] * m / (v.sqrt() + group["eps"]))
+        return loss
 
 
 class RMSprop(Optimizer, torch.optim.RMSprop):
@@ -385,7 +419,7 @@ def describe(optimizer) -> tuple:
     separate = loss if k == "SGD2" else None
     first = "velocity_accum_type" if k.startswith("SGD") else "first_order_momentum_accum_type"
     second = None if k.startswith("SGD") else d.get("second_order_momentum_accum_type")
-    tail = (f", accumType={_dtype_text(d.get('accum_type'))}"
+    tail = (f", accumType={_dtype_text(getattr(optimizer, 'accum_type', None))}"
             f", firstOrderMomentumAccumType={_dtype_text(d.get(first))}"
             f", secondOrderMomentumAccumType={_dtype_text(second)}"
             f", useTfVariant={int(bool(d.get('use_tf_variant', False)))}"

@@ -112,9 +112,8 @@ def _param_groups(optimizer, named_params: dict) -> dict[str, int]:
 
 
 def accumulator_dtypes(optimizer: torch.optim.Optimizer, named_params: dict) -> dict[str, str]:
-    """The dtype each parameter's gradients accumulate in: its group's `accum_type`."""
-    groups = optimizer.param_groups
-    return {name: accumulator_dtype(groups[gi]) for name, gi in _param_groups(optimizer, named_params).items()}
+    """The dtype each parameter's gradients accumulate in: the optimiser's `accum_type`."""
+    return {name: accumulator_dtype(optimizer) for name in _param_groups(optimizer, named_params)}
 
 
 def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, named_params: dict,

@@ -71,7 +71,7 @@ from ipusim.ops import optim as device_optim
 from ..compiler.aten import decompositions
 from ..compiler.export import JointGraph, annotation_of, capture_joint, pass_of
 from ..compiler.executable import Executable
-from ..api.optim import loss_scaling
+from ..api.optim import accumulator_dtype, loss_scaling
 from ..compiler.updates import device_config
 
 try:
@@ -173,8 +173,8 @@ def compiled_options(options) -> dict:
 
 def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
     """What of the optimiser shapes the program: its type, which parameters each group updates,
-    the device optimiser's state layout and structural settings, and the loss scaling (the seed
-    of the backward pass). Learning rates and other hyperparameters are not part of it."""
+    the device optimiser's state layout and structural settings, the loss scaling (the seed of
+    the backward pass) and the accumulators' dtype (`accum_type`). Learning rates and other hyperparameters are not part of it."""
     names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
     groups = []
     for group in optimizer.param_groups:
@@ -185,7 +185,8 @@ def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
             "layout": repr(config.layout()),
             "structural": {k: repr(getattr(config, k)) for k in config.STRUCTURAL},
         })
-    return {"type": _qualified_name(type(optimizer)), "groups": groups, "loss_scaling": loss_scaling(optimizer)}
+    return {"type": _qualified_name(type(optimizer)), "groups": groups, "loss_scaling": loss_scaling(optimizer),
+            "accum_type": accumulator_dtype(optimizer)}
 
 
 def software_versions() -> dict:

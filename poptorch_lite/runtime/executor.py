@@ -816,6 +816,8 @@ class PoplarExecutor:
         device; the one it replaces keeps the state it had read back."""
         if not self._training:
             raise RuntimeError("setOptimizer is only valid on a training model")
+        if self._executable is not None:   # the strategy is compiled in: refused if the optimiser needs another
+            mean_reduction_strategy(self._options, optimizer, True, compiled=True)
         if self._executable is not None and optimizer is not self._optimizer:
             old = self._optimizer
             if isinstance(old, Optimizer):
@@ -834,6 +836,8 @@ class PoplarExecutor:
             if exe.updates.loss_scaling is not None:
                 exe.updates.loss_scaling.new_optimizer(exe.engine, exe.updates.configs, loss_scaling(optimizer))
         self._optimizer = optimizer
+        if self._executable is None:   # not compiled: the optimiser may still choose the strategy
+            self._resolve_mean_strategy()
         self._hook_optimizer_state()
         if self._executable is not None and changed:
             self._ipu_params = self._hyperparameter_tensors(optimizer)
