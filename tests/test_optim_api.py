@@ -326,3 +326,28 @@ def test_adamw_without_bias_correction_steps_on_the_cpu_as_on_the_device():
             opt.step()
     torch.testing.assert_close(models[0].lin.weight.detach(), models[1].lin.weight.detach())
     assert not torch.allclose(models[1].lin.weight, models[2].lin.weight, atol=1e-4)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda p: poptorch.optim.SGD(p, lr=0.1), {"SGD0VarUpdate": 2}),
+    (lambda p: poptorch.optim.SGD(p, lr=0.1, momentum=0.9), {"SGD1VarUpdate": 2}),
+    (lambda p: torch.optim.AdamW(p, lr=0.1), {"AdamUpdater": 2, "AdamVarUpdate": 2}),
+    (lambda p: poptorch.optim.LAMB(p, lr=0.1), {"AdamUpdater": 2, "LambSquare": 4, "AdamVarUpdate": 2}),
+    (lambda p: poptorch.optim.RMSprop(p, lr=0.1), {"RMSPropUpdater": 2, "ScaledVarUpdate": 2}),
+])
+def test_the_ir_lists_each_weight_s_update_ops(make, expected):
+    import json
+    model = Regression()
+    training = poptorch.trainingModel(model, optimizer=make(model.parameters()))
+    training.compile(*batch())
+    ops = json.loads(training._debugGetPopartIR())["maingraph"]
+    counted = {}
+    for op in ops:
+        if op["type"] in ("SGD0VarUpdate", "SGD1VarUpdate", "AdamUpdater", "AdamVarUpdate", "LambSquare",
+                          "RMSPropUpdater", "ScaledVarUpdate"):
+            counted[op["type"]] = counted.get(op["type"], 0) + 1
+    assert counted == expected
+    assert {op["inputs"][0]["name"] for op in ops if op["type"].endswith("VarUpdate")} == {"lin.weight", "lin.bias"}
+    inference = poptorch.inferenceModel(Regression())
+    inference.compile(*batch())
+    assert not any(op["type"].endswith("VarUpdate") for op in json.loads(inference._debugGetPopartIR())["maingraph"])

@@ -694,7 +694,10 @@ class PoplarExecutor:
         """The compiled graph as JSON, in the layout of PopTorch's (PopART's IR): {"maingraph": [ops]}."""
         if self._executable is None:
             raise RuntimeError(NO_EXECUTABLE_ERR)
-        return popart_ir(self._executable.ir)
+        exe = self._executable
+        if not self._training:
+            return popart_ir(exe.ir)
+        return popart_ir(exe.ir, exe.updates, exe.lowering.weights)
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The tensor anchored as `short_name` (Options.anchorTensor) by the last call."""
