@@ -351,3 +351,50 @@ def test_the_ir_lists_each_weight_s_update_ops(make, expected):
     inference = poptorch.inferenceModel(Regression())
     inference.compile(*batch())
     assert not any(op["type"].endswith("VarUpdate") for op in json.loads(inference._debugGetPopartIR())["maingraph"])
+
+
+@pytest.mark.parametrize("accumulation, scaling", [(1, 1.0), (2, 8.0)])
+def test_max_grad_norm_clips_the_gradients_by_their_global_norm_as_torch_does(accumulation, scaling):
+    """The bound holds for the gradient the update uses: accumulated (mean of the micro-batches)
+    and without the loss scaling."""
+    torch.manual_seed(0)
+    model = Regression()
+    reference = copy.deepcopy(model)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(accumulation)
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1, max_grad_norm=0.01, loss_scaling=scaling)
+    training = poptorch.trainingModel(model, opts, optimizer=opt)
+    cpu = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(3 * accumulation, 4), torch.randn(3 * accumulation, 2)
+    for _ in range(3):
+        training(x, y)
+        cpu.zero_grad()
+        for xs, ys in zip(x.chunk(accumulation), y.chunk(accumulation)):
+            (reference(xs, ys)[1] / accumulation).backward()
+        assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01) > 0.01   # the bound bites
+        cpu.step()
+    torch.testing.assert_close(model.lin.weight.detach(), reference.lin.weight.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.lin.bias.detach(), reference.lin.bias.detach(), rtol=1e-5, atol=1e-6)
+    opt.defaults["max_grad_norm"] = 0.5   # compiled in: a new bound needs a new model
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        training.setOptimizer(opt)
+
+
+def test_max_grad_norm_over_several_ipus_is_refused():
+    class TwoStages(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = poptorch.BeginBlock(torch.nn.Linear(4, 4), ipu_id=0)
+            self.b = poptorch.BeginBlock(torch.nn.Linear(4, 2), ipu_id=1)
+
+        def forward(self, x, y):
+            out = self.b(self.a(x))
+            return out, torch.nn.functional.mse_loss(out, y)
+
+    net = TwoStages()
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(3)
+    training = poptorch.trainingModel(net, opts, optimizer=poptorch.optim.SGD(net.parameters(), lr=0.1,
+                                                                              max_grad_norm=0.01))
+    with pytest.raises(ValueError, match="max_grad_norm.*2 IPUs"):
+        training(torch.randn(3, 4), torch.randn(3, 2))

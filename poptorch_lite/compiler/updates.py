@@ -20,6 +20,7 @@ import ipusim as ip
 from ipusim.ops import collectives
 from ipusim.ops import elementwise as ew
 from ipusim.ops import optim as dev
+from ipusim.ops import reduce as red
 
 from ..api.enums import MeanReductionStrategy, ReductionType
 from ..api.optim import LAMB, accumulator_dtype, loss_scaling, state_dtypes, state_slot, state_tensor_name
@@ -34,8 +35,6 @@ def device_config(optimizer: torch.optim.Optimizer, group: dict, divisor: float)
 
 
 def _device_optimiser(optimizer: torch.optim.Optimizer, group: dict, ls: float) -> dev.Optimiser:
-    if group.get("max_grad_norm") not in (None, math.inf):
-        raise ValueError("max_grad_norm (gradient clipping) is not supported by the emulated optimisers")
     if isinstance(optimizer, torch.optim.AdamW):
         return dev.AdamW(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                          weight_decay=group["weight_decay"], loss_scaling=ls,
@@ -94,6 +93,7 @@ class UpdatePlan:
         self.sharded: set[str] = set()      # weights whose optimiser state is sharded over the replicas
         self.loss_scaling = None            # the device's loss scale (compiler/loss_scaling.py), or None
         self.grouped: dict[str, list[int]] = {}   # per-replica variable -> the replica of each host slice
+        self.max_grad_norm: float | None = None   # gradient clipping's bound, compiled in (None: no clipping)
 
     @property
     def automatic_loss_scaling(self) -> bool:
@@ -156,9 +156,18 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
     by_ipu: dict[int, list[str]] = {}
     for name in names:
         by_ipu.setdefault(first.weights[name].ipu, []).append(name)
+    max_norm = plan.max_grad_norm = max_grad_norm(optimizer)
+    if max_norm is not None and len(by_ipu) > 1:
+        raise ValueError(f"max_grad_norm: gradient clipping takes the norm of the gradients of every weight, which "
+                         f"this model keeps on {len(by_ipu)} IPUs; the emulator clips the gradients of a model on "
+                         "one IPU (per replica) only: drop max_grad_norm or place the model on one IPU")
     for ipu0, weight_names in sorted(by_ipu.items()):
         sharded = {n for n in weight_names if shard and first.weights[n].numel >= max(min_shard, replicas)
                    and n not in variable_groups}
+        if max_norm is not None and (sharded or any(n in low.accumulator_buffers for low in lowerings
+                                                    for n in weight_names)):
+            raise ValueError("max_grad_norm: gradient clipping needs every gradient accumulator whole and on chip; "
+                             "turn off replicated tensor sharding and off-chip accumulators, or drop max_grad_norm")
         plan.sharded |= sharded
         indices = []
         if replicas > 1:
@@ -191,6 +200,9 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                     seq.add(p)
                 if r == 0 or name in sharded or name in variable_groups:
                     plan.states.setdefault(name, []).append((cfg, w_upd))
+            if max_norm is not None:
+                indices.append(first.add_program(_clip(low, weight_names, [configs[group_of[n]] for n in weight_names],
+                                                       max_norm, f"gradient clipping replica {r}")))
             ipus = {low.weights[name].ipu for name in weight_names}
             for count in low.counters:  # Running: the next group's mean starts again
                 if count.ipu in ipus:
@@ -205,6 +217,41 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
         order = np.argsort([b for b, _ in collectives.shard_bounds(first.weights[name].numel, replicas)], kind="stable")
         plan.states[name] = [plan.states[name][i] for i in order]
     return plan
+
+
+def max_grad_norm(optimizer) -> float | None:
+    """PopTorch's `max_grad_norm`, one value for the whole optimiser (None or inf: no clipping)."""
+    value = optimizer.defaults.get("max_grad_norm")
+    if value is None or value == math.inf:
+        return None
+    if not value > 0:
+        raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {value}")
+    return float(value)
+
+
+def _clip(low, names: list[str], configs: list, max_norm: float, name: str) -> ip.Sequence:
+    """Gradient clipping by the global norm, as PopART's: the accumulators of one replica's
+    weights (on one IPU) scaled by max_norm / max(norm, max_norm), the norm taken over every
+    gradient (the accumulators over the optimiser's loss-scaling column, which holds the loss
+    scaling times the reduction's divisor). Runs after the gradient reduction, before the updates."""
+    seq = ip.Sequence(name=name)
+    accs = [low.accumulators[n] for n in names]
+    g = low.graph(accs[0].ipu)
+    total = None
+    for acc in accs:
+        squares = red.reduce(g, acc, None, "sum_squares", seq, f"{acc.name}/sum_squares", out_dtype=np.float32,
+                             category="temporaries").reshape((1,))
+        total = squares if total is None else ew.add(g, total, squares, seq, f"{name}/sum")
+    h = configs[0].hyper_on(g)
+    scale = red.reduce(g, h.tensor[:, h.names.index("loss_scaling")], None, "max", seq, f"{name}/loss_scaling",
+                       category="temporaries").reshape((1,))
+    threshold = ew.scale(g, scale, max_norm, seq, f"{name}/threshold")
+    norm = ew.unary(g, "sqrt", total, seq, f"{name}/norm")
+    factor = ew.div(g, threshold, ew.binary(g, "max", norm, threshold, seq, f"{name}/bound"), seq, f"{name}/factor")
+    for acc in accs:
+        f = factor if acc.dtype == factor.dtype else ew.cast(g, factor, acc.dtype, seq, f"{name}/factor_{acc.dtype}")
+        ew.binary(g, "mul", acc, f.broadcast((acc.numel,)).reshape(acc.shape), seq, f"{acc.name}/clip", out=acc)
+    return seq
 
 
 def _streamed(low, g, w, acc, state_tensors, plan: UpdatePlan) -> tuple[list, list]:
@@ -311,6 +358,10 @@ def write_hyperparameters(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.
                           replicas: int = 1) -> None:
     """Apply a new optimizer's hyperparameters to the device (no recompilation)."""
     divisor = reduction_divisor(options, replicas)
+    if max_grad_norm(optimizer) != plan.max_grad_norm:
+        raise ValueError(f"the model was compiled with max_grad_norm={plan.max_grad_norm}; the new optimizer has "
+                         f"{max_grad_norm(optimizer)}: gradient clipping is part of the compiled program, create a "
+                         "new training model to change it")
     if len(optimizer.param_groups) != len(plan.configs):
         raise ValueError(f"the new optimizer has {len(optimizer.param_groups)} parameter groups, the compiled model "
                          f"{len(plan.configs)}: create a new training model to change the groups")

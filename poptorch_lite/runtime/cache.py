@@ -72,7 +72,7 @@ from ..compiler.aten import decompositions
 from ..compiler.export import JointGraph, annotation_of, capture_joint, pass_of
 from ..compiler.executable import Executable
 from ..api.optim import accumulator_dtype, loss_scaling
-from ..compiler.updates import device_config
+from ..compiler.updates import device_config, max_grad_norm
 
 try:
     import fcntl
@@ -174,7 +174,7 @@ def compiled_options(options) -> dict:
 def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
     """What of the optimiser shapes the program: its type, which parameters each group updates,
     the device optimiser's state layout and structural settings, the loss scaling (the seed of
-    the backward pass) and the accumulators' dtype (`accum_type`). Learning rates and other hyperparameters are not part of it."""
+    the backward pass), the accumulators' dtype (`accum_type`) and gradient clipping's bound. Learning rates and other hyperparameters are not part of it."""
     names = {id(p): n for n, p in torch.nn.Module.named_parameters(model)}
     groups = []
     for group in optimizer.param_groups:
@@ -186,7 +186,7 @@ def optimizer_description(optimizer, model: torch.nn.Module) -> dict:
             "structural": {k: repr(getattr(config, k)) for k in config.STRUCTURAL},
         })
     return {"type": _qualified_name(type(optimizer)), "groups": groups, "loss_scaling": loss_scaling(optimizer),
-            "accum_type": accumulator_dtype(optimizer)}
+            "accum_type": accumulator_dtype(optimizer), "max_grad_norm": max_grad_norm(optimizer)}
 
 
 def software_versions() -> dict:
