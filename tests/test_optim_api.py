@@ -398,3 +398,14 @@ def test_max_grad_norm_over_several_ipus_is_refused():
                                                                               max_grad_norm=0.01))
     with pytest.raises(ValueError, match="max_grad_norm.*2 IPUs"):
         training(torch.randn(3, 4), torch.randn(3, 2))
+
+
+def test_destroy_reads_the_optimiser_state_back_first():
+    model = Regression()
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model, optimizer=opt)
+    training(*batch())
+    training.destroy()
+    state = opt.state_dict()   # no executable now: the copy read when destroyed
+    assert state["ipu_state"]["Step___lin.weight"].item() == 1
+    assert state["ipu_state"]["Accl1___lin.weight"].abs().sum() > 0

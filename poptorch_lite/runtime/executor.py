@@ -555,6 +555,8 @@ class PoplarExecutor:
             return
         if self._training:
             self.copyWeightsToHostIfNeeded()
+            if not self._pricing:
+                self._optimizer.state_dict()   # the optimiser state read back first, as in PopTorch
         self._executable.engine.close()
         self._shutdown_threads()
         self._executable = None
