@@ -870,3 +870,12 @@ def test_a_released_epoch_keeps_torchs_bound_on_batches_in_flight():
     for idx in (1, 2):   # torch returns the stored batches, each dispatching one more
         del iterator._task_info[idx]
         iterator._try_put_index()
+
+
+def test_the_worker_process_id_is_logged_at_debug_level(caplog):
+    """As PopTorch logs it, so that a tool (or a test) can signal the worker."""
+    with caplog.at_level(logging.DEBUG, logger="poptorch_lite"):
+        with AsynchronousDataAccessor(Counting(4), sharing_strategy=SharingStrategy.Fork) as acc:
+            pid = acc._process.pid
+    assert f"AsynchronousDataAccessor worker process: {pid}" in caplog.text
+    assert f"AsynchronousDataAccessor parent process: {os.getpid()}" in caplog.text

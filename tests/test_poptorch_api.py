@@ -583,6 +583,20 @@ def test_log_lines_follow_stdout_redirection():
         poptorch.setLogLevel("WARN")
 
 
+def test_log_lines_name_the_level_in_lower_case_as_poptorch(caplog):
+    import contextlib
+    import io
+    poptorch.setLogLevel("DEBUG")
+    try:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), caplog.at_level(logging.DEBUG, logger="poptorch_lite"):
+            logging.getLogger("poptorch_lite").debug("hello")
+        assert "[poptorch_lite] [debug] hello" in out.getvalue()
+        assert caplog.records[-1].levelname == "DEBUG"   # other handlers see the record unchanged
+    finally:
+        poptorch.setLogLevel("WARN")
+
+
 def test_backward_on_outputs_is_an_error():
     model = poptorch.trainingModel(Regression())
     out, loss = model(torch.randn(2, 4), torch.randn(2, 4))

@@ -1172,6 +1172,8 @@ class AsynchronousDataAccessor:
                 data_writer.close()
             self._process = process
             _LIVE_ACCESSORS.add(self)
+            logger.debug("AsynchronousDataAccessor parent process: %d", os.getpid())
+            logger.debug("AsynchronousDataAccessor worker process: %d", process.pid)
             if file_system:
                 try:
                     pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)

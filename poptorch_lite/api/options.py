@@ -94,10 +94,17 @@ def setLogLevel(level) -> None:
     logger.setLevel(number)
     if not logger.handlers:
         handler = _StdoutHandler()
-        handler.setFormatter(
-            logging.Formatter("[%(asctime)s] [poptorch_lite] [%(levelname)s] "
-                              "%(message)s"))
+        handler.setFormatter(_LogFormatter("[%(asctime)s] [poptorch_lite] [%(levelname)s] %(message)s"))
         logger.addHandler(handler)
+
+
+class _LogFormatter(logging.Formatter):
+    """PopTorch's log line: the level in lower case (`[debug]`, `[warning]`)."""
+
+    def format(self, record):
+        record = logging.makeLogRecord(record.__dict__)   # a copy: other handlers keep the level's name
+        record.levelname = record.levelname.lower()
+        return super().format(record)
 
 
 if os.environ.get("POPTORCH_LOG_LEVEL"):
