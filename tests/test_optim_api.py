@@ -3,6 +3,7 @@ optimiser (the debug log of its hyperparameters), the warnings about attributes 
 import copy
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -409,3 +410,23 @@ def test_destroy_reads_the_optimiser_state_back_first():
     state = opt.state_dict()   # no executable now: the copy read when destroyed
     assert state["ipu_state"]["Step___lin.weight"].item() == 1
     assert state["ipu_state"]["Accl1___lin.weight"].abs().sum() > 0
+
+
+def test_a_loaded_state_reaches_every_replica():
+    torch.manual_seed(0)
+    model = Regression()
+    opts = poptorch.Options().replicationFactor(2)
+    opt = poptorch.optim.Adam(model.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model, opts, optimizer=opt)
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    training(x, y)
+    state = opt.state_dict()
+    state["ipu_state"]["Accl1___lin.weight"] = torch.randn(2, 4)
+    opt.load_state_dict(state)
+    training(x, y)   # written first, then a step from it on each replica
+    exe = training._executable
+    (cfg0, w0), = exe.updates.states["lin.weight"]
+    (cfg1, w1), = exe.updates.copies["lin.weight"]
+    first = exe.engine.readTensor(cfg0.state_of(w0).tensors["exp_avg"])
+    second = exe.engine.readTensor(cfg1.state_of(w1).tensors["exp_avg"])
+    np.testing.assert_array_equal(first, second)   # (replica 1 left at its old state would differ)

@@ -89,6 +89,8 @@ class UpdatePlan:
         self.configs: list[tuple[int, dev.Optimiser]] = []  # (param group index, configuration)
         # weight name -> [(config, updated weight)] for replica 0, or every replica's shard in element order
         self.states: dict[str, list[tuple[dev.Optimiser, ip.Tensor]]] = {}
+        # the optimiser state of an unsharded weight in replicas 1.. (equal to replica 0's in `states`)
+        self.copies: dict[str, list[tuple[dev.Optimiser, ip.Tensor]]] = {}
         self.state_buffers: dict[int, ip.RemoteBuffer] = {}  # state tensor variable id -> its Streaming Memory
         self.sharded: set[str] = set()      # weights whose optimiser state is sharded over the replicas
         self.loss_scaling = None            # the device's loss scale (compiler/loss_scaling.py), or None
@@ -200,6 +202,8 @@ def build_updates(lowerings: list, optimizer: torch.optim.Optimizer, options, na
                     seq.add(p)
                 if r == 0 or name in sharded or name in variable_groups:
                     plan.states.setdefault(name, []).append((cfg, w_upd))
+                else:   # another replica's copy of replica 0's state
+                    plan.copies.setdefault(name, []).append((cfg, w_upd))
             if max_norm is not None:
                 indices.append(first.add_program(_clip(low, weight_names, [configs[group_of[n]] for n in weight_names],
                                                        max_norm, f"gradient clipping replica {r}")))
@@ -447,24 +451,37 @@ def write_ipu_state(engine: ip.Engine, plan: UpdatePlan, optimizer: torch.optim.
             raise ValueError(f"the optimiser state of {name!r}, a per-replica variable, cannot be written from "
                              "a state dict: each replica group keeps its own")
         shape = tuple(named_params[name].shape)
+        host = {}
+        for slot, value in slots.items():
+            value = torch.as_tensor(value).detach().cpu()
+            if slot == "step":
+                host[slot] = float(value.reshape(-1)[0])
+            elif tuple(value.shape) != shape:
+                raise ValueError(f"optimiser state {state_tensor_name(optimizer, slot, name)} has shape "
+                                 f"{tuple(value.shape)}; the weight's is {shape}")
+            else:
+                host[slot] = value.to(torch.float32).numpy().reshape(-1)
         offset = 0
-        for cfg, w in plan.states[name]:
-            ws = cfg.state_of(w)
-            for slot, t in (*ws.tensors.items(), ("step", ws.step)):
-                if t is None or slot not in slots:
-                    continue
-                host = torch.as_tensor(slots[slot]).detach().cpu()
-                if slot == "step":
-                    values = np.full(t.shape, float(host.reshape(-1)[0]), dtype=np.float32)
-                else:
-                    if tuple(host.shape) != shape:
-                        raise ValueError(f"optimiser state {state_tensor_name(optimizer, slot, name)} has shape "
-                                         f"{tuple(host.shape)}; the weight's is {shape}")
-                    values = host.to(torch.float32).numpy().reshape(-1)[offset:offset + t.numel].reshape(t.shape)
-                buf = plan.state_buffers.get(t.var.id)
-                if buf is not None:
-                    engine.writeRemoteBuffer(buf, values)
-                else:
-                    engine.writeTensor(t, values)
+        for cfg, w in plan.states[name]:   # replica 0's, or each replica's shard
+            _write_state(engine, plan, cfg.state_of(w), host, offset)
             offset += w.numel
+        for cfg, w in plan.copies.get(name, []):   # the other replicas hold the same state
+            _write_state(engine, plan, cfg.state_of(w), host, 0)
     return unknown
+
+
+def _write_state(engine: ip.Engine, plan: UpdatePlan, ws, host: dict, offset: int) -> None:
+    """Write host state (slot -> flat array, or the step count) into one weight state's tensors,
+    from element `offset` of the weight (a shard's first)."""
+    for slot, t in (*ws.tensors.items(), ("step", ws.step)):
+        if t is None or slot not in host:
+            continue
+        if slot == "step":
+            values = np.full(t.shape, host[slot], dtype=np.float32)
+        else:
+            values = host[slot][offset:offset + t.numel].reshape(t.shape)
+        buf = plan.state_buffers.get(t.var.id)
+        if buf is not None:
+            engine.writeRemoteBuffer(buf, values)
+        else:
+            engine.writeTensor(t, values)
