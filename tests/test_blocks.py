@@ -161,7 +161,7 @@ def test_unnamed_begin_block_keeps_its_auto_id_within_a_trace():
 
 def test_begin_block_twice_is_an_error():
     linear = BeginBlock(nn.Linear(2, 2), "A")
-    with pytest.raises(BlockError, match="already begins a block.*removeBlocks"):
+    with pytest.raises(BlockError, match="module has already been assigned to a block.*removeBlocks"):
         BeginBlock(linear, "B")
 
 
@@ -202,7 +202,7 @@ def test_block_function_runs_in_its_block_and_keeps_metadata():
 
 @pytest.mark.parametrize(
     "user_id, ipu_id",
-    [(3, None), ("", None), ("A", -1), ("A", 1.0), ("A", True), ("A", "0")],
+    [(3.0, None), (True, None), ("", None), ("A", -1), ("A", 1.0), ("A", True), ("A", "0")],
 )
 def test_invalid_ids_are_rejected(user_id, ipu_id):
     with pytest.raises(BlockError):
@@ -219,3 +219,27 @@ def test_block_ref_text():
     assert str(DEFAULT_REGION) == "(before first block)"
     assert str(BlockRef("B1")) == "'B1'"
     assert str(BlockRef("B1", 2)) == "'B1' (ipu_id=2)"
+
+
+def test_integer_user_ids_name_blocks_and_survive_copies_and_saving():
+    """PopTorch's older code numbers its blocks (BeginBlock(m, user_id=1, ipu_id=2)); the id is
+    kept as given, shown by module_repr, and kept by copy, deepcopy and torch.save."""
+    import copy
+    import io
+    from poptorch_lite.api.blocks import module_repr
+    seq = nn.Sequential(BeginBlock(nn.ReLU(), user_id=1, ipu_id=1), BeginBlock(nn.ReLU(), user_id=2, ipu_id=2))
+    for m in (seq, copy.copy(seq), copy.deepcopy(seq)):
+        assert "BeginBlock(user_id=1, ipu_id=1)" in module_repr(m[0])
+        assert "BeginBlock(user_id=2, ipu_id=2)" in module_repr(m[1])
+    with tracing_blocks() as trace:
+        seq[1](torch.ones(1))
+        assert trace.active == BlockRef(2, 2)
+    legacy = BeginBlock(lambda x: x + 1, 1, 2)
+    assert (legacy._user_id, legacy._ipu_id) == (1, 2)
+    buffer = io.BytesIO()
+    torch.save(seq, buffer)
+    buffer.seek(0)
+    assert "BeginBlock(user_id=2, ipu_id=2)" in module_repr(torch.load(buffer, weights_only=False)[1])
+    for bad in (True, "", 1.5):
+        with pytest.raises(BlockError, match="user_id must be a non-empty string, an integer or None"):
+            Block(bad)

@@ -88,8 +88,8 @@ def test_enum_values_match_poptorch():
     assert [(m.name, m.value) for m in AutoStage] == [("SameAsIpu", 0), ("AutoIncrement", 1)]
 
 
-@pytest.mark.parametrize("bad", [(), (3,), ("",)])
-def test_stage_needs_block_id_strings(bad):
+@pytest.mark.parametrize("bad", [(), (3.0,), (True,), ("",)])
+def test_stage_needs_block_ids(bad):
     with pytest.raises(StrategyError):
         Stage(*bad)
 

@@ -26,6 +26,8 @@ Rules during a capture (the same as PopTorch's):
   restarts the count (PopTorch needs it because it traces the model several times).
   A ``BeginBlock`` without ``user_id`` keeps the id it got on its first call for the
   rest of the capture, so a module called twice starts the same block twice;
+- a ``user_id`` is a string or an integer (PopTorch's older code numbers its blocks); ids
+  are compared as given, so ``Stage(1)`` names the block of ``user_id=1``, not ``"1"``;
 - blocks with the same ``user_id`` are one block. Each start records its own
   ``ipu_id``: a block started on two IPUs has ops on both (phased execution uses
   this to spread one stage over several IPUs).
@@ -37,11 +39,14 @@ import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
 from .errors import Error
+
+
+BlockId = Union[str, int]  # a block's user_id
 
 
 class BlockError(Error, RuntimeError):
@@ -55,7 +60,7 @@ class BlockRef:
     ``user_id`` is None only for the default region (ops before the first block).
     """
 
-    user_id: Optional[str]
+    user_id: Optional[BlockId]
     ipu_id: Optional[int] = None
 
     @property
@@ -74,9 +79,9 @@ DEFAULT_REGION = BlockRef(None, None)
 
 
 def _check_ids(user_id, ipu_id) -> None:
-    if user_id is not None and (not isinstance(user_id, str) or not user_id):
+    if user_id is not None and (isinstance(user_id, bool) or not isinstance(user_id, (str, int)) or user_id == ""):
         raise BlockError(
-            f"a block's user_id must be a non-empty string or None, got {user_id!r}; "
+            f"a block's user_id must be a non-empty string, an integer or None, got {user_id!r}; "
             "for example Block(\"Encoder\")"
         )
     if ipu_id is not None and (
@@ -110,7 +115,7 @@ class BlockTrace:
         """The open name scopes as a path, "encoder/attention" ("" when none)."""
         return "/".join(self.scopes)
 
-    def start(self, user_id: Optional[str], ipu_id: Optional[int], key=None) -> BlockRef:
+    def start(self, user_id: Optional[BlockId], ipu_id: Optional[int], key=None) -> BlockRef:
         """Make a block active; ``key`` identifies a BeginBlock whose auto id persists."""
         if user_id is None and key is not None:
             user_id = self._begin_block_ids.get(key)
@@ -167,7 +172,7 @@ class Block:
     :param ipu_id: the IPU to run on, unless the block's Stage sets one.
     """
 
-    def __init__(self, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+    def __init__(self, user_id: Optional[BlockId] = None, ipu_id: Optional[int] = None):
         _check_ids(user_id, ipu_id)
         self.user_id = user_id
         self.ipu_id = ipu_id
@@ -180,7 +185,7 @@ class Block:
             trace.reset_auto_id()
 
     @staticmethod
-    def start(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
+    def start(user_id: Optional[BlockId] = None, ipu_id: Optional[int] = None) -> None:
         """Start a block that lasts until the next block starts."""
         _check_ids(user_id, ipu_id)
         trace = active_trace()
@@ -205,7 +210,7 @@ class Block:
 class BeginBlockHook:
     """The forward-pre-hook ``BeginBlock`` puts on a module; also its annotation."""
 
-    def __init__(self, user_id: Optional[str], ipu_id: Optional[int]):
+    def __init__(self, user_id: Optional[BlockId], ipu_id: Optional[int]):
         self.user_id = user_id
         self.ipu_id = ipu_id
 
@@ -245,7 +250,7 @@ def module_repr(module: torch.nn.Module) -> str:
 
 
 def BeginBlock(
-    module: torch.nn.Module, user_id: Optional[str] = None, ipu_id: Optional[int] = None
+    module: torch.nn.Module, user_id: Optional[BlockId] = None, ipu_id: Optional[int] = None
 ) -> torch.nn.Module:
     """Start a block each time ``module`` is called; it lasts until the next block starts.
 
@@ -263,8 +268,8 @@ def BeginBlock(
     existing = block_annotation(module)
     if existing is not None:
         raise BlockError(
-            f"{type(module).__name__} already begins a block ({existing!r}); "
-            "call removeBlocks(module) before assigning it to another block"
+            f"module has already been assigned to a block: this {type(module).__name__} begins {existing!r}; "
+            "call poptorch.removeBlocks(module) before assigning it to another block"
         )
     module.register_forward_pre_hook(BeginBlockHook(user_id, ipu_id))
     return module
@@ -321,13 +326,21 @@ class LegacyBeginBlockFn(torch.nn.Module):
     """``BeginBlock`` given a function instead of a module (PopTorch's older form): calling it
     starts the block, then calls the function."""
 
-    def __init__(self, layer_to_call: Callable, user_id: Optional[str] = None, ipu_id: Optional[int] = None):
+    def __init__(self, layer_to_call: Callable, user_id: Optional[BlockId] = None, ipu_id: Optional[int] = None):
         super().__init__()
         if not callable(layer_to_call):
             raise BlockError(f"LegacyBeginBlockFn expects a callable, got {type(layer_to_call).__name__}")
         _check_ids(user_id, ipu_id)
         self._layer_to_call = layer_to_call
         self._hook = BeginBlockHook(user_id, ipu_id)
+
+    @property
+    def _user_id(self):
+        return self._hook.user_id
+
+    @property
+    def _ipu_id(self):
+        return self._hook.ipu_id
 
     def forward(self, *args, **kwargs):
         self._hook.start()
@@ -338,7 +351,7 @@ class LegacyBeginBlockFn(torch.nn.Module):
 
 
 def BlockFunction(
-    user_id: Optional[str] = None, ipu_id: Optional[int] = None
+    user_id: Optional[BlockId] = None, ipu_id: Optional[int] = None
 ) -> Callable[[Callable], Callable]:
     """Decorator: each call of the function runs inside ``Block(user_id, ipu_id)``."""
     _check_ids(user_id, ipu_id)

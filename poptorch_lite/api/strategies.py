@@ -43,10 +43,10 @@ class StrategyError(Error, ValueError):
     """An execution strategy is malformed or does not fit the traced blocks."""
 
 
-def _check_block_id(block_id, where: str) -> str:
-    if not isinstance(block_id, str) or not block_id:
+def _check_block_id(block_id, where: str) -> str | int:
+    if isinstance(block_id, bool) or not isinstance(block_id, (str, int)) or block_id == "":
         raise StrategyError(
-            f"{where} takes block ids (the user_id strings of Blocks), got {block_id!r}"
+            f"{where} takes block ids (the user_id strings or integers of Blocks), got {block_id!r}"
         )
     return block_id
 
