@@ -560,7 +560,7 @@ def check_blocks(joint: JointGraph) -> None:
             closed_text = f"block {a.closed} had closed"
             fix = f"wrap it in `with Block({a.closed.user_id!r}):` (the block that closed before it)"
         raise BlockError(
-            f"{a.describe()} at {a.source} is outside any Block. Ops before the first block run in "
+            f"No active Block: {a.describe()} at {a.source} is outside any Block. Ops before the first block run in "
             "stage 0 on IPU 0, but once a block has started every op must belong to one, and "
             f"{closed_text} when this op ran. To place it, {fix} or start a block with Block.start(...)."
         )
