@@ -8,6 +8,11 @@ file runs in its own pytest process with `import poptorch` resolving here
     python benchmarks/poptorch_tests.py --tests ../poptorch/tests --group ops  # the op files
     python benchmarks/poptorch_tests.py --tests ../poptorch/tests loop_test.py if_test.py
 
+PopTorch's tests were written for torch 2.0, whose `torch.load` loads whole pickled modules by
+default; torch 2.6 made `weights_only=True` the default. The files run with
+`TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`, torch's own switch back to the old default, so that their
+`torch.save(model)` / `torch.load(file)` round trips test this project and not torch's new default.
+
 Tests that cannot apply to any emulator are left out (deselected), each with its reason, in
 `LEFT_OUT` below; docs/conformance.md gives the same list. The share printed at the end is
 passed / (collected - left out - skipped by PopTorch's own conditions), beside the left-out share
@@ -130,7 +135,7 @@ def run_file(tests: str, name: str, timeout: float, extra: list[str]) -> FileRes
                    "-p", "no:cacheprovider", name, "--no-hw-tests", "-q", "-rN", f"--junitxml={report}",
                    "-o", "junit_family=xunit1", *extra]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, HERE, os.environ.get("PYTHONPATH")))),
-               LEFT_OUT_COUNT: counted}
+               LEFT_OUT_COUNT: counted, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
         start = time.perf_counter()
         try:
             done = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True, timeout=timeout)

@@ -60,6 +60,27 @@ def test_a_trained_model_saves_as_the_users_class_with_trained_weights():
     assert torch.equal(loaded.lin.weight, net.lin.weight) and not torch.equal(loaded.lin.weight, before)
 
 
+def test_a_wrapped_model_loads_through_restore_wrapper_and_its_state_dict_without(monkeypatch):
+    """PopTorch's `_impl._restoreWrapperIfNecessary` rebuilds a saved wrapped model; a state dict
+    of a wrapped model holds no wrapper, so loading it never calls it."""
+    from poptorch_lite import _impl
+    net = WithBatchNorm()
+    poptorch.trainingModel(net)
+    poptorch.inferenceModel(net)
+    files = []
+    for obj in (net.state_dict(), net):
+        files.append(io.BytesIO())
+        torch.save(obj, files[-1])
+        files[-1].seek(0)
+    calls = []
+    real = _impl._restoreWrapperIfNecessary
+    monkeypatch.setattr(_impl, "_restoreWrapperIfNecessary", lambda *a: calls.append(a) or real(*a))
+    torch.load(files[0], weights_only=False)
+    assert calls == []
+    loaded = torch.load(files[1], weights_only=False)
+    assert len(calls) == 1 and type(loaded) is WithBatchNorm
+
+
 def test_a_model_is_wrapped_by_one_training_model_until_destroyed():
     torch.manual_seed(0)
     net = WithBatchNorm()

@@ -31,6 +31,7 @@ from ipusim.ops import random as rnd
 from ipusim.report.profile import finish_collected
 
 from ..api import arguments, batching, phases, poptorch_core, replica_groups
+from .. import _impl
 from ..api.blocks import module_repr
 from ..api.enums import ConnectionType
 from ..api import errors
@@ -228,7 +229,7 @@ class PoplarExecutor:
             def __reduce_ex__(self, protocol):
                 """Saved (torch.save, pickle) as the user's class, with the trained weights."""
                 sync()
-                return (unwrapped_module, (user_cls, self.__getstate__()))
+                return (_impl._restoreWrapperIfNecessary, (user_cls, self.__getstate__()))
 
             def __getattribute__(self, name):
                 if name == "_poptorch_weights_version":
@@ -1199,13 +1200,6 @@ def _refuse_backward(outputs):
     for t in flatten_values(outputs, torch.Tensor):
         t.backward = _backward_error
     return outputs
-
-
-def unwrapped_module(cls: type, state: dict) -> torch.nn.Module:
-    """A saved model, loaded as the user's class (not the weight-syncing one it had when saved)."""
-    module = cls.__new__(cls)
-    module.__setstate__(state)
-    return module
 
 
 def printer(title: str, fmt: PrintFormat):
