@@ -46,11 +46,12 @@ class _PopdistDistributedOptions(_DistributedOptions):
             raise _refuse("Distributed.setEnvVarNames", "the process id and count")
         return super().setEnvVarNames(var_num_processes, var_process_id)
 
-    def configureProcessId(self, process_id: int,
-                           num_processes: int) -> "_PopdistDistributedOptions":
+    def configureProcessId(self, *args, **kwargs) -> "_PopdistDistributedOptions":
+        """Refused, whatever it is given, once PopDist has set the process id and count (a call
+        with one argument is told that, not that it lacks num_processes)."""
         if self._popdist_locked:
             raise _refuse("Distributed.configureProcessId", "the process id and count")
-        return super().configureProcessId(process_id, num_processes)
+        return super().configureProcessId(*args, **kwargs)
 
 
 class Options(_PoptorchOptions):

@@ -310,6 +310,7 @@ def test_options_ignore_openmpi_variables_that_contradict_popdist(popdist_env, m
     (lambda o: o.Distributed.disable(), "Distributed.disable"),
     (lambda o: o.Distributed.setEnvVarNames("A", "B"), "Distributed.setEnvVarNames"),
     (lambda o: o.Distributed.configureProcessId(0, 1), "Distributed.configureProcessId"),
+    (lambda o: o.Distributed.configureProcessId(1), "Distributed.configureProcessId"),  # refused, not a TypeError
 ])
 def test_options_refuse_what_poprun_decides(popdist_env, call, name):
     popdist_env(index=0, instances=2, local_replicas=2, ipus_per_replica=2)
