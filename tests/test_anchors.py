@@ -68,6 +68,15 @@ def test_unknown_anchors_are_errors_naming_them():
         model.getAnchoredTensor("g")
 
 
+@pytest.mark.parametrize("iterations, period", [(1, 4), (3, 2)])
+def test_every_n_period_must_divide_the_updates_of_a_call(iterations, period):
+    opts = poptorch.Options().deviceIterations(iterations)
+    opts.anchorTensor("g", "Gradient___lin.bias", OutputMode.EveryN, period)
+    model = poptorch.trainingModel(Regression(), opts)
+    with pytest.raises(poptorch.Error, match=rf"makes {iterations} weight update.*period must divide {iterations}"):
+        model(torch.ones(iterations, 3), torch.ones(iterations, 1))
+
+
 def test_anchors_are_options():
     opts = poptorch.Options().anchorTensor("t1", "Gradient___w", OutputMode.EveryN, 2)
     copied = opts.clone().anchorTensor("t2", "UpdatedVar___w", OutputMode.Final)

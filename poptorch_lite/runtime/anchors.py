@@ -84,6 +84,13 @@ def resolve(anchored: dict, options, training: bool, trained: set[str], dtypes: 
             mode = batching.resolve_output_mode(options, training)
             period = options.output_return_period if mode == OutputMode.EveryN else 1
         anchors.append(Anchor(short, KINDS[prefix], weight, mode, period, dtypes[weight]))
+    updates = batching.batch_factors(options, training)[0]   # one weight update per device iteration
+    for anchor in anchors:
+        if anchor.mode == OutputMode.EveryN and (anchor.period > updates or updates % anchor.period):
+            raise Error(f"Options.anchorTensor({anchor.short_name!r}, ..., OutputMode.EveryN, {anchor.period}): "
+                        f"a call makes {updates} weight update(s) (Options.deviceIterations), and the anchor "
+                        f"returns the value of every {anchor.period}-th, so the period must divide "
+                        f"{updates}. Pick a period that divides it or change deviceIterations.")
     return anchors
 
 

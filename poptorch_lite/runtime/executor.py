@@ -990,7 +990,7 @@ class PoplarExecutor:
         """The device tensors ``Options.anchorTensor`` can return for this compiled model: each
         trained parameter's ``Gradient___<name>`` and ``UpdatedVar___<name>``."""
         if self._executable is None:
-            raise errors.make("Model must be compiled before calling getTensorNames")
+            raise AssertionError("Model must be compiled before calling getTensorNames")  # PopTorch asserts
         trained = set(self._executable.lowering.accumulators) if self._training else set()
         return anchors.names(trained)
 
