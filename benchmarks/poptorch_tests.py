@@ -95,6 +95,56 @@ LEFT_OUT: dict[str, str] = {
         "pattern ... does not match'); pytest 8 and later word it 'Regex pattern did not match'",
     "misc_test.py::test_set_popart_log_level": "PopART's own log output (popart:devicex, popart:ir, ...) through "
                                                "PopTorch's private _logging module",
+    # PopTorch's lowering log, PopART's IR names, Poplar's compile time, downloads
+    "pipelining_test.py::test_api_inline":
+        "exact log text of PopTorch's lowering to PopART (' Mul:0 ... mode(Pipelined), ipu(0), stage(0)', "
+        "'enablePipelining set to value 1'); it checks nothing else",
+    "pipelining_test.py::test_api_wrap":
+        "exact log text of PopTorch's lowering to PopART (' l1/Mul:0 ... mode(Pipelined), ipu(0), stage(0)');"
+        " it checks nothing else",
+    "pipelining_test.py::test_api_wrap_2stages":
+        "exact log text of PopTorch's lowering to PopART (' l0/Mul:0 ... mode(Pipelined), ipu(0), stage(0)');"
+        " it checks nothing else",
+    "pipelining_test.py::test_inline_AutoIncrement":
+        "exact log text of PopTorch's lowering to PopART (' Mul:0/1 ... mode(Pipelined), ipu(1), stage(2)'); "
+        "it checks nothing else",
+    "pipelining_test.py::test_api_AutoIncrement":
+        "exact log text of PopTorch's lowering to PopART (' l2/Mul:0 ... mode(Pipelined), ipu(1), stage(1)');"
+        " it checks nothing else",
+    "pipelining_test.py::test_block_function":
+        "exact log text of PopTorch's lowering to PopART (' Mul:0/1 ... mode(Pipelined), ipu(1), stage(1)'); "
+        "it checks nothing else",
+    "pipelining_test.py::test_removeBlocks":
+        "exact log text of PopTorch's lowering to PopART (' b1/l1/Relu:0 ... mode(Pipelined), ipu(0), "
+        "stage(0)'); between its log checks, BeginBlock twice raising 'module has already been assigned to a "
+        "block' is checked (tests/test_blocks.py)",
+    "phased_execution_test.py::test_2x2_parallel_phased_execution":
+        "exact log text of PopTorch's lowering to PopART (' ... mode(Phased), ipu(0), phase(0)', "
+        "'executionPhaseSettings.phases set to value 6'); it checks nothing else",
+    "phased_execution_test.py::test_serial_tensor_liveness":
+        "exact log text of PopTorch's lowering to PopART ('Transpose:0 [float32(8, 7), mode(Phased), ipu(0), "
+        "phase(0)]'): PopART's phase numbering per liveness; it checks nothing else",
+    "debug_tensors_test.py::test_tensor_names":
+        "PopART's IR tensor names (input..., loss..., scaledLearningRate..., weightDecayScaleFactor...); the "
+        "emulator names the tensors anchorTensor can return (Gradient___, UpdatedVar___); the AssertionError "
+        "before compiling is checked first",
+    "debug_tensors_test.py::test_tensor_modes":
+        "exact log text of PopART's anchor return types ('Gradient___fc2.bias EVERYN/4'); it checks nothing "
+        "else",
+    "ops_test.py::test_name_scope":
+        "reads PopART's IR (_debugGetPopartIR) for PopART's op name 'NameScope/Add:InPlace'",
+    "ops_test.py::test_available_memory_last_op":
+        "exact text of PopTorch's graph dump before lowering to PopART (popart::matmul, "
+        "poptorch::set_available_memory)",
+    "ops_test.py::test_available_memory_linear":
+        "exact text of PopTorch's graph dump before lowering to PopART (the popart::matmul variable "
+        "set_available_memory takes)",
+    "poplar_executor_test.py::test_get_compilation_time":
+        "asserts Poplar takes over 1 s to compile x + y; compilationTime here is the emulator's own measured "
+        "compile (about 0.01 s); its two errors are checked first",
+    "bert_small_and_medium_test.py":
+        "downloads BERT checkpoints from the Hugging Face hub (mrm8488/bert-small-finetuned-squadv2, ...); no"
+        " network here",
     "dataloader_test.py::test_custom_batch_sampler": "the test's batch samplers call torch.utils.data.Sampler."
                                                      "__init__(None), which the torch this project runs "
                                                      "(2.14) no longer accepts (TypeError before the "
