@@ -193,9 +193,10 @@ class SummedLosses(nn.Module):
 
 def test_loss_rules_follow_poptorch():
     x, y = torch.randn(2, 4), torch.randn(2, 4)
-    with pytest.raises(RuntimeError, match="Multiple independent losses"):
+    with pytest.raises(poptorch.Error, match=r"^Multiple independent losses found in graph\. Graph must have one "
+                                             r"final loss\. Wrap final graph loss in poptorch\.identity_loss\."):
         lower(TwoLosses(), x, y, strategy=PipelinedExecution())
-    with pytest.raises(RuntimeError, match="Couldn't find a loss"):
+    with pytest.raises(poptorch.Error, match="^Couldn't find a loss in graph"):
         lower(NoLoss(), x, strategy=PipelinedExecution())
     ir = lower(SummedLosses(), x, y, strategy=PipelinedExecution())
     assert ir.loss is ir.outputs and set(ir.grads) == {"fc.weight", "fc.bias"}

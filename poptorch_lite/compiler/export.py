@@ -337,6 +337,10 @@ class BlockAnnotator(TorchFunctionMode):
             meta["custom"] = custom
 
 
+class LossError(Error, RuntimeError):
+    """A training model's graph has no final loss, or more than one (PopTorch's errors)."""
+
+
 def final_loss(losses: list[tuple[torch.Tensor, Annotation]], outputs: list) -> tuple[torch.Tensor, Annotation]:
     """PopTorch's rule: exactly one loss among the outputs' ancestors that feeds no other loss.
     Ancestry is read from the autograd graph of the traced call."""
@@ -359,22 +363,22 @@ def final_loss(losses: list[tuple[torch.Tensor, Annotation]], outputs: list) -> 
         if len(constant) == 1:
             candidates = constant
         elif any(t.grad_fn is None for t, _ in losses):
-            raise RuntimeError("the loss does not depend on any trainable parameter")
+            raise LossError("the loss does not depend on any trainable parameter")
     finals = [(t, a) for t, a in candidates
               if not any(o is not t and t.grad_fn in reach([o]) for o, _ in candidates)]
     if not finals:
-        raise RuntimeError("Couldn't find a loss in the graph: a training model must return a loss computed "
+        raise LossError("Couldn't find a loss in graph: a training model must return a loss computed "
                            "by a torch loss (e.g. torch.nn.NLLLoss) or wrapped in poptorch.identity_loss(x, "
                            "reduction=...)")
     if len(finals) > 1:
         where = ", ".join(f"{a.function} at {a.source}" for _, a in finals)
-        raise RuntimeError(f"Multiple independent losses found in the graph ({where}). The graph must have one "
-                           "final loss: combine them and wrap the result in poptorch.identity_loss(total, "
-                           "reduction='none')")
+        raise LossError(f"Multiple independent losses found in graph. Graph must have one final loss. Wrap final "
+                        f"graph loss in poptorch.identity_loss. The losses: {where}; combine them, e.g. "
+                        "poptorch.identity_loss(total, reduction='none')")
     loss, annotation = finals[0]
     if loss.numel() != 1:
-        raise RuntimeError(f"the final loss {annotation.function} at {annotation.source} has shape "
-                           f"{list(loss.shape)}; training needs a scalar loss: use reduction='mean' or 'sum'")
+        raise LossError(f"the final loss {annotation.function} at {annotation.source} has shape "
+                        f"{list(loss.shape)}; training needs a scalar loss: use reduction='mean' or 'sum'")
     return loss, annotation
 
 
