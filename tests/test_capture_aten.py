@@ -470,3 +470,20 @@ def test_cdist_matches_torch_and_trains(p):
         before = model.lin.weight.detach().clone()
         poptorch.trainingModel(model)(x, y)
         assert not torch.equal(model.lin.weight.detach(), before)
+
+
+def test_one_hot_needs_its_number_of_classes():
+    class OneHot(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.num_classes = num_classes
+
+        def forward(self, x):
+            return F.one_hot(x, num_classes=self.num_classes).float()
+
+    x = torch.tensor([0, 2, 1])
+    with pytest.raises(poptorch.Error, match=r"^OneHot num classes must be specified and must be constant\..*"
+                                             r"num_classes="):
+        lower(OneHot(-1), x, training=False, strategy=PipelinedExecution())
+    model = poptorch.inferenceModel(OneHot(4))
+    torch.testing.assert_close(model(x), F.one_hot(x, 4).float())

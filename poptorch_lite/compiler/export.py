@@ -87,6 +87,16 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None
     return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
 
 
+def _one_hot(x: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """F.one_hot with its number of classes given: without it PyTorch sizes the output from x's
+    largest value, a shape the compiled program cannot know (PopTorch's error)."""
+    if num_classes < 0:
+        raise Error("OneHot num classes must be specified and must be constant. F.one_hot(x) without "
+                    "num_classes sizes its output from x's largest value, which a compiled model cannot know: "
+                    "pass num_classes=<the number of classes>")
+    return F.one_hot(x, num_classes)
+
+
 def _weight_norm(v: torch.Tensor, g: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Weight normalisation as PyTorch's decomposition of ``_weight_norm_interface`` composes it, so
     that its gradient is that composition's (ATen's fused backward has no decomposition)."""
@@ -144,7 +154,7 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, sc
 
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
+FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
              F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
