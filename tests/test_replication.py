@@ -209,3 +209,51 @@ def test_offline_target_compiles_but_refuses_to_run():
     assert model.isCompiled()
     with pytest.raises(RuntimeError, match=r"offline.*model\.compile"):
         model(x, y)
+
+
+class CountsInputs(torch.nn.Module):
+    """Changes a buffer itself (not BatchNorm's running statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.bn = torch.nn.BatchNorm1d(2)
+        self.register_buffer("count", torch.zeros(2))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.count += x.sum(0)
+        return self.bn(self.lin(x)) + self.count
+
+
+def test_a_buffer_the_model_changes_cannot_be_broadcast_to_replicas():
+    x = torch.arange(8.0).reshape(4, 2)
+    model = poptorch.inferenceModel(CountsInputs(), poptorch.Options().replicationFactor(2))
+    with pytest.raises(poptorch.Error, match=r"^PopTorch does not support broadcasting buffers\..*"
+                                             r"broadcastBuffers\(False\)\. Buffer 'count' \(changed from method "
+                                             r"\.add_\(\)"):
+        model(x)
+    # each replica keeps its own buffer: replica r's count is the sum of its own micro-batch
+    net = CountsInputs().eval()
+    out = poptorch.inferenceModel(net, poptorch.Options().replicationFactor(2).broadcastBuffers(False))(x)
+    torch.testing.assert_close(out, torch.cat([_fresh(net)(x[:2]), _fresh(net)(x[2:])]))
+
+
+def _fresh(net: CountsInputs) -> CountsInputs:
+    copy_of_net = CountsInputs().eval()
+    copy_of_net.load_state_dict(net.state_dict())
+    return copy_of_net
+
+
+def test_batch_norm_statistics_still_train_on_replicas():
+    class Normalised(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.bn = torch.nn.BatchNorm1d(2)
+
+        def forward(self, x):
+            return poptorch.identity_loss(self.bn(self.lin(x)).sum(), reduction="sum")
+
+    model = poptorch.trainingModel(Normalised(), poptorch.Options().replicationFactor(2))
+    model(torch.randn(4, 2))

@@ -23,7 +23,7 @@ from ..api.optim import loss_scaling
 from . import recompute
 from .aten import decompositions, to_ir
 from .backward_split import partition_backward
-from .export import capture_joint
+from .export import buffers_changed_in_place, capture_joint
 from .host_io import check_host_io, device_target
 from .loss_scaling import LossScaling, automatic_loss_scaling
 from .lowering import Locations, Lowering
@@ -113,12 +113,29 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
                               source_excludes=options.source_location_excludes)
     finally:
         model.train(was_training)
+    check_buffer_broadcast(joint, options)
     phases.mark("compile:captured")
     progress(15)
     ir, placement = to_ir(joint, options.execution_strategy)
     group_multiconvs(ir, entered_groups())
     progress(10)
     return ir, placement
+
+
+def check_buffer_broadcast(joint, options) -> None:
+    """Replicas start each call with the host's buffers (``Options.broadcastBuffers``, on by
+    default), so a model that changes a buffer itself cannot be replicated that way (PopTorch's
+    error); with broadcastBuffers(False) each replica keeps its own."""
+    if options.replication_factor <= 1 or not options.broadcast_buffers:
+        return
+    changed = buffers_changed_in_place(joint)
+    if changed:
+        name, where = next(iter(changed.items()))
+        origin = f" (changed {where.origin()})" if where is not None else ""
+        raise Error("PopTorch does not support broadcasting buffers. If your model is able to tolerate buffers "
+                    "becoming out of sync between replicas, you can disable buffer broadcasting using "
+                    f"poptorch.Options.broadcastBuffers(False). Buffer {name!r}{origin} is changed by the model "
+                    f"with replicationFactor({options.replication_factor}).")
 
 
 def matmul_partials(options) -> str | None:

@@ -541,6 +541,25 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
     return joint_graph
 
 
+def buffers_changed_in_place(joint: JointGraph) -> dict[str, Annotation]:
+    """The buffers the model's own code changes (``self.buf += x``), each with the call that does:
+    not BatchNorm's running statistics (its op updates them) nor its num_batches_tracked (a host
+    counter)."""
+    if not joint.buffers:
+        return {}
+    placeholders = [n for n in joint.graph_module.graph.nodes if n.op == "placeholder"]
+    first = len(joint.params)
+    changed = {}
+    for name, before, after in zip(joint.buffers, placeholders[first:first + len(joint.buffers)],
+                                   joint.output_values()[-len(joint.buffers):]):
+        a = annotation_of(after)
+        if after is before or name.rsplit(".", 1)[-1] == "num_batches_tracked" or \
+                (a is not None and a.function == "batch_norm"):
+            continue
+        changed[name] = a
+    return changed
+
+
 def _outputs_for_input_updates(gm: torch.fx.GraphModule, first_input: int, num_outputs: int) -> list[int]:
     """A model input changed in place (``x += 1``, ``x.copy_(y)``, ``x[0] = 0``): functionalisation
     writes its final value back with ``copy_`` onto the placeholder. Make that value an output
