@@ -442,3 +442,20 @@ def test_index_select_of_a_0d_tensor_and_index_reduce_gradient():
     index = torch.tensor([0, 0])
     run_op(lambda x, s: x.index_reduce(0, index, s, "amax"), (1,), (2,))
     run_op(lambda x: (x.sum() * 1.0).index_select(0, torch.tensor(0)) * 2.0, (3,))
+
+
+@pytest.mark.parametrize("op", [torch.gt, torch.lt, torch.eq])
+@pytest.mark.parametrize("int_type", [torch.int32, torch.int64])
+@pytest.mark.parametrize("float_type", [torch.float16, torch.float32, torch.float64])
+def test_comparisons_mixing_integer_and_float_tensors_promote_as_pytorch_does(op, int_type, float_type):
+    """An integer tensor against a floating one compares in the floating dtype it has on the IPU
+    (float64 arrives as float32), not in NumPy's float64, which the IPU does not have."""
+    class Compare(nn.Module):
+        def forward(self, x, y):
+            return op(x, y), op(y, x)
+
+    x = torch.tensor([1, -1, 2, 550, 3], dtype=int_type)
+    y = torch.tensor([2.4, -2, 2.0, 32.4, 3.5], dtype=float_type)
+    for got, want in zip(poptorch.inferenceModel(Compare())(x, y), Compare()(x, y)):
+        assert got.dtype == torch.bool
+        assert torch.equal(got, want)

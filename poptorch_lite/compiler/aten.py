@@ -1090,12 +1090,20 @@ def _pow(c, x, e):
     return c.binary("pow", x, e)
 
 
+def device_result_type(a, b) -> np.dtype:
+    """The dtype an op on `a` and `b` (device Values and Python scalars) computes in: PyTorch's
+    type promotion applied to the dtypes the tensors have on the IPU (float64 already float32,
+    int64 int32), so an int32 tensor against a float16 one computes in float16, never float64."""
+    torch_of = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
+    a, b = (torch.empty((1,) * len(v.shape), dtype=torch_of[v.dtype]) if isinstance(v, Value) else v
+            for v in (a, b))   # a zero-dim tensor keeps its lower priority in the promotion
+    return np_dtype(torch.result_type(a, b))
+
+
 def _comparison(fn):
     def lower(c, a, b):
-        dtypes = [v.dtype for v in (a, b) if isinstance(v, Value)]
-        if any(isinstance(v, float) for v in (a, b)):
-            dtypes.append(np.dtype(np.float32))
-        return c.binary(fn, a, b, dtype=np.result_type(*dtypes))
+        return c.binary(fn, a, b, dtype=device_result_type(a, b))
     lower.doc = f"binary {fn} (bool)"
     return lower
 
