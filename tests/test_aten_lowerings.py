@@ -459,3 +459,20 @@ def test_comparisons_mixing_integer_and_float_tensors_promote_as_pytorch_does(op
     for got, want in zip(poptorch.inferenceModel(Compare())(x, y), Compare()(x, y)):
         assert got.dtype == torch.bool
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_normal_with_a_tensor_mean_or_std_and_in_place_uniform(dtype):
+    """torch.normal(tensor mean, float std), torch.normal(float mean, tensor std) and
+    x.uniform_(): drawn on the device in the tensor's dtype with the requested moments."""
+    class Model(nn.Module):
+        def forward(self, mean, std):
+            return torch.normal(mean, 2.0), torch.normal(-1.0, std), (mean + 0).uniform_(3.0, 4.0)
+
+    mean = torch.full((20000,), 5.0, dtype=dtype)
+    std = torch.full((20000,), 0.5, dtype=dtype)
+    by_mean, by_std, uniform = poptorch.inferenceModel(Model())(mean, std)
+    assert by_mean.dtype == by_std.dtype == uniform.dtype == dtype
+    assert abs(by_mean.float().mean() - 5.0) < 0.1 and abs(by_mean.float().std() - 2.0) < 0.1
+    assert abs(by_std.float().mean() + 1.0) < 0.05 and abs(by_std.float().std() - 0.5) < 0.05
+    assert uniform.min() >= 3.0 and uniform.max() <= 4.0 and abs(uniform.float().mean() - 3.5) < 0.05

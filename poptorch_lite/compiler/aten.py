@@ -1769,6 +1769,20 @@ def _uniform(c, x, low=0.0, high=1.0, generator=None):
     return _draw(c, "uniform", low, high)
 
 
+@lowers(torch.ops.prims.uniform, doc="random uniform (the IPU's generator, not torch's)")
+def _prims_uniform(c, shape, *, low, high, **kwargs):
+    return _draw(c, "uniform", low, high)
+
+
+@lowers(aten.normal, doc="random normal (the IPU's generator, not torch's); a tensor mean or std: a standard normal "
+                         "draw, binary mul by std and add mean")
+def _normal_of(c, mean, std=1.0, *size, **kwargs):
+    if not isinstance(mean, Value) and not isinstance(std, Value):
+        return _draw(c, "normal", mean, std)
+    z = _draw(c, "normal", 0.0, 1.0)
+    return c.binary("add", c.binary("mul", z, std), mean)
+
+
 @lowers(aten.normal_functional, doc="random normal (the IPU's generator, not torch's)")
 def _normal(c, x, mean=0.0, std=1.0, generator=None):
     return _draw(c, "normal", mean, std)
