@@ -476,3 +476,20 @@ def test_normal_with_a_tensor_mean_or_std_and_in_place_uniform(dtype):
     assert abs(by_mean.float().mean() - 5.0) < 0.1 and abs(by_mean.float().std() - 2.0) < 0.1
     assert abs(by_std.float().mean() + 1.0) < 0.05 and abs(by_std.float().std() - 0.5) < 0.05
     assert uniform.min() >= 3.0 and uniform.max() <= 4.0 and abs(uniform.float().mean() - 3.5) < 0.05
+
+
+def test_torch_distributions_sample_on_the_device_without_their_argument_checks():
+    """A distribution's argument checks branch on tensor values, which the capture does not have:
+    they are off while the model is traced (as in PopTorch) and on again after."""
+    class Model(nn.Module):
+        def forward(self, low, mean):
+            uniform = torch.distributions.Uniform(low, torch.tensor([10.0])).sample((4000,))
+            normal = torch.distributions.Normal(mean, 2.0).sample((4000,))
+            return uniform, normal
+
+    before = torch.distributions.Distribution._validate_args
+    uniform, normal = poptorch.inferenceModel(Model())(torch.tensor([2.0]), torch.tensor([-3.0]))
+    assert torch.distributions.Distribution._validate_args == before
+    assert uniform.shape == normal.shape == (4000, 1)
+    assert uniform.min() >= 2.0 and uniform.max() <= 10.0 and abs(uniform.mean() - 6.0) < 0.3
+    assert abs(normal.mean() + 3.0) < 0.2 and abs(normal.std() - 2.0) < 0.2

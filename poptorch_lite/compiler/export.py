@@ -38,6 +38,7 @@ Every node made inside ``torch.autograd.grad`` also carries ``pass="bwd"``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -426,6 +427,19 @@ def _check_buffers_kept(model: torch.nn.Module, buffers: dict) -> None:
                         "where src is the name of the source tensor.")
 
 
+@contextlib.contextmanager
+def _unvalidated_distributions():
+    """torch.distributions without their argument checks (``torch.lt(low, high).all()``), as
+    PopTorch traces them: a check branches on the values of device tensors, which the capture
+    does not have."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
                   trainable=None, loss_scaling: float = 1.0,
                   device_loss_scale: bool = False, per_replica=frozenset(),
@@ -464,7 +478,7 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             # kernel's backward has no decomposition
             watch = model.register_forward_hook(lambda *_: _check_buffers_kept(model, b))
             try:
-                with annotator, sdpa_kernel([SDPBackend.MATH]):
+                with annotator, sdpa_kernel([SDPBackend.MATH]), _unvalidated_distributions():
                     out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
             except TypeError as e:
                 # torch's argument parser names the classes it got: the user passed Tensors
