@@ -493,3 +493,29 @@ def test_torch_distributions_sample_on_the_device_without_their_argument_checks(
     assert uniform.shape == normal.shape == (4000, 1)
     assert uniform.min() >= 2.0 and uniform.max() <= 10.0 and abs(uniform.mean() - 6.0) < 0.3
     assert abs(normal.mean() + 3.0) < 0.2 and abs(normal.std() - 2.0) < 0.2
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_small_integer_tensors_cross_in_their_dtype_and_convert_on_the_device(dtype):
+    class Model(nn.Module):
+        def forward(self, x):
+            return x, x.float() + x.float(), x.int(), x.reshape(10, 10), x.half()
+
+    x = torch.arange(100).to(dtype)
+    for got, want in zip(poptorch.inferenceModel(Model())(x), Model()(x)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_arithmetic_on_or_into_small_integer_tensors_is_refused_naming_the_dtype():
+    class Add(nn.Module):
+        def forward(self, x):
+            return x + x
+
+    class Into(nn.Module):
+        def forward(self, x):
+            return x.to(torch.int8)
+
+    with pytest.raises(UnsupportedOpError, match=r"aten.add.Tensor .* on or into torch.int8 tensors.*x.int\(\)"):
+        poptorch.inferenceModel(Add())(torch.arange(10).to(torch.int8))
+    with pytest.raises(UnsupportedOpError, match="_to_copy.default .* on or into torch.int8 tensors"):
+        poptorch.inferenceModel(Into())(torch.arange(10))
