@@ -442,3 +442,80 @@ def test_index_select_of_a_0d_tensor_and_index_reduce_gradient():
     index = torch.tensor([0, 0])
     run_op(lambda x, s: x.index_reduce(0, index, s, "amax"), (1,), (2,))
     run_op(lambda x: (x.sum() * 1.0).index_select(0, torch.tensor(0)) * 2.0, (3,))
+
+
+@pytest.mark.parametrize("op", [torch.gt, torch.lt, torch.eq])
+@pytest.mark.parametrize("int_type", [torch.int32, torch.int64])
+@pytest.mark.parametrize("float_type", [torch.float16, torch.float32, torch.float64])
+def test_comparisons_mixing_integer_and_float_tensors_promote_as_pytorch_does(op, int_type, float_type):
+    """An integer tensor against a floating one compares in the floating dtype it has on the IPU
+    (float64 arrives as float32), not in NumPy's float64, which the IPU does not have."""
+    class Compare(nn.Module):
+        def forward(self, x, y):
+            return op(x, y), op(y, x)
+
+    x = torch.tensor([1, -1, 2, 550, 3], dtype=int_type)
+    y = torch.tensor([2.4, -2, 2.0, 32.4, 3.5], dtype=float_type)
+    for got, want in zip(poptorch.inferenceModel(Compare())(x, y), Compare()(x, y)):
+        assert got.dtype == torch.bool
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_normal_with_a_tensor_mean_or_std_and_in_place_uniform(dtype):
+    """torch.normal(tensor mean, float std), torch.normal(float mean, tensor std) and
+    x.uniform_(): drawn on the device in the tensor's dtype with the requested moments."""
+    class Model(nn.Module):
+        def forward(self, mean, std):
+            return torch.normal(mean, 2.0), torch.normal(-1.0, std), (mean + 0).uniform_(3.0, 4.0)
+
+    mean = torch.full((20000,), 5.0, dtype=dtype)
+    std = torch.full((20000,), 0.5, dtype=dtype)
+    by_mean, by_std, uniform = poptorch.inferenceModel(Model())(mean, std)
+    assert by_mean.dtype == by_std.dtype == uniform.dtype == dtype
+    assert abs(by_mean.float().mean() - 5.0) < 0.1 and abs(by_mean.float().std() - 2.0) < 0.1
+    assert abs(by_std.float().mean() + 1.0) < 0.05 and abs(by_std.float().std() - 0.5) < 0.05
+    assert uniform.min() >= 3.0 and uniform.max() <= 4.0 and abs(uniform.float().mean() - 3.5) < 0.05
+
+
+def test_torch_distributions_sample_on_the_device_without_their_argument_checks():
+    """A distribution's argument checks branch on tensor values, which the capture does not have:
+    they are off while the model is traced (as in PopTorch) and on again after."""
+    class Model(nn.Module):
+        def forward(self, low, mean):
+            uniform = torch.distributions.Uniform(low, torch.tensor([10.0])).sample((4000,))
+            normal = torch.distributions.Normal(mean, 2.0).sample((4000,))
+            return uniform, normal
+
+    before = torch.distributions.Distribution._validate_args
+    uniform, normal = poptorch.inferenceModel(Model())(torch.tensor([2.0]), torch.tensor([-3.0]))
+    assert torch.distributions.Distribution._validate_args == before
+    assert uniform.shape == normal.shape == (4000, 1)
+    assert uniform.min() >= 2.0 and uniform.max() <= 10.0 and abs(uniform.mean() - 6.0) < 0.3
+    assert abs(normal.mean() + 3.0) < 0.2 and abs(normal.std() - 2.0) < 0.2
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16])
+def test_small_integer_tensors_cross_in_their_dtype_and_convert_on_the_device(dtype):
+    class Model(nn.Module):
+        def forward(self, x):
+            return x, x.float() + x.float(), x.int(), x.reshape(10, 10), x.half()
+
+    x = torch.arange(100).to(dtype)
+    for got, want in zip(poptorch.inferenceModel(Model())(x), Model()(x)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_arithmetic_on_or_into_small_integer_tensors_is_refused_naming_the_dtype():
+    class Add(nn.Module):
+        def forward(self, x):
+            return x + x
+
+    class Into(nn.Module):
+        def forward(self, x):
+            return x.to(torch.int8)
+
+    with pytest.raises(UnsupportedOpError, match=r"aten.add.Tensor .* on or into torch.int8 tensors.*x.int\(\)"):
+        poptorch.inferenceModel(Add())(torch.arange(10).to(torch.int8))
+    with pytest.raises(UnsupportedOpError, match="_to_copy.default .* on or into torch.int8 tensors"):
+        poptorch.inferenceModel(Into())(torch.arange(10))

@@ -2,6 +2,7 @@
 inputs, calls without tensors, tensors made inside forward; and a later call that differs from
 the compiled one is an Error naming what changed."""
 import collections
+import copy
 
 import pytest
 import torch
@@ -308,17 +309,45 @@ class Mixed(torch.nn.Module):
         return x + y, z
 
 
-def test_an_op_mixing_float16_and_float32_runs_in_float16_unless_told_to_upcast():
+def test_an_op_mixing_float16_and_float32_follows_pytorchs_promotion(caplog):
     x, y = torch.randn(2, 3).half(), torch.randn(2, 3)
     out, updated = poptorch.inferenceModel(Mixed())(x, y)
-    assert out.dtype == torch.float16 and updated.dtype == torch.float32
-    torch.testing.assert_close(out, x + y.half())
-    torch.testing.assert_close(updated, y + x.float())
-    opts = poptorch.Options()
-    opts.Precision.halfFloatCasting(poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat)
-    out, _ = poptorch.inferenceModel(Mixed(), opts)(x, y)
-    assert out.dtype == torch.float32  # PyTorch's promotion
+    assert out.dtype == torch.float32 and updated.dtype == torch.float32
     torch.testing.assert_close(out, x.float() + y)
+    torch.testing.assert_close(updated, y + x.float())
+    opts = poptorch.Options()  # PopTorch 3's deprecated setting changes nothing, and says so
+    opts.Precision.halfFloatCasting(poptorch.HalfFloatCastingBehavior.FloatDowncastToHalf)
+    assert "halfFloatCasting() has no effect" in caplog.text
+    out, _ = poptorch.inferenceModel(Mixed(), opts)(x, y)
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_matmuls_and_convolutions_run_in_their_activations_dtype(conv):
+    """PyTorch refuses a layer whose weights' dtype differs from its input's; PopTorch runs it in
+    the input's dtype, and float32 weights given float16 activations still train (in float32)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Conv1d(4, 5, 2) if conv else torch.nn.Linear(4, 5)
+    x = torch.randn(3, 4, 6) if conv else torch.randn(3, 4)
+    assert poptorch.inferenceModel(layer)(x.half()).dtype == torch.float16
+    half_layer = copy.deepcopy(layer).half()
+    out = poptorch.inferenceModel(half_layer)(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, copy.deepcopy(half_layer).float()(x))
+
+    class Train(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            y = self.layer(x)
+            return y, poptorch.identity_loss((y.float() ** 2).mean(), reduction="none")
+
+    before = layer.weight.detach().clone()
+    y, _ = poptorch.trainingModel(Train(), optimizer=torch.optim.SGD(layer.parameters(), lr=0.1))(x.half())
+    assert y.dtype == torch.float16 and layer.weight.dtype == torch.float32
+    assert not torch.equal(layer.weight.detach(), before)
 
 
 def test_batch_norm_on_float16_activations_keeps_float32_running_statistics():

@@ -394,16 +394,10 @@ class _PrecisionOptions(_OptionGroup):
         self._popart = popart
 
     half_float_casting = _value("half_float_casting",
-                                "How mixed float16/float32 ops are cast.")
+                                "The deprecated casting setting last given (it has no effect).")
     running_statistics_always_float = _value(
         "running_statistics_always_float",
         "Whether batch-norm running statistics stay in float32.")
-
-    @property
-    def downcasts_to_half(self) -> bool:
-        """Whether an op mixing float16 and float32 operands runs in float16 (PopTorch's default,
-        ``FloatDowncastToHalf``) rather than following PyTorch's promotion to float32."""
-        return self.half_float_casting != HalfFloatCastingBehavior.HalfUpcastToFloat
 
     @property
     def partials_type(self) -> Optional[torch.dtype]:
@@ -413,10 +407,15 @@ class _PrecisionOptions(_OptionGroup):
 
     def halfFloatCasting(self, half_float_casting: HalfFloatCastingBehavior
                          ) -> "_PrecisionOptions":
-        """How ops mixing float16 and float32 operands are cast."""
+        """Deprecated, as in PopTorch 3: ops mixing float16 and float32 operands always follow
+        PyTorch's promotion (``HalfUpcastToFloat``); for float16 compute, cast the float32
+        operands to float16 in the model."""
         self._set(half_float_casting=_enum_arg(
             "Precision.halfFloatCasting", half_float_casting,
             HalfFloatCastingBehavior))
+        logger.warning("[Deprecated] options.Precision.halfFloatCasting() has no effect: ops mixing float16 and "
+                       "float32 operands always upcast to float32 as in PyTorch (HalfUpcastToFloat); cast float32 "
+                       "operands to float16 explicitly to compute in float16.")
         return self
 
     def runningStatisticsAlwaysFloat(self,

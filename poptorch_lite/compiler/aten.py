@@ -52,12 +52,24 @@ class UnsupportedOpError(Error, NotImplementedError):
 INT32_MAX = 2**31 - 1   # the IPU's largest integer (it has no int64)
 
 
+# 8- and 16-bit integer tensors cross to and from the device in their own dtype and are held there
+# in 32-bit words; the compiler only moves and converts them (SMALL_INT_MOVES), so no arithmetic
+# could need their wrap-around.
+SMALL_INTS = {torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16}
+
+
 def np_dtype(dtype: torch.dtype) -> np.dtype:
     table = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int32,
-             torch.int32: np.int32, torch.bool: np.bool_, torch.float64: np.float32}
+             torch.int32: np.int32, torch.bool: np.bool_, torch.float64: np.float32,
+             torch.int8: np.int32, torch.uint8: np.int32, torch.int16: np.int32}
     if dtype not in table:
         raise UnsupportedOpError(f"tensors of dtype {dtype} are not supported on the IPU")
     return np.dtype(table[dtype])
+
+
+def host_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """The host dtype of a tensor the device holds wider (SMALL_INTS), else None."""
+    return np.dtype(SMALL_INTS[dtype]) if dtype in SMALL_INTS else None
 
 
 @dataclass(frozen=True)
@@ -262,7 +274,7 @@ class Lowerer:
         names = [("param", n) for n in j.params] + [("buffer", n) for n in j.buffers] + [("input", n) for n in j.inputs]
         for (kind, name), n in zip(names, placeholders):
             meta = n.meta["val"]
-            v = Value(tuple(meta.shape), np_dtype(meta.dtype), name, kind=kind)
+            v = Value(tuple(meta.shape), np_dtype(meta.dtype), name, kind=kind, host_dtype=host_dtype(meta.dtype))
             if kind == "param":
                 self.ir.params[name] = v
             elif kind == "buffer":
@@ -309,16 +321,29 @@ class Lowerer:
         if getattr(lower, "raw", False):
             out = lower(self, n)
         else:
+            self.check_small_ints(n, packet)
             out = lower(self, *self.load(n.args), **self.load(n.kwargs))
         val = n.meta.get("val")
         if isinstance(out, Value) and isinstance(val, torch.Tensor) and tuple(val.shape) != out.shape:
             raise self.error(f"internal shape mismatch: torch gives {list(val.shape)}, the compiler {list(out.shape)}")
         return out
 
+    def check_small_ints(self, n: torch.fx.Node, packet) -> None:
+        """An op on int8, uint8 or int16 tensors must only move or convert them (see SMALL_INTS)."""
+        ins = [a.meta["val"].dtype for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        val = n.meta.get("val")
+        out = val.dtype if isinstance(val, torch.Tensor) else None
+        small = [d for d in ins + [out] if d in SMALL_INTS]
+        if not small:
+            return
+        if packet not in SMALL_INT_MOVES or (out in SMALL_INTS and any(d != out for d in ins)):
+            raise self.error(f"computes on or into {small[0]} tensors, which the IPU emulator only transfers, "
+                             "reshapes and converts: cast them to a supported dtype first (x.int(), x.float())")
+
     def finish(self, outs: list) -> None:
         j = self.joint
         values = [self.env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
-        user = [self.copy_of_state(v) for v in values[:j.num_outputs]]
+        user = [self.in_host_dtype(o, self.copy_of_state(v)) for o, v in zip(outs, values[:j.num_outputs])]
         updated = len(j.input_updates)
         rest = values[j.num_outputs + updated:]
         self.ir.outputs = map_values(j.output_tree, lambda leaf: user[leaf.index], Output)
@@ -337,6 +362,18 @@ class Lowerer:
             reader = producer or next((node for node in self.ir.nodes if any(v is old for v in node.inputs)), None)
             self.template = reader or self.template
             self.emit("assign", [old, self.cast(new, old.dtype)], [])
+
+    def in_host_dtype(self, o, v):
+        """Output `v` of fx node `o`, as a value of its own (a view) when its host dtype differs
+        from the one `v` has (an int8 input returned both as it is and as int32)."""
+        if not (isinstance(o, torch.fx.Node) and isinstance(v, Value) and isinstance(o.meta.get("val"), torch.Tensor)):
+            return v
+        want = host_dtype(o.meta["val"].dtype)
+        if v.host_dtype == want:
+            return v
+        out = self.one("reshape", [v], v.shape, v.dtype, shape=v.shape)
+        out.host_dtype = want
+        return out
 
     def input_update(self, index: int, v):
         """The new value of input `index`, which the model changed in place, as the device sends it
@@ -406,6 +443,11 @@ def _int_list(v, n: int = 2) -> tuple:
         doc="no computation (values are never mutated after functionalisation)")
 def _same(c, x, *args, **kwargs):
     return x
+
+
+SMALL_INT_MOVES = {aten.alias, aten.clone, aten.lift_fresh, aten.lift_fresh_copy, aten.detach, aten.alias_copy,
+                   aten.detach_copy, aten.view, aten.view_copy, aten._unsafe_view, aten.reshape, aten.permute,
+                   aten.permute_copy, aten._to_copy, aten.to, aten.copy}
 
 
 @lowers(aten.view, aten.view_copy, aten._unsafe_view, aten.reshape, doc="view")
@@ -1090,12 +1132,20 @@ def _pow(c, x, e):
     return c.binary("pow", x, e)
 
 
+def device_result_type(a, b) -> np.dtype:
+    """The dtype an op on `a` and `b` (device Values and Python scalars) computes in: PyTorch's
+    type promotion applied to the dtypes the tensors have on the IPU (float64 already float32,
+    int64 int32), so an int32 tensor against a float16 one computes in float16, never float64."""
+    torch_of = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
+    a, b = (torch.empty((1,) * len(v.shape), dtype=torch_of[v.dtype]) if isinstance(v, Value) else v
+            for v in (a, b))   # a zero-dim tensor keeps its lower priority in the promotion
+    return np_dtype(torch.result_type(a, b))
+
+
 def _comparison(fn):
     def lower(c, a, b):
-        dtypes = [v.dtype for v in (a, b) if isinstance(v, Value)]
-        if any(isinstance(v, float) for v in (a, b)):
-            dtypes.append(np.dtype(np.float32))
-        return c.binary(fn, a, b, dtype=np.result_type(*dtypes))
+        return c.binary(fn, a, b, dtype=device_result_type(a, b))
     lower.doc = f"binary {fn} (bool)"
     return lower
 
@@ -1759,6 +1809,20 @@ def _randn(c, *args, **kwargs):
 @lowers(aten.uniform, doc="random uniform (the IPU's generator, not torch's)")
 def _uniform(c, x, low=0.0, high=1.0, generator=None):
     return _draw(c, "uniform", low, high)
+
+
+@lowers(torch.ops.prims.uniform, doc="random uniform (the IPU's generator, not torch's)")
+def _prims_uniform(c, shape, *, low, high, **kwargs):
+    return _draw(c, "uniform", low, high)
+
+
+@lowers(aten.normal, doc="random normal (the IPU's generator, not torch's); a tensor mean or std: a standard normal "
+                         "draw, binary mul by std and add mean")
+def _normal_of(c, mean, std=1.0, *size, **kwargs):
+    if not isinstance(mean, Value) and not isinstance(std, Value):
+        return _draw(c, "normal", mean, std)
+    z = _draw(c, "normal", 0.0, 1.0)
+    return c.binary("add", c.binary("mul", z, std), mean)
 
 
 @lowers(aten.normal_functional, doc="random normal (the IPU's generator, not torch's)")

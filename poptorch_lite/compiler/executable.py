@@ -109,7 +109,7 @@ def capture_to_ir(model, args, kwargs, options, training: bool, optimizer, progr
         joint = capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
                               trainable=trainable, loss_scaling=loss_scaling(optimizer) if training else 1.0,
                               device_loss_scale=training,
-                              downcast_to_half=options.Precision.downcasts_to_half, per_replica=grouped,
+                              per_replica=grouped,
                               source_excludes=options.source_location_excludes)
     finally:
         model.train(was_training)

@@ -38,6 +38,7 @@ Every node made inside ``torch.autograd.grad`` also carries ``pass="bwd"``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -228,12 +229,6 @@ def _function_name(func) -> str:
     return name
 
 
-def _in_place(func) -> bool:
-    """Whether the torch function updates its first operand in place (``add_``, ``+=``)."""
-    name = getattr(func, "__name__", "")
-    return name.startswith("__i") or (name.endswith("_") and not name.endswith("__"))
-
-
 _REFLECTED = {"add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "mod", "and", "or", "xor"}
 # Tensor attributes read through __torch_function__ that compute nothing.
 _NOT_OPS = {"shape", "dtype", "device", "size", "dim", "ndim", "numel", "requires_grad", "is_floating_point",
@@ -247,17 +242,34 @@ def _on_ipu(device) -> bool:
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "ipu"
 
 
+# Ops PyTorch only runs on operands of one floating dtype. PopTorch infers their result from the
+# first operand (the activation) and casts the others to it: a float32 layer given float16
+# activations runs in float16 and its float32 weights train through the cast.
+IN_ACTIVATION_DTYPE = {F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+                       F.conv_transpose3d, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__,
+                       torch.Tensor.__rmatmul__, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.mv,
+                       torch.Tensor.mv, torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm,
+                       torch.addmv, torch.Tensor.addmv, torch.addbmm, torch.Tensor.addbmm}
+
+
+def activation_dtype_operands(args, kwargs):
+    """`args` and `kwargs` with every floating tensor in the first floating tensor's dtype."""
+    floats = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if len({t.dtype for t in floats}) < 2:
+        return args, kwargs
+    dtype = floats[0].dtype
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs))
+
+
 class BlockAnnotator(TorchFunctionMode):
     """Annotates every torch call the model makes, and the backward of it, with its block."""
 
-    def __init__(self, trace: BlockTrace, root: torch.nn.Module, *, downcast_to_half: bool = True,
-                 buffers=(), training: bool = False, source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES):
+    def __init__(self, trace: BlockTrace, root: torch.nn.Module, *, training: bool = False,
+                 source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES):
         super().__init__()
         self.trace = trace
         self.training = training
         self.source_excludes = tuple(source_excludes)
-        self.downcast_to_half = downcast_to_half
-        self.buffers = {id(b) for b in buffers}    # running statistics keep their dtype
         self.modules = {id(m): (name, m) for name, m in root.named_modules()}
         self.losses: list[tuple[torch.Tensor, Annotation]] = []
         self.tagged: dict = {}          # autograd node -> annotation (keeps the nodes alive)
@@ -274,8 +286,8 @@ class BlockAnnotator(TorchFunctionMode):
         if func in CONTROL_FLOW and self.training:
             raise Error(f"poptorch.{CONTROL_FLOW[func]}() is only supported in inference ({annotation.source})")
         with fx_traceback.annotate({KEY: annotation}):
-            if self.downcast_to_half and not _in_place(func):   # in-place ops keep their operand's dtype
-                args, kwargs = self.half_operands(args, kwargs)
+            if func in IN_ACTIVATION_DTYPE:
+                args, kwargs = activation_dtype_operands(args, kwargs)
             if func in CONTROL_FLOW:
                 with self:
                     out = FUNCTIONS[func](*args, **kwargs)
@@ -285,19 +297,6 @@ class BlockAnnotator(TorchFunctionMode):
         if func in LOSS_FUNCTIONS and isinstance(out, torch.Tensor):
             self.losses.append((out, annotation))
         return out
-
-    def half_operands(self, args, kwargs):
-        """PopTorch's half semantics (``HalfFloatCastingBehavior.FloatDowncastToHalf``, the
-        default): an op whose floating operands mix float16 and float32 runs in float16, its
-        float32 operands cast. A float32 layer given a float16 input so runs in float16 while its
-        parameters stay float32: the cast is part of the graph and its gradient brings theirs
-        back to float32, so they train in float32. Buffers (BatchNorm's running statistics) are
-        not cast: they are updated in place and stay float32."""
-        dtypes = {t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        if torch.float16 not in dtypes or torch.float32 not in dtypes:
-            return args, kwargs
-        return tree_map_only(torch.Tensor, lambda t: t.half() if t.dtype == torch.float32 and id(t) not in self.buffers
-                             else t, (args, kwargs))
 
     def annotate(self, function: str) -> Annotation:
         source, module, leaf = "<unknown>", "", False
@@ -442,16 +441,29 @@ def _check_buffers_kept(model: torch.nn.Module, buffers: dict) -> None:
                         "where src is the name of the source tensor.")
 
 
+@contextlib.contextmanager
+def _unvalidated_distributions():
+    """torch.distributions without their argument checks (``torch.lt(low, high).all()``), as
+    PopTorch traces them: a check branches on the values of device tensors, which the capture
+    does not have."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
 def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decompositions: dict,
-                  trainable=None, loss_scaling: float = 1.0, downcast_to_half: bool = True,
+                  trainable=None, loss_scaling: float = 1.0,
                   device_loss_scale: bool = False, per_replica=frozenset(),
                   source_excludes=DEFAULT_SOURCE_LOCATION_EXCLUDES) -> JointGraph:
     """Trace ``model(*args, **kwargs)`` (and, when training, the gradients of the final loss times
     ``loss_scaling`` with respect to the parameters named in ``trainable``, default all that
     require grad) into a :class:`JointGraph` of ATen ops, decomposed with `decompositions`
-    (``aten.decompositions()``: down to the ops the compiler lowers). With `downcast_to_half`
-    (PopTorch's default) an op mixing float16 and float32 operands runs in float16
-    (:meth:`BlockAnnotator.half_operands`); without, PyTorch's type promotion applies. With
+    (``aten.decompositions()``: down to the ops the compiler lowers). Ops mixing float16 and
+    float32 follow PyTorch's promotion (to float32), as PopTorch 3 does; matmuls and convolutions,
+    which PyTorch refuses to mix, run in their activation's dtype (:data:`IN_ACTIVATION_DTYPE`). With
     `device_loss_scale` (automatic loss scaling) the seed is scaled by the library op
     ``loss_scale``, which the device reads from a tensor it updates. A parameter named in
     `per_replica` (a per-replica variable, one value per replica group along its first dimension)
@@ -472,8 +484,7 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
         b = dict(zip(bnames, flat[len(pnames):len(pnames) + len(bnames)]))
         call_args, call_kwargs = rebuild(flat[len(pnames) + len(bnames):])
         with tracing_blocks() as trace:
-            annotator = BlockAnnotator(trace, model, downcast_to_half=downcast_to_half, buffers=b.values(),
-                                       training=training, source_excludes=source_excludes)
+            annotator = BlockAnnotator(trace, model, training=training, source_excludes=source_excludes)
             root_hook = block_annotation(model)
             if root_hook is not None:
                 root_hook.start()
@@ -481,7 +492,7 @@ def capture_joint(model: torch.nn.Module, args, kwargs, *, training: bool, decom
             # kernel's backward has no decomposition
             watch = model.register_forward_hook(lambda *_: _check_buffers_kept(model, b))
             try:
-                with annotator, sdpa_kernel([SDPBackend.MATH]):
+                with annotator, sdpa_kernel([SDPBackend.MATH]), _unvalidated_distributions():
                     out = torch.func.functional_call(model, {**p, **b}, tuple(call_args), call_kwargs)
             except TypeError as e:
                 # torch's argument parser names the classes it got: the user passed Tensors

@@ -28,6 +28,7 @@ class Value:
     producer: "Node | None" = None
     kind: str = "activation"      # activation | input | param | buffer | const
     data: np.ndarray | None = None  # constants only
+    host_dtype: np.dtype | None = None  # a model input or output the device holds wider (int8 in int32)
     id: int = field(default_factory=lambda: next(_ids))
 
     @property

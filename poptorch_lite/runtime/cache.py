@@ -133,7 +133,7 @@ def traced(model: torch.nn.Module, training: bool, args, kwargs, options) -> Joi
     try:
         trainable = {n for n, p in torch.nn.Module.named_parameters(model) if p.requires_grad}
         return capture_joint(model, args, kwargs, training=training, decompositions=decompositions(),
-                             trainable=trainable, downcast_to_half=options.Precision.downcasts_to_half,
+                             trainable=trainable,
                              source_excludes=options.source_location_excludes)
     finally:
         model.train(was_training)

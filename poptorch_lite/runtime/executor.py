@@ -773,7 +773,8 @@ class PoplarExecutor:
         plan = self._output_plan
         if self._pricing:  # estimate mode: the outputs' shapes and dtypes, as meta tensors
             return map_values(exe.ir.outputs, lambda v: torch.empty(plan.output_shape(tuple(v.shape)),
-                                                                     dtype=torch_dtype(v.dtype), device="meta"),
+                                                                     dtype=torch_dtype(v.host_dtype or v.dtype),
+                                                                     device="meta"),
                               rebuild=True)
         results = {}
         inputs = {v.id: i for i, v in enumerate(exe.ir.inputs)}
@@ -789,7 +790,7 @@ class PoplarExecutor:
                 got = {(k, r): v.data for k in range(micro_batches) for r in range(exe.replicas)}
             else:
                 got = self._outputs.get(i, {})
-            per_step = {(*self._step_of(k), r): torch.from_numpy(np.array(a)).to(torch_dtype(v.dtype))
+            per_step = {(*self._step_of(k), r): torch.from_numpy(np.array(a)).to(torch_dtype(v.host_dtype or v.dtype))
                         for (k, r), a in got.items()}
             missing = [st for st in plan.returned_steps if (*st, 0) not in per_step]
             if missing:
@@ -1211,7 +1212,8 @@ def printer(title: str, fmt: PrintFormat):
 
 def torch_dtype(dtype) -> torch.dtype:
     return {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
-            np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}[np.dtype(dtype)]
+            np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool, np.dtype(np.int8): torch.int8,
+            np.dtype(np.uint8): torch.uint8, np.dtype(np.int16): torch.int16}[np.dtype(dtype)]
 
 
 def check_not_zero_sized(t: torch.Tensor) -> None:
