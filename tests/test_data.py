@@ -872,10 +872,13 @@ def test_a_released_epoch_keeps_torchs_bound_on_batches_in_flight():
         iterator._try_put_index()
 
 
-def test_the_worker_process_id_is_logged_at_debug_level(caplog):
-    """As PopTorch logs it, so that a tool (or a test) can signal the worker."""
+@pytest.mark.parametrize("strategy", [SharingStrategy.Fork, SharingStrategy.FileSystem])
+def test_the_worker_process_id_is_logged_at_debug_level(caplog, strategy):
+    """As PopTorch logs it, so that a tool (or a test) can signal the worker; a worker the zygote
+    forks is logged once the host learns its pid (building the accessor never waits for it)."""
     with caplog.at_level(logging.DEBUG, logger="poptorch_lite"):
-        with AsynchronousDataAccessor(Counting(4), sharing_strategy=SharingStrategy.Fork) as acc:
+        with AsynchronousDataAccessor([torch.full((2,), float(i)) for i in range(4)], sharing_strategy=strategy) as acc:
+            assert sum(1 for _ in acc) == 4
             pid = acc._process.pid
     assert f"AsynchronousDataAccessor worker process: {pid}" in caplog.text
     assert f"AsynchronousDataAccessor parent process: {os.getpid()}" in caplog.text

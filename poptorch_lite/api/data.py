@@ -1038,6 +1038,10 @@ _START_METHODS = {
     SharingStrategy.ForkServer: "forkserver",
 }
 
+def _log_worker_pid(pid: int) -> None:
+    logger.debug("AsynchronousDataAccessor worker process: %d", pid)
+
+
 class AsynchronousDataAccessor:
     """Iterates ``dataset`` (any iterable: a dataset, a ``DataLoader``, ...)
     in a worker process that loads ahead while the caller computes.
@@ -1173,7 +1177,10 @@ class AsynchronousDataAccessor:
             self._process = process
             _LIVE_ACCESSORS.add(self)
             logger.debug("AsynchronousDataAccessor parent process: %d", os.getpid())
-            logger.debug("AsynchronousDataAccessor worker process: %d", process.pid)
+            if from_zygote:  # known once the zygote has forked it (it may still be importing the script)
+                process.on_pid = _log_worker_pid
+            else:
+                _log_worker_pid(process.pid)
             if file_system:
                 try:
                     pickle.dump(dataset, dump, protocol=pickle.HIGHEST_PROTOCOL)

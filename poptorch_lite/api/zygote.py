@@ -306,6 +306,7 @@ class ForkedProcess:
         self._pid: int | None = None
         self.exitcode: int | None = None
         self.status_lost = False
+        self.on_pid = None   # called with the pid when the host learns it (it never waits for it)
 
     def _read(self, timeout: float | None) -> bool:
         """Read the next status (pid, then exit code) if it comes within `timeout` seconds."""
@@ -321,6 +322,8 @@ class ForkedProcess:
         value = _STATUS.unpack(data)[0]
         if self._pid is None:
             self._pid = value
+            if self.on_pid is not None:
+                self.on_pid(value)
         else:
             self.exitcode = value
         return True
