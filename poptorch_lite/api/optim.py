@@ -248,22 +248,27 @@ class AdamW(Optimizer, torch.optim.AdamW):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-                st["step"] += 1
-                d = p.grad / self.loss_scaling
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                st["exp_avg"].mul_(b1).add_(d, alpha=1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(d, d, value=1 - b2)
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                if corrected:
-                    m = m / (1 - b1 ** st["step"])
-                    v = v / (1 - b2 ** st["step"])
+                m, v = _adam_moments(self.state[p], p, p.grad / self.loss_scaling, b1, b2, corrected, torch.tensor(0.0))
                 p.sub_(group["lr"] * m / (v.sqrt() + group["eps"]))
         return loss
+
+
+def _adam_moments(st: dict, p, d, b1: float, b2: float, corrected: bool, first_step):
+    """One step of Adam's moments of gradient `d` in state `st` (made, with `first_step`, on the
+    first step): the first and second moments, bias-corrected when `corrected`."""
+    if not st:
+        st["step"] = first_step
+        st["exp_avg"] = torch.zeros_like(p)
+        st["exp_avg_sq"] = torch.zeros_like(p)
+    st["step"] += 1
+    st["exp_avg"].mul_(b1).add_(d, alpha=1 - b1)
+    st["exp_avg_sq"].mul_(b2).addcmul_(d, d, value=1 - b2)
+    m, v = st["exp_avg"], st["exp_avg_sq"]
+    if corrected:
+        m = m / (1 - b1 ** st["step"])
+        v = v / (1 - b2 ** st["step"])
+    return m, v
 
 
 class RMSprop(Optimizer, torch.optim.RMSprop):
@@ -307,19 +312,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-                st["step"] += 1
-                d = p.grad / self.loss_scaling
-                st["exp_avg"].mul_(b1).add_(d, alpha=1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(d, d, value=1 - b2)
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                if group["bias_correction"]:
-                    m = m / (1 - b1 ** st["step"])
-                    v = v / (1 - b2 ** st["step"])
+                m, v = _adam_moments(self.state[p], p, p.grad / self.loss_scaling, b1, b2, group["bias_correction"], 0)
                 u = m / (v.sqrt() + group["eps"]) + group["weight_decay"] * p
                 r1 = p.norm()
                 if group["max_weight_norm"] is not None:
