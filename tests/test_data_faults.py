@@ -253,8 +253,18 @@ def wait_for_file(path, within: float = HUNG) -> None:
         time.sleep(0.01)
 
 
-def wait_for_pids_line(process, tmp_path):
-    line = process.stdout.readline()
+def wait_for_pids_line(process, tmp_path, within: float = HUNG):
+    """The host pid the script prints once three batches are in; a script that has not printed it
+    within `within` seconds is killed and fails the test (a hung script must not hang the suite)."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(within)
+    if not got:
+        os.killpg(process.pid, signal.SIGKILL) if hasattr(os, "killpg") else process.kill()
+        pytest.fail(f"the script printed no 'pids' line within {within} s:\n"
+                    + (tmp_path / "stderr.txt").read_text())
+    line = got[0]
     assert line.startswith("pids"), line + (tmp_path / "stderr.txt").read_text()
     return int(line.split()[1])
 
