@@ -28,10 +28,8 @@ What is measured
   ops whose outputs sum to a constant, softmax, still have a gradient to check); the gradients,
   read through `Options.anchorTensor("Gradient___<parameter>")`, are compared with
   `torch.autograd.grad` of the same loss within rtol 1e-3 and atol 1e-4 of the largest magnitude.
-- Random ops (two eager calls with different seeds differ, or OpInfo calls the op through its
-  `wrapper_set_seed`, which seeds torch's generator with 42 on every call so that eager results
-  repeat) cannot match torch's generator: their outputs and gradients are compared in shape and
-  dtype only.
+- Random ops (two eager calls with different seeds differ) cannot match torch's generator: their
+  outputs and gradients are compared in shape and dtype only.
 Forward share = forward passes / ops; backward share = backward passes / ops with a gradient,
 whatever their forward gave (the share among ops that pass forward is printed as well).
 
@@ -212,15 +210,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | ((a != a) & (b != b))).all())
 
 
-def reseeds(fn) -> bool:
-    """Whether OpInfo's op calls its function through `wrapper_set_seed` (a fixed seed per call)."""
-    code = getattr(fn, "__code__", None)
-    return code is not None and "wrapper_set_seed" in code.co_names
-
-
 def is_random(call: Call) -> bool:
-    if reseeds(call.fn):
-        return True
     outs = []
     for seed in (1, 2):
         torch.manual_seed(seed)
