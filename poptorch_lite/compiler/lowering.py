@@ -167,6 +167,9 @@ class Lowering:
         self.seeds: dict[int, ip.Tensor] = {}
         self.seed_modifiers: dict[Node, int] = {}   # random forward node -> its seed modifier
         self.recomputed_copies: dict[tuple, list] = {}  # backward key -> copies of what its recompute made
+        # recompute key -> (forward tensor, recomputed tensor) of each value the backward reads from
+        # it (None: one of them has no forward tensor); see runtime/recompute_replay.py
+        self.recomputed_from: dict[tuple, list[tuple[ip.Tensor, ip.Tensor]]] = {}
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
         self.host_calls: list[HostCallSite] = []                  # poptorch.CPU ops
@@ -295,13 +298,20 @@ class Lowering:
         copies first into tensors laid out as a stash's receive buffers (linearly), as it would
         have received them without recomputation: every op of the backward then has the same
         plan, and so the same order of sums, as without."""
-        backward = ("bwd", key[1])
+        backward, forward = ("bwd", key[1]), ("fwd", key[1])
         made = {v.id for n in self.stage_programs[key].nodes for v in n.outputs}
+        original = {c.id: o.id for n in self.stage_programs[key].nodes if "recomputes" in n.attrs
+                    for c, o in zip(n.outputs, n.attrs["recomputes"].outputs)}
         g = self.graph(self.stage_programs[key].ipu)
         for (vid, k), t in list(self.tensors.items()):
             if k != key or (vid, backward) in self.tensors:
                 continue
             if vid in made and (vid, backward) in used_by:
+                pairs = self.recomputed_from.setdefault(key, [])
+                if pairs is not None and (original.get(vid), forward) in self.tensors:
+                    pairs.append((self.tensors[(original[vid], forward)], t))
+                else:   # a value with no forward tensor to take it from: the recomputation must run
+                    self.recomputed_from[key] = None
                 local = g.addVariable(t.dtype, t.shape, f"{self.prefix}{backward[0]}{backward[1]}/recomputed/{t.name}",
                                       category="activations", always_live=False)
                 g.map_linearly(local, grain=4, min_elements_per_tile=64)

@@ -47,6 +47,7 @@ from ..compiler.ir_json import popart_ir
 from ..compiler.lowering import program_key
 from ..compiler.updates import read_ipu_state, read_state, write_hyperparameters, write_ipu_state
 from . import anchors, cache, host_calls, overlap, saved, timeline
+from .recompute_replay import RecomputeReplay
 from .step_threads import StepThreads
 
 logger = logging.getLogger("poptorch_lite")
@@ -402,6 +403,7 @@ class PoplarExecutor:
         self._pricing = executable.engine.mode == "estimate"   # no values: nothing to feed, read or write
         self._threads = StepThreads(1 if self._pricing else self._options.Emulator.host_threads, executable.schedule)
         self._op_plans: dict[int, tuple] = {}  # id(op) -> its feeds and programs (see _op_runs)
+        self._replay = RecomputeReplay(executable)
         # which micro-batch steps the call returns: fixed by the (frozen) options, so known once
         self._output_plan = batching.output_plan(opts, self._training)
         self._returned = set(self._output_plan.returned_steps)
@@ -665,8 +667,17 @@ class PoplarExecutor:
             feeds, runs, _ = self._op_runs(exe, op)
             for feed in feeds:
                 self._feed[feed] = op.global_micro_batch
+        replay = self._replay
+        if not report and replay.replaces(op):   # a recorded call: the recomputation's values from its forward
+            events = _execute(exe.engine, op, [run for run in runs if run[0] != "compute"], report)
+            replay.write(op)
+            return events
         events = _execute(exe.engine, op, runs, report)
-        if op.kind == "U" and self._anchors:
+        if op.kind == "F":
+            replay.after_forward(op)
+        elif op.kind == "R":
+            replay.ran(op)
+        elif op.kind == "U" and self._anchors:
             anchors.record(self._anchors, exe, op.ipu, "updated")
         return events
 
@@ -750,6 +761,7 @@ class PoplarExecutor:
         self._threads.ran(threads, time.perf_counter() - start)
         if reuse:
             return self._record
+        self._replay.checked()
         overlap.hide_host_io(record, overlap.overlap_modes(exe), self._training)
         if self._profiler is None and exe.engine.fixed_reports:
             self._record = record
