@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import poptorch_lite as poptorch
 from poptorch_lite.compiler import recompute
 from poptorch_lite.compiler.ir import IRGraph, Node, Value
-from poptorch_lite.runtime import recompute_replay
+from poptorch_lite.runtime.recompute_replay import RecomputeReplay
 from test_profile import SMALL
 from tutorial_model import TUTORIAL_STRATEGY, Network, TrainingModelWithLoss
 
@@ -426,7 +426,7 @@ def tutorial_calls(monkeypatch, budget_mb=None, calls=3, emulator="fast"):
     """The tutorial trained for `calls` calls with the copies' budget set: its figures and the
     replay's state after the last call."""
     if budget_mb is not None:
-        monkeypatch.setenv(recompute_replay.BUDGET_ENV, str(budget_mb))
+        monkeypatch.setenv(recompute.COPY_BUDGET_ENV, str(budget_mb))
     torch.manual_seed(0)
     model = TrainingModelWithLoss(Network())
     opts = poptorch.Options().setExecutionStrategy(TUTORIAL_STRATEGY).randomSeed(5)
@@ -434,14 +434,18 @@ def tutorial_calls(monkeypatch, budget_mb=None, calls=3, emulator="fast"):
     opts.Training.gradientAccumulation(8)
     training = poptorch.trainingModel(model, opts)
     written = []
-    write = recompute_replay.RecomputeReplay.write
-    monkeypatch.setattr(recompute_replay.RecomputeReplay, "write",
+    write = RecomputeReplay.write
+    monkeypatch.setattr(RecomputeReplay, "write",
                         lambda self, op: (written.append((op.stage, op.global_micro_batch)), write(self, op)))
     for _ in range(calls - 1):
         training(*BATCH)
     out = training(*BATCH)
     replay = training._replay
+    replay_lowering[:] = [training._executable.lowering]
     return run_figures(training, out, model), replay, written
+
+
+replay_lowering = []   # the lowering of the last tutorial_calls
 
 
 def test_calls_after_the_first_copy_the_recomputation_and_change_nothing(monkeypatch):
@@ -456,14 +460,14 @@ def test_calls_after_the_first_copy_the_recomputation_and_change_nothing(monkeyp
 
 
 def test_a_stage_whose_copies_differ_from_its_recomputation_keeps_recomputing(monkeypatch):
-    after_forward = recompute_replay.RecomputeReplay.after_forward
+    after_forward = RecomputeReplay.after_forward
 
     def perturbed(self, op):
         after_forward(self, op)
         if op.stage == 1 and 1 in self.checking:   # the first call: one bit of one copy of stage 1 off
             value = self.copies[(1, op.global_micro_batch)][0][0].reshape(-1)
             value[0] = np.nextafter(value[0], np.float32(np.inf))
-    monkeypatch.setattr(recompute_replay.RecomputeReplay, "after_forward", perturbed)
+    monkeypatch.setattr(RecomputeReplay, "after_forward", perturbed)
     copied, replay, written = tutorial_calls(monkeypatch)
     assert replay.failed == {1} and replay.enabled == {0, 2}
     assert {s for s, _ in written} == {0, 2}
@@ -473,17 +477,23 @@ def test_a_stage_whose_copies_differ_from_its_recomputation_keeps_recomputing(mo
 
 def test_the_copies_fit_their_budget_the_smallest_stages_first(monkeypatch):
     _, replay, _ = tutorial_calls(monkeypatch, calls=1)
-    assert set(replay.need) == {0, 1, 2} and all(replay.need.values())
-    smallest = min(replay.need, key=replay.need.get)
-    _, tight, _ = tutorial_calls(monkeypatch, budget_mb=replay.need[smallest] / 2**20, calls=1)
+    low = replay_lowering[0]
+    need = {key[1]: low._copies_bytes(key) for key, pairs in low.recomputed_from.items()}
+    assert set(need) == {0, 1, 2} and all(need.values())
+    for pairs in low.recomputed_from.values():
+        assert all(f.var.host_access and r.var.host_access for f, r in pairs)
+    smallest = min(need, key=need.get)
+    _, tight, _ = tutorial_calls(monkeypatch, budget_mb=need[smallest] / 2**20, calls=1)
     assert tight.enabled == {smallest}
+    low = replay_lowering[0]
+    assert {key[1] for key, pairs in low.recomputed_from.items() if pairs} == {smallest}
 
 
 @pytest.mark.parametrize("raw, message", [("lots", "megabytes"), ("-1", "negative")])
 def test_a_bad_budget_is_an_error_naming_the_variable(monkeypatch, raw, message):
-    monkeypatch.setenv(recompute_replay.BUDGET_ENV, raw)
-    with pytest.raises(ValueError, match=f"{recompute_replay.BUDGET_ENV}.*{message}"):
-        recompute_replay.budget_bytes()
+    monkeypatch.setenv(recompute.COPY_BUDGET_ENV, raw)
+    with pytest.raises(ValueError, match=f"{recompute.COPY_BUDGET_ENV}.*{message}"):
+        recompute.copy_budget_bytes()
 
 
 def test_strict_mode_always_runs_the_recomputation(monkeypatch):
@@ -495,4 +505,4 @@ def test_in_flight_counts_micro_batches_between_forward_and_recompute():
     from ipusim.schedules.poptorch import pipelined_schedule
     s = pipelined_schedule(3, training=True, gradient_accumulation=6).with_recomputation((0, 1))
     # PopTorch's pipeline keeps 2 * (stages - s) - 1 micro-batches of stage s in flight
-    assert [recompute_replay.in_flight(s, stage) for stage in range(2)] == [5, 3]
+    assert [recompute.in_flight(s, stage) for stage in range(2)] == [5, 3]

@@ -58,6 +58,7 @@ class Variable:
     category: str = "other"
     constant: np.ndarray | None = None
     id: int = field(default_factory=lambda: next(_ids))
+    host_access: bool = False   # the host reads or writes it between programs (not only through streams)
 
     def __post_init__(self):
         if self.category not in CATEGORIES:

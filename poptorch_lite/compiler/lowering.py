@@ -52,6 +52,7 @@ from .backward_split import WEIGHT_GRADIENT
 from .host_io import io_buffer, overlapped
 from .multiconv import lower_member
 from .ir import VIEW_OPS, IRGraph, Node, Value
+from . import recompute
 from .recompute import RECOMPUTE
 
 
@@ -168,7 +169,7 @@ class Lowering:
         self.seed_modifiers: dict[Node, int] = {}   # random forward node -> its seed modifier
         self.recomputed_copies: dict[tuple, list] = {}  # backward key -> copies of what its recompute made
         # recompute key -> (forward tensor, recomputed tensor) of each value the backward reads from
-        # it (None: one of them has no forward tensor); see runtime/recompute_replay.py
+        # it, for the stages the host may copy (None: it recomputes); see runtime/recompute_replay.py
         self.recomputed_from: dict[tuple, list[tuple[ip.Tensor, ip.Tensor]]] = {}
         self.counters: list[ip.Tensor] = []    # Running: micro-batches accumulated, per stage program
         self.printed: list[tuple[str, str, object]] = []         # ipu_print_tensor: (stream, title, format)
@@ -289,8 +290,29 @@ class Lowering:
             self._lower_stage(self.stage_programs[key], weight_ids, input_index)
             if key[0] == RECOMPUTE:
                 self._share_recomputed(key, used_by)
+        self._choose_copied_recomputations()
         for ch in self.channels:
             self._make_send(ch)
+
+    def _choose_copied_recomputations(self) -> None:
+        """The recomputed stages whose values the host may copy from their forward after the first
+        call (runtime/recompute_replay.py): those whose copies, held for every micro-batch between
+        F and R, fit the budget (`recompute.copy_budget_bytes`), fewest bytes first. Their tensors
+        are read and written by the host between programs, so they keep storage of their own."""
+        left = recompute.copy_budget_bytes()
+        for key in sorted((k for k, pairs in self.recomputed_from.items() if pairs),
+                          key=lambda k: self._copies_bytes(k)):
+            need = self._copies_bytes(key)
+            if need > left or any(n.op in recompute.UNCOPYABLE for n in self.stage_programs[key].nodes):
+                self.recomputed_from[key] = None
+                continue
+            left -= need
+            for f, r in self.recomputed_from[key]:
+                f.var.host_access = r.var.host_access = True
+
+    def _copies_bytes(self, key: tuple) -> int:
+        per_micro_batch = sum(f.numel * f.var.dtype.itemsize for f, _ in self.recomputed_from[key])
+        return recompute.in_flight(self.schedule, key[1]) * per_micro_batch
 
     def _share_recomputed(self, key: tuple, used_by: set) -> None:
         """After lowering ("recompute", s): what it received is the backward's too, which runs

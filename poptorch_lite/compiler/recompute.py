@@ -40,6 +40,8 @@ recompute.cpp, transforms/streamingmemory.cpp):
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..api.errors import Error
@@ -213,3 +215,38 @@ def _after_last_checkpoints(fwd: list[Node], made_by: dict) -> set[int]:
         if not any(r in under or r in marked for r in nodes):
             seeds |= set(nodes)
     return {id(n) for n in fwd if id(n) in seeds or ancestors[id(n)] & seeds}
+
+
+# ---- copying a recomputation on the host (runtime/recompute_replay.py) ---------------------------
+COPY_BUDGET_ENV = "IPUSIM_RECOMPUTE_REPLAY_MB"
+DEFAULT_COPY_BUDGET_MB = 256
+UNCOPYABLE = frozenset({"cpu_op", "print_tensor"})   # recomputed ops that do more than make values
+
+
+def copy_budget_bytes() -> int:
+    """Host memory the copies of recomputed values may hold at once, per replica
+    (`IPUSIM_RECOMPUTE_REPLAY_MB`, default 256 MB; 0: every recomputation runs)."""
+    raw = os.environ.get(COPY_BUDGET_ENV, str(DEFAULT_COPY_BUDGET_MB))
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"{COPY_BUDGET_ENV}={raw!r}: give the host memory for copied recomputations in "
+                         "megabytes (0 turns copying off)") from None
+    if mb < 0:
+        raise ValueError(f"{COPY_BUDGET_ENV}={raw!r} is negative: give megabytes, 0 to turn copying off")
+    return int(mb * 2**20)
+
+
+def in_flight(schedule, stage: int) -> int:
+    """The most micro-batches of `stage` whose forward has run and whose recompute op has not."""
+    live, most = set(), 0
+    for step in schedule.steps:
+        for op in step.ops:
+            if op.stage != stage:
+                continue
+            if op.kind == "F":
+                live.add(op.global_micro_batch)
+            elif op.kind == "R":
+                live.discard(op.global_micro_batch)
+        most = max(most, len(live))
+    return most
