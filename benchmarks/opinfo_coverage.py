@@ -28,8 +28,9 @@ What is measured
   ops whose outputs sum to a constant, softmax, still have a gradient to check); the gradients,
   read through `Options.anchorTensor("Gradient___<parameter>")`, are compared with
   `torch.autograd.grad` of the same loss within rtol 1e-3 and atol 1e-4 of the largest magnitude.
-- Random ops (two eager calls with different seeds differ) cannot match torch's generator: their
-  outputs and gradients are compared in shape and dtype only.
+- Random ops (two eager calls with different seeds differ; the seed OpInfo's `wrapper_set_seed`
+  fixes is shifted by the caller's) cannot match torch's generator: their outputs and gradients
+  are compared in shape and dtype only.
 Forward share = forward passes / ops; backward share = backward passes / ops with a gradient,
 whatever their forward gave (the share among ops that pass forward is printed as well).
 
@@ -210,11 +211,24 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a == b) | ((a != a) & (b != b))).all())
 
 
+@contextlib.contextmanager
+def seeds_shifted(by: int):
+    """Every `torch.manual_seed(s)` seeds `s + by` instead. OpInfo calls its random ops through
+    `wrapper_set_seed`, which seeds torch with 42 before the op to make it repeatable: without the
+    shift two calls of a random op would agree whatever seed the caller set."""
+    real = torch.manual_seed
+    torch.manual_seed = lambda seed: real(int(seed) + by)
+    try:
+        yield
+    finally:
+        torch.manual_seed = real
+
+
 def is_random(call: Call) -> bool:
     outs = []
     for seed in (1, 2):
         torch.manual_seed(seed)
-        with torch.no_grad():
+        with torch.no_grad(), seeds_shifted(seed):
             outs.append([t.clone() for t in tensor_outputs(call([t.detach() for t in call.tensors]))])
     return not all(_same(a, b) for a, b in zip(*outs))
 
