@@ -50,6 +50,81 @@ def test_bernoulli_draws_each_element_with_its_own_probability():
     assert (coins[:, 0] == 0).all() and (coins[:, -1] == 1).all()
 
 
+def ks_statistic(samples: torch.Tensor, cdf) -> float:
+    """Kolmogorov-Smirnov: the largest distance between the samples' distribution function and `cdf`."""
+    x = samples.double().sort().values
+    f, n = cdf(x), x.numel()
+    return float(torch.maximum(torch.arange(1, n + 1) / n - f, f - torch.arange(n) / n).max())
+
+
+def test_in_place_samplers_follow_their_distributions():
+    class Samplers(nn.Module):
+        def forward(self, x):
+            return (torch.empty_like(x).exponential_(2.5), torch.empty_like(x).cauchy_(-1.0, 0.5),
+                    torch.empty_like(x).log_normal_(0.3, 0.6), torch.empty_like(x).geometric_(0.3),
+                    torch.randint(3, 10, x.shape), torch.randint_like(x, 4))
+
+    n = 20000
+    x = torch.zeros(n)
+    e, c, ln, g, ints, like = poptorch.inferenceModel(Samplers(), poptorch.Options().randomSeed(7))(x)
+    limit = 1.95 / n ** 0.5     # the KS test's critical value at a 0.1% level
+    assert e.min() > 0 and ks_statistic(e, lambda v: 1 - torch.exp(-2.5 * v)) < limit
+    assert ks_statistic(c, lambda v: 0.5 + torch.atan((v + 1.0) / 0.5) / torch.pi) < limit
+    normal = torch.distributions.Normal(0.3, 0.6)
+    assert ln.min() > 0 and ks_statistic(ln, lambda v: normal.cdf(v.log())) < limit
+    k = torch.arange(1, 13)
+    expected = torch.cat([0.7 ** (k - 1) * 0.3, torch.tensor([0.7 ** 12])]) * n
+    counts = torch.stack([(g == v).sum() for v in k] + [(g > 12).sum()])
+    assert g.dtype == torch.float32 and g.min() >= 1 and ((counts - expected) ** 2 / expected).sum() < 35
+    assert ints.dtype == torch.int32 and set(ints.unique().tolist()) == set(range(3, 10))
+    counts = torch.bincount(ints - 3).double()
+    assert ((counts - n / 7) ** 2 / (n / 7)).sum() < 25
+    assert like.dtype == torch.float32 and set(like.unique().tolist()) == {0.0, 1.0, 2.0, 3.0}
+
+
+def test_multinomial_draws_in_proportion_to_the_weights():
+    class Draws(nn.Module):
+        def forward(self, w):
+            return torch.multinomial(w, 3), torch.multinomial(w[0], 2000, replacement=True)
+
+    w = torch.tensor([1.0, 0.0, 2.0, 5.0, 2.0]).repeat(4000, 1)
+    without, with_ = poptorch.inferenceModel(Draws(), poptorch.Options().randomSeed(3))(w)
+    p = w[0] / w[0].sum()
+    assert without.shape == (4000, 3) and with_.shape == (2000,)
+    # without replacement: distinct categories, never a weight-0 one; the first is drawn with p
+    assert (without.sort(1).values.diff(dim=1) > 0).all() and not (without == 1).any()
+    np.testing.assert_allclose(torch.bincount(without[:, 0], minlength=5).numpy() / 4000, p.numpy(), atol=0.03)
+    # the second given the first: P(second = j | first = 3) = p_j / (1 - p_3)
+    second = without[without[:, 0] == 3, 1]
+    np.testing.assert_allclose(torch.bincount(second, minlength=5).numpy() / second.numel(),
+                               (p / (1 - p[3])).index_fill(0, torch.tensor(3), 0).numpy(), atol=0.04)
+    np.testing.assert_allclose(torch.bincount(with_, minlength=5).numpy() / 2000, p.numpy(), atol=0.04)
+
+
+def test_samplers_follow_options_random_seed():
+    class Draw(nn.Module):
+        def forward(self, x):
+            return torch.empty_like(x).exponential_(), torch.multinomial(x.abs() + 1, 4), torch.randint(0, 100, x.shape)
+
+    x = torch.zeros(2, 6)
+
+    def draw(seed):
+        return poptorch.inferenceModel(Draw(), poptorch.Options().randomSeed(seed))(x)
+
+    first, again, other = draw(11), draw(11), draw(12)
+    for a, b, c in zip(first, again, other):
+        assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_randint_beyond_int32_is_refused():
+    class Draw(nn.Module):
+        def forward(self, x):
+            return torch.randint(0, 2 ** 33, x.shape)
+
+    with pytest.raises(UnsupportedOpError, match=r"randint's range \[0, 8589934592\) is beyond int32"):
+        poptorch.inferenceModel(Draw())(torch.zeros(3))
+
+
 def lower(fn, *shapes):
     class Model(nn.Module):
         def __init__(self):

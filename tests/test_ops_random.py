@@ -137,6 +137,98 @@ def test_statistics_of_the_distributions():
     assert bv.dtype == np.bool_ and abs(bv.mean() - 0.2) < 4 * math.sqrt(0.16 / n)
 
 
+def ks_statistic(samples, cdf) -> float:
+    """Kolmogorov-Smirnov: the largest distance between the samples' distribution function and `cdf`."""
+    x = np.sort(np.asarray(samples, dtype=np.float64))
+    f = cdf(x)
+    n = x.size
+    return float(max((np.arange(1, n + 1) / n - f).max(), (f - np.arange(n) / n).max()))
+
+
+KS_LIMIT = 1.95   # / sqrt(n): the KS test's critical value at a 0.1% level
+
+
+def test_samplers_are_the_documented_functions_of_the_bits():
+    seed = 2 ** 33 + 7
+    g = ip.Graph(TARGET)
+    prog = ip.Sequence()
+    n = 300
+    outs = [RR.exponential(g, (n,), seed, prog, 0.5, seed_modifier=3),
+            RR.cauchy(g, (n,), seed, prog, 1.0, 2.0, seed_modifier=3),
+            RR.geometric(g, (n,), 0.2, seed, prog, dtype=np.int32, seed_modifier=3),
+            RR.log_normal(g, (n,), seed, prog, 0.5, 0.25, seed_modifier=3),
+            RR.integers(g, (n,), -3, 7, seed, prog, seed_modifier=3)]
+    got = run_both(g, prog, {}, outs)
+
+    def unit(kind):
+        w0, w1 = words(seed, 3, kind, n)
+        return (((w0 >> np.uint64(6)) * 2.0 ** 26 + (w1 >> np.uint64(6))) + 0.5) * 2.0 ** -52
+
+    np.testing.assert_allclose(got[0], -np.log(unit(RR.EXPONENTIAL)) / 0.5, rtol=1e-6)
+    np.testing.assert_allclose(got[1], 1.0 + 2.0 * np.tan(np.pi * (unit(RR.CAUCHY) - 0.5)), rtol=1e-6)
+    np.testing.assert_array_equal(got[2], np.maximum(1, np.ceil(np.log(unit(RR.GEOMETRIC)) / np.log1p(-0.2))))
+    w0, w1 = words(seed, 3, RR.LOG_NORMAL, n)
+    z = np.sqrt(-2 * np.log(((w0 >> np.uint64(8)) + 1.0) * 2.0 ** -24)) * np.cos(2 * np.pi * (w1 >> np.uint64(8)) * 2.0 ** -24)
+    np.testing.assert_allclose(got[3], np.exp(0.5 + 0.25 * z), rtol=1e-6)
+    w0, _ = words(seed, 3, RR.INTEGERS, n)
+    np.testing.assert_array_equal(got[4], -3 + ((w0 * np.uint64(10)) >> np.uint64(32)).astype(np.int64))
+    assert got[2].dtype == np.int32 and got[4].dtype == np.int32
+
+
+def test_samplers_follow_their_distributions():
+    """Each sampler against its distribution function (KS) or its probabilities (chi-square)."""
+    g = ip.Graph(TARGET)
+    prog = ip.Sequence()
+    n = 20000
+    e = RR.exponential(g, (n,), 5, prog, 2.5)
+    c = RR.cauchy(g, (n,), 5, prog, -1.0, 0.5)
+    ln = RR.log_normal(g, (n,), 5, prog, 0.3, 0.6)
+    geo = RR.geometric(g, (n,), 0.3, 5, prog)
+    ints = RR.integers(g, (n,), 10, 17, 5, prog, dtype=np.float32)
+    ev, cv, lv, gv, iv = run_both(g, prog, {}, [e, c, ln, geo, ints])
+    limit = KS_LIMIT / math.sqrt(n)
+    assert ev.min() > 0 and np.isfinite(ev).all()
+    assert ks_statistic(ev, lambda x: 1 - np.exp(-2.5 * x)) < limit
+    assert abs(ev.mean() - 0.4) < 4 * 0.4 / math.sqrt(n)
+    assert np.isfinite(cv).all()
+    assert ks_statistic(cv, lambda x: 0.5 + np.arctan((x + 1.0) / 0.5) / np.pi) < limit
+    assert abs(np.median(cv) + 1.0) < 0.03
+    erf = np.vectorize(math.erf)
+    assert lv.min() > 0
+    assert ks_statistic(lv, lambda x: 0.5 * (1 + erf((np.log(x) - 0.3) / (0.6 * math.sqrt(2))))) < limit
+    assert abs(np.log(lv).mean() - 0.3) < 4 * 0.6 / math.sqrt(n)
+    # geometric: integers >= 1 with P(k) = 0.7**(k-1) * 0.3 (chi-square over k = 1..12 and the tail)
+    assert gv.dtype == np.float32 and gv.min() >= 1 and (gv == np.round(gv)).all()
+    k = np.arange(1, 13)
+    expected = np.append(0.7 ** (k - 1) * 0.3, 0.7 ** 12) * n
+    counts = np.append([(gv == v).sum() for v in k], (gv > 12).sum())
+    assert ((counts - expected) ** 2 / expected).sum() < 35    # 12 dof, 0.05% level
+    assert abs(gv.mean() - 1 / 0.3) < 4 * math.sqrt(0.7) / 0.3 / math.sqrt(n)
+    # integers in [10, 17): each value a seventh of the samples
+    assert set(np.unique(iv).tolist()) == set(range(10, 17))
+    counts = np.array([(iv == v).sum() for v in range(10, 17)])
+    assert ((counts - n / 7) ** 2 / (n / 7)).sum() < 25        # 6 dof, 0.05% level
+
+
+def test_sampler_arguments_are_checked():
+    g = ip.Graph(TARGET)
+    prog = ip.Sequence()
+    with pytest.raises(ValueError, match="rate must be positive"):
+        RR.exponential(g, (3,), 0, prog, 0.0)
+    with pytest.raises(ValueError, match="sigma must be positive"):
+        RR.cauchy(g, (3,), 0, prog, 0.0, -1.0)
+    with pytest.raises(ValueError, match=r"p must be in the open interval \(0, 1\), got 1.0"):
+        RR.geometric(g, (3,), 1.0, 0, prog)
+    with pytest.raises(ValueError, match="std must be positive"):
+        RR.log_normal(g, (3,), 0, prog, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"need low < high"):
+        RR.integers(g, (3,), 5, 5, 0, prog)
+    with pytest.raises(ValueError, match="does not fit in int32"):
+        RR.integers(g, (3,), 2 ** 31, 2 ** 31 + 2, 0, prog)
+    with pytest.raises(TypeError, match="output dtype must be float32 or float16"):
+        RR.exponential(g, (3,), 0, prog, dtype=np.int32)
+
+
 def test_dropout_scales_like_torch_and_its_backward_uses_the_mask():
     g = ip.Graph(TARGET)
     x = variable(g, "float32", (100, 50), "x")
@@ -220,6 +312,7 @@ def test_estimators_follow_the_poprand_shape():
     t = ip.GC200
     assert RR.rng_instructions(10, 2, RR.UNIFORM) == 19 + 5 * 3
     assert RR.rng_instructions(10, 4, RR.NORMAL) == 19 + 3 * 2
+    assert RR.rng_instructions(10, 2, RR.CAUCHY) == 19 + 5 * 29
     sizes = {"seed": np.array([2]), "out": np.array([10])}
     assert RR.RANDOM_VERTEX.cycles(sizes, np.array([[RR.BERNOULLI, 0, 0, 0, 0]]), np.dtype("float32"), t).tolist() \
         == [t.thread_cycles(19 + 5)]

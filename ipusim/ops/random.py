@@ -1,4 +1,6 @@
-"""Random numbers (PopLibs `poprand`): uniform, normal, Bernoulli, dropout, from a counter-based RNG.
+"""Random numbers (PopLibs `poprand`): uniform, normal, Bernoulli, dropout, and the distributions
+PyTorch's in-place samplers draw (exponential, Cauchy, geometric, log-normal, uniform integers),
+from a counter-based RNG.
 
 Generator. Every element's random bits are Philox4x32-10 (Salmon et al., "Parallel random numbers:
 as easy as 1, 2, 3", SC 2011) of
@@ -17,7 +19,16 @@ From the first two 32-bit words w0, w1 of an element's Philox output:
     bernoulli  1 if w0 < floor(prob * 2**32) else 0
     dropout    keep = w0 >= floor(p * 2**32);  y = x * keep * 1 / (1 - p) (torch's scaling;
                p = 1 drops everything), mask = keep (bool)
-Distributions: 0 uniform, 1 normal, 2 bernoulli, 3 dropout.
+and, with v = (k + 1/2) * 2**-52 in the open interval (0, 1), k = (w0 >> 6) * 2**26 + (w1 >> 6)
+(52 random bits), by inversion of the distribution function:
+    exponential   -ln(v) / rate                                 (> 0, finite)
+    cauchy        median + sigma * tan(pi * (v - 1/2))           (finite)
+    geometric     ceil(ln(v) / ln(1 - p)), 0 < p < 1             (an integer >= 1: trials to the first success)
+    log-normal    exp(the normal value of mean, std)
+    integers      low + floor(w0 * n / 2**32), n < 2**32         (low, ..., low + n - 1; bias below n / 2**32)
+each computed in float64 and rounded once to the output dtype.
+Distributions: 0 uniform, 1 normal, 2 bernoulli, 3 dropout, 4 exponential, 5 cauchy, 6 geometric,
+7 log-normal, 8 integers.
 
 Seeds. A seed is an int (baked into the program as a constant) or a device tensor of two 32-bit
 words [low, high] (uint32 or int32; `seed_tensor` makes one, `seed_words` splits an int for
@@ -28,7 +39,9 @@ generates (an exchange of 8 bytes per tile).
 
 Cycle estimators (thread instructions), shaped like PopLibs' poprand estimators: 7 (overhead) +
 9 (seed set-up and warm-up) + 3 (loop set-up) + ceil(n / width) * per_vector, per_vector = 3
-uniform, 2 normal, 1 bernoulli, 3 dropout; width = elements per 64-bit vector of the output (2
+uniform, 2 normal, 1 bernoulli, 3 dropout, and for the samplers one more than their maths costs a
+vector (elementwise.py's UNARY: ln 15, tan 25, exp 15) plus the uniform's 3: 19 exponential,
+29 cauchy, 21 geometric (ln and ceil), 20 log-normal (exp after the normal's 2), 3 integers; width = elements per 64-bit vector of the output (2
 float32, 4 float16, 1 otherwise). Dropout backward: 6 + ceil(n / width) * 2. Seed advance: 10.
 """
 from __future__ import annotations
@@ -47,8 +60,9 @@ from ..device.vertex import Field, VertexType
 from .common import GRAIN, lookup, new_output, placed, region_work, tile_groups
 from .reduce import vector_width
 
-UNIFORM, NORMAL, BERNOULLI, DROPOUT = range(4)
-PER_VECTOR = {UNIFORM: 3, NORMAL: 2, BERNOULLI: 1, DROPOUT: 3}
+UNIFORM, NORMAL, BERNOULLI, DROPOUT, EXPONENTIAL, CAUCHY, GEOMETRIC, LOG_NORMAL, INTEGERS = range(9)
+PER_VECTOR = {UNIFORM: 3, NORMAL: 2, BERNOULLI: 1, DROPOUT: 3, EXPONENTIAL: 19, CAUCHY: 29, GEOMETRIC: 21,
+              LOG_NORMAL: 20, INTEGERS: 3}
 MASK32 = 0xFFFFFFFF
 TWO_32 = 2.0 ** 32
 
@@ -78,14 +92,32 @@ def element_words(k0, k1, modifier, kind, index):
 
 
 @njit(**JIT)
+def open_unit(w0, w1):
+    """52 bits of two words as a number in the open interval (0, 1)."""
+    k = np.float64(w0 >> np.uint64(6)) * 67108864.0 + np.float64(w1 >> np.uint64(6))
+    return (k + 0.5) * 2.0 ** -52
+
+
+@njit(**JIT)
 def random_value(kind, w0, w1, a, b):
-    """uniform(low=a, high=b), normal(mean=a, std=b) or bernoulli(threshold=a) from two words."""
+    """From two words: uniform(low=a, high=b), normal(mean=a, std=b), bernoulli(threshold=a),
+    exponential(rate=a), cauchy(median=a, sigma=b), geometric(ln(1 - p)=a), log-normal(mean=a,
+    std=b) or integers(low=a, count=b)."""
     if kind == UNIFORM:
         return a + (b - a) * (np.float64(w0 >> np.uint64(8)) * 2.0 ** -24)
-    if kind == NORMAL:
+    if kind == NORMAL or kind == LOG_NORMAL:
         u1 = (np.float64(w0 >> np.uint64(8)) + 1.0) * 2.0 ** -24
         u2 = np.float64(w1 >> np.uint64(8)) * 2.0 ** -24
-        return a + b * math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+        z = a + b * math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+        return z if kind == NORMAL else math.exp(z)
+    if kind == EXPONENTIAL:
+        return -math.log(open_unit(w0, w1)) / a
+    if kind == CAUCHY:
+        return a + b * math.tan(math.pi * (open_unit(w0, w1) - 0.5))
+    if kind == GEOMETRIC:
+        return max(1.0, math.ceil(math.log(open_unit(w0, w1)) / a))
+    if kind == INTEGERS:
+        return a + np.float64((w0 * np.uint64(b)) >> np.uint64(32))
     return 1.0 if np.float64(w0) < a else 0.0
 
 
@@ -295,7 +327,7 @@ def _check_probability(p: float, what: str, name: str) -> float:
 def _random(graph: Graph, kind: int, shape, seed, prog: Sequence, a: float, b: float, dtype, name: str,
             seed_modifier: int) -> Tensor:
     dtype = as_dtype(dtype)
-    if kind != BERNOULLI and dtype.kind != "f":
+    if kind not in (BERNOULLI, GEOMETRIC, INTEGERS) and dtype.kind != "f":
         raise TypeError(f"{name}: output dtype must be float32 or float16, got {dtype.name}")
     seed = _seed(graph, seed, name)
     out = new_output(graph, dtype, shape, name)
@@ -340,6 +372,50 @@ def bernoulli(graph: Graph, shape, prob: float, seed, prog: Sequence, dtype=np.f
     """1 with probability `prob`, else 0 (float, int32 or bool), mapped linearly over the tiles."""
     prob = _check_probability(prob, "prob", name)
     return _random(graph, BERNOULLI, shape, seed, prog, math.floor(prob * TWO_32), 0.0, dtype, name, seed_modifier)
+
+
+def exponential(graph: Graph, shape, seed, prog: Sequence, rate: float = 1.0, dtype=np.float32,
+                name: str = "exponential", *, seed_modifier: int = 0) -> Tensor:
+    """Exponential numbers of the given rate (torch's lambd): density rate * exp(-rate * x), x > 0."""
+    if not rate > 0:
+        raise ValueError(f"{name}: the rate must be positive, got {rate}")
+    return _random(graph, EXPONENTIAL, shape, seed, prog, float(rate), 0.0, dtype, name, seed_modifier)
+
+
+def cauchy(graph: Graph, shape, seed, prog: Sequence, median: float = 0.0, sigma: float = 1.0, dtype=np.float32,
+           name: str = "cauchy", *, seed_modifier: int = 0) -> Tensor:
+    """Cauchy numbers: density 1 / (pi * sigma * (1 + ((x - median) / sigma)**2))."""
+    if not sigma > 0:
+        raise ValueError(f"{name}: sigma must be positive, got {sigma}")
+    return _random(graph, CAUCHY, shape, seed, prog, float(median), float(sigma), dtype, name, seed_modifier)
+
+
+def geometric(graph: Graph, shape, p: float, seed, prog: Sequence, dtype=np.float32, name: str = "geometric", *,
+              seed_modifier: int = 0) -> Tensor:
+    """The number of Bernoulli(p) trials up to and including the first success: k >= 1 with
+    probability (1 - p)**(k - 1) * p (float or int32)."""
+    if not 0.0 < float(p) < 1.0:
+        raise ValueError(f"{name}: p must be in the open interval (0, 1), got {p}")
+    return _random(graph, GEOMETRIC, shape, seed, prog, math.log1p(-float(p)), 0.0, dtype, name, seed_modifier)
+
+
+def log_normal(graph: Graph, shape, seed, prog: Sequence, mean: float = 1.0, std: float = 2.0, dtype=np.float32,
+               name: str = "log_normal", *, seed_modifier: int = 0) -> Tensor:
+    """exp(N(mean, std**2)): numbers whose logarithm is normal."""
+    if not std > 0:
+        raise ValueError(f"{name}: std must be positive, got {std}")
+    return _random(graph, LOG_NORMAL, shape, seed, prog, float(mean), float(std), dtype, name, seed_modifier)
+
+
+def integers(graph: Graph, shape, low: int, high: int, seed, prog: Sequence, dtype=np.int32, name: str = "integers",
+             *, seed_modifier: int = 0) -> Tensor:
+    """Integers uniform in [low, high) (int32 or float), as PopLibs' uniform of an integer type."""
+    low, high = int(low), int(high)
+    if not 0 < high - low < 2 ** 32:
+        raise ValueError(f"{name}: need low < high and high - low < 2**32, got [{low}, {high})")
+    if as_dtype(dtype) == np.int32 and not (-2 ** 31 <= low and high - 1 < 2 ** 31):
+        raise ValueError(f"{name}: [{low}, {high}) does not fit in int32")
+    return _random(graph, INTEGERS, shape, seed, prog, float(low), float(high - low), dtype, name, seed_modifier)
 
 
 def _dropout_scale(p: float) -> float:

@@ -1789,11 +1789,12 @@ def _dropout_backward(c, grad, mask, scale):
     return c.one("dropout_backward", [grad, mask], grad.shape, grad.dtype, p=1.0 - 1.0 / float(scale))
 
 
-def _draw(c, kind, a, b):
-    meta = c.out_meta()
-    if c.out_dtype().kind != "f" and kind != "bernoulli":
-        raise c.error("random numbers of an integer dtype are not supported")
-    return c.one("random", [], tuple(meta.shape), c.out_dtype(), kind=kind, a=float(a), b=float(b))
+def _draw(c, kind, a, b, shape=None, dtype=None):
+    shape = tuple(c.out_meta().shape) if shape is None else tuple(shape)
+    dtype = c.out_dtype() if dtype is None else np.dtype(dtype)
+    if dtype.kind != "f" and kind not in ("bernoulli", "geometric", "integers"):
+        raise c.error(f"random {kind} numbers of an integer dtype are not supported")
+    return c.one("random", [], shape, dtype, kind=kind, a=float(a), b=float(b))
 
 
 @lowers(aten.rand, aten.rand_like, doc="random uniform (the IPU's generator, not torch's)")
@@ -1838,6 +1839,56 @@ def _bernoulli(c, x, p=None, generator=None):
     probs = x if p is None else p     # torch.bernoulli(probs), or x.bernoulli_(p) with a tensor p
     uniform = c.one("random", [], tuple(c.out_meta().shape), np.dtype(np.float32), kind="uniform", a=0.0, b=1.0)
     return c.cast(c.binary("lt", uniform, probs, dtype=np.float32), c.out_dtype())
+
+
+@lowers(aten.exponential, doc="random exponential (the IPU's generator): -ln(v) / lambd, v uniform in (0, 1)")
+def _exponential(c, x, lambd=1.0, generator=None):
+    return _draw(c, "exponential", lambd, 0.0)
+
+
+@lowers(aten.cauchy, doc="random Cauchy (the IPU's generator): median + sigma * tan(pi * (v - 1/2)), v uniform in "
+                         "(0, 1)")
+def _cauchy(c, x, median=0.0, sigma=1.0, generator=None):
+    return _draw(c, "cauchy", median, sigma)
+
+
+@lowers(aten.geometric, doc="random geometric (the IPU's generator): ceil(ln(v) / ln(1 - p)), v uniform in (0, 1)")
+def _geometric(c, x, p, generator=None):
+    return _draw(c, "geometric", p, 0.0)
+
+
+@lowers(aten.log_normal, doc="random log-normal (the IPU's generator): exp of a normal draw")
+def _log_normal(c, x, mean=1.0, std=2.0, generator=None):
+    return _draw(c, "log_normal", mean, std)
+
+
+@lowers(aten.randint, aten.randint_like, doc="random integers in [low, high) (the IPU's generator, PopLibs' "
+                                             "uniform of an integer type)")
+def _randint(c, *args, **kwargs):
+    bounds = args[1:] if c.node.target.overloadpacket is aten.randint_like else args[:-1]
+    if any(isinstance(b, Value) for b in bounds):
+        raise c.error("randint_like with a tensor bound is not supported: give high (and low) as numbers")
+    low, high = (0, bounds[0]) if len(bounds) == 1 else bounds[:2]
+    if c.out_dtype().kind == "i" and not (-INT32_MAX - 1 <= low and high - 1 <= INT32_MAX):
+        raise c.error(f"randint's range [{low}, {high}) is beyond int32, and the IPU has no int64")
+    return _draw(c, "integers", low, high)
+
+
+@lowers(aten.multinomial, doc="random categorical draws (the IPU's generator): without replacement topk of "
+                              "probs / e (e exponential: the first k of exponential clocks), with replacement "
+                              "per draw the argmax of probs / e")
+def _multinomial(c, probs, num_samples, replacement=False, generator=None):
+    k, n = int(num_samples), probs.shape[-1]
+    dtype = probs.dtype
+    if replacement:
+        shape = probs.shape[:-1] + (k, n)
+        keys = c.binary("div", c.reshape(probs, probs.shape[:-1] + (1, n)), _draw(c, "exponential", 1.0, 0.0, shape,
+                                                                                   dtype), dtype=dtype)
+        _, positions = _topk_along(c, keys, 1, -1, True)
+    else:
+        keys = c.binary("div", probs, _draw(c, "exponential", 1.0, 0.0, probs.shape, dtype), dtype=dtype)
+        _, positions = _topk_along(c, keys, k, -1, True)
+    return c.cast(c.reshape(positions, tuple(c.out_meta().shape)), c.out_dtype())
 
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}

@@ -908,12 +908,17 @@ def _random(ctx, n, ins):
     a = n.attrs
     seed, modifier = ctx.seed()
     out = n.outputs[0]
-    draw = {"uniform": rnd.uniform, "normal": rnd.normal}.get(a["kind"])
-    if draw is not None:
-        return [draw(ctx.graph, out.shape, seed, ctx.prog, a["a"], a["b"], out.dtype, name=ctx.name,
-                     seed_modifier=modifier)]
-    return [rnd.bernoulli(ctx.graph, out.shape, a["a"], seed, ctx.prog, out.dtype, name=ctx.name,
-                          seed_modifier=modifier)]
+    g, kw = ctx.graph, {"name": ctx.name, "seed_modifier": modifier}
+    kind = a["kind"]
+    if kind in ("uniform", "normal", "cauchy", "log_normal"):
+        draw = {"uniform": rnd.uniform, "normal": rnd.normal, "cauchy": rnd.cauchy, "log_normal": rnd.log_normal}[kind]
+        return [draw(g, out.shape, seed, ctx.prog, a["a"], a["b"], out.dtype, **kw)]
+    if kind == "exponential":
+        return [rnd.exponential(g, out.shape, seed, ctx.prog, a["a"], out.dtype, **kw)]
+    if kind == "integers":
+        return [rnd.integers(g, out.shape, int(a["a"]), int(a["b"]), seed, ctx.prog, out.dtype, **kw)]
+    draw = {"bernoulli": rnd.bernoulli, "geometric": rnd.geometric}[kind]
+    return [draw(g, out.shape, a["a"], seed, ctx.prog, out.dtype, **kw)]
 
 
 @lowers("dropout_backward")
