@@ -594,3 +594,48 @@ def test_arithmetic_on_or_into_small_integer_tensors_is_refused_naming_the_dtype
         poptorch.inferenceModel(Add())(torch.arange(10).to(torch.int8))
     with pytest.raises(UnsupportedOpError, match="_to_copy.default .* on or into torch.int8 tensors"):
         poptorch.inferenceModel(Into())(torch.arange(10))
+
+
+def test_conversions_into_small_ints_wrap_as_torch():
+    class Convert(nn.Module):
+        def forward(self, x, i, b):
+            return x.byte(), x.char(), x.short(), i.byte(), i.char(), i.short(), b.byte(), x.char().short(), \
+                i.short().byte(), torch.eye(4, dtype=torch.uint8)
+
+    x = torch.tensor([-1.5, -0.7, 0.7, 255.9, 256.5, 300.7, -129.5, -200., 1e5, -1e5, 3e9, -3e9, 40000.,
+                      float("nan"), float("inf"), float("-inf")])
+    i = torch.tensor([-1, 255, 256, 300, -129, 70000, -70000, 2 ** 31 - 1], dtype=torch.int32)
+    b = torch.tensor([True, False])
+    got = poptorch.inferenceModel(Convert())(x, i, b)
+    for g, want in zip(got, Convert()(x, i, b)):
+        assert g.dtype == want.dtype and torch.equal(g, want), (g, want)
+
+
+def test_a_weight_whose_gradient_is_zero_is_trained_and_anchored():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.ones(3))
+            self.q = nn.Parameter(torch.full((2, 2), 2.0))
+
+        def forward(self, x):
+            filled = torch.fill(self.p, 4.0)             # no op reads p's values
+            identity = torch.linalg.matrix_power(self.q, 0)
+            return poptorch.identity_loss((filled * x).sum() + identity.sum(), reduction="sum")
+
+    model = Model()
+    opts = poptorch.Options().anchorTensor("gp", "Gradient___p").anchorTensor("gq", "Gradient___q")
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5))
+    training(torch.ones(3))
+    assert torch.equal(training.getAnchoredTensor("gp"), torch.zeros(3))
+    assert torch.equal(training.getAnchoredTensor("gq"), torch.zeros(2, 2))
+    # trained like any weight: weight decay alone moves it, p - lr * decay * p
+    np.testing.assert_allclose(model.p.detach().numpy(), np.full(3, 0.95), rtol=1e-6)
+
+
+def test_threshold_backward_with_a_threshold_other_than_zero():
+    run_op(lambda x: F.threshold(x, 0.3, -2.0), (4, 5), rtol=1e-5)
+
+
+def test_a_scalars_reduction_over_dimension_zero_is_itself():
+    run_op(lambda x: torch.logsumexp(x.sum(), (0,), keepdim=True) * 2.0, (3,), rtol=1e-5)

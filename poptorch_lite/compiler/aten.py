@@ -53,8 +53,8 @@ INT32_MAX = 2**31 - 1   # the IPU's largest integer (it has no int64)
 
 
 # 8- and 16-bit integer tensors cross to and from the device in their own dtype and are held there
-# in 32-bit words; the compiler only moves and converts them (SMALL_INT_MOVES), so no arithmetic
-# could need their wrap-around.
+# in 32-bit words; the compiler only moves, compares and converts them (SMALL_INT_MOVES, ...), so
+# only a conversion into them needs their wrap-around (`_wrap_small_int`) and no arithmetic does.
 SMALL_INTS = {torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16}
 
 
@@ -246,10 +246,10 @@ class Lowerer:
 
     def reduce(self, fn: str, x: Value, dims, keepdim: bool) -> Value:
         rank = len(x.shape)
+        if rank == 0:   # a scalar's dimension 0 (or -1) is itself: nothing to reduce
+            return x
         dims = tuple(range(rank)) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else \
             tuple(sorted({int(d) % rank for d in ((dims,) if isinstance(dims, int) else dims)}))
-        if not dims and rank == 0:
-            return x
         shape = tuple(1 if i in dims else s for i, s in enumerate(x.shape)) if keepdim else \
             tuple(s for i, s in enumerate(x.shape) if i not in dims)
         return self.one("reduce", [x], shape, x.dtype, fn=fn, axes=dims, keepdims=bool(keepdim))
@@ -336,6 +336,9 @@ class Lowerer:
         small = [d for d in ins + [out] if d in SMALL_INTS]
         if not small:
             return
+        if packet in SMALL_INT_CONVERSIONS or packet in SMALL_INT_CONSTANTS or \
+                (packet in SMALL_INT_COMPARISONS and out not in SMALL_INTS):
+            return
         if packet not in SMALL_INT_MOVES or (out in SMALL_INTS and any(d != out for d in ins)):
             raise self.error(f"computes on or into {small[0]} tensors, which the IPU emulator only transfers, "
                              "reshapes and converts: cast them to a supported dtype first (x.int(), x.float())")
@@ -390,8 +393,12 @@ class Lowerer:
             return g
         w = self.ir.params[name]
         reader = next((node for node in self.ir.nodes if any(x is w for x in node.inputs)), None)
-        if reader is None:
-            return g
+        if reader is None:   # no op reads the weight's values (fill_, zero_, a matrix power 0): its first user's site
+            placeholder = next(n for n, v in self.env.items() if v is w)
+            site = next((self.sites[u] for u in placeholder.users if u in self.sites), None)
+            if site is None:
+                return g
+            reader = site.template()
         self.template = Node("", [], [], block=reader.block, stage=reader.stage, ipu=reader.ipu, phase=reader.phase,
                              pass_="bwd", source=reader.source)
         return self.one("copy", [g], g.shape, g.dtype)
@@ -447,7 +454,15 @@ def _same(c, x, *args, **kwargs):
 
 SMALL_INT_MOVES = {aten.alias, aten.clone, aten.lift_fresh, aten.lift_fresh_copy, aten.detach, aten.alias_copy,
                    aten.detach_copy, aten.view, aten.view_copy, aten._unsafe_view, aten.reshape, aten.permute,
-                   aten.permute_copy, aten._to_copy, aten.to, aten.copy}
+                   aten.permute_copy, aten.unsqueeze, aten.unsqueeze_copy, aten.squeeze, aten.squeeze_copy,
+                   aten.expand, aten.expand_copy, aten.t, aten.t_copy, aten.transpose, aten.transpose_copy,
+                   aten.slice, aten.slice_copy, aten.select, aten.select_copy}
+# conversions into a small int wrap as torch's do (`_wrap_small_int`); constants are made wrapped;
+# comparisons are exact on the 32-bit words
+SMALL_INT_CONVERSIONS = {aten._to_copy, aten.to, aten.copy}
+SMALL_INT_CONSTANTS = {aten.arange, aten.full, aten.full_like, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
+                       aten.new_zeros, aten.new_ones, aten.empty, aten.empty_like, aten.scalar_tensor}
+SMALL_INT_COMPARISONS = {aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge}
 
 
 @lowers(aten.view, aten.view_copy, aten._unsafe_view, aten.reshape, doc="view")
@@ -912,8 +927,16 @@ def _diagonal_scatter(c, x, src, offset=0, dim1=0, dim2=1):
 
 
 # ---- constants -------------------------------------------------------------------------------------
+def _out_const(c, values: np.ndarray) -> Value:
+    """A constant of the node's dtype; an 8- or 16-bit integer one wrapped as torch's would be."""
+    small = SMALL_INTS.get(c.out_meta().dtype)
+    if small is not None:
+        values = np.asarray(values).astype(np.int64).astype(small)
+    return c.const(values, c.out_dtype())
+
+
 def _full(c, shape, value):
-    return c.const(np.full(tuple(int(s) for s in shape), value), c.out_dtype())
+    return _out_const(c, np.full(tuple(int(s) for s in shape), value))
 
 
 @lowers(aten.full, doc="constant")
@@ -926,7 +949,8 @@ def _full_like(c, x, fill_value, **kwargs):
     return _full(c, x.shape, fill_value)
 
 
-@lowers(aten.zeros, aten.ones, aten.zeros_like, aten.ones_like, aten.new_zeros, aten.new_ones, doc="constant")
+@lowers(aten.zeros, aten.ones, aten.zeros_like, aten.ones_like, aten.new_zeros, aten.new_ones, aten._efficientzerotensor,
+        doc="constant")
 def _zeros_ones(c, *args, **kwargs):
     value = 1.0 if "ones" in c.node.target.__name__ else 0.0
     return _full(c, c.out_meta().shape, value)
@@ -946,7 +970,7 @@ def _scalar_tensor(c, value, **kwargs):
 @lowers(aten.arange, doc="constant")
 def _arange(c, *args, **kwargs):
     numbers = [a for a in args if isinstance(a, (int, float))]
-    return c.const(np.arange(*numbers), c.out_dtype())
+    return _out_const(c, np.arange(*numbers))
 
 
 @lowers(aten.copy_, doc="a buffer's in-place update (its new value is an output of the graph)", raw=True)
@@ -1223,17 +1247,42 @@ def _where(c, cond, a, b):
     return c.where(cond, a, b)
 
 
-@lowers(aten._to_copy, aten.to, aten.copy, doc="cast")
+WRAPS = {torch.uint8: (0xFF, 0), torch.int8: (0xFF, 0x80), torch.int16: (0xFFFF, 0x8000)}   # low bits, sign bit
+
+
+def _wrap_small_int(c, x: Value, source: torch.dtype, target: torch.dtype) -> Value:
+    """x converted to int8, uint8 or int16 as torch converts: to int32 (a float truncated; NaN, inf and
+    floats beyond int32 to -2**31, as the IPU's and the CPU's conversions give), then its low 8 or 16
+    bits as two's complement: (v & mask) for uint8, ((v & mask) ^ sign) - sign for the signed ones."""
+    v = c.cast(x, np.int32)
+    lo, hi = (np.iinfo(SMALL_INTS[source]).min, np.iinfo(SMALL_INTS[source]).max) if source in SMALL_INTS else \
+        (0, 1) if source == torch.bool else (None, None)
+    if lo is not None and np.iinfo(SMALL_INTS[target]).min <= lo and hi <= np.iinfo(SMALL_INTS[target]).max:
+        return v    # every value of the source fits the target
+    mask, sign = WRAPS[target]
+    low = c.binary("bitwise_and", v, mask, dtype=np.int32)
+    if not sign:
+        return low
+    return c.binary("sub", c.binary("bitwise_xor", low, sign, dtype=np.int32), sign, dtype=np.int32)
+
+
+@lowers(aten._to_copy, aten.to, aten.copy, doc="cast; into int8, uint8 or int16: cast to int32, then the low bits "
+                                               "as two's complement (bitwise and, xor, sub), as torch wraps")
 def _to_copy(c, x, *args, **kwargs):
     if c.node.target.overloadpacket is aten.copy:
-        return c.expand(c.cast(args[0], x.dtype), x.shape)
+        src, dst = c.node.args[1].meta["val"].dtype, c.node.args[0].meta["val"].dtype
+        value = _wrap_small_int(c, args[0], src, dst) if dst in SMALL_INTS and src != dst else c.cast(args[0], x.dtype)
+        return c.expand(value, x.shape)
+    src, dst = c.node.args[0].meta["val"].dtype, c.out_meta().dtype
+    if dst in SMALL_INTS and src != dst:
+        return _wrap_small_int(c, x, src, dst)
     return c.cast(x, c.out_dtype())
 
 
-@lowers(aten.threshold_backward, doc="binary relu_grad")
+@lowers(aten.threshold_backward, doc="binary relu_grad; another threshold t: where(x > t, grad, 0)")
 def _threshold_backward(c, grad, x, threshold):
     if threshold != 0:
-        raise c.error("threshold backward with a threshold other than 0 is not supported")
+        return c.where(c.binary("gt", x, threshold, dtype=x.dtype), grad, 0.0)
     return c.one("binary", [x, grad], grad.shape, grad.dtype, fn="relu_grad")
 
 
@@ -1784,9 +1833,14 @@ def _dropout(c, x, p, train):
     return y, mask
 
 
-@lowers(aten.native_dropout_backward, doc="dropout_backward")
+@lowers(aten.native_dropout_backward, doc="dropout_backward (a scale no probability p gives, 1 / (1 - p): mul by "
+                                            "the mask and the scale)")
 def _dropout_backward(c, grad, mask, scale):
-    return c.one("dropout_backward", [grad, mask], grad.shape, grad.dtype, p=1.0 - 1.0 / float(scale))
+    scale = float(scale)
+    p = 1.0 if scale == 0 else 1.0 - 1.0 / scale
+    if 0 <= p <= 1 and (p == 1 or 1.0 / (1.0 - p) == scale):
+        return c.one("dropout_backward", [grad, mask], grad.shape, grad.dtype, p=p)
+    return c.binary("mul", c.binary("mul", grad, c.cast(mask, grad.dtype), grad.dtype), scale, grad.dtype)
 
 
 def _draw(c, kind, a, b, shape=None, dtype=None):

@@ -224,6 +224,9 @@ class Lowering:
             for v in n.inputs:
                 if v.id in by_id:
                     users.setdefault(by_id[v.id], set()).add(n.stage)
+        for name, g in self.ir.grads.items():   # a weight only its (constant) gradient stands for lives where that is made
+            if name not in users and isinstance(g, Value) and g.producer is not None:
+                users[name] = {g.producer.stage}
         for name, v in {**self.ir.params, **self.ir.buffers}.items():
             stages = users.get(name)
             if not stages:
