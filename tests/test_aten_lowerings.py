@@ -639,3 +639,23 @@ def test_threshold_backward_with_a_threshold_other_than_zero():
 
 def test_a_scalars_reduction_over_dimension_zero_is_itself():
     run_op(lambda x: torch.logsumexp(x.sum(), (0,), keepdim=True) * 2.0, (3,), rtol=1e-5)
+
+
+@pytest.mark.parametrize("pad", [(2, 1), (1, 2, 0, 3), (-1, 2, 1, 0), (1, 0, 2, 1, 1, 1)])
+def test_replication_pad_backward(pad):
+    shape = (2, 3) + (5,) * (len(pad) // 2)
+    run_op(lambda x: F.pad(x, pad, mode="replicate") * 1.0, shape, rtol=1e-5)
+
+
+@pytest.mark.parametrize("p,weighted,reduction", [(1, False, "mean"), (2, True, "sum"), (1, True, "none")])
+def test_multi_margin_loss_backward(p, weighted, reduction):
+    target = torch.tensor([0, 3, 2, 3, 1])
+    weight = torch.tensor([0.5, 2.0, 1.0, 1.5]) if weighted else None
+    run_op(lambda x: F.multi_margin_loss(x, target, p=p, margin=0.8, weight=weight, reduction=reduction), (5, 4),
+           rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_multilabel_margin_loss_backward(reduction):
+    target = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 4, -1, -1], [-1, 0, 0, 0, 0], [4, 3, 2, 1, 0]])
+    run_op(lambda x: F.multilabel_margin_loss(x, target, reduction=reduction), (4, 5), rtol=1e-5)

@@ -642,6 +642,20 @@ def _crop(c, x: Value, shape, skip: int) -> Value:
     return x
 
 
+@lowers(aten.replication_pad1d_backward, aten.replication_pad2d_backward, aten.replication_pad3d_backward,
+        doc="per padded axis a scatter-add of the gradient onto the clamped source positions")
+def _replication_pad_backward(c, grad, x, padding):
+    g, rank = grad, len(x.shape)
+    for k in range(len(padding) // 2):   # pairs from the last axis
+        axis = rank - 1 - k
+        size, out = x.shape[axis], g.shape[axis]
+        source = np.clip(np.arange(out) - int(padding[2 * k]), 0, size - 1)
+        idx = c.const(source.reshape((1,) * axis + (out,) + (1,) * (rank - axis - 1)), np.int32)
+        base = c.const(np.zeros(g.shape[:axis] + (size,) + g.shape[axis + 1:]), g.dtype)
+        g = _scatter_along(c, base, c.expand(idx, g.shape), g, axis, accumulate=True)
+    return g
+
+
 @lowers(aten.gather, doc="gather along an axis")
 def _gather(c, x, dim, index, sparse_grad=False):
     if not len(x.shape):
@@ -1946,6 +1960,53 @@ def _multinomial(c, probs, num_samples, replacement=False, generator=None):
 
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _per_sample_times(c, grad_output, d: Value, reduction: int, n: int) -> Value:
+    """d ([N, ...], each sample's gradient of its loss) times the gradient of the reduced loss."""
+    if REDUCTIONS[int(reduction)] == "none":
+        go = c.reshape(grad_output, (n,) + (1,) * (len(d.shape) - 1))
+    else:
+        go = c.binary("div", grad_output, float(n)) if REDUCTIONS[int(reduction)] == "mean" else grad_output
+    return c.binary("mul", d, go)
+
+
+@lowers(aten.multi_margin_loss_backward, doc="the hinge's gradient composed: gather the target's score, compare, "
+                                             "where, reduce sum for the target's column")
+def _multi_margin_loss_backward(c, grad_output, x, target, p, margin, weight=None, reduction=1):
+    dtype = x.dtype
+    xs = c.reshape(x, (1, 1) if not x.shape else (1,) + x.shape if len(x.shape) == 1 else x.shape)
+    n, classes = xs.shape
+    t = c.reshape(_indices(c, target), (n, 1))
+    z = c.binary("add", c.binary("sub", xs, _gather_along(c, xs, t, 1), dtype), float(margin), dtype)
+    classes_row = c.const(np.arange(classes, dtype=np.int32).reshape(1, classes), np.int32)
+    picked = c.cast(c.binary("eq", classes_row, t, np.int32), dtype)    # one-hot of the target
+    active = c.binary("logical_and", c.binary("gt", z, 0.0, dtype), c.binary("ne", classes_row, t, np.int32), np.bool_)
+    g = c.where(active, 1.0 if int(p) == 1 else c.binary("mul", z, 2.0, dtype), 0.0)
+    if weight is not None:
+        g = c.binary("mul", g, _gather_along(c, c.expand(c.reshape(weight, (1, classes)), (n, classes)), t, 1), dtype)
+    g = c.binary("div", g, float(classes), dtype)
+    d = c.binary("sub", g, c.binary("mul", picked, c.reduce("sum", g, (1,), True), dtype), dtype)
+    return c.reshape(_per_sample_times(c, grad_output, d, reduction, n), x.shape)
+
+
+@lowers(aten.multilabel_margin_loss_backward, doc="the hinge's gradient composed over (target, other class) pairs: "
+                                                  "compare, mul by the target masks, reduce sums")
+def _multilabel_margin_loss_backward(c, grad_output, x, target, reduction, is_target):
+    dtype = x.dtype
+    xs = c.reshape(x, (1, 1) if not x.shape else (1,) + x.shape if len(x.shape) == 1 else x.shape)
+    n, classes = xs.shape
+    tm = c.cast(c.reshape(is_target, (n, classes)), dtype)
+    # z[n, j, k] = 1 - x[n, j] + x[n, k], active where j is a target, k is not and z > 0
+    z = c.binary("add", c.binary("sub", c.reshape(xs, (n, 1, classes)), c.reshape(xs, (n, classes, 1)), dtype), 1.0,
+                 dtype)
+    pairs = c.binary("mul", c.reshape(tm, (n, classes, 1)),
+                     c.reshape(c.unary("scale", tm, scale=-1.0, bias=1.0), (n, 1, classes)), dtype)
+    active = c.binary("mul", c.cast(c.binary("gt", z, 0.0, dtype), dtype), pairs, dtype)
+    d = c.binary("div", c.binary("sub", c.reduce("sum", active, (1,), False), c.reduce("sum", active, (2,), False),
+                                 dtype), float(classes), dtype)
+    return c.reshape(_per_sample_times(c, grad_output, d, reduction, n), x.shape)
+
 
 
 @lowers(aten.nll_loss_forward, doc="nll_loss; with class weights: gather the picked log-probabilities and the "
