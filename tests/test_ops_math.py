@@ -233,6 +233,20 @@ def test_bitwise_ops_on_integers_match_numpy_in_both_modes(op, dtype):
         np.testing.assert_array_equal(got, want)
 
 
+def test_nextafter_steps_to_the_neighbouring_float32_in_both_modes():
+    tiny = np.float32(1.4e-45)
+    a = np.array([1.0, 1.0, 0.0, 0.0, -0.0, tiny, -tiny, 2.0, 2.0, np.inf, -np.inf, np.finfo(np.float32).max,
+                  np.nan, 3.0, 1e-38, 5.5], np.float32)
+    b = np.array([2.0, 0.0, 1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 3.0, 0.0, 0.0, np.inf, 1.0, np.nan, 0.0, 5.5], np.float32)
+    want = torch.nextafter(torch.from_numpy(a), torch.from_numpy(b)).numpy()
+    for mode in ("strict", "fast"):
+        np.testing.assert_array_equal(run_binary("nextafter", a, b, mode).view(np.uint32), want.view(np.uint32))
+    g = ip.Graph(TARGET)
+    h = g.addVariable("float16", (2,), "h")
+    with pytest.raises(TypeError, match="nextafter steps between float32 values; 'h' is float16"):
+        ew.binary(g, "nextafter", h, h, ip.Sequence())
+
+
 def test_transcendental_maths_cost_more_than_rounding():
     def cycles(op):
         g = ip.Graph(TARGET)

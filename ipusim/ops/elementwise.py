@@ -76,6 +76,7 @@ POLYNOMIALS = ("chebyshev_t", "chebyshev_u", "chebyshev_v", "chebyshev_w", "shif
 POLYNOMIAL_CODE = 31
 BINARY.update({name: (POLYNOMIAL_CODE + k, 40, False) for k, name in enumerate(POLYNOMIALS)})
 BINARY.update({"bitwise_and": (43, 1, True), "bitwise_or": (44, 1, True), "bitwise_xor": (45, 1, True)})  # integers
+BINARY["nextafter"] = (46, 4, True)   # float32 only: the next float32 after x towards y (bit steps, 4 instructions)
 # Fast-mode NumPy equivalents of the correctly rounded ops (same bits as `apply_*`).
 # Each computes into `out` (the output's dtype).
 NUMPY_UNARY = {"neg": lambda x, p0, p1, out: np.negative(x, out=out), "abs": lambda x, p0, p1, out: np.abs(x, out=out),
@@ -386,6 +387,8 @@ def apply_binary(op, x, y):
         return int(x) | int(y)
     if op == 45:
         return int(x) ^ int(y)
+    if op == 46:
+        return np.float64(np.nextafter(np.float32(x), np.float32(y)))
     return sp.polynomial(op - POLYNOMIAL_CODE, x, y)
 
 
@@ -597,6 +600,8 @@ def binary(graph: Graph, op: str, a: Tensor, b: Tensor, prog: Sequence, name: st
     if op not in BINARY:
         raise ValueError(f"unknown binary op {op!r}; known: {sorted(BINARY)}")
     name = name or op
+    if op == "nextafter" and a.dtype != np.float32:
+        raise TypeError(f"{name}: nextafter steps between float32 values; {a.name!r} is {a.dtype.name}")
     if a.dtype != b.dtype:
         raise TypeError(f"{name}: operands {a.name!r} ({a.dtype.name}) and {b.name!r} ({b.dtype.name}) "
                         "have different dtypes; cast one first")

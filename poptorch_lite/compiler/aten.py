@@ -1139,6 +1139,14 @@ LOWERINGS.update({aten.add: _arith("add"), aten.sub: _arith("sub"), aten.mul: _a
                   aten.igammac: _arith("igammac")})
 
 
+@lowers(aten.nextafter, doc="binary nextafter (float32)")
+def _nextafter(c, a, b):
+    if c.out_dtype() != np.float32:
+        raise c.error(f"nextafter of {c.out_dtype().name} tensors is not supported on the IPU: it steps between "
+                      "float32 values (cast to float32 first)")
+    return c.binary("nextafter", a, b)
+
+
 def _polynomial(fn):
     def lower(c, x, n):
         return c.binary(fn, x, n)
