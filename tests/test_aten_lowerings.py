@@ -659,3 +659,21 @@ def test_multi_margin_loss_backward(p, weighted, reduction):
 def test_multilabel_margin_loss_backward(reduction):
     target = torch.tensor([[3, 0, -1, 1, 2], [1, 2, 4, -1, -1], [-1, 0, 0, 0, 0], [4, 3, 2, 1, 0]])
     run_op(lambda x: F.multilabel_margin_loss(x, target, reduction=reduction), (4, 5), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_batch_chunked_linear_cross_entropy_trains_as_the_unchunked(reduction):
+    """PyTorch's chunked form (a torch.library op precomputing its gradients) traced through its
+    implementation; the gradient of an unbatched input is made after the backward (a view again)."""
+    target = torch.tensor([2, 0, 4, 1, 4])
+    run_op(lambda x, w, b: F.linear_cross_entropy(x, w, target, linear_bias=b, reduction=reduction,
+                                                  options=nn.LinearCrossEntropyOptions(batch_chunk_size=2)),
+           (5, 3), (6, 3), (6,), rtol=1e-5)
+    run_op(lambda x, w: F.linear_cross_entropy(x, w, target[0], reduction=reduction,
+                                               options=nn.LinearCrossEntropyOptions(batch_chunk_size=2)),
+           (3,), (6, 3), rtol=1e-5)
+
+
+def test_nll_loss_of_one_sample():
+    run_op(lambda x: F.cross_entropy(x, torch.tensor(2)) * 1.0, (5,), rtol=1e-5)
+    run_op(lambda x: F.cross_entropy(x, torch.tensor(1), reduction="none") * 1.0, (4,), rtol=1e-5)

@@ -127,9 +127,11 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
             continue
         placed = [sites[i] for i in n.all_input_nodes if i in sites]
         if placed:
-            pick = max if pass_of(n) == "fwd" else min
+            # an op functionalisation adds after the backward (a view of a gradient made again) is backward
+            pass_ = "bwd" if any(s.pass_ == "bwd" for s in placed) and annotation_of(n) is None else pass_of(n)
+            pick = max if pass_ == "fwd" else min
             s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
-            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source, s.scope)
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_, s.source, s.scope)
     for n in reversed(nodes):  # by their first consumer
         if n in sites:
             continue
@@ -2020,8 +2022,11 @@ def _multilabel_margin_loss_backward(c, grad_output, x, target, reduction, is_ta
 @lowers(aten.nll_loss_forward, doc="nll_loss; with class weights: gather the picked log-probabilities and the "
                                     "weights, mul, reduce sum, div")
 def _nll(c, x, target, weight, reduction, ignore_index):
+    if len(x.shape) == 1:   # one sample's [C] log-probabilities: a batch of one
+        y, total = _nll(c, c.reshape(x, (1,) + x.shape), c.reshape(target, (1,)), weight, reduction, ignore_index)
+        return (c.reshape(y, ()) if REDUCTIONS[reduction] == "none" else y), total
     if len(x.shape) != 2:
-        raise c.error("NLL loss needs [N, C] log-probabilities")
+        raise c.error("NLL loss needs [N, C] or [C] log-probabilities")
     r = REDUCTIONS[reduction]
     if weight is not None:
         return _weighted_nll(c, x, target, weight, r, int(ignore_index))
@@ -2053,6 +2058,14 @@ def _weighted_nll(c, x, target, weight, reduction, ignore_index):
                                     "into zeros", raw=True)
 def _nll_backward(c, n):
     grad, x, target, weight, reduction, ignore_index = (c.load(a) for a in n.args[:6])
+    return _nll_gradient(c, n, grad, x, target, weight, reduction, ignore_index)
+
+
+def _nll_gradient(c, n, grad, x, target, weight, reduction, ignore_index):
+    if len(x.shape) == 1:   # one sample's [C] log-probabilities: a batch of one
+        one = (1,) if REDUCTIONS[reduction] == "none" else ()
+        return c.reshape(_nll_gradient(c, n, c.reshape(grad, one), c.reshape(x, (1,) + x.shape),
+                                       c.reshape(target, (1,)), weight, reduction, ignore_index), x.shape)
     if weight is not None:
         idx, w = _sample_weights(c, x, target, weight, int(ignore_index))
         r = REDUCTIONS[reduction]
@@ -2265,7 +2278,20 @@ def _decomposition_table() -> dict:
     table = {op: fn for op, fn in {**wider, **core_aten_decompositions()}.items()
              if isinstance(op, torch._ops.OpOverload) and op.overloadpacket not in LOWERINGS}
     table[aten.native_batch_norm.default] = native_batch_norm_decomposition
+    table.update(_custom_op_decompositions())
     return table
+
+
+def _custom_op_decompositions() -> dict:
+    """PyTorch's own ops written as Python over ATen ops (torch.library custom ops), traced through
+    their implementation: F.linear_cross_entropy's batch-chunked forms (chunks that bound a GPU's
+    memory become a loop of slices, matmuls and sums unrolled in the graph)."""
+    try:
+        from torch.nn.modules import linear_cross_entropy as lce
+    except ImportError:   # a torch without them
+        return {}
+    ops = (lce._linear_cross_entropy_batch_chunked, lce._linear_cross_entropy_batch_chunked_no_reduction)
+    return {op._opoverload: op._init_fn for op in ops}
 
 
 for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # device loops and branches, dynamic
