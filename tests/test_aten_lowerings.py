@@ -677,3 +677,12 @@ def test_batch_chunked_linear_cross_entropy_trains_as_the_unchunked(reduction):
 def test_nll_loss_of_one_sample():
     run_op(lambda x: F.cross_entropy(x, torch.tensor(2)) * 1.0, (5,), rtol=1e-5)
     run_op(lambda x: F.cross_entropy(x, torch.tensor(1), reduction="none") * 1.0, (4,), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reduction,full", [("mean", False), ("sum", True), ("none", False)])
+def test_gaussian_nll_loss_with_a_variance_tensor(reduction, full):
+    target = torch.linspace(-1, 1, 12).reshape(4, 3)
+    run_op(lambda x, v: F.gaussian_nll_loss(x, target, v.abs() + 0.1, full=full, reduction=reduction), (4, 3), (4, 3),
+           rtol=1e-5)
+    run_op(lambda x, v: F.gaussian_nll_loss(x, target, v.abs(), reduction=reduction), (4, 3), (4,), rtol=1e-5)
+    run_op(lambda x: F.gaussian_nll_loss(x, target, 0.5, reduction=reduction), (4, 3), rtol=1e-5)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import os
 import re
 import sys
@@ -153,9 +154,34 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, sc
     return total if mode == "sum" else total / count.clamp(min=1)
 
 
+def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
+    """F.gaussian_nll_loss as PyTorch computes it, without its check that a tensor var has no
+    negative entry: that check branches on the values of device tensors, which the capture does not
+    have (torch.distributions' argument checks are off for the same reason)."""
+    if isinstance(var, (int, float)):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = var * torch.ones_like(input)
+    if var.size() != input.size():
+        if input.size()[:-1] == var.size():   # homoscedastic: one variance per row
+            var = torch.unsqueeze(var, -1)
+        elif not (input.ndim == var.ndim and sum(y for x, y in zip(input.size(), var.size()) if x != y) == 1):
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    var = var.clone()
+    with torch.no_grad():   # clamped for stability, the gradient passing as if it were not
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
+             F.gaussian_nll_loss: _gaussian_nll_loss,
              F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
