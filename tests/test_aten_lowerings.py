@@ -686,3 +686,36 @@ def test_gaussian_nll_loss_with_a_variance_tensor(reduction, full):
            rtol=1e-5)
     run_op(lambda x, v: F.gaussian_nll_loss(x, target, v.abs(), reduction=reduction), (4, 3), (4,), rtol=1e-5)
     run_op(lambda x: F.gaussian_nll_loss(x, target, 0.5, reduction=reduction), (4, 3), rtol=1e-5)
+
+
+@pytest.mark.parametrize("add_zero_attn", [False, True])
+def test_multi_head_attention_forward_without_dropout(add_zero_attn):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(3, 2, 4), torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    mask = torch.randn(3, 5)
+
+    def mha(w, b, bias_k, bias_v, out_w, out_b):
+        out, weights = F.multi_head_attention_forward(q, k, v, 4, 2, w, b, bias_k, bias_v, add_zero_attn, 0.0, out_w,
+                                                      out_b, training=True, attn_mask=mask)
+        return out * 1.0 + weights.sum() * 0.5
+
+    run_op(mha, (12, 4), (12,), (1, 1, 4), (1, 1, 4), (4, 4), (4,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("is_causal,mask,kv_heads", [(False, None, 4), (True, None, 2), (True, None, 4),
+                                                     (False, "float", 2)])
+def test_cpu_flash_attention_op_gives_its_log_sum_exp(is_causal, mask, kv_heads):
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    torch.manual_seed(2)
+    k, v = torch.randn(2, kv_heads, 5, 6), torch.randn(2, kv_heads, 5, 6)
+    m = None if mask is None else torch.randn(2, 4, 3, 5)
+
+    class Attention(nn.Module):
+        def forward(self, q):
+            return flash(q, k, v, is_causal=is_causal, attn_mask=m, scale=0.3)
+
+    q = torch.randn(2, 4, 3, 6)
+    got = poptorch.inferenceModel(Attention())(q)
+    for g, want in zip(got, Attention()(q)):
+        np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    run_op(lambda q: flash(q, k, v, is_causal=is_causal, attn_mask=m, scale=0.3)[0] * 1.0, (2, 4, 3, 6), rtol=1e-4)

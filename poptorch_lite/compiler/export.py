@@ -178,10 +178,29 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
     return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
 
 
+def _flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """ATen's CPU flash attention as the math attention (its output) and the log-sum-exp of each
+    query's scores (its second output, without a gradient as the op's has none), so that autograd
+    differentiates the pieces: the fused op's backward has no decomposition."""
+    gqa = query.size(1) != key.size(1)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                            is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if gqa:   # grouped-query attention: each key head serves a group of query heads
+        key = key.repeat_interleave(query.size(1) // key.size(1), 1)
+    scores = query @ key.transpose(-2, -1) * (scale if scale is not None else query.size(-1) ** -0.5)
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return output, torch.logsumexp(scores, -1).detach()
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
 FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
              F.gaussian_nll_loss: _gaussian_nll_loss,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_attention_for_cpu,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
              F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
