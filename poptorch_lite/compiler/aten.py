@@ -116,32 +116,44 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
     may only flow to the same or a later stage (pipelines) or phase (phased execution)."""
     placement = strategy.place(traced_blocks(joint))
     nodes = op_nodes(joint.graph_module.graph)
+    passes = node_passes(nodes)
     sites: dict[torch.fx.Node, Site] = {}
     for n in nodes:
         a = annotation_of(n)
         if a is not None and a.block is not None:
             p = placement[a.block]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source, a.scope)
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, passes[n], a.source, a.scope)
     for n in nodes:  # by their inputs
         if n in sites:
             continue
         placed = [sites[i] for i in n.all_input_nodes if i in sites]
         if placed:
-            pick = max if pass_of(n) == "fwd" else min
+            pick = max if passes[n] == "fwd" else min
             s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
-            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_of(n), s.source, s.scope)
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, passes[n], s.source, s.scope)
     for n in reversed(nodes):  # by their first consumer
         if n in sites:
             continue
         users = [sites[u] for u in n.users if u in sites]
         if users:
             u = users[0]
-            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, pass_of(n), u.source, u.scope)
+            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, passes[n], u.source, u.scope)
         else:
             p = placement.blocks[0]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), "")
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, passes[n], "")
     check_data_flow(joint, placement, sites)
     return placement, sites
+
+
+def node_passes(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, str]:
+    """Each op's pass: the one it was traced in, except that an op reading a backward value is in the
+    backward (functionalisation remakes a returned view of a gradient from its base after the
+    gradient's trace has ended)."""
+    passes: dict[torch.fx.Node, str] = {}
+    for n in nodes:
+        own = pass_of(n)
+        passes[n] = "bwd" if own == "fwd" and any(passes.get(i) == "bwd" for i in n.all_input_nodes) else own
+    return passes
 
 
 def check_data_flow(joint: JointGraph, placement: Placement, sites: dict) -> None:
