@@ -2110,6 +2110,9 @@ for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # devi
     lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
 
 
+from . import indexing  # noqa: E402,F401  (register the lowering families kept in modules of their own)
+
+
 def ops_table() -> list[tuple[str, str]]:
     """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
     rows = {}
@@ -2148,5 +2151,6 @@ def ops_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    print(ops_markdown(), end="")
+if __name__ == "__main__":   # the package's module: the families in modules of their own register into its table
+    from poptorch_lite.compiler import aten as _registered
+    print(_registered.ops_markdown(), end="")
