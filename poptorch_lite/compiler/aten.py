@@ -266,11 +266,11 @@ class Lowerer:
             tuple(s for i, s in enumerate(x.shape) if i not in dims)
         return self.one("reduce", [x], shape, x.dtype, fn=fn, axes=dims, keepdims=bool(keepdim))
 
-    def where(self, cond: Value, a, b) -> Value:
-        """select(cond, a, b) from ops ipusim has: relu_grad(m, v) is v where m > 0 and exactly 0
-        elsewhere, so a where cond plus b where not cond is exact (the unused side's inf or nan
-        never reaches the sum)."""
-        dtype = self.out_dtype()
+    def where(self, cond: Value, a, b, dtype=None) -> Value:
+        """select(cond, a, b) in `dtype` (the node's output dtype unless given) from ops ipusim has:
+        relu_grad(m, v) is v where m > 0 and exactly 0 elsewhere, so a where cond plus b where not
+        cond is exact (the unused side's inf or nan never reaches the sum)."""
+        dtype = np.dtype(dtype if dtype is not None else self.out_dtype())
         m = self.cast(cond, dtype)
         a, b = self.operand(a, dtype), self.operand(b, dtype)
         shape = tuple(np.broadcast_shapes(m.shape, a.shape, b.shape))
@@ -715,28 +715,38 @@ def _index_reduce(c, x, dim, index, source, reduce, include_self=True):
 @lowers(aten.bucketize, doc="binary search as torch's: per step a gather of the middle boundary, a comparison "
                              "(ge, or gt with right=True) and where on the bounds")
 def _bucketize(c, x, boundaries, out_int32=False, right=False):
-    """torch.bucketize's binary search over the boundaries (lower bound, or upper bound with
-    right=True), the same steps for every value: ceil(log2(B + 1)) of them, a value whose bounds
-    have met keeping them (so unsorted boundaries give torch's answer too)."""
     if not isinstance(x, Value):
         x = c.const(np.asarray(x), np.float32 if isinstance(x, float) else np.int32)
-    common = np.float32 if "f" in (x.dtype.kind, boundaries.dtype.kind) else np.int32
     n = boundaries.shape[0] if boundaries.shape else 1
-    bounds = c.reshape(boundaries, (n,))
+    return c.cast(binary_search(c, x, c.reshape(boundaries, (n,)), right), c.out_dtype())
+
+
+def binary_search(c, x: Value, bounds: Value, right: bool) -> Value:
+    """torch.bucketize's binary search (int32 positions) of each value of x in the boundaries:
+    one row `bounds` [B] for every value, or a row per row of x (bounds [..., B] and x [..., M],
+    torch.searchsorted's). The lower bound, or the upper bound with right=True, in the same steps
+    for every value: ceil(log2(B + 1)) of them, a value whose bounds have met keeping them (so
+    unsorted boundaries give torch's answer too)."""
+    common = np.float32 if "f" in (x.dtype.kind, bounds.dtype.kind) else np.int32
+    n = bounds.shape[-1]
+    per_row = len(bounds.shape) > 1
     lo = c.const(np.zeros(x.shape), np.int32)
     hi = c.const(np.full(x.shape, n), np.int32)
     for _ in range(int(np.ceil(np.log2(n + 1)))):
         total = c.binary("add", lo, hi, dtype=np.int32)
         mid = c.binary("div", c.binary("sub", total, c.binary("remainder", total, 2, dtype=np.int32), dtype=np.int32),
                        2, dtype=np.int32)
-        value = c.reshape(_gather_along(c, bounds, c.reshape(mid, (-1,)), 0), x.shape)
+        if per_row:
+            value = _gather_along(c, bounds, c.binary("min", mid, n - 1, dtype=np.int32), len(x.shape) - 1)
+        else:
+            value = c.reshape(_gather_along(c, bounds, c.reshape(mid, (-1,)), 0), x.shape)
         active = c.binary("lt", lo, hi, dtype=np.int32)
         upper = c.binary("gt" if right else "ge", value, x, dtype=common)
         move_hi = c.binary("logical_and", active, upper, dtype=np.bool_)
         move_lo = c.binary("logical_and", active, c.unary("logical_not", upper), dtype=np.bool_)
-        hi = c.where(move_hi, mid, hi)
-        lo = c.where(move_lo, c.binary("add", mid, 1, dtype=np.int32), lo)
-    return c.cast(lo, c.out_dtype())
+        hi = c.where(move_hi, mid, hi, np.int32)
+        lo = c.where(move_lo, c.binary("add", mid, 1, dtype=np.int32), lo, np.int32)
+    return lo
 
 
 @lowers(aten.index_select, doc="gather along an axis (the index broadcast)")
@@ -2110,7 +2120,7 @@ for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # devi
     lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
 
 
-from . import indexing  # noqa: E402,F401  (register the lowering families kept in modules of their own)
+from . import counting, indexing  # noqa: E402,F401  (register the lowering families kept in modules of their own)
 
 
 def ops_table() -> list[tuple[str, str]]:

@@ -140,9 +140,9 @@ def _masked_scatter_backward(c, grad, mask, sizes):
     n = int(np.prod(sizes, dtype=np.int64))
     mask = c.expand(mask, grad.shape)
     rank = _running_count(c, mask)
-    target = c.where(c.reshape(mask, (mask.numel,)), rank, n)   # unset positions: past the end, dropped
+    target = c.where(c.reshape(mask, (mask.numel,)), rank, n, np.int32)   # unset positions: past the end, dropped
     zeros = c.const(np.zeros(n), grad.dtype)
-    out = _scatter_along(c, zeros, c.cast(target, np.int32), c.reshape(grad, (grad.numel,)), 0, False)
+    out = _scatter_along(c, zeros, target, c.reshape(grad, (grad.numel,)), 0, False)
     return c.reshape(out, sizes)
 
 
@@ -158,9 +158,9 @@ def _nonzero_static(c, x, *, size, fill_value=-1):
     nonzero = c.binary("ne", flat, 0, dtype=flat.dtype)
     count = _running_count(c, nonzero)
     # each nonzero writes its position at its rank; zeros and ranks past the output are dropped
-    target = c.where(nonzero, count, size)
+    target = c.where(nonzero, count, size, np.int32)
     base = c.const(np.full(size, -1), np.int32)
-    lin = _scatter_along(c, base, c.cast(target, np.int32), c.const(np.arange(x.numel), np.int32), 0, False)
+    lin = _scatter_along(c, base, target, c.const(np.arange(x.numel), np.int32), 0, False)
     found = c.binary("ge", lin, 0, dtype=np.int32)
     coords = []
     stride = 1
