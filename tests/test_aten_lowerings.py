@@ -519,3 +519,12 @@ def test_arithmetic_on_or_into_small_integer_tensors_is_refused_naming_the_dtype
         poptorch.inferenceModel(Add())(torch.arange(10).to(torch.int8))
     with pytest.raises(UnsupportedOpError, match="_to_copy.default .* on or into torch.int8 tensors"):
         poptorch.inferenceModel(Into())(torch.arange(10))
+
+
+@pytest.mark.parametrize("correction", [0, 1])
+def test_cov_and_corrcoef_with_their_gradients(correction):
+    fw, aw = torch.tensor([1, 2, 1, 3, 1]), torch.tensor([0.5, 1.0, 2.0, 0.25, 1.0])
+    run_op(lambda x: torch.cov(x, correction=correction), (3, 5), rtol=1e-4)
+    run_op(lambda x: torch.cov(x, correction=correction, fweights=fw, aweights=aw), (3, 5), rtol=1e-4)
+    run_op(lambda x: torch.corrcoef(x) * 1.0, (3, 5), rtol=1e-4)
+    run_op(lambda x: x.cov(correction=correction), (5,), rtol=1e-4)

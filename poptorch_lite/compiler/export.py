@@ -44,6 +44,7 @@ import itertools
 import os
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -153,9 +154,53 @@ def _embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0, sc
     return total if mode == "sum" else total / count.clamp(min=1)
 
 
+def _cov(input: torch.Tensor, *, correction: int = 1, fweights=None, aweights=None) -> torch.Tensor:
+    """torch.cov as ATen's composition computes it, without its data-dependent checks (a normalisation
+    factor <= 0 becomes 0, as ATen makes it, by a clamp on the device; frequency weights are not
+    checked to be integers): the C++ composition asks the data whether the factor is positive,
+    which a traced graph cannot answer."""
+    if input.dim() > 2:
+        raise ValueError(f"cov(): expected input to have two or fewer dimensions but got an input with "
+                         f"{input.dim()} dimensions")
+    x = input if input.dim() == 2 else input.reshape(1, -1)
+    observations = x.size(1)
+    w = fweights
+    if aweights is not None:
+        w = aweights if w is None else w * aweights
+    if w is None:
+        avg = x.mean(1)
+        norm = float(observations - correction)
+        if norm <= 0:
+            warnings.warn("cov(): degrees of freedom is <= 0. Correction should be strictly less than the number "
+                          "of observations.")
+            norm = 0.0
+    else:
+        w = w.to(x.dtype)
+        w_sum = w.sum()
+        avg = (x * w).sum(1) / w_sum
+        norm = w_sum - correction if aweights is None or correction == 0 else \
+            w_sum - correction * (w * aweights).sum() / w_sum
+        norm = norm.clamp(min=0)
+    centred = x - avg.unsqueeze(1)
+    product = centred @ (centred if w is None else centred * w).t()
+    return (product / norm).squeeze()
+
+
+def _corrcoef(input: torch.Tensor) -> torch.Tensor:
+    """torch.corrcoef as ATen composes it from cov, on :func:`_cov`."""
+    c = _cov(input)
+    if c.dim() == 0:
+        return c / c
+    stddev = c.diagonal().sqrt()
+    c = c / stddev.unsqueeze(1)
+    c = c / stddev.unsqueeze(0)
+    return c.clamp(-1, 1)
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
+FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, torch.cov: _cov, torch.Tensor.cov: _cov,
+             torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
              F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
              cpu_op: library.cpu_op, overlap_input: library.overlap_input,
