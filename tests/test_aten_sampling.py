@@ -15,3 +15,18 @@ from test_compiled_ops import run_op
     ("trilinear", (1, 2, 3, 4, 4), (5, 3, 6), False), ("trilinear", (1, 1, 3, 3, 4), (4, 4, 2), True)])
 def test_interpolation_gradients(mode, shape, size, align):
     run_op(lambda x: F.interpolate(x, size=size, mode=mode, align_corners=align), shape, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest"])
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align", [False, True])
+def test_grid_sample_3d_and_its_gradients(mode, padding, align):
+    run_op(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align),
+           (2, 3, 3, 4, 5), (2, 2, 3, 4, 3), rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode,padding", [("bilinear", "zeros"), ("bilinear", "border"), ("nearest", "zeros"),
+                                          ("bicubic", "zeros"), ("bilinear", "reflection")])
+def test_grid_sample_2d_gradients(mode, padding):
+    run_op(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=False),
+           (2, 3, 4, 5), (2, 3, 6, 2), rtol=1e-4)

@@ -68,7 +68,7 @@ from ..api.ops import (_recomputation_checkpoint, cond, dynamic_slice, dynamic_u
                        ipu_print_tensor, nop, serializedMatMul, set_available_memory)
 from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
 from ..api.overlap import overlap_input, overlap_output
-from . import control_flow, library, recurrent
+from . import control_flow, library, recurrent, sampling
 from .ir import flatten_values, map_values
 
 aten = torch.ops.aten
@@ -209,7 +209,8 @@ FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, torch.cov: _cov, torch.Te
              cond: control_flow.traced_cond, nop: control_flow.traced_nop,
              dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
              _recomputation_checkpoint: library.recomputation_checkpoint,
-             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS}
+             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS,
+             **sampling.FUNCTIONS}
 
 # Device control flow: the bodies are the model's own code, traced under the annotator (their ops
 # annotated, nested loops and branches captured too); inference only, as in PopTorch.
