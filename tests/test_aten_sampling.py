@@ -30,3 +30,10 @@ def test_grid_sample_3d_and_its_gradients(mode, padding, align):
 def test_grid_sample_2d_gradients(mode, padding):
     run_op(lambda x, g: F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=False),
            (2, 3, 4, 5), (2, 3, 6, 2), rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape,size,align", [((2, 3, 10, 20), (3, 3), False), ((1, 2, 5, 4), (9, 3), False),
+                                              ((1, 2, 7, 6), (4, 8), True), ((1, 1, 6, 6), (6, 6), False)])
+def test_antialiased_bilinear_resize_and_its_gradient(shape, size, align):
+    run_op(lambda x: F.interpolate(x, size=size, mode="bilinear", align_corners=align, antialias=True), shape,
+           rtol=1e-4)

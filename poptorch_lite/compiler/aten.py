@@ -962,6 +962,61 @@ def _upsample_bicubic2d_backward(c, grad, output_size, input_size, align_corners
     return _upsample_taps_backward(c, grad, input_size, taps)
 
 
+def _aa_weights(out: int, size: int, align_corners: bool, scale) -> np.ndarray:
+    """The [out, size] matrix of antialiased linear interpolation along one axis (a triangle filter
+    stretched over the scale when shrinking, its weights normalised per output), in float32 as
+    PyTorch's CPU kernel computes them."""
+    f32 = np.float32
+    if align_corners:
+        s = f32(size - 1) / f32(out - 1) if out > 1 else f32(0)
+    else:
+        s = f32(1.0 / scale) if scale is not None and scale > 0 else f32(size) / f32(out)
+    support = f32(s) if s >= 1.0 else f32(1.0)
+    widest = int(np.ceil(support)) * 2 + 1
+    invscale = f32(1.0 / s) if s >= 1.0 else f32(1.0)
+    weights = np.zeros((out, size), f32)
+    for i in range(out):
+        center = f32(s * (i + 0.5))
+        lo = max(int(center - support + f32(0.5)), 0)
+        n = min(max(min(int(center + support + f32(0.5)), size) - lo, 0), widest)
+        x = np.abs(((np.arange(lo, lo + n).astype(f32) - center).astype(np.float64) + 0.5) * float(invscale))
+        w = np.where(x < 1.0, 1.0 - x, 0.0).astype(f32)
+        total = f32(w.sum(dtype=f32))
+        weights[i, lo:lo + n] = w / total if total != 0 else w
+    return weights
+
+
+def _resample_2d(c, x: Value, wh: np.ndarray, ww: np.ndarray) -> Value:
+    """wh @ x @ ww^T over the last two axes of x [N, C, H, W]: the width first, then the height."""
+    N, C, H, W = x.shape
+    oh, ow = wh.shape[0], ww.shape[0]
+    rows = c.one("matmul", [c.reshape(x, (N * C * H, W)), c.const(ww.T, x.dtype)], (N * C * H, ow), x.dtype)
+    cols = c.transpose(c.reshape(rows, (N * C, H, ow)), (0, 2, 1))
+    y = c.one("matmul", [c.reshape(cols, (N * C * ow, H)), c.const(wh.T, x.dtype)], (N * C * ow, oh), x.dtype)
+    return c.transpose(c.reshape(y, (N, C, ow, oh)), (0, 1, 3, 2))
+
+
+@lowers(aten._upsample_bilinear2d_aa, doc="matmul by the antialiased weights along the width, then the height")
+def _upsample_bilinear2d_aa(c, x, output_size, align_corners, *scales):
+    if c.node.target == aten._upsample_bilinear2d_aa.vec:
+        factors = scales[0]
+        if output_size is None:
+            output_size = [int(np.floor(s * f)) for s, f in zip(x.shape[2:], factors)]
+        scales = tuple(factors) if factors is not None else (None, None)
+    scales = (tuple(scales) + (None, None))[:2]
+    (oh, ow), (H, W) = [int(v) for v in output_size], x.shape[2:]
+    return _resample_2d(c, x, _aa_weights(oh, H, bool(align_corners), scales[0]),
+                        _aa_weights(ow, W, bool(align_corners), scales[1]))
+
+
+@lowers(aten._upsample_bilinear2d_aa_backward, doc="matmul by the transposed antialiased weights along the width, "
+                                                   "then the height")
+def _upsample_bilinear2d_aa_backward(c, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    (oh, ow), (H, W) = [int(v) for v in output_size], [int(v) for v in input_size[2:]]
+    return _resample_2d(c, grad, _aa_weights(oh, H, bool(align_corners), scales_h).T,
+                        _aa_weights(ow, W, bool(align_corners), scales_w).T)
+
+
 def _diagonal_indices(c, x, offset, dim1, dim2):
     rank = len(x.shape)
     dim1, dim2 = dim1 % rank, dim2 % rank
