@@ -37,3 +37,25 @@ def test_grid_sample_2d_gradients(mode, padding):
 def test_antialiased_bilinear_resize_and_its_gradient(shape, size, align):
     run_op(lambda x: F.interpolate(x, size=size, mode="bilinear", align_corners=align, antialias=True), shape,
            rtol=1e-4)
+
+
+@pytest.mark.parametrize("nd,shape,kernel,out", [(2, (2, 3, 9, 7), 3, (4, 3)), (2, (3, 6, 6), (2, 3), 2),
+                                                 (3, (2, 2, 5, 6, 5), 2, (3, 2, 3))])
+def test_fractional_max_pool_with_given_samples(nd, shape, kernel, out):
+    """The windows from fixed samples (a model input: PyTorch's own draw cannot be matched), their
+    largest values and positions exactly as PyTorch's, and the gradient through them."""
+    pool = F.fractional_max_pool2d if nd == 2 else F.fractional_max_pool3d
+    torch.manual_seed(1)
+    batch = shape[0] if len(shape) == nd + 2 else 1
+    samples = torch.rand(batch, shape[-nd - 1], nd)
+    x = torch.randn(shape)
+
+    class Pool(torch.nn.Module):
+        def forward(self, x, u):
+            return pool(x, kernel, output_size=out, return_indices=True, _random_samples=u)
+
+    import poptorch_lite as poptorch
+    got, want = poptorch.inferenceModel(Pool())(x, samples), Pool()(x, samples)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert torch.equal(got[1].long(), want[1])
+    run_op(lambda x: pool(x, kernel, output_size=out, _random_samples=samples), shape)

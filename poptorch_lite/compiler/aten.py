@@ -1797,6 +1797,67 @@ def _adaptive_max_backward(c, n):
                    output_size=grad.shape[-nd:])
 
 
+@lowers(aten.fractional_max_pool2d, aten.fractional_max_pool3d,
+        doc="the windows' starts from the random samples (mul, trunc, sub), gather of each window, topk k=1 (the "
+            "largest value and its position), gather of its index")
+def _fractional_max_pool(c, x, kernel, output_size, samples):
+    """Fractional max pooling as PyTorch's CPU kernel: along each spatial axis (of input size n,
+    window k, output size m) the window of output i starts at trunc((i + u) * a) - trunc(u * a),
+    a = (n - k) / (m - 1), the last at n - k, u the sample of the axis (drawn per plane: W, H for
+    2-D, T, H, W for 3-D); the output is each window's largest value (the first of equals) and its
+    position in the plane."""
+    nd = _spatial_rank(c)
+    unbatched = len(x.shape) == nd + 1
+    if unbatched:
+        x = c.reshape(x, (1,) + x.shape)
+    N, C, sizes = x.shape[0], x.shape[1], x.shape[2:]
+    kernel, out = _int_list(kernel, nd), _int_list(output_size, nd)
+    f32 = np.float32
+    u = c.cast(samples, f32)
+    order = (1, 0) if nd == 2 else (0, 1, 2)   # the sample of each spatial axis
+    lin = None
+    shape = (N, C) + tuple(out) + tuple(kernel)
+    for d in range(nd):
+        n, k, m = sizes[d], kernel[d], out[d]
+        ud = c.reshape(c.one("slice", [u], (N, C, 1), f32, key=(slice(None), slice(None), slice(order[d], order[d] + 1))),
+                       (N, C, 1))
+        if m > 1:
+            alpha = f32(n - k) / f32(m - 1)
+            i = c.const(np.arange(m, dtype=f32), f32)
+            starts = c.binary("sub", c.unary("trunc", c.binary("mul", c.binary("add", i, ud, f32), float(alpha), f32)),
+                              c.unary("trunc", c.binary("mul", ud, float(alpha), f32)), f32)
+            starts = c.where(c.const(np.arange(m) == m - 1, np.bool_), float(n - k), starts, f32)
+        else:
+            starts = c.const(np.full((1, 1, 1), n - k), f32)
+        position = c.binary("add", c.reshape(c.expand(starts, (N, C, m)), (N, C, m, 1)),
+                            c.const(np.arange(k).reshape(1, 1, 1, k), f32), f32)
+        stride = int(np.prod(sizes[d + 1:]))
+        position = c.cast(c.binary("mul", position, float(stride), f32), np.int32)
+        view = [N, C] + [1] * (2 * nd)
+        view[2 + d], view[2 + nd + d] = m, k
+        term = c.expand(c.reshape(position, tuple(view)), shape)
+        lin = term if lin is None else c.binary("add", lin, term, np.int32)
+    M, K, P = int(np.prod(out)), int(np.prod(kernel)), int(np.prod(sizes))
+    lin = c.reshape(lin, (N, C, M, K))
+    values = c.reshape(_gather_along(c, c.reshape(x, (N, C, P)), c.reshape(lin, (N, C, M * K)), 2), (N, C, M, K))
+    best, at = _topk_along(c, values, 1, 3, True)
+    index = _gather_along(c, lin, at, 3)
+    result = (N, C) + tuple(out) if not unbatched else (C,) + tuple(out)
+    return c.reshape(best, result), c.reshape(index, result)
+
+
+@lowers(aten.fractional_max_pool2d_backward, aten.fractional_max_pool3d_backward,
+        doc="scatter along an axis (each gradient added at its window's largest position)")
+def _fractional_max_pool_backward(c, grad, x, kernel, output_size, indices):
+    nd = _spatial_rank(c)
+    planes = x.shape[:-nd]
+    P, M = int(np.prod(x.shape[-nd:])), int(np.prod(grad.shape[-nd:]))
+    R = int(np.prod(planes))
+    zeros = c.const(np.zeros((R, P)), grad.dtype)
+    y = _scatter_along(c, zeros, c.reshape(_indices(c, indices), (R, M)), c.reshape(grad, (R, M)), 1, True)
+    return c.reshape(y, x.shape)
+
+
 # ---- softmax, norms, dropout, losses, embedding --------------------------------------------------------
 def _softmax(op):
     def lower(c, x, dim, half_to_float=False):
