@@ -528,3 +528,18 @@ def test_cov_and_corrcoef_with_their_gradients(correction):
     run_op(lambda x: torch.cov(x, correction=correction, fweights=fw, aweights=aw), (3, 5), rtol=1e-4)
     run_op(lambda x: torch.corrcoef(x) * 1.0, (3, 5), rtol=1e-4)
     run_op(lambda x: x.cov(correction=correction), (5,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 0.5, float("inf")])
+def test_pdist_and_its_gradient(p):
+    run_op(lambda x: F.pdist(x, p), (5, 3), rtol=1e-4)
+
+
+def test_triangle_indices_are_constants():
+    class Triangles(nn.Module):
+        def forward(self, x):
+            return torch.triu_indices(4, 5, 1) + x, torch.tril_indices(3, 4, -1) + x
+
+    x = torch.zeros((), dtype=torch.int32)
+    for got, want in zip(poptorch.inferenceModel(Triangles())(x), Triangles()(x)):
+        assert torch.equal(got.long(), want.long())

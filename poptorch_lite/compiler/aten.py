@@ -1080,6 +1080,13 @@ def _arange(c, *args, **kwargs):
     return c.const(np.arange(*numbers), c.out_dtype())
 
 
+@lowers(aten.triu_indices, aten.tril_indices, doc="constant")
+def _triangle_indices(c, row, col, offset=0, **kwargs):
+    upper = c.node.target.overloadpacket is aten.triu_indices
+    rows, cols = (np.triu_indices if upper else np.tril_indices)(int(row), int(offset), int(col))
+    return c.const(np.stack([rows, cols]), c.out_dtype())
+
+
 @lowers(aten.copy_, doc="a buffer's in-place update (its new value is an output of the graph)", raw=True)
 def _copy_(c, n):
     dst = c.env[n.args[0]]

@@ -89,6 +89,18 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None
     return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
 
 
+def _pdist(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """The distances between the rows i < j of x [N, M], in torch.pdist's order, as the p-norm of
+    their differences (gathers at the pairs' rows): ATen's ``_pdist_forward`` and its backward
+    have no decomposition; this one's gradient is the norm's."""
+    if x.dim() != 2:
+        raise RuntimeError(f"pdist only supports 2D tensors, got: {x.dim()}D")
+    if p < 0:
+        raise RuntimeError("pdist only supports non-negative p values")
+    i, j = torch.triu_indices(x.size(0), x.size(0), 1, device=x.device)
+    return torch.linalg.vector_norm(x[i] - x[j], ord=p, dim=-1)
+
+
 def _one_hot(x: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     """F.one_hot with its number of classes given: without it PyTorch sizes the output from x's
     largest value, a shape the compiled program cannot know (PopTorch's error)."""
@@ -199,7 +211,7 @@ def _corrcoef(input: torch.Tensor) -> torch.Tensor:
 
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, torch.cov: _cov, torch.Tensor.cov: _cov,
+FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, torch.pdist: _pdist, F.pdist: _pdist, torch.cov: _cov, torch.Tensor.cov: _cov,
              torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
              F.bilinear: _bilinear, torch.bilinear: _bilinear, F.ctc_loss: library.functional_ctc_loss, ipu_print_tensor: library.print_tensor,
              set_available_memory: library.available_memory, custom_op: library.custom_op,
