@@ -98,3 +98,10 @@ def test_combinations():
 @pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 2.0)])
 def test_addbmm(beta, alpha):
     run_op(lambda b, x, y: torch.addbmm(b, x, y, beta=beta, alpha=alpha), (3, 4), (5, 3, 2), (5, 2, 4), rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn,hint", [(torch.nonzero, "nonzero_static"), (lambda x: x.masked_select(x > 0), "where"),
+                                     (torch.unique, "fixed number of bins")])
+def test_ops_with_data_dependent_shapes_are_refused_saying_why(fn, hint):
+    with pytest.raises(Exception, match=f"shape depends on the input's values.*{hint}"):
+        infer(fn, torch.tensor([0.0, 1.0, 2.0]))

@@ -328,6 +328,9 @@ class Lowerer:
             return self.env[n.args[0]][n.args[1]]
         packet = getattr(n.target, "overloadpacket", None)
         lower = LOWERINGS.get(packet)
+        if lower is None and packet in DATA_DEPENDENT_SHAPES:
+            raise self.error(f"its output's shape depends on the input's values, which a compiled program cannot "
+                             f"have (PopTorch refuses it too): {DATA_DEPENDENT_SHAPES[packet]}")
         if lower is None:
             raise self.unsupported()
         if getattr(lower, "raw", False):
@@ -434,6 +437,17 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
 # =========================================================================================
 LOWERINGS: dict = {}
 COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or", "logical_xor"}
+
+
+# Ops whose output shape depends on the data, and what to use instead
+DATA_DEPENDENT_SHAPES = {
+    aten.nonzero: "use torch.nonzero_static(x, size=...) with a bound on the count, or a mask",
+    aten.argwhere: "use torch.nonzero_static(x, size=...) with a bound on the count, or a mask",
+    aten.masked_select: "use torch.where(mask, x, 0) or multiply by the mask",
+    aten._unique2: "count with a fixed number of bins (torch.histc, scatter_add) instead",
+    aten.unique_dim: "count with a fixed number of bins (torch.histc, scatter_add) instead",
+    aten.unique_consecutive: "compare neighbours (x[1:] != x[:-1]) and keep a mask instead",
+}
 
 
 def lowers(*packets, doc: str = "", raw: bool = False):
