@@ -719,3 +719,27 @@ def test_cpu_flash_attention_op_gives_its_log_sum_exp(is_causal, mask, kv_heads)
     for g, want in zip(got, Attention()(q)):
         np.testing.assert_allclose(g.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
     run_op(lambda q: flash(q, k, v, is_causal=is_causal, attn_mask=m, scale=0.3)[0] * 1.0, (2, 4, 3, 6), rtol=1e-4)
+
+
+@pytest.mark.parametrize("correction", [0, 1])
+def test_cov_and_corrcoef_with_their_gradients(correction):
+    fw, aw = torch.tensor([1, 2, 1, 3, 1]), torch.tensor([0.5, 1.0, 2.0, 0.25, 1.0])
+    run_op(lambda x: torch.cov(x, correction=correction), (3, 5), rtol=1e-4)
+    run_op(lambda x: torch.cov(x, correction=correction, fweights=fw, aweights=aw), (3, 5), rtol=1e-4)
+    run_op(lambda x: torch.corrcoef(x) * 1.0, (3, 5), rtol=1e-4)
+    run_op(lambda x: x.cov(correction=correction), (5,), rtol=1e-4)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 0.5, float("inf")])
+def test_pdist_and_its_gradient(p):
+    run_op(lambda x: F.pdist(x, p), (5, 3), rtol=1e-4)
+
+
+def test_triangle_indices_are_constants():
+    class Triangles(nn.Module):
+        def forward(self, x):
+            return torch.triu_indices(4, 5, 1) + x, torch.tril_indices(3, 4, -1) + x
+
+    x = torch.zeros((), dtype=torch.int32)
+    for got, want in zip(poptorch.inferenceModel(Triangles())(x), Triangles()(x)):
+        assert torch.equal(got.long(), want.long())

@@ -116,34 +116,44 @@ def place(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[Placement, di
     may only flow to the same or a later stage (pipelines) or phase (phased execution)."""
     placement = strategy.place(traced_blocks(joint))
     nodes = op_nodes(joint.graph_module.graph)
+    passes = node_passes(nodes)
     sites: dict[torch.fx.Node, Site] = {}
     for n in nodes:
         a = annotation_of(n)
         if a is not None and a.block is not None:
             p = placement[a.block]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), a.source, a.scope)
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, passes[n], a.source, a.scope)
     for n in nodes:  # by their inputs
         if n in sites:
             continue
         placed = [sites[i] for i in n.all_input_nodes if i in sites]
         if placed:
-            # an op functionalisation adds after the backward (a view of a gradient made again) is backward
-            pass_ = "bwd" if any(s.pass_ == "bwd" for s in placed) and annotation_of(n) is None else pass_of(n)
-            pick = max if pass_ == "fwd" else min
+            pick = max if passes[n] == "fwd" else min
             s = pick(placed, key=lambda s: (s.stage, s.phase or 0))
-            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, pass_, s.source, s.scope)
+            sites[n] = Site(s.block, s.stage, s.ipu, s.phase, passes[n], s.source, s.scope)
     for n in reversed(nodes):  # by their first consumer
         if n in sites:
             continue
         users = [sites[u] for u in n.users if u in sites]
         if users:
             u = users[0]
-            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, pass_of(n), u.source, u.scope)
+            sites[n] = Site(u.block, u.stage, u.ipu, u.phase, passes[n], u.source, u.scope)
         else:
             p = placement.blocks[0]
-            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, pass_of(n), "")
+            sites[n] = Site(p.block.user_id, p.stage, p.ipu, p.phase, passes[n], "")
     check_data_flow(joint, placement, sites)
     return placement, sites
+
+
+def node_passes(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, str]:
+    """Each op's pass: the one it was traced in, except that an op reading a backward value is in the
+    backward (functionalisation remakes a returned view of a gradient from its base after the
+    gradient's trace has ended)."""
+    passes: dict[torch.fx.Node, str] = {}
+    for n in nodes:
+        own = pass_of(n)
+        passes[n] = "bwd" if own == "fwd" and any(passes.get(i) == "bwd" for i in n.all_input_nodes) else own
+    return passes
 
 
 def check_data_flow(joint: JointGraph, placement: Placement, sites: dict) -> None:
@@ -256,11 +266,11 @@ class Lowerer:
             tuple(s for i, s in enumerate(x.shape) if i not in dims)
         return self.one("reduce", [x], shape, x.dtype, fn=fn, axes=dims, keepdims=bool(keepdim))
 
-    def where(self, cond: Value, a, b) -> Value:
-        """select(cond, a, b) from ops ipusim has: relu_grad(m, v) is v where m > 0 and exactly 0
-        elsewhere, so a where cond plus b where not cond is exact (the unused side's inf or nan
-        never reaches the sum)."""
-        dtype = self.out_dtype()
+    def where(self, cond: Value, a, b, dtype=None) -> Value:
+        """select(cond, a, b) in `dtype` (the node's output dtype unless given) from ops ipusim has:
+        relu_grad(m, v) is v where m > 0 and exactly 0 elsewhere, so a where cond plus b where not
+        cond is exact (the unused side's inf or nan never reaches the sum)."""
+        dtype = np.dtype(dtype if dtype is not None else self.out_dtype())
         m = self.cast(cond, dtype)
         a, b = self.operand(a, dtype), self.operand(b, dtype)
         shape = tuple(np.broadcast_shapes(m.shape, a.shape, b.shape))
@@ -318,6 +328,9 @@ class Lowerer:
             return self.env[n.args[0]][n.args[1]]
         packet = getattr(n.target, "overloadpacket", None)
         lower = LOWERINGS.get(packet)
+        if lower is None and packet in DATA_DEPENDENT_SHAPES:
+            raise self.error(f"its output's shape depends on the input's values, which a compiled program cannot "
+                             f"have (PopTorch refuses it too): {DATA_DEPENDENT_SHAPES[packet]}")
         if lower is None:
             raise self.unsupported()
         if getattr(lower, "raw", False):
@@ -431,6 +444,17 @@ def to_ir(joint: JointGraph, strategy: ExecutionStrategy) -> tuple[IRGraph, Plac
 # =========================================================================================
 LOWERINGS: dict = {}
 COMPARISONS = {"eq", "ne", "gt", "ge", "lt", "le", "logical_and", "logical_or", "logical_xor"}
+
+
+# Ops whose output shape depends on the data, and what to use instead
+DATA_DEPENDENT_SHAPES = {
+    aten.nonzero: "use torch.nonzero_static(x, size=...) with a bound on the count, or a mask",
+    aten.argwhere: "use torch.nonzero_static(x, size=...) with a bound on the count, or a mask",
+    aten.masked_select: "use torch.where(mask, x, 0) or multiply by the mask",
+    aten._unique2: "count with a fixed number of bins (torch.histc, scatter_add) instead",
+    aten.unique_dim: "count with a fixed number of bins (torch.histc, scatter_add) instead",
+    aten.unique_consecutive: "compare neighbours (x[1:] != x[:-1]) and keep a mask instead",
+}
 
 
 def lowers(*packets, doc: str = "", raw: bool = False):
@@ -734,28 +758,38 @@ def _index_reduce(c, x, dim, index, source, reduce, include_self=True):
 @lowers(aten.bucketize, doc="binary search as torch's: per step a gather of the middle boundary, a comparison "
                              "(ge, or gt with right=True) and where on the bounds")
 def _bucketize(c, x, boundaries, out_int32=False, right=False):
-    """torch.bucketize's binary search over the boundaries (lower bound, or upper bound with
-    right=True), the same steps for every value: ceil(log2(B + 1)) of them, a value whose bounds
-    have met keeping them (so unsorted boundaries give torch's answer too)."""
     if not isinstance(x, Value):
         x = c.const(np.asarray(x), np.float32 if isinstance(x, float) else np.int32)
-    common = np.float32 if "f" in (x.dtype.kind, boundaries.dtype.kind) else np.int32
     n = boundaries.shape[0] if boundaries.shape else 1
-    bounds = c.reshape(boundaries, (n,))
+    return c.cast(binary_search(c, x, c.reshape(boundaries, (n,)), right), c.out_dtype())
+
+
+def binary_search(c, x: Value, bounds: Value, right: bool) -> Value:
+    """torch.bucketize's binary search (int32 positions) of each value of x in the boundaries:
+    one row `bounds` [B] for every value, or a row per row of x (bounds [..., B] and x [..., M],
+    torch.searchsorted's). The lower bound, or the upper bound with right=True, in the same steps
+    for every value: ceil(log2(B + 1)) of them, a value whose bounds have met keeping them (so
+    unsorted boundaries give torch's answer too)."""
+    common = np.float32 if "f" in (x.dtype.kind, bounds.dtype.kind) else np.int32
+    n = bounds.shape[-1]
+    per_row = len(bounds.shape) > 1
     lo = c.const(np.zeros(x.shape), np.int32)
     hi = c.const(np.full(x.shape, n), np.int32)
     for _ in range(int(np.ceil(np.log2(n + 1)))):
         total = c.binary("add", lo, hi, dtype=np.int32)
         mid = c.binary("div", c.binary("sub", total, c.binary("remainder", total, 2, dtype=np.int32), dtype=np.int32),
                        2, dtype=np.int32)
-        value = c.reshape(_gather_along(c, bounds, c.reshape(mid, (-1,)), 0), x.shape)
+        if per_row:
+            value = _gather_along(c, bounds, c.binary("min", mid, n - 1, dtype=np.int32), len(x.shape) - 1)
+        else:
+            value = c.reshape(_gather_along(c, bounds, c.reshape(mid, (-1,)), 0), x.shape)
         active = c.binary("lt", lo, hi, dtype=np.int32)
         upper = c.binary("gt" if right else "ge", value, x, dtype=common)
         move_hi = c.binary("logical_and", active, upper, dtype=np.bool_)
         move_lo = c.binary("logical_and", active, c.unary("logical_not", upper), dtype=np.bool_)
-        hi = c.where(move_hi, mid, hi)
-        lo = c.where(move_lo, c.binary("add", mid, 1, dtype=np.int32), lo)
-    return c.cast(lo, c.out_dtype())
+        hi = c.where(move_hi, mid, hi, np.int32)
+        lo = c.where(move_lo, c.binary("add", mid, 1, dtype=np.int32), lo, np.int32)
+    return lo
 
 
 @lowers(aten.index_select, doc="gather along an axis (the index broadcast)")
@@ -853,27 +887,31 @@ def _unfold(c, x, dim, size, step):
 
 
 @lowers(aten.upsample_nearest1d_backward, aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
+        aten._upsample_nearest_exact1d_backward, aten._upsample_nearest_exact2d_backward,
+        aten._upsample_nearest_exact3d_backward,
         doc="scatter along an axis (the nearest source positions, accumulated)")
 def _upsample_nearest_backward(c, grad, output_size, input_size, *scales):
     """Each output position's gradient added to the input position it copied: the positions as the
-    forward's decomposition computes them (float32 index times scale, truncated)."""
+    forward's decomposition computes them (float32 index times scale, truncated; nearest-exact:
+    the index's centre, plus one half, times scale, floored)."""
+    exact = "exact" in c.node.target.__name__
     nd = len(output_size)
     scales = (tuple(scales) + (None,) * nd)[:nd]
-    sources = []
+    taps = []
     for o, i, s in zip(output_size, input_size[2:], scales):
         scale = np.float32(i / (i * s) if s else i / o)
-        sources.append(np.minimum((np.arange(o, dtype=np.float32) * scale).astype(np.int64), i - 1))
-    index = [c.const(src.reshape((1,) * d + (-1,) + (1,) * (nd - 1 - d)), np.int32) for d, src in enumerate(sources)]
-    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
-    return _index_put(c, zeros, [None, None] + index, grad, True)
+        at = np.arange(o, dtype=np.float32)
+        src = np.floor((at + np.float32(0.5)) * scale) if exact else at * scale
+        taps.append([(np.minimum(src.astype(np.int64), i - 1), np.ones(o, np.float32))])
+    return _upsample_taps_backward(c, grad, input_size, taps)
 
 
-def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
-    """(first, second, weight of first, weight of second) input positions of each output position of
-    a linear interpolation, in float32 as PyTorch's CPU kernels compute them."""
+def _linear_sources(out: int, size: int, align_corners: bool, scale) -> list:
+    """[(first input position, its weight), (second, its weight)] of each output position of a
+    linear interpolation, in float32 as PyTorch's CPU kernels compute them."""
     o = np.arange(out)
     if out == size:
-        return o, o, np.ones(out, np.float32), np.zeros(out, np.float32)
+        return [(o, np.ones(out, np.float32)), (o, np.zeros(out, np.float32))]
     f32 = np.float32
     if align_corners:
         src = (f32(size - 1) / f32(out - 1) if out > 1 else f32(0)) * o.astype(f32)
@@ -882,27 +920,62 @@ def _linear_sources(out: int, size: int, align_corners: bool, scale) -> tuple:
         src = np.maximum(ratio * (o.astype(f32) + f32(0.5)) - f32(0.5), f32(0))
     first = np.minimum(np.floor(src).astype(np.int64), size - 1)
     w1 = np.clip(src - first.astype(f32), f32(0), f32(1)).astype(f32)
-    return first, first + (first < size - 1), f32(1) - w1, w1
+    return [(first, f32(1) - w1), (first + (first < size - 1), w1)]
+
+
+def _cubic_sources(out: int, size: int, align_corners: bool, scale) -> list:
+    """[(input position, weight)] x 4 of each output position of a bicubic interpolation (Keys'
+    kernel, A = -0.75; positions clamped to the input), in float32 as PyTorch's CPU kernels
+    compute them."""
+    f32 = np.float32
+    o = np.arange(out).astype(f32)
+    if align_corners:
+        src = (f32(size - 1) / f32(out - 1) if out > 1 else f32(0)) * o
+    else:
+        ratio = f32(1.0 / scale) if scale is not None and scale > 0 else f32(size) / f32(out)
+        src = ratio * (o + f32(0.5)) - f32(0.5)
+    first = np.floor(src)
+    t = (src - first).astype(f32)
+    A = f32(-0.75)
+
+    def near(x):   # |x| <= 1
+        return ((A + f32(2)) * x - (A + f32(3))) * x * x + f32(1)
+
+    def far(x):    # 1 < |x| < 2
+        return ((A * x - f32(5) * A) * x + f32(8) * A) * x - f32(4) * A
+    weights = [far(t + f32(1)), near(t), near(f32(1) - t), far(f32(2) - t)]
+    first = first.astype(np.int64)
+    return [(np.clip(first - 1 + k, 0, size - 1), w.astype(f32)) for k, w in enumerate(weights)]
+
+
+def _upsample_taps_backward(c, grad, input_size, taps: list) -> Value:
+    """Each output position's gradient added, times its weight, into the input positions it
+    interpolated (one accumulating index_put over every combination of one tap per axis):
+    `taps[d]` lists axis d's (input position, weight) per output position; a combination's weight
+    is the product of its taps' weights in float32."""
+    nd = len(taps)
+    corners = list(itertools.product(*(range(len(t)) for t in taps)))
+    indices, weight = [], np.ones((len(corners),) + (1,) * nd, np.float32)
+    for d, tap in enumerate(taps):
+        shape = [len(corners)] + [1] * nd
+        shape[1 + d] = len(tap[0][0])
+        indices.append(c.const(np.stack([tap[b[d]][0] for b in corners]).reshape(shape), np.int32))
+        weight = weight * np.stack([tap[b[d]][1] for b in corners]).reshape(shape)
+    if len(corners) == 1 and (weight == 1).all():
+        spread = c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:])
+    else:
+        spread = c.binary("mul", c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:]),
+                          c.const(weight, grad.dtype), grad.dtype)
+    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
+    return _index_put(c, zeros, [None, None] + indices, spread, True)
 
 
 def _upsample_linear_backward(c, grad, output_size, input_size, align_corners, scales):
-    """Each output position's gradient added, times its weight, into the 2^d input positions it
-    interpolated (one accumulating index_put over every corner): the positions and weights (their
-    products in float32) as PyTorch's CPU backward computes them."""
-    nd = len(output_size)
-    dims = [_linear_sources(int(o), int(i), bool(align_corners), s)
+    """The backward of a (bi, tri)linear interpolation: the taps as PyTorch's CPU backward computes
+    them."""
+    taps = [_linear_sources(int(o), int(i), bool(align_corners), s)
             for o, i, s in zip(output_size, input_size[2:], scales)]
-    corners = list(itertools.product((0, 1), repeat=nd))
-    indices, weight = [], np.ones((len(corners),) + (1,) * nd, np.float32)
-    for d, (first, second, w0, w1) in enumerate(dims):
-        shape = [len(corners)] + [1] * nd
-        shape[1 + d] = len(first)
-        indices.append(c.const(np.stack([(first, second)[b[d]] for b in corners]).reshape(shape), np.int32))
-        weight = weight * np.stack([(w0, w1)[b[d]] for b in corners]).reshape(shape)
-    spread = c.binary("mul", c.reshape(grad, grad.shape[:2] + (1,) + grad.shape[2:]), c.const(weight, grad.dtype),
-                      grad.dtype)
-    zeros = c.const(np.zeros(tuple(int(v) for v in input_size)), grad.dtype)
-    return _index_put(c, zeros, [None, None] + indices, spread, True)
+    return _upsample_taps_backward(c, grad, input_size, taps)
 
 
 @lowers(aten.upsample_bilinear2d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
@@ -915,6 +988,76 @@ def _upsample_bilinear2d_backward(c, grad, output_size, input_size, align_corner
                                              "two source positions, accumulated)")
 def _upsample_linear1d_backward(c, grad, output_size, input_size, align_corners, scales=None):
     return _upsample_linear_backward(c, grad, output_size, input_size, align_corners, (scales,))
+
+
+@lowers(aten.upsample_trilinear3d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
+                                                "eight source positions, accumulated)")
+def _upsample_trilinear3d_backward(c, grad, output_size, input_size, align_corners, scales_d=None, scales_h=None,
+                                   scales_w=None):
+    return _upsample_linear_backward(c, grad, output_size, input_size, align_corners, (scales_d, scales_h, scales_w))
+
+
+@lowers(aten.upsample_bicubic2d_backward, doc="mul, scatter along an axis (each gradient times its weight to the "
+                                              "sixteen source positions, clamped to the input, accumulated)")
+def _upsample_bicubic2d_backward(c, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    taps = [_cubic_sources(int(o), int(i), bool(align_corners), s)
+            for o, i, s in zip(output_size, input_size[2:], (scales_h, scales_w))]
+    return _upsample_taps_backward(c, grad, input_size, taps)
+
+
+def _aa_weights(out: int, size: int, align_corners: bool, scale) -> np.ndarray:
+    """The [out, size] matrix of antialiased linear interpolation along one axis (a triangle filter
+    stretched over the scale when shrinking, its weights normalised per output), in float32 as
+    PyTorch's CPU kernel computes them."""
+    f32 = np.float32
+    if align_corners:
+        s = f32(size - 1) / f32(out - 1) if out > 1 else f32(0)
+    else:
+        s = f32(1.0 / scale) if scale is not None and scale > 0 else f32(size) / f32(out)
+    support = f32(s) if s >= 1.0 else f32(1.0)
+    widest = int(np.ceil(support)) * 2 + 1
+    invscale = f32(1.0 / s) if s >= 1.0 else f32(1.0)
+    weights = np.zeros((out, size), f32)
+    for i in range(out):
+        center = f32(s * (i + 0.5))
+        lo = max(int(center - support + f32(0.5)), 0)
+        n = min(max(min(int(center + support + f32(0.5)), size) - lo, 0), widest)
+        x = np.abs(((np.arange(lo, lo + n).astype(f32) - center).astype(np.float64) + 0.5) * float(invscale))
+        w = np.where(x < 1.0, 1.0 - x, 0.0).astype(f32)
+        total = f32(w.sum(dtype=f32))
+        weights[i, lo:lo + n] = w / total if total != 0 else w
+    return weights
+
+
+def _resample_2d(c, x: Value, wh: np.ndarray, ww: np.ndarray) -> Value:
+    """wh @ x @ ww^T over the last two axes of x [N, C, H, W]: the width first, then the height."""
+    N, C, H, W = x.shape
+    oh, ow = wh.shape[0], ww.shape[0]
+    rows = c.one("matmul", [c.reshape(x, (N * C * H, W)), c.const(ww.T, x.dtype)], (N * C * H, ow), x.dtype)
+    cols = c.transpose(c.reshape(rows, (N * C, H, ow)), (0, 2, 1))
+    y = c.one("matmul", [c.reshape(cols, (N * C * ow, H)), c.const(wh.T, x.dtype)], (N * C * ow, oh), x.dtype)
+    return c.transpose(c.reshape(y, (N, C, ow, oh)), (0, 1, 3, 2))
+
+
+@lowers(aten._upsample_bilinear2d_aa, doc="matmul by the antialiased weights along the width, then the height")
+def _upsample_bilinear2d_aa(c, x, output_size, align_corners, *scales):
+    if c.node.target == aten._upsample_bilinear2d_aa.vec:
+        factors = scales[0]
+        if output_size is None:
+            output_size = [int(np.floor(s * f)) for s, f in zip(x.shape[2:], factors)]
+        scales = tuple(factors) if factors is not None else (None, None)
+    scales = (tuple(scales) + (None, None))[:2]
+    (oh, ow), (H, W) = [int(v) for v in output_size], x.shape[2:]
+    return _resample_2d(c, x, _aa_weights(oh, H, bool(align_corners), scales[0]),
+                        _aa_weights(ow, W, bool(align_corners), scales[1]))
+
+
+@lowers(aten._upsample_bilinear2d_aa_backward, doc="matmul by the transposed antialiased weights along the width, "
+                                                   "then the height")
+def _upsample_bilinear2d_aa_backward(c, grad, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    (oh, ow), (H, W) = [int(v) for v in output_size], [int(v) for v in input_size[2:]]
+    return _resample_2d(c, grad, _aa_weights(oh, H, bool(align_corners), scales_h).T,
+                        _aa_weights(ow, W, bool(align_corners), scales_w).T)
 
 
 def _diagonal_indices(c, x, offset, dim1, dim2):
@@ -987,6 +1130,13 @@ def _scalar_tensor(c, value, **kwargs):
 def _arange(c, *args, **kwargs):
     numbers = [a for a in args if isinstance(a, (int, float))]
     return _out_const(c, np.arange(*numbers))
+
+
+@lowers(aten.triu_indices, aten.tril_indices, doc="constant")
+def _triangle_indices(c, row, col, offset=0, **kwargs):
+    upper = c.node.target.overloadpacket is aten.triu_indices
+    rows, cols = (np.triu_indices if upper else np.tril_indices)(int(row), int(offset), int(col))
+    return c.const(np.stack([rows, cols]), c.out_dtype())
 
 
 @lowers(aten.copy_, doc="a buffer's in-place update (its new value is an output of the graph)", raw=True)
@@ -1739,6 +1889,67 @@ def _adaptive_max_backward(c, n):
                    output_size=grad.shape[-nd:])
 
 
+@lowers(aten.fractional_max_pool2d, aten.fractional_max_pool3d,
+        doc="the windows' starts from the random samples (mul, trunc, sub), gather of each window, topk k=1 (the "
+            "largest value and its position), gather of its index")
+def _fractional_max_pool(c, x, kernel, output_size, samples):
+    """Fractional max pooling as PyTorch's CPU kernel: along each spatial axis (of input size n,
+    window k, output size m) the window of output i starts at trunc((i + u) * a) - trunc(u * a),
+    a = (n - k) / (m - 1), the last at n - k, u the sample of the axis (drawn per plane: W, H for
+    2-D, T, H, W for 3-D); the output is each window's largest value (the first of equals) and its
+    position in the plane."""
+    nd = _spatial_rank(c)
+    unbatched = len(x.shape) == nd + 1
+    if unbatched:
+        x = c.reshape(x, (1,) + x.shape)
+    N, C, sizes = x.shape[0], x.shape[1], x.shape[2:]
+    kernel, out = _int_list(kernel, nd), _int_list(output_size, nd)
+    f32 = np.float32
+    u = c.cast(samples, f32)
+    order = (1, 0) if nd == 2 else (0, 1, 2)   # the sample of each spatial axis
+    lin = None
+    shape = (N, C) + tuple(out) + tuple(kernel)
+    for d in range(nd):
+        n, k, m = sizes[d], kernel[d], out[d]
+        ud = c.reshape(c.one("slice", [u], (N, C, 1), f32, key=(slice(None), slice(None), slice(order[d], order[d] + 1))),
+                       (N, C, 1))
+        if m > 1:
+            alpha = f32(n - k) / f32(m - 1)
+            i = c.const(np.arange(m, dtype=f32), f32)
+            starts = c.binary("sub", c.unary("trunc", c.binary("mul", c.binary("add", i, ud, f32), float(alpha), f32)),
+                              c.unary("trunc", c.binary("mul", ud, float(alpha), f32)), f32)
+            starts = c.where(c.const(np.arange(m) == m - 1, np.bool_), float(n - k), starts, f32)
+        else:
+            starts = c.const(np.full((1, 1, 1), n - k), f32)
+        position = c.binary("add", c.reshape(c.expand(starts, (N, C, m)), (N, C, m, 1)),
+                            c.const(np.arange(k).reshape(1, 1, 1, k), f32), f32)
+        stride = int(np.prod(sizes[d + 1:]))
+        position = c.cast(c.binary("mul", position, float(stride), f32), np.int32)
+        view = [N, C] + [1] * (2 * nd)
+        view[2 + d], view[2 + nd + d] = m, k
+        term = c.expand(c.reshape(position, tuple(view)), shape)
+        lin = term if lin is None else c.binary("add", lin, term, np.int32)
+    M, K, P = int(np.prod(out)), int(np.prod(kernel)), int(np.prod(sizes))
+    lin = c.reshape(lin, (N, C, M, K))
+    values = c.reshape(_gather_along(c, c.reshape(x, (N, C, P)), c.reshape(lin, (N, C, M * K)), 2), (N, C, M, K))
+    best, at = _topk_along(c, values, 1, 3, True)
+    index = _gather_along(c, lin, at, 3)
+    result = (N, C) + tuple(out) if not unbatched else (C,) + tuple(out)
+    return c.reshape(best, result), c.reshape(index, result)
+
+
+@lowers(aten.fractional_max_pool2d_backward, aten.fractional_max_pool3d_backward,
+        doc="scatter along an axis (each gradient added at its window's largest position)")
+def _fractional_max_pool_backward(c, grad, x, kernel, output_size, indices):
+    nd = _spatial_rank(c)
+    planes = x.shape[:-nd]
+    P, M = int(np.prod(x.shape[-nd:])), int(np.prod(grad.shape[-nd:]))
+    R = int(np.prod(planes))
+    zeros = c.const(np.zeros((R, P)), grad.dtype)
+    y = _scatter_along(c, zeros, c.reshape(_indices(c, indices), (R, M)), c.reshape(grad, (R, M)), 1, True)
+    return c.reshape(y, x.shape)
+
+
 # ---- softmax, norms, dropout, losses, embedding --------------------------------------------------------
 def _softmax(op):
     def lower(c, x, dim, half_to_float=False):
@@ -2298,6 +2509,9 @@ for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # devi
     lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
 
 
+from . import counting, indexing  # noqa: E402,F401  (register the lowering families kept in modules of their own)
+
+
 def ops_table() -> list[tuple[str, str]]:
     """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
     rows = {}
@@ -2318,7 +2532,10 @@ def ops_markdown() -> str:
              "outside this list is an `UnsupportedOpError` at compile time naming the ATen op, the",
              "source line and the module.", "",
              "Torch functions captured as another: `F.dropout` as `aten.native_dropout` (one op with its",
-             "mask), `F.ctc_loss` as `poptorch_lite.ctc_loss` (`compiler/library.py`); attention runs",
+             "mask), `F.ctc_loss` as `poptorch_lite.ctc_loss` (`compiler/library.py`), `F.grid_sample` and",
+             "`torch.grid_sampler*` as gathers with their weights (`compiler/sampling.py`: their gradients",
+             "are the composition's), `torch.cov` and `torch.corrcoef` as ATen composes them without its",
+             "data-dependent check (`compiler/export.py`); attention runs",
              "PyTorch's math backend (matmuls, softmax, dropout). `nn.LSTM`, `nn.GRU` and `nn.RNN`",
              "(`torch.lstm`, `gru`, `rnn_tanh`, `rnn_relu`) are one `poptorch_lite.*_layer` op per layer",
              "and direction, each a device loop over the time steps, with its backward op",
@@ -2336,5 +2553,6 @@ def ops_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    print(ops_markdown(), end="")
+if __name__ == "__main__":   # the package's module: the families in modules of their own register into its table
+    from poptorch_lite.compiler import aten as _registered
+    print(_registered.ops_markdown(), end="")

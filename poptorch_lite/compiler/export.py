@@ -45,6 +45,7 @@ import math
 import os
 import re
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -68,7 +69,7 @@ from ..api.ops import (_recomputation_checkpoint, cond, dynamic_slice, dynamic_u
                        ipu_print_tensor, nop, serializedMatMul, set_available_memory)
 from ..api.options import DEFAULT_SOURCE_LOCATION_EXCLUDES
 from ..api.overlap import overlap_input, overlap_output
-from . import control_flow, library, recurrent
+from . import control_flow, library, recurrent, sampling
 from .ir import flatten_values, map_values
 
 aten = torch.ops.aten
@@ -87,6 +88,18 @@ def _cdist(x1: torch.Tensor, x2: torch.Tensor, p: float = 2.0, compute_mode=None
     if p < 0:
         raise ValueError(f"cdist only supports non-negative p values, got p={p}")
     return torch.linalg.vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), ord=p, dim=-1)
+
+
+def _pdist(x: torch.Tensor, p: float = 2.0) -> torch.Tensor:
+    """The distances between the rows i < j of x [N, M], in torch.pdist's order, as the p-norm of
+    their differences (gathers at the pairs' rows): ATen's ``_pdist_forward`` and its backward
+    have no decomposition; this one's gradient is the norm's."""
+    if x.dim() != 2:
+        raise RuntimeError(f"pdist only supports 2D tensors, got: {x.dim()}D")
+    if p < 0:
+        raise RuntimeError("pdist only supports non-negative p values")
+    i, j = torch.triu_indices(x.size(0), x.size(0), 1, device=x.device)
+    return torch.linalg.vector_norm(x[i] - x[j], ord=p, dim=-1)
 
 
 def _one_hot(x: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
@@ -195,9 +208,53 @@ def _flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, 
     return output, torch.logsumexp(scores, -1).detach()
 
 
+def _cov(input: torch.Tensor, *, correction: int = 1, fweights=None, aweights=None) -> torch.Tensor:
+    """torch.cov as ATen's composition computes it, without its data-dependent checks (a normalisation
+    factor <= 0 becomes 0, as ATen makes it, by a clamp on the device; frequency weights are not
+    checked to be integers): the C++ composition asks the data whether the factor is positive,
+    which a traced graph cannot answer."""
+    if input.dim() > 2:
+        raise ValueError(f"cov(): expected input to have two or fewer dimensions but got an input with "
+                         f"{input.dim()} dimensions")
+    x = input if input.dim() == 2 else input.reshape(1, -1)
+    observations = x.size(1)
+    w = fweights
+    if aweights is not None:
+        w = aweights if w is None else w * aweights
+    if w is None:
+        avg = x.mean(1)
+        norm = float(observations - correction)
+        if norm <= 0:
+            warnings.warn("cov(): degrees of freedom is <= 0. Correction should be strictly less than the number "
+                          "of observations.")
+            norm = 0.0
+    else:
+        w = w.to(x.dtype)
+        w_sum = w.sum()
+        avg = (x * w).sum(1) / w_sum
+        norm = w_sum - correction if aweights is None or correction == 0 else \
+            w_sum - correction * (w * aweights).sum() / w_sum
+        norm = norm.clamp(min=0)
+    centred = x - avg.unsqueeze(1)
+    product = centred @ (centred if w is None else centred * w).t()
+    return (product / norm).squeeze()
+
+
+def _corrcoef(input: torch.Tensor) -> torch.Tensor:
+    """torch.corrcoef as ATen composes it from cov, on :func:`_cov`."""
+    c = _cov(input)
+    if c.dim() == 0:
+        return c / c
+    stddev = c.diagonal().sqrt()
+    c = c / stddev.unsqueeze(1)
+    c = c / stddev.unsqueeze(0)
+    return c.clamp(-1, 1)
+
+
 # Torch functions traced as another (the annotator calls these instead). PopTorch's device ops
 # reach the annotator with their arguments normalised to the library ops' (see api.ops).
-FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
+FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, torch.pdist: _pdist, F.pdist: _pdist, torch.cov: _cov, torch.Tensor.cov: _cov,
+             torch.corrcoef: _corrcoef, torch.Tensor.corrcoef: _corrcoef, F.embedding_bag: _embedding_bag, torch.cdist: _cdist, torch._weight_norm: _weight_norm,
              F.gaussian_nll_loss: _gaussian_nll_loss,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _flash_attention_for_cpu,
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_attention_for_cpu,
@@ -209,7 +266,8 @@ FUNCTIONS = {F.dropout: _dropout, F.one_hot: _one_hot, F.embedding_bag: _embeddi
              cond: control_flow.traced_cond, nop: control_flow.traced_nop,
              dynamic_slice: control_flow.traced_dynamic_slice, dynamic_update: control_flow.traced_dynamic_update,
              _recomputation_checkpoint: library.recomputation_checkpoint,
-             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS}
+             serializedMatMul: library.functional_serialized_matmul, **recurrent.FUNCTIONS,
+             **sampling.FUNCTIONS}
 
 # Device control flow: the bodies are the model's own code, traced under the annotator (their ops
 # annotated, nested loops and branches captured too); inference only, as in PopTorch.
