@@ -429,6 +429,33 @@ def lu_codelet(a, a_addr, a_start, lu, l_addr, l_start, piv, p_addr, p_start, in
                 st(piv, p_addr[p_start[v] + b * k + j], p[j])
 
 
+@njit(**JIT)
+def permutation(piv, perm):
+    """perm (0-based, length m): the rows 0..m-1 after the swaps i <-> piv[i] - 1 in order, so
+    that row i of the permuted matrix is row perm[i] of the original."""
+    for i in range(perm.shape[0]):
+        perm[i] = i
+    for i in range(piv.shape[0]):
+        p = piv[i] - 1
+        if 0 <= p < perm.shape[0]:
+            perm[i], perm[p] = perm[p], perm[i]
+
+
+@njit(parallel=True, **JIT)
+def permutation_codelet(piv, p_addr, p_start, perm, q_addr, q_start, params):
+    """params: k (pivots), m (rows)."""
+    for v in prange(params.shape[0]):
+        k, m = int(params[v, 0]), int(params[v, 1])
+        for b in range((q_start[v + 1] - q_start[v]) // max(m, 1)):
+            pv = np.empty(k, np.int64)
+            for j in range(k):
+                pv[j] = ld(piv, p_addr[p_start[v] + b * k + j])
+            out = np.empty(m, np.int64)
+            permutation(pv, out)
+            for j in range(m):
+                st(perm, q_addr[q_start[v] + b * m + j], out[j])
+
+
 @njit(parallel=True, **JIT)
 def cholesky_codelet(a, a_addr, a_start, out, o_addr, o_start, info, i_addr, i_start, params):
     """params: n."""
@@ -542,6 +569,14 @@ def lu_batch(a, pivot):
 
 
 @njit(parallel=True, **JIT)
+def permutation_batch(piv, m):
+    out = np.empty((piv.shape[0], m), np.int64)
+    for b in prange(piv.shape[0]):
+        permutation(piv[b].astype(np.int64), out[b])
+    return out
+
+
+@njit(parallel=True, **JIT)
 def cholesky_batch(a):
     info = np.empty(a.shape[0], np.int64)
     for b in prange(a.shape[0]):
@@ -635,6 +670,12 @@ def _lu_cycles(sizes, params, dtype, target):
     return _cycles(count * lu_flops(m, n), count * np.minimum(m, n), target)
 
 
+def _permutation_cycles(sizes, params, dtype, target):
+    k, m = params[:, 0], params[:, 1]
+    count = sizes["perm"] // np.maximum(m, 1)
+    return target.thread_cycles(12 + count * (2 * m + 6 * k))
+
+
 def _cholesky_cycles(sizes, params, dtype, target):
     n = params[:, 0]
     count = sizes["info"]
@@ -679,6 +720,8 @@ def _expm_cycles(sizes, params, dtype, target):
 
 
 LU = VertexType("poplin::LUFactor", ("a",), ("lu", "pivots", "info"), lu_codelet, _lu_cycles, num_params=3)
+PERMUTATION = VertexType("poplin::PivotPermutation", ("pivots",), ("perm",), permutation_codelet,
+                         _permutation_cycles, num_params=2)
 CHOLESKY = VertexType("poplin::Cholesky", ("a",), ("out", "info"), cholesky_codelet, _cholesky_cycles,
                       num_params=1)
 TRIANGULAR_SOLVE = VertexType("poplin::TriangularSolve", ("a", "b"), ("x",), triangular_solve_codelet,
@@ -712,7 +755,7 @@ def _whole_rows(blocks: RowBlocks, t: Tensor) -> RowBlocks:
 
 
 def _batched(graph: Graph, prog: Sequence, name: str, vertex: VertexType, batch: tuple, inputs: list[Tensor],
-             outputs: list[tuple], params: list, work: float, fast) -> list[Tensor]:
+             outputs: list[tuple], params: list, work: float, fast, as_float: bool = True) -> list[Tensor]:
     """Run `vertex` on every matrix of the batch: inputs [*batch, ...], outputs (dtype, shape
     of one matrix's result) as new variables [*batch, *shape]; `work` the flops of one matrix
     (how the matrices are spread over tiles). `fast(*arrays of the inputs as [B, ...])` gives
@@ -740,7 +783,8 @@ def _batched(graph: Graph, prog: Sequence, name: str, vertex: VertexType, batch:
         body.add(Execute(cs))
 
     def run_fast(io):
-        arrays = [io.read(t).reshape((B,) + t.shape[len(batch):]).astype(np.float64) for t in inputs]
+        arrays = [io.read(t).reshape((B,) + t.shape[len(batch):]).astype(np.float64 if as_float else np.int64)
+                  for t in inputs]
         results = fast(*arrays) if B else [np.zeros((0,) + tuple(s)) for _, s in outputs]
         results = (results,) if isinstance(results, np.ndarray) else results
         for t, r in zip(outs, results):
@@ -767,6 +811,17 @@ def lu_factor(graph: Graph, a: Tensor, prog: Sequence, name: str = "lu", pivot: 
 
     return tuple(_batched(graph, prog, name, LU, batch, [a], [(a.dtype, (m, n)), (np.int32, (k,)), (np.int32, ())],
                           [m, n, float(pivot)], float(lu_flops(m, n)), fast))
+
+
+def pivot_permutation(graph: Graph, pivots: Tensor, m: int, prog: Sequence, name: str = "permutation") -> Tensor:
+    """The row permutation [..., m] (int32, 0-based) of LAPACK's 1-based pivots [..., k]: row i
+    of P^T A is row perm[i] of A (the swaps i <-> pivots[i] - 1 applied in order)."""
+    if pivots.dtype != np.int32 or pivots.rank < 1:
+        raise TypeError(f"{name}: pivots {pivots.name!r} must be int32 [..., k], got {pivots.dtype.name} "
+                        f"{pivots.shape}")
+    k = pivots.shape[-1]
+    return _batched(graph, prog, name, PERMUTATION, pivots.shape[:-1], [pivots], [(np.int32, (m,))], [k, m],
+                    float(2 * m + 6 * k), lambda p: permutation_batch(p.astype(np.int64), m), as_float=False)[0]
 
 
 def cholesky(graph: Graph, a: Tensor, prog: Sequence, name: str = "cholesky") -> tuple[Tensor, Tensor]:

@@ -2097,6 +2097,8 @@ def _decomposition_table() -> dict:
 for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # device loops and branches, dynamic
     lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
 
+from . import linalg  # noqa: E402,F401  (dense linear algebra: registers its lowerings, built on the helpers above)
+
 
 def ops_table() -> list[tuple[str, str]]:
     """(ATen op, how it is lowered) for every supported op, sorted: docs/ops.md is made from it."""
