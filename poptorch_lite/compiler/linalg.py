@@ -237,7 +237,7 @@ def _linalg_det(c, a):
     return _product(c, c.binary("mul", d, flips, lu.dtype)), lu, pivots
 
 
-@lowers(aten._linalg_slogdet, doc="linalg lu_factor; sign: product of signs; log|det|: sum of log|U_ii|")
+@lowers(aten._linalg_slogdet, doc="linalg lu_factor; sign: the product of signs; the log of abs(det): a sum of logs of abs(U_ii)")
 def _linalg_slogdet(c, a):
     src = _mT(c, a) if _contiguous(c) else a
     lu, pivots, _ = _lu(c, src)
