@@ -106,6 +106,21 @@ def test_complete_qr_of_a_tall_matrix_and_ormqr_from_the_left_and_right():
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_ldl_factor_and_solve_are_lapacks():
+    class LDL(nn.Module):
+        def forward(self, a, b):
+            ld, piv = torch.linalg.ldl_factor(a)
+            return ld, piv, torch.linalg.ldl_solve(ld, piv, b)
+
+    torch.manual_seed(2)
+    a, b = torch.randn(2, 5, 5), torch.randn(2, 5, 3)
+    a = a + a.mT
+    got, want = poptorch.inferenceModel(LDL())(a, b), LDL()(a, b)
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(got[1].numpy(), want[1].numpy())
+    np.testing.assert_allclose(got[2].numpy(), want[2].numpy(), rtol=1e-4, atol=1e-4)
+
+
 def test_determinant_of_a_singular_matrix_is_zero_and_info_names_it():
     class Factor(nn.Module):
         def forward(self, a):

@@ -98,6 +98,23 @@ def test_cholesky_of_a_matrix_that_is_not_positive_definite_names_the_order():
     np.testing.assert_array_equal(info, torch.linalg.cholesky_ex(torch.from_numpy(a)).info.numpy())
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_ldl_is_lapacks_bunch_kaufman_and_solves(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((3, 6, 6)).astype(np.float32)
+    a[0] = a[0] + a[0].T
+    a[1, 0, 0] = 0.0            # a 2 x 2 pivot first
+    (ld, piv, info), _ = both(lambda g, x, p: L.ldl_factor(g, x, p), [a])
+    want_ld, want_piv, want_info = torch.linalg.ldl_factor_ex(torch.from_numpy(a))
+    np.testing.assert_array_equal(piv, want_piv.numpy())
+    np.testing.assert_allclose(ld, want_ld.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(info, want_info.numpy())
+    b = rng.standard_normal((3, 6, 2)).astype(np.float32)
+    (x,), _ = both(lambda g, f, p_, r, p: L.ldl_solve(g, f, p_, r, p), [ld, piv, b])
+    want = torch.linalg.ldl_solve(want_ld, want_piv, torch.from_numpy(b))
+    np.testing.assert_allclose(x, want.numpy(), rtol=1e-3, atol=1e-4)
+
+
 @pytest.mark.parametrize("m,n", [(5, 5), (6, 3), (3, 6)])
 def test_householder_qr_has_lapacks_reflectors(m, n):
     a = np.random.default_rng(3).standard_normal((2, m, n)).astype(np.float32)

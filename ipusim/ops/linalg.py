@@ -16,6 +16,8 @@ modes give identical values. Conventions follow LAPACK's, as PyTorch returns the
   1-based as `getrf`'s, `info` the first zero pivot (1-based, 0 when none); without pivoting the
   pivots are 1..k.
 - `cholesky`: the lower factor; `info` the first order whose minor is not positive definite.
+- `ldl_factor`: Bunch-Kaufman pivoting as LAPACK's sytf2 (lower): pivots 1-based, a 2 x 2 block's
+  both entries the negated row it swapped; `ldl_solve` is sytrs on that form.
 - `geqrf`: Householder reflectors as `dlarfg` makes them (beta = -sign(alpha) * norm, tau = 0
   for a column already zero below the diagonal), so R's diagonal has LAPACK's signs;
   `householder_product` is `orgqr`'s product H_1 ... H_k of the first n columns.
@@ -119,6 +121,155 @@ def cholesky_inplace(a):
                 s -= a[i, k] * a[j, k]
             a[i, j] = s / d
     return 0
+
+
+LDL_ALPHA = (1.0 + math.sqrt(17.0)) / 8.0
+
+
+@njit(**JIT)
+def _first_largest(values):
+    best, at = -1.0, 0
+    for i in range(values.shape[0]):
+        if abs(values[i]) > best:
+            best, at = abs(values[i]), i
+    return at
+
+
+@njit(**JIT)
+def ldl_inplace(a, piv):
+    """Bunch-Kaufman LDL^T of the symmetric matrix whose lower triangle is `a`, in place, as
+    LAPACK's sytf2 with uplo 'L': L below the diagonal (unit diagonal implied), D's 1 x 1 and 2 x 2
+    blocks on and below the diagonal; piv 1-based, a 2 x 2 block's two entries -(row swapped).
+    Returns info (the first zero block, 1-based, 0 when none); the strict upper triangle zeroed."""
+    n = a.shape[0]
+    for i in range(n):
+        for j in range(i + 1, n):
+            a[i, j] = 0.0
+    info = 0
+    k = 0
+    while k < n:
+        step = 1
+        absakk = abs(a[k, k])
+        imax, colmax = k, 0.0
+        if k < n - 1:
+            imax = k + 1 + _first_largest(a[k + 1:, k])
+            colmax = abs(a[imax, k])
+        if max(absakk, colmax) == 0.0 or absakk != absakk:
+            if info == 0:
+                info = k + 1
+            kp = k
+        else:
+            if absakk >= LDL_ALPHA * colmax:
+                kp = k
+            else:
+                jmax = k + _first_largest(a[imax, k:imax])
+                rowmax = abs(a[imax, jmax])
+                if imax < n - 1:
+                    jmax = imax + 1 + _first_largest(a[imax + 1:, imax])
+                    rowmax = max(rowmax, abs(a[jmax, imax]))
+                if absakk >= LDL_ALPHA * colmax * (colmax / rowmax):
+                    kp = k
+                elif abs(a[imax, imax]) >= LDL_ALPHA * rowmax:
+                    kp = imax
+                else:
+                    kp = imax
+                    step = 2
+            kk = k + step - 1
+            if kp != kk:
+                for i in range(kp + 1, n):
+                    a[i, kk], a[i, kp] = a[i, kp], a[i, kk]
+                for j in range(kk + 1, kp):
+                    a[j, kk], a[kp, j] = a[kp, j], a[j, kk]
+                a[kk, kk], a[kp, kp] = a[kp, kp], a[kk, kk]
+                if step == 2:
+                    a[k + 1, k], a[kp, k] = a[kp, k], a[k + 1, k]
+            if step == 1:
+                if k < n - 1:
+                    d11 = 1.0 / a[k, k]
+                    for j in range(k + 1, n):
+                        f = d11 * a[j, k]
+                        for i in range(j, n):
+                            a[i, j] -= f * a[i, k]
+                    for i in range(k + 1, n):
+                        a[i, k] *= d11
+            elif k < n - 2:
+                d21 = a[k + 1, k]
+                d11 = a[k + 1, k + 1] / d21
+                d22 = a[k, k] / d21
+                t = 1.0 / (d11 * d22 - 1.0)
+                d21 = t / d21
+                for j in range(k + 2, n):
+                    wk = d21 * (d11 * a[j, k] - a[j, k + 1])
+                    wkp1 = d21 * (d22 * a[j, k + 1] - a[j, k])
+                    for i in range(j, n):
+                        a[i, j] -= a[i, k] * wk + a[i, k + 1] * wkp1
+                    a[j, k] = wk
+                    a[j, k + 1] = wkp1
+        if step == 1:
+            piv[k] = kp + 1
+        else:
+            piv[k] = -(kp + 1)
+            piv[k + 1] = -(kp + 1)
+        k += step
+    return info
+
+
+@njit(**JIT)
+def ldl_solve_inplace(a, piv, b):
+    """Solve A X = B in place of b from sytf2's lower factors `a` and pivots (LAPACK's sytrs)."""
+    n, r = b.shape
+    k = 0
+    while k < n:
+        if piv[k] > 0:
+            kp = piv[k] - 1
+            if kp != k:
+                for c in range(r):
+                    b[k, c], b[kp, c] = b[kp, c], b[k, c]
+            for i in range(k + 1, n):
+                for c in range(r):
+                    b[i, c] -= a[i, k] * b[k, c]
+            for c in range(r):
+                b[k, c] /= a[k, k]
+            k += 1
+        else:
+            kp = -piv[k] - 1
+            if kp != k + 1:
+                for c in range(r):
+                    b[k + 1, c], b[kp, c] = b[kp, c], b[k + 1, c]
+            for i in range(k + 2, n):
+                for c in range(r):
+                    b[i, c] -= a[i, k] * b[k, c] + a[i, k + 1] * b[k + 1, c]
+            akm1k = a[k + 1, k]
+            akm1 = a[k, k] / akm1k
+            ak = a[k + 1, k + 1] / akm1k
+            denom = akm1 * ak - 1.0
+            for c in range(r):
+                bkm1 = b[k, c] / akm1k
+                bk = b[k + 1, c] / akm1k
+                b[k, c] = (ak * bkm1 - bk) / denom
+                b[k + 1, c] = (akm1 * bk - bkm1) / denom
+            k += 2
+    k = n - 1
+    while k >= 0:
+        if piv[k] > 0:
+            for i in range(k + 1, n):
+                for c in range(r):
+                    b[k, c] -= a[i, k] * b[i, c]
+            kp = piv[k] - 1
+            if kp != k:
+                for c in range(r):
+                    b[k, c], b[kp, c] = b[kp, c], b[k, c]
+            k -= 1
+        else:
+            for i in range(k + 1, n):
+                for c in range(r):
+                    b[k, c] -= a[i, k] * b[i, c]
+                    b[k - 1, c] -= a[i, k - 1] * b[i, c]
+            kp = -piv[k] - 1
+            if kp != k:
+                for c in range(r):
+                    b[k, c], b[kp, c] = b[kp, c], b[k, c]
+            k -= 2
 
 
 @njit(**JIT)
@@ -468,6 +619,35 @@ def cholesky_codelet(a, a_addr, a_start, out, o_addr, o_start, info, i_addr, i_s
 
 
 @njit(parallel=True, **JIT)
+def ldl_codelet(a, a_addr, a_start, ld, l_addr, l_start, piv, p_addr, p_start, info, i_addr, i_start, params):
+    """params: n."""
+    for v in prange(params.shape[0]):
+        n = int(params[v, 0])
+        for b in range(i_start[v + 1] - i_start[v]):
+            x = _load(a, a_addr, a_start[v] + b * n * n, n, n)
+            p = np.empty(n, np.int64)
+            st(info, i_addr[i_start[v] + b], ldl_inplace(x, p))
+            _store(ld, l_addr, l_start[v] + b * n * n, x)
+            for j in range(n):
+                st(piv, p_addr[p_start[v] + b * n + j], p[j])
+
+
+@njit(parallel=True, **JIT)
+def ldl_solve_codelet(a, a_addr, a_start, piv, p_addr, p_start, b, b_addr, b_start, x, x_addr, x_start, params):
+    """params: n, r (right-hand sides)."""
+    for v in prange(params.shape[0]):
+        n, r = int(params[v, 0]), int(params[v, 1])
+        for k in range((a_start[v + 1] - a_start[v]) // max(n * n, 1)):
+            factors = _load(a, a_addr, a_start[v] + k * n * n, n, n)
+            pv = np.empty(n, np.int64)
+            for j in range(n):
+                pv[j] = ld(piv, p_addr[p_start[v] + k * n + j])
+            rhs = _load(b, b_addr, b_start[v] + k * n * r, n, r)
+            ldl_solve_inplace(factors, pv, rhs)
+            _store(x, x_addr, x_start[v] + k * n * r, rhs)
+
+
+@njit(parallel=True, **JIT)
 def triangular_solve_codelet(a, a_addr, a_start, b, b_addr, b_start, x, x_addr, x_start, params):
     """params: n, r (right-hand sides), upper, unit."""
     for v in prange(params.shape[0]):
@@ -572,7 +752,7 @@ def lu_batch(a, pivot):
 def permutation_batch(piv, m):
     out = np.empty((piv.shape[0], m), np.int64)
     for b in prange(piv.shape[0]):
-        permutation(piv[b].astype(np.int64), out[b])
+        permutation(piv[b], out[b])
     return out
 
 
@@ -582,6 +762,23 @@ def cholesky_batch(a):
     for b in prange(a.shape[0]):
         info[b] = cholesky_inplace(a[b])
     return a, info
+
+
+@njit(parallel=True, **JIT)
+def ldl_batch(a):
+    B, n, _ = a.shape
+    piv = np.empty((B, n), np.int64)
+    info = np.empty(B, np.int64)
+    for b in prange(B):
+        info[b] = ldl_inplace(a[b], piv[b])
+    return a, piv, info
+
+
+@njit(parallel=True, **JIT)
+def ldl_solve_batch(a, piv, rhs):
+    for b in prange(a.shape[0]):
+        ldl_solve_inplace(a[b], piv[b], rhs[b])
+    return rhs
 
 
 @njit(parallel=True, **JIT)
@@ -682,6 +879,18 @@ def _cholesky_cycles(sizes, params, dtype, target):
     return _cycles(count * n ** 3 / 3.0, count * n, target)
 
 
+def _ldl_cycles(sizes, params, dtype, target):
+    n = params[:, 0]
+    count = sizes["info"]
+    return _cycles(count * n ** 3 / 3.0, count * n * 2, target)
+
+
+def _ldl_solve_cycles(sizes, params, dtype, target):
+    n, r = params[:, 0], params[:, 1]
+    count = sizes["a"] // np.maximum(n * n, 1)
+    return _cycles(count * 2.0 * n * n * r, count * n, target)
+
+
 def _triangular_cycles(sizes, params, dtype, target):
     n, r = params[:, 0], params[:, 1]
     count = sizes["a"] // np.maximum(n * n, 1)
@@ -724,6 +933,9 @@ PERMUTATION = VertexType("poplin::PivotPermutation", ("pivots",), ("perm",), per
                          _permutation_cycles, num_params=2)
 CHOLESKY = VertexType("poplin::Cholesky", ("a",), ("out", "info"), cholesky_codelet, _cholesky_cycles,
                       num_params=1)
+LDL = VertexType("poplin::LDLFactor", ("a",), ("ld", "pivots", "info"), ldl_codelet, _ldl_cycles, num_params=1)
+LDL_SOLVE = VertexType("poplin::LDLSolve", ("a", "pivots", "b"), ("x",), ldl_solve_codelet, _ldl_solve_cycles,
+                       num_params=2)
 TRIANGULAR_SOLVE = VertexType("poplin::TriangularSolve", ("a", "b"), ("x",), triangular_solve_codelet,
                               _triangular_cycles, num_params=4)
 GEQRF = VertexType("poplin::HouseholderQR", ("a",), ("qr", "tau"), geqrf_codelet, _geqrf_cycles, num_params=2)
@@ -755,7 +967,7 @@ def _whole_rows(blocks: RowBlocks, t: Tensor) -> RowBlocks:
 
 
 def _batched(graph: Graph, prog: Sequence, name: str, vertex: VertexType, batch: tuple, inputs: list[Tensor],
-             outputs: list[tuple], params: list, work: float, fast, as_float: bool = True) -> list[Tensor]:
+             outputs: list[tuple], params: list, work: float, fast) -> list[Tensor]:
     """Run `vertex` on every matrix of the batch: inputs [*batch, ...], outputs (dtype, shape
     of one matrix's result) as new variables [*batch, *shape]; `work` the flops of one matrix
     (how the matrices are spread over tiles). `fast(*arrays of the inputs as [B, ...])` gives
@@ -783,8 +995,8 @@ def _batched(graph: Graph, prog: Sequence, name: str, vertex: VertexType, batch:
         body.add(Execute(cs))
 
     def run_fast(io):
-        arrays = [io.read(t).reshape((B,) + t.shape[len(batch):]).astype(np.float64 if as_float else np.int64)
-                  for t in inputs]
+        arrays = [io.read(t).reshape((B,) + t.shape[len(batch):]).astype(np.float64 if t.dtype.kind == "f" else
+                                                                          np.int64) for t in inputs]
         results = fast(*arrays) if B else [np.zeros((0,) + tuple(s)) for _, s in outputs]
         results = (results,) if isinstance(results, np.ndarray) else results
         for t, r in zip(outs, results):
@@ -821,7 +1033,7 @@ def pivot_permutation(graph: Graph, pivots: Tensor, m: int, prog: Sequence, name
                         f"{pivots.shape}")
     k = pivots.shape[-1]
     return _batched(graph, prog, name, PERMUTATION, pivots.shape[:-1], [pivots], [(np.int32, (m,))], [k, m],
-                    float(2 * m + 6 * k), lambda p: permutation_batch(p.astype(np.int64), m), as_float=False)[0]
+                    float(2 * m + 6 * k), lambda p: permutation_batch(p, m))[0]
 
 
 def cholesky(graph: Graph, a: Tensor, prog: Sequence, name: str = "cholesky") -> tuple[Tensor, Tensor]:
@@ -831,6 +1043,29 @@ def cholesky(graph: Graph, a: Tensor, prog: Sequence, name: str = "cholesky") ->
     n = a.shape[-1]
     return tuple(_batched(graph, prog, name, CHOLESKY, batch, [a], [(a.dtype, (n, n)), (np.int32, ())], [n],
                           n ** 3 / 3.0, lambda x: cholesky_batch(x)))
+
+
+def ldl_factor(graph: Graph, a: Tensor, prog: Sequence, name: str = "ldl") -> tuple[Tensor, Tensor, Tensor]:
+    """Bunch-Kaufman LDL^T of every symmetric n x n matrix of `a` (its lower triangle read), in
+    LAPACK's sytrf form: the factors [..., n, n], int32 pivots [..., n], int32 info [...]."""
+    batch = _check(name, a, "input", square=True)
+    n = a.shape[-1]
+    return tuple(_batched(graph, prog, name, LDL, batch, [a], [(a.dtype, (n, n)), (np.int32, (n,)), (np.int32, ())],
+                          [n], n ** 3 / 3.0, lambda x: ldl_batch(x)))
+
+
+def ldl_solve(graph: Graph, ld: Tensor, pivots: Tensor, b: Tensor, prog: Sequence, name: str = "ldl_solve"
+              ) -> Tensor:
+    """X with A X = b from `ldl_factor`'s factors and pivots of A [..., n, n] (LAPACK's sytrs),
+    right-hand sides b [..., n, r] of the same batch."""
+    batch = _check(name, ld, "factors", square=True)
+    _check(name, b, "right-hand sides")
+    n, r = ld.shape[-1], b.shape[-1]
+    if b.shape[:-1] != ld.shape[:-1] or pivots.shape != ld.shape[:-1] or pivots.dtype != np.int32:
+        raise ValueError(f"{name}: factors {ld.shape}, int32 pivots {pivots.dtype.name} {pivots.shape} and "
+                         f"right-hand sides {b.shape} must be [..., n, n], [..., n] and [..., n, r] of one batch")
+    return _batched(graph, prog, name, LDL_SOLVE, batch, [ld, pivots, b], [(b.dtype, (n, r))], [n, r],
+                    2.0 * n * n * r, lambda x, p, y: ldl_solve_batch(x, p, y))[0]
 
 
 def triangular_solve(graph: Graph, a: Tensor, b: Tensor, prog: Sequence, upper: bool, unit: bool = False,

@@ -2,9 +2,9 @@
 
 The factorisations are one IR op each, ``linalg`` with its ``fn``: ``lu_factor``,
 ``pivot_permutation``, ``cholesky``, ``triangular_solve``, ``geqrf``, ``householder``, ``eigh``,
-``svd``, ``matrix_exp``. Everything else is composed from them and the IR's other ops, exactly as
-LAPACK and PyTorch compose it: a solve is an LU then the pivots' rows gathered and two triangular
-solves; an inverse solves the identity; a determinant is the product of U's diagonal times the
+``svd``, ``matrix_exp``, ``ldl_factor``, ``ldl_solve``. Everything else is composed from them and
+the IR's other ops, exactly as LAPACK and PyTorch compose it: a solve is an LU then the pivots'
+rows gathered and two triangular solves; an inverse solves the identity; a determinant is the product of U's diagonal times the
 pivots' sign; QR forms Q from geqrf's reflectors; the pseudo-inverse, matrix square root and polar
 factors are products of SVD or eigh factors. PyTorch's autograd formulas are captured as ATen ops
 and lowered the same way.
@@ -465,3 +465,20 @@ def _matrix_sqrth(c, a):
 def _linalg_polar(c, a):
     w, s, vh = _svd(c, a)
     return _mm(c, w, vh), _mm(c, _scale_columns(c, _mT(c, vh), s), vh)
+
+
+# ---- LDL ------------------------------------------------------------------------------------------
+@lowers(aten.linalg_ldl_factor_ex, doc="linalg ldl_factor (Bunch-Kaufman, LAPACK's sytrf form)")
+def _ldl_factor_ex(c, a, hermitian=False, check_errors=False):
+    a = _float(c, a)
+    return tuple(_linalg(c, "ldl_factor", [a], [(a.shape, a.dtype), (a.shape[:-1], np.int32),
+                                                (a.shape[:-2], np.int32)]))
+
+
+@lowers(aten.linalg_ldl_solve, doc="linalg ldl_solve (LAPACK's sytrs)")
+def _ldl_solve(c, ld, pivots, b, hermitian=False):
+    ld = _float(c, ld)
+    batch = _batch(ld.shape, b.shape)
+    ld, b = _to_batch(c, ld, batch), _to_batch(c, c.cast(b, ld.dtype), batch)
+    pivots = c.expand(c.cast(pivots, np.int32), batch + pivots.shape[-1:])
+    return _linalg(c, "ldl_solve", [ld, pivots, b], [(b.shape, ld.dtype)])[0]

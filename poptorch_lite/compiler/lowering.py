@@ -1021,6 +1021,10 @@ def _linalg(ctx, n, ins):
         return list(linalg_ops.svd(g, ins[0], prog, a["full_matrices"], name))
     if fn == "matrix_exp":
         return [linalg_ops.matrix_exp(g, ins[0], prog, name)]
+    if fn == "ldl_factor":
+        return list(linalg_ops.ldl_factor(g, ins[0], prog, name))
+    if fn == "ldl_solve":
+        return [linalg_ops.ldl_solve(g, ins[0], ins[1], ins[2], prog, name)]
     raise ValueError(f"linalg op {fn!r} is not one of ipusim.ops.linalg's")
 
 
