@@ -65,6 +65,8 @@ CASES = {
                        [(4, 4)]),
     "svd projector": (lambda a: (lambda usv: usv[0] @ usv[0].mT)(torch.linalg.svd(a, full_matrices=False)),
                       [(5, 3)]),
+    "lstsq tall": (lambda a, b: torch.linalg.lstsq(a, b, driver="gels").solution, [(5, 3), (5, 2)]),
+    "lstsq wide": (lambda a, b: torch.linalg.lstsq(a, b).solution, [(2, 4), (2, 3)]),
     "matrix_exp": (lambda a: torch.linalg.matrix_exp(a), [(2, 3, 3)]),
     "matrix_sqrth": (lambda a: torch.linalg.matrix_sqrth(spd(a)), [(3, 3)]),
     "polar": (lambda a: flat(*torch.linalg.polar(a)), [(3, 3)]),
@@ -119,6 +121,26 @@ def test_ldl_factor_and_solve_are_lapacks():
     np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(got[1].numpy(), want[1].numpy())
     np.testing.assert_allclose(got[2].numpy(), want[2].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_lstsq_outputs_have_pytorchs_shapes_and_a_tall_matrix_needs_gels():
+    class Lstsq(nn.Module):
+        def __init__(self, driver):
+            super().__init__()
+            self.driver = driver
+
+        def forward(self, a, b):
+            return tuple(torch.linalg.lstsq(a, b, driver=self.driver))
+
+    torch.manual_seed(3)
+    for shape, driver in (((2, 6, 3), "gels"), ((3, 5), "gelsd"), ((3, 5), "gelsy")):
+        a, b = torch.randn(shape), torch.randn(shape[:-1] + (2,))
+        got, want = poptorch.inferenceModel(Lstsq(driver))(a, b), Lstsq(driver)(a, b)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="pass driver='gels'"):
+        poptorch.inferenceModel(Lstsq("gelsy"))(torch.randn(5, 3), torch.randn(5, 2))
 
 
 def test_determinant_of_a_singular_matrix_is_zero_and_info_names_it():

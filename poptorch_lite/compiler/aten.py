@@ -2091,6 +2091,7 @@ def _decomposition_table() -> dict:
     table = {op: fn for op, fn in {**wider, **core_aten_decompositions()}.items()
              if isinstance(op, torch._ops.OpOverload) and op.overloadpacket not in LOWERINGS}
     table[aten.native_batch_norm.default] = native_batch_norm_decomposition
+    table.update(linalg.DECOMPOSITIONS)   # ops PyTorch's fake tensors refuse, in a form with static shapes
     return table
 
 

@@ -482,3 +482,43 @@ def _ldl_solve(c, ld, pivots, b, hermitian=False):
     ld, b = _to_batch(c, ld, batch), _to_batch(c, c.cast(b, ld.dtype), batch)
     pivots = c.expand(c.cast(pivots, np.int32), batch + pivots.shape[-1:])
     return _linalg(c, "ldl_solve", [ld, pivots, b], [(b.shape, ld.dtype)])[0]
+
+
+# ---- decompositions for the capture ----------------------------------------------------------------
+LSTSQ_DRIVERS = ("gels", "gelsy", "gelsd", "gelss")
+
+
+def _lstsq(a, b, rcond=None, *, driver=None):
+    """torch.linalg.lstsq with the shapes its outputs take, known before the data: the solution
+    from the pseudo-inverse (the least-squares solution of least norm, LAPACK's for a full-rank
+    matrix and, with rcond as the pseudo-inverse's rtol, gelsy's, gelsd's and gelss's for any);
+    the squared residuals of a tall matrix for 'gels' (which assumes full rank); the rank for
+    'gelsy', 'gelsd' and 'gelss', the singular values for 'gelsd' and 'gelss'. PyTorch's fake
+    tensors refuse the op: its residuals' shape depends on the rank for the other drivers, so a
+    tall matrix with those is refused here with how to change it."""
+    driver = driver or "gelsy"
+    if driver not in LSTSQ_DRIVERS:
+        raise ValueError(f"torch.linalg.lstsq: driver {driver!r} is not one of {LSTSQ_DRIVERS}")
+    m, n = a.shape[-2:]
+    if m > n and driver != "gels":
+        raise ValueError(f"torch.linalg.lstsq of a tall {m} x {n} matrix with driver {driver!r}: its residuals "
+                         "are returned only for full-rank matrices, a shape that depends on the data, which the "
+                         "IPU's static graph cannot have; pass driver='gels' (full rank assumed) or compute "
+                         "torch.linalg.pinv(A) @ B")
+    vector = b.dim() == 1
+    bm = b.unsqueeze(-1) if vector else b
+    eps = torch.finfo(a.dtype).eps
+    rtol = rcond if rcond is not None and rcond > 0 else eps * max(m, n)
+    x = torch.linalg.pinv(a, rtol=rtol if driver != "gels" else None) @ bm
+    empty = a.new_empty((0,))
+    residuals = ((a @ x - bm) ** 2).sum(-2) if m > n else empty
+    if driver == "gels":
+        rank = empty.long()
+    else:
+        s = torch.linalg.svdvals(a)
+        rank = (s > rtol * s[..., :1]).sum(-1)
+    singular = torch.linalg.svdvals(a) if driver in ("gelsd", "gelss") else empty
+    return (x.squeeze(-1) if vector else x), residuals, rank, singular
+
+
+DECOMPOSITIONS = {aten.linalg_lstsq.default: _lstsq}
