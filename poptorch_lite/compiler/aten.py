@@ -2490,6 +2490,7 @@ def _decomposition_table() -> dict:
              if isinstance(op, torch._ops.OpOverload) and op.overloadpacket not in LOWERINGS}
     table[aten.native_batch_norm.default] = native_batch_norm_decomposition
     table.update(_custom_op_decompositions())
+    table.update(linalg.DECOMPOSITIONS)   # ops PyTorch's fake tensors refuse, in a form with static shapes
     return table
 
 
@@ -2507,6 +2508,8 @@ def _custom_op_decompositions() -> dict:
 
 for _packet, _lower in {**control_flow.ATEN, **recurrent.ATEN}.items():   # device loops and branches, dynamic
     lowers(_packet, doc=_lower.doc, raw=_lower.raw)(_lower)                 # slices, recurrent layers
+
+from . import linalg  # noqa: E402,F401  (dense linear algebra: registers its lowerings, built on the helpers above)
 
 
 from . import counting, indexing  # noqa: E402,F401  (register the lowering families kept in modules of their own)
@@ -2544,10 +2547,11 @@ def ops_markdown() -> str:
              "markers (`compiler/control_flow.py`).", "",
              "Measured with `benchmarks/opinfo_coverage.py` (PyTorch's OpInfo database, float32 samples,",
              "against eager PyTorch): 503 of 673 ops pass forward (74.7%), 391 of 519 ops with a gradient",
-             "pass backward (75.3%), before index_reduce, unfold, bucketize, addmv, embedding_bag and the",
-             "scatter_reduce products and means were lowered. The largest groups of the rest: complex and",
-             "unsigned dtypes, linear algebra factorisations and solves (svd, qr, lu, cholesky, eigh, inv,",
-             "pinv), FFTs, in-place updates of inputs, as_strided, segment_reduce and nanmedian.", "",
+             "pass backward (75.3%), before index_reduce, unfold, bucketize, addmv, embedding_bag, the",
+             "scatter_reduce products and means and dense linear algebra (`compiler/linalg.py`: LU,",
+             "Cholesky, QR, eigh, SVD, the matrix exponential and what is composed of them) were lowered.",
+             "The largest groups of the rest: complex and unsigned dtypes, FFTs, in-place updates of",
+             "inputs, as_strided, segment_reduce and nanmedian.", "",
              "| ATen op | lowered to (IR / ipusim ops) |", "|---|---|"]
     lines += [f"| `{op}` | {how} |" for op, how in ops_table()]
     return "\n".join(lines) + "\n"

@@ -37,6 +37,7 @@ from ipusim.ops import conv, ctc, gather, loss, norm, pool
 from ipusim.ops import cluster, ctc_decoder
 from ipusim.ops import custom as custom_ops
 from ipusim.ops import index as index_ops
+from ipusim.ops import linalg as linalg_ops
 from ipusim.ops import scan as scan_ops
 from ipusim.ops import sort as sort_ops
 from ipusim.ops import elementwise as ew
@@ -1025,6 +1026,36 @@ def _scan(ctx, n, ins):
     if a["fn"] in scan_ops.EXTREMES:
         return list(scan_ops.scan_with_positions(ctx.graph, ins[0], a["axis"], a["fn"], ctx.prog, name=ctx.name))
     return [scan_ops.scan(ctx.graph, ins[0], a["axis"], a["fn"], ctx.prog, name=ctx.name)]
+
+
+@lowers("linalg")
+def _linalg(ctx, n, ins):
+    """A factorisation, solve or decomposition of each matrix of a batch (ipusim.ops.linalg)."""
+    a, g, prog, name = n.attrs, ctx.graph, ctx.prog, ctx.name
+    fn = a["fn"]
+    if fn == "lu_factor":
+        return list(linalg_ops.lu_factor(g, ins[0], prog, name, pivot=a["pivot"]))
+    if fn == "pivot_permutation":
+        return [linalg_ops.pivot_permutation(g, ins[0], a["m"], prog, name)]
+    if fn == "cholesky":
+        return list(linalg_ops.cholesky(g, ins[0], prog, name))
+    if fn == "triangular_solve":
+        return [linalg_ops.triangular_solve(g, ins[0], ins[1], prog, a["upper"], a["unit"], name)]
+    if fn == "geqrf":
+        return list(linalg_ops.geqrf(g, ins[0], prog, name))
+    if fn == "householder":
+        return [linalg_ops.householder(g, ins[0], ins[1], prog, name)]
+    if fn == "eigh":
+        return list(linalg_ops.eigh(g, ins[0], prog, a["lower"], name))
+    if fn == "svd":
+        return list(linalg_ops.svd(g, ins[0], prog, a["full_matrices"], name))
+    if fn == "matrix_exp":
+        return [linalg_ops.matrix_exp(g, ins[0], prog, name)]
+    if fn == "ldl_factor":
+        return list(linalg_ops.ldl_factor(g, ins[0], prog, name))
+    if fn == "ldl_solve":
+        return [linalg_ops.ldl_solve(g, ins[0], ins[1], ins[2], prog, name)]
+    raise ValueError(f"linalg op {fn!r} is not one of ipusim.ops.linalg's")
 
 
 @lowers("topk")
