@@ -296,6 +296,51 @@ BATCH = (torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(0)),
          torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1)))
 
 
+class TiedLanguageModel(torch.nn.Module):
+    """An embedding on IPU 0, a layer on IPU 1, and the output projection tied to the embedding
+    back on IPU 0 (BERT's and GPT's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8)
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, ids, labels):
+        with poptorch.Block("embedding", ipu_id=0):
+            x = self.embedding(ids)
+        with poptorch.Block("layer", ipu_id=1):
+            x = torch.relu(self.layer(x))
+        with poptorch.Block("head", ipu_id=0):
+            logits = x @ self.embedding.weight.t()
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1))
+
+
+def test_compiled_model_profile_has_its_memory_before_any_call(tmp_path):
+    """PopTorch writes the memory report when it compiles: a model compiled and never run (an
+    offline target, as with an application's --compile-only) has profile.json with the memory of
+    every IPU and no calls; a model whose blocks share a weight has no balance advice, and says why."""
+    torch.manual_seed(0)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    opts.Emulator.setTarget(SMALL)
+    opts.Training.gradientAccumulation(6)
+    opts.useOfflineIpuTarget().enableProfiling(str(tmp_path))
+    net = TiedLanguageModel()
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), 0.1))
+    ids = torch.randint(0, 16, (6, 4), generator=torch.Generator().manual_seed(0))
+    model.compile(ids, ids)
+    assert sorted(os.listdir(tmp_path / "training")) == ["profile.json"]
+    doc = prof.load(str(tmp_path / "training"))
+    assert doc["execution"]["calls"] == 0 and doc["num_ipus"] == 2
+    assert [m["ipu"] for m in doc["memory"]["ipus"]] == [0, 1] and all(m["total_bytes"] > 0 for m in doc["memory"]["ipus"])
+    text = prof.summary(doc)
+    assert "compiled, not run" in text and "per call" not in text and text.count("busiest tile") == 2
+    assert any("share the weight 'embedding.weight'" in n and "'embedding' and 'head'" in n for n in doc["notes"])
+    with pytest.raises(poptorch.Error, match="offline"):
+        model(ids, ids)
+    model.destroy()
+    assert sorted(os.listdir(tmp_path / "training")) == ["profile.json"]   # nothing ran: the compile report stays
+
+
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     """The tutorial network trained for two calls with profiling on; the profile before and

@@ -5,6 +5,9 @@ and autoReport.directory) the executor creates a `Profiler` after compiling and 
 record of every call. Files go to DIR/<model name> (Options.modelName, else "training" or
 "inference"), as PopTorch names its report directories:
 
+- after compiling: profile.json with the memory per IPU and tile, the programs' static costs, the
+  schedule and the block table, no calls (PopTorch writes its memory report at compile time too:
+  a model compiled and never run, as with `--compile-only` and an offline target, has one);
 - after the first call: profile.json and trace.json (so a profile exists as soon as one call ran);
 - when the model is destroyed, or freed (when the garbage collector frees it: at the next safe
   point, `ipusim.report.profile.finish_collected`), or the process exits (once): profile.json
@@ -47,6 +50,7 @@ class Profiler:
                                                 trace_calls=trace_calls, advice=advice_text)
         # Tied to the executable: destroy() or collecting the model drops it; exit runs it too.
         self._finish = ipprofile.finish_on_collect(exe, functools.partial(_finish, self.session, self.directory))
+        self.session.write_compiled()
 
     def called(self, record) -> None:
         """Account one call (executor.RunRecord); the first call also writes the files (and the
@@ -237,9 +241,29 @@ def block_table(executor) -> advisor.BlockTable:
     recomputes = bool(exe.schedule.recomputed_stages)
     if identity and len(names) == placement.num_stages and exe.replicas == 1 and not recomputes:
         return _table(exe, names, split, "stage programs")
+    shared = _shared_weights(exe.ir)
+    if shared:
+        weight, blocks = shared
+        raise ValueError(f"blocks {' and '.join(repr(b) for b in blocks)} share the weight {weight!r} (tied weights), so "
+                         "they must stay on one IPU; the advisor weighs contiguous splits giving each block its own "
+                         "stage on its own IPU, which cannot keep them together. Profile the splits you consider and "
+                         "compare them (python -m ipusim.report DIR --compare DIR2)")
     per_block = _relowered(executor, {b: i for i, b in enumerate(names)}, exe.engine.target, recompute=False)
     return _table(per_block, names, split, "model lowered with one block per stage"
                   + (" without recomputation" if recomputes else ""))
+
+
+def _shared_weights(ir) -> tuple[str, list[str]] | None:
+    """(weight, its blocks) of the first weight the ops of several blocks use, or None."""
+    names = {v.id: name for name, v in {**ir.params, **ir.buffers}.items()}
+    users: dict[str, list[str]] = {}
+    for n in ir.nodes:
+        for v in n.inputs:
+            if v.id in names and n.block is not None:
+                blocks = users.setdefault(names[v.id], [])
+                if str(n.block) not in blocks:
+                    blocks.append(str(n.block))
+    return next(((w, b) for w, b in users.items() if len(b) > 1), None)
 
 
 def advice_text(doc: dict) -> str:
