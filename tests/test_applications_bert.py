@@ -35,15 +35,13 @@ def application_module(name: str):
         sys.path.remove(os.path.join(ROOT, "applications"))
 
 
-def application_copy(tmp_path, squad: bool = False) -> tuple[str, dict]:
+def application_copy(tmp_path) -> tuple[str, dict]:
     """A copy of the application and the environment it runs in: the stand-ins on PYTHONPATH, the
-    tokenizer's Hub cache (and with `squad`, the SQuAD sample's caches) in HF_HOME, offline."""
+    tokenizer's Hub cache in HF_HOME, offline."""
     app = tmp_path / "bert"
     shutil.copytree(BERT, app, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
     hf = str(tmp_path / "hf")
     application_module("bert_vocabulary").write_hub_cache(hf)
-    if squad:
-        application_module("squad_sample").write_sample(hf)
     env = {**os.environ, "HF_HOME": hf, "HF_HUB_OFFLINE": "1", "POPTORCH_LITE_IPU_HARDWARE": "ipu2",
            "PYTHONPATH": os.pathsep.join([ROOT, STANDINS, os.environ.get("PYTHONPATH", "")])}
     return str(app), env
@@ -200,7 +198,8 @@ PRETRAINING = ["run_pretraining.py", "--config", "unit_test", "--dataset", "gene
 @needs_application
 def test_bert_application_pretraining_compiles_only_and_writes_the_memory_report(tmp_path):
     """run_pretraining.py --compile-only (an offline IPU target: compile(), no call) with
-    --profile-dir: the profile holds the memory of the 4 IPUs and no calls; the report reads it."""
+    --profile-dir: the profile holds the memory of the 4 IPUs and no calls; the report reads it
+    and advises on the split of the encoder layers (--layers-per-ipu)."""
     pytest.importorskip("transformers", reason="the BERT application needs transformers")
     pytest.importorskip("tfrecord", reason="the BERT application needs tfrecord")
     app, env = application_copy(tmp_path)
@@ -214,6 +213,13 @@ def test_bert_application_pretraining_compiles_only_and_writes_the_memory_report
                             capture_output=True, text=True, timeout=300)
     assert report.returncode == 0, report.stderr
     assert "compiled, not run" in report.stdout and report.stdout.count("busiest tile") == 4
+    # the heads (tied to the embedding) stay on IPU 0; the advisor weighs the split of the rest
+    assert "current  IPU0: Embedding, Pooler, Classifier | IPU1: Encoder0 | IPU2: Encoder1 | IPU3: Encoder2" in \
+        report.stdout
+    two = subprocess.run([sys.executable, "-m", "ipusim.report", str(tmp_path / "profile"), "--ipus", "2"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert re.search(r"proposed IPU0: Embedding, (Encoder\d, )*Pooler, Classifier \| IPU1: Encoder", two.stdout), \
+        two.stdout + two.stderr
 
 
 @pytest.mark.slow
@@ -231,3 +237,47 @@ def test_bert_application_pretraining_runs_to_its_throughput_line(tmp_path):
     assert len(throughputs) == 2 and all(t > 0 for t in throughputs)
     assert len(losses) == 2 and all(0 < x < 20 for x in losses)
     assert "training_steps: 2" in out and re.search(r"Training time: [\d.]+ secs", out)
+
+
+@pytest.mark.slow
+@needs_application
+def test_bert_application_squad_trains_and_validates_on_the_sample(tmp_path):
+    """run_squad.py --config demo_tiny_128 --sequence-length 384 (squad_data.py tokenizes to 384)
+    on the generated SQuAD sample, reduced to 16 training questions and 1 epoch: one training step
+    of 16 micro-batches on 4 IPUs, then the model re-pipelined over 2 IPUs with 2 replicas for
+    inference on 4 validation questions (one call, padded to its 160 samples), their answers
+    scored by the metric stand-in."""
+    pytest.importorskip("transformers", reason="the BERT application needs transformers")
+    datasets = pytest.importorskip("datasets", reason="run_squad.py needs datasets (2.x)")
+    if not hasattr(datasets, "load_metric"):
+        pytest.skip("datasets 3 removed load_metric, which run_squad.py imports: install datasets 2.x")
+    app, env = application_copy(tmp_path)
+    application_module("squad_sample").write_sample(env["HF_HOME"], train=16, validation=4)
+    out = run_script(app, env, "run_squad.py", "--config", "demo_tiny_128", "--sequence-length", "384",
+                     "--num-epochs", "1")
+    training = re.findall(r"Epoch: 0, Step:(\d+), LR=\S+, loss: ([\d.]+), throughput: ([\d.]+) samples/sec", out)
+    assert [int(s) for s, _, _ in training] == [0] and all(float(t) > 0 for _, _, t in training)
+    validation = re.findall(r"Step:(\d+), throughput: ([\d.e+-]+) samples/sec", out)
+    assert [int(s) for s, _ in validation] == [0] and float(validation[0][1]) > 0
+    scores = re.search(r"\{'exact_match': ([\d.]+), 'f1': ([\d.]+)\}", out)
+    assert scores and 0 <= float(scores.group(1)) <= float(scores.group(2)) <= 100
+
+
+@pytest.mark.slow
+@needs_application
+def test_bert_application_tiny_demo_with_replicas_serialised_embeddings_and_loss_scaling(tmp_path):
+    """bert_tiny_test.py's heaviest configuration (test_compile_and_train_with_als[3]:
+    demo_tiny_128 on the sample data in data/, 2 replicas of 4 IPUs, embedding serialisation 3,
+    automatic loss scaling from a scale of 1), reduced from 360 steps to 3: it compiles for 8 IPUs,
+    trains and prints the loss and MLM accuracy lines the application's test parses."""
+    pytest.importorskip("transformers", reason="the BERT application needs transformers")
+    pytest.importorskip("tfrecord", reason="the BERT application needs tfrecord")
+    app, env = application_copy(tmp_path)
+    out = run_script(app, env, "run_pretraining.py", "--config", "demo_tiny_128", "--training-steps", "3",
+                     "--replication-factor", "2", "--embedding-serialization-factor", "3", "--loss-scaling", "1",
+                     "--auto-loss-scaling", "True", "--disable-progress-bar", "True", "--wandb", "false")
+    losses = [float(x) for x in re.findall(r"total loss: ([\d.]+)", out)]
+    accuracies = [float(x) for x in re.findall(r"mlm_acc: ([\d.]+)", out)]
+    assert len(losses) == len(accuracies) == 3
+    assert all(0 < x < 20 for x in losses) and all(0 <= a <= 1 for a in accuracies)
+    assert "automaticLossScalingSettings" not in out     # modelled, not listed as without effect
