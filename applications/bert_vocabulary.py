@@ -5,7 +5,9 @@ name; with `HF_HOME=<directory>` and `HF_HUB_OFFLINE=1` transformers' own BertTo
 from there, nothing downloaded. The tokenizer itself is transformers' (lower-casing, punctuation
 splitting, WordPiece); only its vocabulary is small. It covers the tests' sentence
 ("Hello, my dog is cute ... yo") so that it tokenizes to the application's sequence length of 128,
-as bert-base-uncased's does (the tests gather masked positions anywhere in 0..127).
+as bert-base-uncased's does (the tests gather masked positions anywhere in 0..127), and the words
+of the generated SQuAD sample (applications/squad_sample.py), none of which changes how that
+sentence splits.
 
     python applications/bert_vocabulary.py DIRECTORY   # then export HF_HOME=DIRECTORY HF_HUB_OFFLINE=1
 """
@@ -18,7 +20,10 @@ import sys
 MODEL = "bert-base-uncased"
 REVISION = "0" * 40  # the cache's snapshot name (a commit id on the Hub)
 VOCABULARY = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", ",", "my", "dog", "is", "cute", "y", "##o",
-              "##hello"]
+              "##hello",
+              # the words of the generated SQuAD sample (applications/squad_sample.py)
+              "a", "has", "have", "does", "what", "who", ".", "?", "red", "blue", "green", "big", "small", "ball",
+              "box", "cat", "hat", "tom", "ann", "sam", "eve", "bob", "max"]
 
 
 def write_hub_cache(directory: str) -> str:

@@ -227,3 +227,17 @@ def test_device_statistics_and_update_on_constructed_gradients(mode):
         assert engine.readTensor(stats).tolist() == [[64.0 - upper, float(upper)]]
         assert float(engine.readTensor(change)[0]) == expected
     assert float(engine.readTensor(factor)[0]) == 2.0 * 0.5 * 2.0
+
+
+def test_automatic_loss_scaling_settings_are_not_listed_as_without_effect(caplog):
+    import logging
+    from poptorch_lite.api import poptorch_core
+    opts = als_options(updatePeriod=2, binEdgeLocation=0.25, thresholdUpperCountProportion=1e-6,
+                       gradientTensorTrackingMethod=0)
+    opts._Popart.set("enableOutlining", False)
+    poptorch_core._LISTED.clear()
+    model = Scaled(4)
+    with caplog.at_level(logging.WARNING, logger="poptorch_lite"):
+        poptorch.trainingModel(model, opts, poptorch.optim.SGD(model.parameters(), lr=0.0, loss_scaling=1.0))
+    listed = [r.getMessage() for r in caplog.records if "no effect on the emulator" in r.getMessage()]
+    assert listed == ["PopART options accepted with no effect on the emulator: enableOutlining"]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import ipusim as ip
 import poptorch_lite as poptorch
 from ipusim.device.model_error import KNOWN_ERRORS, known_errors
+from ipusim.report import advisor
 from ipusim.report import profile as prof
 from ipusim.ops.matmul import matmul
 from ipusim.schedules import pipelined_schedule
@@ -294,6 +295,74 @@ def tutorial_training(profile_dir, **names):
 
 BATCH = (torch.randn(16, 1, 28, 28, generator=torch.Generator().manual_seed(0)),
          torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(1)))
+
+
+class TiedLanguageModel(torch.nn.Module):
+    """An embedding on IPU 0, a layer on IPU 1, and the output projection tied to the embedding
+    back on IPU 0 (BERT's and GPT's layout); with `zigzag`, the loss in one more block on IPU 1."""
+
+    def __init__(self, zigzag: bool = False):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 8)
+        self.layer = torch.nn.Linear(8, 8)
+        self.zigzag = zigzag
+
+    def forward(self, ids, labels):
+        ids = ids.clamp(0, 15)   # an op before the first block: IPU 0, with the embedding
+        with poptorch.Block("embedding", ipu_id=0):
+            x = self.embedding(ids)
+        with poptorch.Block("layer", ipu_id=1):
+            x = torch.relu(self.layer(x))
+        with poptorch.Block("head", ipu_id=0):
+            logits = x @ self.embedding.weight.t()
+        with poptorch.Block("loss", ipu_id=1 if self.zigzag else 0):
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), labels.reshape(-1))
+
+
+def compiled_tied_model(profile_dir, zigzag: bool = False):
+    torch.manual_seed(0)
+    opts = poptorch.Options().setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
+    opts.Emulator.setTarget(SMALL)
+    opts.Training.gradientAccumulation(8)
+    opts.useOfflineIpuTarget().enableProfiling(str(profile_dir))
+    net = TiedLanguageModel(zigzag)
+    model = poptorch.trainingModel(net, opts, torch.optim.SGD(net.parameters(), 0.1))
+    ids = torch.randint(0, 16, (8, 4), generator=torch.Generator().manual_seed(0))
+    model.compile(ids, ids)
+    return model, ids
+
+
+def test_compiled_model_profile_has_its_memory_and_advice_before_any_call(tmp_path):
+    """PopTorch writes the memory report when it compiles: a model compiled and never run (an
+    offline target, as with an application's --compile-only) has profile.json with the memory of
+    every IPU and no calls. Its last stage returns to IPU 0 (the head tied to the embedding): the
+    balance advice keeps it there and splits the other blocks."""
+    model, ids = compiled_tied_model(tmp_path)
+    assert sorted(os.listdir(tmp_path / "training")) == ["profile.json"]
+    doc = prof.load(str(tmp_path / "training"))
+    assert doc["execution"]["calls"] == 0 and doc["num_ipus"] == 2
+    assert [m["ipu"] for m in doc["memory"]["ipus"]] == [0, 1] and all(m["total_bytes"] > 0 for m in doc["memory"]["ipus"])
+    text = prof.summary(doc)
+    assert "compiled, not run" in text and "per call" not in text and text.count("busiest tile") == 2
+    blocks = doc["blocks"]
+    assert blocks["names"] == ["embedding", "layer", "head, loss"] and blocks["tail"] and blocks["current_split"] == [1, 1]
+    two = advisor.advise_profile(doc)
+    assert two.current.stage_ipus == (0, 1, 0) and two.current.ipu_blocks() == [["embedding", "head, loss"], ["layer"]]
+    assert "current  IPU0: embedding, head, loss | IPU1: layer" in two.text()
+    one = advisor.advise_profile(doc, 1)
+    assert one.best.ipu_blocks() == [["embedding", "layer", "head, loss"]] and one.best.cycles > two.current.cycles
+    with pytest.raises(poptorch.Error, match="offline"):
+        model(ids, ids)
+    model.destroy()
+    assert sorted(os.listdir(tmp_path / "training")) == ["profile.json"]   # nothing ran: the compile report stays
+
+
+def test_blocks_sharing_a_weight_across_ipus_get_no_advice_and_a_note_saying_why(tmp_path):
+    model, _ = compiled_tied_model(tmp_path, zigzag=True)
+    doc = prof.load(str(tmp_path / "training"))
+    assert doc["blocks"] is None
+    assert any("share the weight 'embedding.weight'" in n and "'embedding' and 'head'" in n for n in doc["notes"])
+    model.destroy()
 
 
 @pytest.fixture(scope="module")

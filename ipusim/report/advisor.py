@@ -19,6 +19,11 @@ split puts stage k (blocks [b_k, b_k+1)) on IPU k. Its cost model:
   backward op also costs its forward body, and it stashes the values entering the stage (from
   the forwards of earlier stages) instead of what its backward reads from its own forward.
 
+A model whose last stage returns to the first IPU (BERT's and GPT's heads, tied to the embedding
+on IPU 0) has a *tail*: its block table's last entry is that stage, which every split keeps as one
+more stage on IPU 0 while the other blocks are split contiguously over the IPUs. An IPU holding
+two stages runs their ops of a step one after the other and holds the memory of both.
+
 Splits are enumerated when there are few enough (EXHAUSTIVE_LIMIT), otherwise a dynamic program
 on the stage bottleneck gives a start that a local search improves. The current split is always
 a candidate, so the advice is never worse than it under the model.
@@ -58,8 +63,9 @@ class BlockTable:
     update: list[float]             # cycles of the weight update per group
     tile_bytes: np.ndarray          # [block, tile] bytes without channel buffers
     flows: list[Flow]
-    current_split: list[int] | None  # blocks per stage of the profiled placement (stage k on IPU k)
+    current_split: list[int] | None  # blocks per stage of the profiled placement (stage k on IPU k), tail aside
     source: str = ""                # how the table was measured
+    tail: bool = False              # the last entry is a stage of its own on IPU 0, after the others
 
     def __post_init__(self):
         n = len(self.names)
@@ -69,12 +75,18 @@ class BlockTable:
                 raise ValueError(f"block table: {len(seq)} {name} costs for {n} blocks")
         if self.tile_bytes.ndim != 2 or self.tile_bytes.shape[0] != n:
             raise ValueError(f"block table: tile_bytes must be [blocks, tiles], got shape {self.tile_bytes.shape}")
-        if self.current_split is not None and (sum(self.current_split) != n or min(self.current_split) < 1):
-            raise ValueError(f"block table: current split {self.current_split} does not cover {n} blocks")
+        if self.current_split is not None and (sum(self.current_split) != self.num_free or
+                                               min(self.current_split) < 1):
+            raise ValueError(f"block table: current split {self.current_split} does not cover {self.num_free} blocks")
 
     @property
     def num_blocks(self) -> int:
         return len(self.names)
+
+    @property
+    def num_free(self) -> int:
+        """The blocks a split distributes (all but the tail)."""
+        return len(self.names) - int(self.tail)
 
     def to_dict(self) -> dict:
         return {"names": list(self.names), "forward_cycles": [float(x) for x in self.forward],
@@ -83,7 +95,7 @@ class BlockTable:
                 "flows": [{"value": f.value, "bytes": f.nbytes, "src_pass": f.src[0], "src_block": f.src[1],
                            "dst_pass": f.dst[0], "dst_block": f.dst[1]} for f in self.flows],
                 "current_split": None if self.current_split is None else list(self.current_split),
-                "source": self.source}
+                "source": self.source, "tail": self.tail}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockTable":
@@ -91,7 +103,8 @@ class BlockTable:
                    np.asarray(d["tile_bytes"], dtype=np.int64),
                    [Flow(f["value"], f["bytes"], (f["src_pass"], f["src_block"]), (f["dst_pass"], f["dst_block"]))
                     for f in d["flows"]],
-                   None if d["current_split"] is None else list(d["current_split"]), d.get("source", ""))
+                   None if d["current_split"] is None else list(d["current_split"]), d.get("source", ""),
+                   bool(d.get("tail", False)))
 
 
 @dataclass(frozen=True)
@@ -104,9 +117,12 @@ class Pipeline:
     kind: str = "grouped"           # pipelined schedules: "grouped", "interleaved", "sequential"
     recompute: bool = False         # every stage but the last recomputes its forward before its backward
 
-    def schedule(self, num_stages: int) -> schedules.Schedule:
+    def schedule(self, num_stages: int, stage_ipus: tuple[int, ...] | None = None) -> schedules.Schedule:
         g = self.gradient_accumulation if self.training else 1
         if self.strategy in ADVISED_KINDS:
+            if stage_ipus is not None and len(set(stage_ipus)) != len(stage_ipus):
+                raise ValueError(f"balance advice for {self.strategy} places one stage per IPU; this model's last "
+                                 "stage returns to IPU 0")
             return ADVISED_KINDS[self.strategy](num_stages, gradient_accumulation=g,
                                                 device_iterations=self.device_iterations)
         if self.strategy in schedules.TRAINING_KINDS:
@@ -114,10 +130,11 @@ class Pipeline:
                              f"cover {self.strategy} (compare schedules with python -m ipusim.report DIR --schedules)")
         if self.strategy == "sharded":
             return schedules.sharded_schedule(num_stages, training=self.training, gradient_accumulation=g,
-                                              device_iterations=self.device_iterations)
+                                              device_iterations=self.device_iterations, stage_ipus=stage_ipus)
         if self.strategy == "pipelined":
             return schedules.pipelined_schedule(num_stages, training=self.training, gradient_accumulation=g,
-                                                device_iterations=self.device_iterations, kind=self.kind)
+                                                device_iterations=self.device_iterations, kind=self.kind,
+                                                stage_ipus=stage_ipus)
         raise ValueError(f"balance advice covers pipelined and sharded execution, not {self.strategy!r}")
 
     @classmethod
@@ -142,8 +159,17 @@ class Prediction:
     forward: list[int]                # op cycles per stage
     backward: list[int]
     update: list[int]
-    max_tile_bytes: list[int]         # busiest tile per stage's IPU
+    max_tile_bytes: list[int]         # busiest tile per IPU
     fits: bool
+    stage_ipus: tuple[int, ...] = ()  # the IPU of each stage (default stage k on IPU k)
+
+    def ipu_blocks(self) -> list[list[str]]:
+        """The blocks of each IPU, its stages in pipeline order."""
+        ipus = self.stage_ipus or tuple(range(len(self.stages)))
+        out: list[list[str]] = [[] for _ in range(max(ipus) + 1)]
+        for names, ipu in zip(self.stages, ipus):
+            out[ipu] += names
+        return out
 
     @property
     def bottleneck_stage(self) -> int:
@@ -177,7 +203,7 @@ class Advice:
             return "\n".join(lines)
 
         def describe(p: Prediction) -> str:
-            return " | ".join(f"IPU{k}: {', '.join(s)}" for k, s in enumerate(p.stages))
+            return " | ".join(f"IPU{k}: {', '.join(s)}" for k, s in enumerate(p.ipu_blocks()))
 
         b, c = self.best, self.current
         if c is not None:
@@ -246,15 +272,27 @@ class _Model:
         self._schedules: dict[int, tuple] = {}
         self._slots: dict[tuple, int] = {}
 
+    def stage_ipus(self, n: int) -> tuple[int, ...]:
+        """The IPU of each of the n stages: stage k on IPU k, a tail stage back on IPU 0."""
+        return tuple(range(n - 1)) + (0,) if self.table.tail else tuple(range(n))
+
     def schedule(self, n: int):
-        """(schedule, step index matrix into the op-cost vector [F.., B.., W.., 0])."""
+        """(schedule, index array [step, IPU, op] into the op-cost vector [F.., B.., W.., 0]) of n stages."""
         if n not in self._schedules:
-            s = self.pipeline.schedule(n)
-            width = max((len(st.ops) for st in s.steps), default=1)
-            idx = np.full((len(s.steps), width), 3 * n, dtype=np.int64)
-            for t, st in enumerate(s.steps):
-                for j, op in enumerate(st.ops):
-                    idx[t, j] = {"F": 0, "B": n, "U": 2 * n}[op.kind] + (op.stage if op.kind != "U" else op.ipu)
+            ipus = self.stage_ipus(n)
+            s = self.pipeline.schedule(n, ipus if self.table.tail else None)
+            per_ipu: list[dict[int, list[int]]] = []
+            for st in s.steps:
+                mine: dict[int, list[int]] = {}
+                for op in st.ops:
+                    k = {"F": 0, "B": n, "U": 2 * n}[op.kind] + (op.stage if op.kind != "U" else op.ipu)
+                    mine.setdefault(op.ipu if op.kind == "U" else ipus[op.stage], []).append(k)
+                per_ipu.append(mine)
+            width = max((len(v) for m in per_ipu for v in m.values()), default=1)
+            idx = np.full((len(s.steps), max(ipus) + 1, width), 3 * n, dtype=np.int64)
+            for t, mine in enumerate(per_ipu):
+                for ipu, ks in mine.items():
+                    idx[t, ipu, :len(ks)] = ks
             self._schedules[n] = (s, idx)
         return self._schedules[n]
 
@@ -281,23 +319,26 @@ class _Model:
         return out
 
     def evaluate(self, split: tuple[int, ...]) -> Prediction:
+        """The modelled call of `split` (blocks per IPU, the tail aside)."""
         t, table = self.target, self.table
-        n = len(split)
-        bounds = np.concatenate([[0], np.cumsum(split)])
-        stage_of = np.repeat(np.arange(n), split)
+        stages = tuple(split) + ((1,) if table.tail else ())
+        n = len(stages)
+        ipus = self.stage_ipus(n)
+        bounds = np.concatenate([[0], np.cumsum(stages)])
+        stage_of = np.repeat(np.arange(n), stages)
         fwd = np.array([sum(table.forward[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
         bwd = np.array([sum(table.backward[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
         upd = np.array([sum(table.update[bounds[k]:bounds[k + 1]]) for k in range(n)], dtype=float)
         if self.pipeline.recompute and self.pipeline.training:
             bwd[:-1] += fwd[:-1]   # R: the stage's forward body again, before its backward in the same step
         memory = [self.prefix[bounds[k + 1]] - self.prefix[bounds[k]] for k in range(n)]
-        gsync = t.global_sync_cycles(n)
+        gsync = t.global_sync_cycles(len(split))
         tiles = table.tile_bytes.shape[1]
         for (src, dst), values in self.channels(stage_of).items():
             slots = self.slots(n, src, dst)
             for nbytes in values.values():
                 spread = linear_tile_bytes(nbytes, tiles)
-                if src[1] != dst[1]:
+                if ipus[src[1]] != ipus[dst[1]]:
                     link = t.inter_ipu_cycles(nbytes) + gsync
                     costs = [(src, link), (dst, link)]
                 else:
@@ -309,12 +350,13 @@ class _Model:
                 memory[dst[1]] = memory[dst[1]] + spread * slots
         _, idx = self.schedule(n)
         vector = np.concatenate([fwd, bwd, upd, [0.0]])
-        cycles = int(round(vector[idx].max(axis=1).sum()))
-        peaks = [int(m.max(initial=0)) for m in memory]
+        cycles = int(round(vector[idx].sum(axis=2).max(axis=1).sum()))   # an IPU runs its ops of a step in turn
+        on_ipu = [sum(memory[k] for k in range(n) if ipus[k] == i) for i in range(len(split))]
+        peaks = [int(m.max(initial=0)) for m in on_ipu]
         return Prediction(tuple(int(x) for x in split),
                           [table.names[bounds[k]:bounds[k + 1]] for k in range(n)], cycles,
                           [int(round(x)) for x in fwd], [int(round(x)) for x in bwd], [int(round(x)) for x in upd],
-                          peaks, all(p <= t.bytes_per_tile for p in peaks))
+                          peaks, all(p <= t.bytes_per_tile for p in peaks), ipus)
 
 
 def _compositions(total: int, parts: int):
@@ -326,9 +368,9 @@ def _compositions(total: int, parts: int):
 def _bottleneck_start(model: _Model, n: int) -> tuple[int, ...]:
     """The split minimising the largest per-micro-batch work of a stage (dynamic programming)."""
     table = model.table
-    work = np.asarray(table.forward) + np.asarray(table.backward)
+    work = (np.asarray(table.forward) + np.asarray(table.backward))[:table.num_free]
     prefix = np.concatenate([[0.0], np.cumsum(work)])
-    b = table.num_blocks
+    b = table.num_free
 
     @lru_cache(maxsize=None)
     def best(k: int, j: int) -> tuple[float, tuple[int, ...]]:
@@ -364,22 +406,24 @@ def advise(table: BlockTable, target: Target, pipeline: Pipeline, num_ipus: int 
     n = num_ipus or current_n
     if n is None:
         raise ValueError("the block table has no current split: say how many IPUs to split over (num_ipus=)")
-    if not 1 <= n <= table.num_blocks:
-        raise ValueError(f"{table.num_blocks} block(s) cannot fill {n} pipeline stages: split the model into at least "
-                         f"{n} blocks (poptorch.BeginBlock / Block) or ask for at most {table.num_blocks} IPUs")
-    if pipeline.training and pipeline.strategy == "pipelined" and pipeline.gradient_accumulation < 2 * n - 1:
-        raise ValueError(f"a training pipeline over {n} IPUs needs gradient_accumulation >= {2 * n - 1} "
-                         f"(it is {pipeline.gradient_accumulation}): advise for fewer IPUs or raise "
+    free = table.num_free
+    if not 1 <= n <= free:
+        raise ValueError(f"{free} block(s) cannot fill {n} pipeline stages: split the model into at least "
+                         f"{n} blocks (poptorch.BeginBlock / Block) or ask for at most {free} IPUs")
+    stages = n + int(table.tail)
+    if pipeline.training and pipeline.strategy == "pipelined" and pipeline.gradient_accumulation < 2 * stages - 1:
+        raise ValueError(f"a training pipeline of {stages} stages over {n} IPUs needs gradient_accumulation >= "
+                         f"{2 * stages - 1} (it is {pipeline.gradient_accumulation}): advise for fewer IPUs or raise "
                          "options.Training.gradientAccumulation")
-    if not pipeline.training and pipeline.strategy == "pipelined" and pipeline.device_iterations < n:
-        raise ValueError(f"pipelined inference over {n} IPUs needs device_iterations >= {n} (it is "
-                         f"{pipeline.device_iterations})")
+    if not pipeline.training and pipeline.strategy == "pipelined" and pipeline.device_iterations < stages:
+        raise ValueError(f"pipelined inference of {stages} stages over {n} IPUs needs device_iterations >= {stages} "
+                         f"(it is {pipeline.device_iterations})")
     model = _Model(table, target, pipeline)
     current = model.evaluate(tuple(table.current_split)) if table.current_split else None
-    count = math.comb(table.num_blocks - 1, n - 1)
+    count = math.comb(free - 1, n - 1)
     exhaustive = count <= EXHAUSTIVE_LIMIT
     if exhaustive:
-        candidates = [model.evaluate(s) for s in _compositions(table.num_blocks, n)]
+        candidates = [model.evaluate(s) for s in _compositions(free, n)]
     else:
         starts = {_bottleneck_start(model, n)}
         if current is not None and len(current.split) == n:

@@ -742,10 +742,21 @@ def summary(doc: dict) -> str:
     ex, tgt = doc["execution"], doc["target"]
     clock = tgt["clock_hz"]
     sched = ex["schedule"]
-    kind = "estimate, not run" if doc["estimated"] else (
+    compiled_only = not doc["estimated"] and not ex["calls"] and doc["source"] != "ipusim"
+    kind = "estimate, not run" if doc["estimated"] else "compiled, not run (memory only)" if compiled_only else (
         f"{ex['calls']} call{'s' if ex['calls'] != 1 else ''}" if doc["source"] != "ipusim" else "plain programs")
     lines = [f"Profile {doc['name']!r}: {doc['num_ipus']} x {tgt['name']} ({clock / 1e9:.2f} GHz)"
-             + (f", {sched['strategy']} schedule" if sched else "") + f"; {kind}", _run_line(doc)]
+             + (f", {sched['strategy']} schedule" if sched else "") + f"; {kind}"]
+    if not compiled_only:
+        lines += _run_table(doc)
+    lines += _memory_lines(doc)
+    return "\n".join(lines)
+
+
+def _run_table(doc: dict) -> list[str]:
+    """The summary's lines on the calls that ran: per-IPU time shares and the longest stage."""
+    ex = doc["execution"]
+    lines = [_run_line(doc)]
     total = ex["total_cycles"] or 1
     lines.append(f"  {'IPU':>3}  {'busy':>6}  {'idle':>6} {'(bubble':>8} {'wait)':>7}   {'compute':>7} {'exchange':>8} "
                  f"{'sync':>6} {'inter-IPU':>9} {'host':>6}")
@@ -766,6 +777,13 @@ def summary(doc: dict) -> str:
                      f"{ls['cycles_per_micro_batch']:,.0f} cycles per micro-batch ({parts}): "
                      f"{100 * ls['share_of_work']:.1f}% of the work of all stages ({100 * ls['balanced_share']:.1f}% "
                      f"if balanced); its IPU sets the step time for {100 * ls['critical_fraction']:.1f}% of the run.")
+    return lines
+
+
+def _memory_lines(doc: dict) -> list[str]:
+    """The summary's lines on memory, recomputation, traffic, the cycle model and the notes."""
+    ex, tgt = doc["execution"], doc["target"]
+    lines = []
     if doc["memory"]["ipus"]:
         lines.append(f"Memory per IPU (capacity {_mib((tgt['num_tiles'] + tgt.get('io_tiles', 0)) * tgt['bytes_per_tile'])}, "
                      f"{tgt['bytes_per_tile']:,} B per tile):")
@@ -791,7 +809,7 @@ def summary(doc: dict) -> str:
         lines += [f"  {e['statement']}" for e in doc["model_error"]]
     for note in doc.get("notes", []):
         lines.append(f"Note: {note}")
-    return "\n".join(lines)
+    return lines
 
 
 def comparison_rows(a: dict, b: dict) -> list[tuple[str, float | None, float | None]]:
@@ -1258,6 +1276,11 @@ class ProfileSession:
     def add(self, steps: list) -> None:
         finish_collected()
         self.recording.add(steps)
+
+    def write_compiled(self) -> None:
+        """profile.json of the compiled program before any call: memory, static costs, schedule."""
+        _, self.files, _ = write_profile(self.directory, self.static, self.recording, trace=False, charts=False,
+                                         page=False, cost_of=self.cost_of)
 
     def write_early(self) -> None:
         _, self.files, _ = write_profile(self.directory, self.static, self.recording, charts=False, page=False,

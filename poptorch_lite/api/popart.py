@@ -300,7 +300,7 @@ SESSION_OPTIONS: dict[str, SessionOption] = {
         enableFloatingPointChecks enableStochasticRounding ensureFp32LossScaleTensor explicitRecomputation
         enableExplicitMainLoops useHostCopyOps aliasZeroCopy delayVarUpdates enableFullyConnectedPass
         enableSerializedMatmuls enableStableNorm decomposeGradSum enableDistributedReplicatedGraphs
-        groupHostSync automaticLossScalingSettings.enabled enableSupportedDataTypeCasting
+        groupHostSync enableSupportedDataTypeCasting
         groupNormStridedChannelGrouping scheduleNonWeightUpdateGradientConsumersEarly
         replicatedCollectivesSettings.prepareScheduleForMergingCollectives
         replicatedCollectivesSettings.mergeAllReduceCollectives"""),
@@ -319,7 +319,7 @@ SESSION_OPTIONS: dict[str, SessionOption] = {
         firstDotOp finalDotOp numIOTiles mergeVarUpdateMemThreshold looseThresholdAtPeak
         accumulationFactor swapLimitScheduler globalReplicationFactor globalReplicaOffset
         defaultBufferingDepth defaultPrefetchBufferingDepth compilationProgressTotal
-        transitiveClosureOptimizationThreshold automaticLossScalingSettings.updatePeriod"""),
+        transitiveClosureOptimizationThreshold"""),
     **{name: SessionOption(name, "uint64", enum=cls) for name, cls in (
         ("autodiffSettings.stitchStrategy", AutodiffStitchStrategy),
         ("batchSerializationSettings.transformContext", BatchSerializationTransformContext),
@@ -331,13 +331,18 @@ SESSION_OPTIONS: dict[str, SessionOption] = {
         ("subgraphCopyingStrategy", SubgraphCopyingStrategy),
         ("accumulationAndReplicationReductionType", ReductionType),
         ("meanAccumulationAndReplicationReductionStrategy", MeanReductionStrategy),
-        ("automaticLossScalingSettings.gradientTensorTrackingMethod", GradientTensorTrackingMethod),
         ("accumulateOuterFragmentSettings.schedule", AccumulateOuterFragmentSchedule),
     )},
     **_options("double", """
-        outlineSequenceBreakCost outlineThreshold timeLimitScheduler
-        automaticLossScalingSettings.thresholdUpperCountProportion
-        automaticLossScalingSettings.binEdgeLocation"""),
+        outlineSequenceBreakCost outlineThreshold timeLimitScheduler"""),
+    **{name: SessionOption(name, kind, enum=enum, effect="automatic loss scaling (poptorch_lite.compiler.loss_scaling; "
+                           "Options.Training.setAutomaticLossScaling)")
+       for name, kind, enum in (("automaticLossScalingSettings.enabled", "bool", None),
+                                ("automaticLossScalingSettings.updatePeriod", "uint64", None),
+                                ("automaticLossScalingSettings.gradientTensorTrackingMethod", "uint64",
+                                 GradientTensorTrackingMethod),
+                                ("automaticLossScalingSettings.thresholdUpperCountProportion", "double", None),
+                                ("automaticLossScalingSettings.binEdgeLocation", "double", None))},
     **_options("string", """
         customCodeletCompileFlags serializedPoprithmsShiftGraphsDir kahnTieBreaker saveInitializersToFile"""),
     "partialsTypeMatMuls": SessionOption(

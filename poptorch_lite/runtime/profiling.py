@@ -5,6 +5,9 @@ and autoReport.directory) the executor creates a `Profiler` after compiling and 
 record of every call. Files go to DIR/<model name> (Options.modelName, else "training" or
 "inference"), as PopTorch names its report directories:
 
+- after compiling: profile.json with the memory per IPU and tile, the programs' static costs, the
+  schedule and the block table, no calls (PopTorch writes its memory report at compile time too:
+  a model compiled and never run, as with `--compile-only` and an offline target, has one);
 - after the first call: profile.json and trace.json (so a profile exists as soon as one call ran);
 - when the model is destroyed, or freed (when the garbage collector frees it: at the next safe
   point, `ipusim.report.profile.finish_collected`), or the process exits (once): profile.json
@@ -47,6 +50,7 @@ class Profiler:
                                                 trace_calls=trace_calls, advice=advice_text)
         # Tied to the executable: destroy() or collecting the model drops it; exit runs it too.
         self._finish = ipprofile.finish_on_collect(exe, functools.partial(_finish, self.session, self.directory))
+        self.session.write_compiled()
 
     def called(self, record) -> None:
         """Account one call (executor.RunRecord); the first call also writes the files (and the
@@ -155,18 +159,21 @@ def model_profile(executor, name: str) -> ipprofile.StaticProfile:
 # Re-lowering (same model, another split or target, compiled but not run)
 # =========================================================================================
 def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, replicas: int = 1, *,
-               recompute: bool = True):
-    """The model lowered with its blocks on the given stages (stage s on IPU s) for `target`,
-    compiled without checking memory and without loading: static costs and memory only.
-    Mirrors the executor's compile step; without `recompute`, with autoRecomputation off."""
+               recompute: bool = True, stage_ipus: list[int] | None = None):
+    """The model lowered with its blocks on the given stages (stage s on IPU `stage_ipus[s]`,
+    default s) for `target`, compiled without checking memory and without loading: static costs
+    and memory only. Mirrors the executor's compile step; without `recompute`, with
+    autoRecomputation off."""
     exe, opts = executor._executable, executor.options
     if not recompute:
         opts = opts.clone()
         opts._Popart.set("autoRecomputation", 0)
     num_stages = 1 + max(stage_of_block.values())
+    stage_ipus = list(range(num_stages)) if stage_ipus is None else list(stage_ipus)
     ir = copy.deepcopy(exe.ir)
     for n in ir.nodes:
-        n.stage = n.ipu = stage_of_block[str(n.block)]
+        n.stage = stage_of_block[str(n.block)]
+        n.ipu = stage_ipus[n.stage]
     training = executor._training
     g = max(opts.gradient_accumulation, 2 * num_stages - 1) if training else 1
     d = opts.device_iterations if training else max(opts.device_iterations, num_stages)
@@ -175,17 +182,19 @@ def _relowered(executor, stage_of_block: dict[str, int], target: ip.Target, repl
         schedule = training_schedule(exe.schedule.strategy, range(num_stages), g, d)
     elif exe.schedule.strategy.startswith("sharded"):
         schedule = ip.schedules.sharded_schedule(num_stages, training=training, gradient_accumulation=g,
-                                                 device_iterations=d)
+                                                 device_iterations=d, stage_ipus=stage_ipus)
     else:
         schedule = ip.schedules.pipelined_schedule(num_stages, training=training, gradient_accumulation=g,
-                                                   device_iterations=d, kind=kind)
-    return build_executable(ir, exe.placement, schedule, list(range(num_stages)), opts.clone().replicationFactor(replicas)
+                                                   device_iterations=d, kind=kind, stage_ipus=stage_ipus)
+    return build_executable(ir, exe.placement, schedule, stage_ipus, opts.clone().replicationFactor(replicas)
                             if replicas != opts.replication_factor else opts, target,
                             executor._optimizer if training else None, executor._named_weights(), check_memory=False)
 
 
-def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTable:
-    """Block table of an executable whose stage b holds exactly block b, on IPU b."""
+def _table(exe, names: list[str], current_split, source: str, tail: bool = False) -> advisor.BlockTable:
+    """Block table of an executable whose stage b holds exactly block b, on IPU b; with `tail`,
+    its last stage (the last entry of `names`) is back on IPU 0, whose memory and weight update
+    are counted with block 0 (they always share that IPU)."""
     low, engine = exe.lowering, exe.engine
     n = len(names)
 
@@ -204,6 +213,9 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
     reports = {r.ipu: r for r in engine.memory}
     tile_bytes = []
     for b in range(n):
+        if tail and b == n - 1:
+            tile_bytes.append(np.zeros_like(tile_bytes[0]))
+            continue
         r = reports[b]
         own = r.peak.copy()
         for name in buffer_names & set(r.tensors):
@@ -215,10 +227,11 @@ def _table(exe, names: list[str], current_split, source: str) -> advisor.BlockTa
     number = {i: k for k, i in enumerate(sorted({v.id for ch in low.channels for v in ch.values}))}
     flows = [advisor.Flow(number[v.id], v.nbytes, (whole[ch.src[0]], ch.src[1]), (whole[ch.dst[0]], ch.dst[1]))
              for ch in low.channels for v in ch.values if (whole[ch.src[0]], ch.src[1]) != (whole[ch.dst[0]], ch.dst[1])]
-    update = [sum(engine.costs[i].total for i in exe.updates.programs.get(b, [])) for b in range(n)]
+    update = [0 if tail and b == n - 1 else sum(engine.costs[i].total for i in exe.updates.programs.get(b, []))
+              for b in range(n)]
     return advisor.BlockTable(names, [body(("fwd", b)) for b in range(n)],
                               [body(("bwd", b), (WEIGHT_GRADIENT, b)) for b in range(n)],
-                              update, tile_bytes, flows, current_split, source)
+                              update, tile_bytes, flows, current_split, source, tail)
 
 
 def block_table(executor) -> advisor.BlockTable:
@@ -237,9 +250,49 @@ def block_table(executor) -> advisor.BlockTable:
     recomputes = bool(exe.schedule.recomputed_stages)
     if identity and len(names) == placement.num_stages and exe.replicas == 1 and not recomputes:
         return _table(exe, names, split, "stage programs")
+    k = placement.num_stages - 1
+    if k >= 2 and tuple(placement.stage_ipus) == tuple(range(k)) + (0,):
+        # the last stage returns to IPU 0 (heads tied to the embedding): one entry, kept there;
+        # the ops before the first block go with the block of their stage
+        def unnamed(b, s):
+            return b == "None" and any(other != b and t == s for other, t in order)
+
+        named = [(b, s) for b, s in order if s < k and not unnamed(b, s)]
+        free = [b for b, _ in named]
+        tail = ", ".join(b for b, s in order if s == k and not unnamed(b, s))
+        stage_of = {b: i for i, b in enumerate(free)}
+        for b, s in order:
+            if b not in stage_of:
+                stage_of[b] = len(free) if s == k else next(i for i, (_, t) in enumerate(named) if t == s)
+        split = [sum(1 for _, s in named if s == j) for j in range(k)]
+        per_block = _relowered(executor, stage_of, exe.engine.target, recompute=False,
+                               stage_ipus=list(range(len(free))) + [0])
+        return _table(per_block, free + [tail], None if 0 in split else split,
+                      "model lowered with one block per stage" + (" without recomputation" if recomputes else "")
+                      + ", the last stage on IPU 0", tail=True)
+    shared = _shared_weights(exe.ir)
+    if shared:
+        weight, blocks = shared
+        raise ValueError(f"blocks {' and '.join(repr(b) for b in blocks)} share the weight {weight!r} (tied weights), so "
+                         "they must stay on one IPU; the advisor weighs contiguous splits giving each block its own "
+                         "stage on its own IPU, which cannot keep them together. Profile the splits you consider and "
+                         "compare them (python -m ipusim.report DIR --compare DIR2)")
     per_block = _relowered(executor, {b: i for i, b in enumerate(names)}, exe.engine.target, recompute=False)
     return _table(per_block, names, split, "model lowered with one block per stage"
                   + (" without recomputation" if recomputes else ""))
+
+
+def _shared_weights(ir) -> tuple[str, list[str]] | None:
+    """(weight, its blocks) of the first weight the ops of several blocks use, or None."""
+    names = {v.id: name for name, v in {**ir.params, **ir.buffers}.items()}
+    users: dict[str, list[str]] = {}
+    for n in ir.nodes:
+        for v in n.inputs:
+            if v.id in names and n.block is not None:
+                blocks = users.setdefault(names[v.id], [])
+                if str(n.block) not in blocks:
+                    blocks.append(str(n.block))
+    return next(((w, b) for w, b in users.items() if len(b) > 1), None)
 
 
 def advice_text(doc: dict) -> str:
@@ -325,6 +378,9 @@ def what_if(executor, *, target: str | ip.Target | None = None, split: list[list
         advice = advise(executor, num_ipus)
         if advice.best is None:
             raise ValueError(f"no split of the model over {num_ipus} IPUs fits in memory: {'; '.join(advice.notes)}")
+        if len(set(advice.best.stage_ipus)) != len(advice.best.stage_ipus):
+            raise ValueError("what_if re-lowers with stage k on IPU k; the advised split returns its last stage to "
+                             "IPU 0: pass split= to choose the stages")
         split = advice.best.stages
     if split is not None:
         given = [b for stage in split for b in stage]
