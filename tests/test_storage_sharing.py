@@ -146,6 +146,8 @@ def test_what_is_a_temporary():
     ew.unary(g, "neg", f, second, out=x)
     found, counts = temporaries([first, second], g.variables)
     assert set(found) == {a2.var.id, b.var.id, c.var.id, d.var.id, e.var.id}
+    e.var.host_access = True   # the host reads or writes it between programs
+    assert set(temporaries([first, second], g.variables)[0]) == {a2.var.id, b.var.id, c.var.id, d.var.id}
     assert found[b.var.id] == {0: [1, 2], 1: [1, 2]}
     assert counts == [3, 8]
     steps = program_steps(second)

@@ -11,9 +11,10 @@ The memory of an IPU is one arena per dtype. Every element of every variable has
 Both layouts hold the same values; only the addresses differ.
 
 Sharing in the fast layout. A variable is a temporary when it is not always live, holds no
-constant, no stream or branch condition touches it, and every program that touches it sets all
-of it before reading it (its first touch in the program is an op's output, a copy's destination
-or a load from Streaming Memory covering the whole variable, not inside a branch): its value
+constant, the host does not read or write it between programs (`host_access`), no stream or
+branch condition touches it, and every program that touches it sets all of it before reading
+it (its first touch in the program is an op's output, a copy's destination or a load from
+Streaming Memory covering the whole variable, not inside a branch): its value
 never crosses a program's bounds, so it matters only from the first step of a run that touches
 it to the last. The steps a program runs in the fast mode (an op's kernel being one) are
 numbered in order, both branches of an If in turn; a variable touched inside a Repeat of more
@@ -167,7 +168,7 @@ def temporaries(programs: list[Program], variables: list[Variable]) -> tuple[dic
     """Variable id -> {program index: [first, last] step} of the variables among `variables`
     whose values never cross a program's bounds (module docstring), and the steps of each
     program."""
-    candidates = {v.id for v in variables if not v.always_live and v.constant is None}
+    candidates = {v.id for v in variables if not (v.always_live or v.host_access) and v.constant is None}
     found: dict[int, dict[int, list[int]]] = {}
     excluded: set[int] = set()
     counts = []
