@@ -11,7 +11,11 @@ Modes (same program, same cycles and memory, different host work):
 - "strict": tile-major memory; every copy moves bytes; every compute set runs its codelets
   vertex by vertex, each from its own tile's memory.
 - "fast": variable-major memory; an op's program runs as the op's whole-tensor kernel and its
-  internal exchanges are accounted, not copied; other programs run as in strict mode.
+  internal exchanges are accounted, not copied; other programs run as in strict mode. With
+  `share_storage`, temporaries (not always live, and set whole by every program that uses them
+  before it reads them: no value crosses a program's bounds) share storage by liveness, as
+  Poplar's tensors do (ipusim.device.storage); the host cannot read or write them, and programs
+  whose temporaries share an IPU's storage take turns.
 - "estimate": no tile memory and no host calls: a run charges each program's static cycles
   (the same figures as the other modes) and computes no values, so shapes alone answer how much
   memory and how many cycles a program takes. Reading or writing a tensor is an error; an If
@@ -73,13 +77,14 @@ class Engine:
 
     def __init__(self, graph: Graph | Device, programs: Program | list[Program], *, mode: str = "fast",
                  check_memory: bool = True, threads: int = 1, kernel_threads: int | None = None,
-                 profile_dir: str | None = None):
+                 profile_dir: str | None = None, share_storage: bool = False):
         if mode not in MODES:
             raise ValueError(f"unknown engine mode {mode!r}; use 'fast', 'strict' or 'estimate'")
         self.device = Device.of(graph)
         self.target = self.device.target
         self.programs = [programs] if isinstance(programs, Program) else list(programs)
         self.mode = mode
+        self.share_storage = share_storage
         self.memory = memory_reports(self.device.graphs, self.programs)
         if check_memory:
             check_fits(self.memory)
@@ -122,7 +127,8 @@ class Engine:
             self._plans, self._steps = {}, [[] for _ in self.programs]
             return self
         from .storage import DeviceMemory
-        self.mem = DeviceMemory(self.device, self.mode, self._op_internal())
+        self.mem = DeviceMemory(self.device, self.mode, self._op_internal(), self.programs,
+                                share=getattr(self, "share_storage", False))
         self._plans = {}
         for p in self.programs:
             for node in self._executed_nodes(p):
@@ -218,10 +224,12 @@ class Engine:
     # ---- host access ----------------------------------------------------------------------
     def readTensor(self, t: Tensor) -> np.ndarray:
         self._require_values("readTensor")
+        self.mem.check_host_access(t, "readTensor")
         return np.array(self.mem.read(t), copy=True)
 
     def writeTensor(self, t: Tensor, values) -> None:
         self._require_values("writeTensor")
+        self.mem.check_host_access(t, "writeTensor")
         self.mem.write(t, np.asarray(values).astype(t.dtype, copy=False))
 
     def readRemoteBuffer(self, buffer: RemoteBuffer, slot: int = 0) -> np.ndarray:
@@ -302,6 +310,18 @@ class Engine:
         if not getattr(self._running, "inside", False):
             with self.running():
                 return self.execute(index, report)
+        exclusive = self.mem.exclusive[index] if self.mem is not None else ()
+        if exclusive:
+            for lock in exclusive:
+                lock.acquire()
+            try:
+                return self._execute(index, report)
+            finally:
+                for lock in reversed(exclusive):
+                    lock.release()
+        return self._execute(index, report)
+
+    def _execute(self, index: int, report: bool) -> RunReport | None:
         steps = self._steps[index] if self._profiler is None else None
         if steps is not None:
             for step in steps:

@@ -5,16 +5,37 @@ The memory of an IPU is one arena per dtype. Every element of every variable has
   elements of each variable mapped to t. A vertex is given addresses inside its own tile's
   segment only, so it can only compute from its tile's data.
 - fast layout: variable-major. Each variable is one contiguous block, so whole-tensor kernels
-  (NumPy/BLAS) read and write it in place without gathering.
+  (NumPy/BLAS) read and write it in place without gathering. With `share` (an Engine's
+  `share_storage`), temporaries share one region of the arena by liveness, as Poplar's tensors
+  share memory (`temporaries`, `pack`); every other variable has a block of its own.
 Both layouts hold the same values; only the addresses differ.
+
+Sharing in the fast layout. A variable is a temporary when it is not always live, holds no
+constant, the host does not read or write it between programs (`host_access`), no stream or
+branch condition touches it, and every program that touches it sets all of it before reading
+it (its first touch in the program is an op's output, a copy's destination or a load from
+Streaming Memory covering the whole variable, not inside a branch): its value
+never crosses a program's bounds, so it matters only from the first step of a run that touches
+it to the last. The steps a program runs in the fast mode (an op's kernel being one) are
+numbered in order, both branches of an If in turn; a variable touched inside a Repeat of more
+than one iteration, or inside a Parallel (whose parts run at once, on host threads), lives over
+the whole Repeat or Parallel. With the programs' steps laid end to end, temporaries whose step
+ranges never meet share addresses (`pack`). All the programs with temporaries on an IPU use the
+same region, so they must not run at once: `DeviceMemory.exclusive` holds the lock of each such
+IPU, which a run of the program takes. The host can neither read nor write a temporary (it has
+no value outside a run): `DeviceMemory.check_host_access` says so.
 """
 from __future__ import annotations
 
 import mmap
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .graph import Device, Graph
+from .program import (Copy, CrossReplicaCopy, Execute, If, InterIpuCopy, OpProgram, Parallel, Program, RemoteCopy,
+                      Repeat, Sequence, StreamCopy, walk)
 from .tensor import Tensor, Variable
 from .vertex import Field
 
@@ -40,12 +61,172 @@ def zeroed(shape: tuple[int, ...], dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype, count).reshape(shape)
 
 
+def _whole(t: Tensor) -> bool:
+    """Whether a write to the view sets every element of its variable."""
+    return t.numel == t.var.numel and t.distinct
+
+
+def _accesses(node: Program) -> list[tuple[Variable, bool]]:
+    """(variable, whether the access sets all of it without reading it) for every access of a
+    leaf node the fast mode runs, in order. An op's kernel reads its inputs, then touches what
+    its body touches in the body's order (the ops it is made of set or read their variables;
+    to be safe, any other node of the body reads), then sets its outputs. A compute set outside
+    an op, a stream or a branch condition is never taken to set a whole variable."""
+    if isinstance(node, OpProgram):
+        read = {t.var.id for t in node.reads}
+        out = [(t.var, False) for t in node.reads]
+        for inner, conditional in _leaves(node.body):
+            sets = isinstance(inner, OpProgram) and not conditional
+            out += [(v, whole and sets) for v, whole in _accesses(inner)]
+        return out + [(t.var, t.var.id not in read and _whole(t)) for t in node.writes]
+    if isinstance(node, Execute):
+        return [(v, False) for table in node.compute_set.tables for v in table.variables()]
+    if isinstance(node, (Copy, InterIpuCopy)):
+        return [(node.src.var, False), (node.dst.var, node.src.var is not node.dst.var and _whole(node.dst))]
+    if isinstance(node, CrossReplicaCopy):
+        return [(node.src.var, False), (node.dst.var, False)]
+    if isinstance(node, RemoteCopy):
+        return [(node.tensor.var, node.loads and _whole(node.tensor))]
+    if isinstance(node, StreamCopy):
+        return [(node.tensor.var, False)]
+    if isinstance(node, _Read):
+        return [(node.var, False)]
+    return []
+
+
+def _leaves(program: Program, conditional: bool = False):
+    """(leaf node, whether it may not run) for the leaves of a program in order, an op being
+    one leaf; an If's condition is read, its branches may not run, nor a Repeat of no iteration."""
+    if not isinstance(program, (Sequence, Repeat, If, Parallel)):
+        yield program, conditional
+        return
+    if isinstance(program, If):
+        yield _Read(program.predicate.var), conditional
+    conditional = conditional or isinstance(program, If) or (isinstance(program, Repeat) and program.count < 1)
+    for c in program.children():
+        yield from _leaves(c, conditional)
+
+
+@dataclass(eq=False)
+class _Read(Program):
+    """A read of a variable outside any program node (an If's condition)."""
+    var: Variable
+
+
+@dataclass
+class Steps:
+    """How one program's run touches variables, in the fast mode."""
+    count: int = 0                                              # steps of a run (leaf nodes, in order)
+    ranges: dict[int, list[int]] = field(default_factory=dict)  # variable id -> [first, last] step
+    pinned: set[int] = field(default_factory=set)               # touched by a stream or a branch condition
+    fresh: set[int] = field(default_factory=set)                # first touched by a step that sets all of it
+                                                                # on every run (its value on entry is dead)
+
+
+def program_steps(program: Program) -> Steps:
+    """The steps of a run of `program` (both branches of an If in turn) and the variables they
+    touch; a variable touched inside a Repeat of more than one iteration or inside a Parallel
+    lives over the whole Repeat or Parallel."""
+    out = Steps()
+
+    def touch(ids, first: int, last: int) -> None:
+        for i in ids:
+            r = out.ranges.get(i)
+            if r is None:
+                out.ranges[i] = [first, last]
+            else:
+                r[0], r[1] = min(r[0], first), max(r[1], last)
+
+    def visit(p: Program, conditional: bool) -> set[int]:
+        if not isinstance(p, (Sequence, Repeat, If, Parallel)):
+            ids = set()
+            for v, sets in _accesses(p):
+                if v.id not in out.ranges and sets and not conditional:
+                    out.fresh.add(v.id)
+                ids.add(v.id)
+            if isinstance(p, (StreamCopy, CrossReplicaCopy)):
+                out.pinned.update(ids)
+            touch(ids, out.count, out.count)
+            out.count += 1
+            return ids
+        first, ids = out.count, set()
+        if isinstance(p, If):
+            ids.add(p.predicate.var.id)
+            out.pinned.add(p.predicate.var.id)
+            touch(ids, first, first)
+        for c in p.children():
+            ids |= visit(c, conditional or isinstance(p, If) or (isinstance(p, Repeat) and p.count < 1))
+        if isinstance(p, Parallel) or (isinstance(p, Repeat) and p.count > 1):
+            touch(ids, first, max(first, out.count - 1))
+        return ids
+
+    visit(program, False)
+    return out
+
+
+def temporaries(programs: list[Program], variables: list[Variable]) -> tuple[dict[int, dict[int, list[int]]], list[int]]:
+    """Variable id -> {program index: [first, last] step} of the variables among `variables`
+    whose values never cross a program's bounds (module docstring), and the steps of each
+    program."""
+    candidates = {v.id for v in variables if not (v.always_live or v.host_access) and v.constant is None}
+    found: dict[int, dict[int, list[int]]] = {}
+    excluded: set[int] = set()
+    counts = []
+    for index, program in enumerate(programs):
+        steps = program_steps(program)
+        counts.append(steps.count)
+        excluded |= steps.pinned
+        for vid, r in steps.ranges.items():
+            if vid not in candidates:
+                continue
+            if vid not in steps.fresh:
+                excluded.add(vid)
+            found.setdefault(vid, {})[index] = r
+    return {vid: r for vid, r in found.items() if vid not in excluded}, counts
+
+
+def pack(firsts, lasts, sizes, owners=None) -> tuple[np.ndarray, int]:
+    """Offsets for blocks of `sizes` elements such that no two blocks live at one step overlap,
+    and the extent they span. Block b lives over steps firsts[i] .. lasts[i] for every i with
+    owners[i] == b (default: interval i is block i's only one). The largest blocks are placed
+    first, each at the lowest offset clear of the blocks already placed whose steps meet its own."""
+    firsts, lasts, sizes = (np.asarray(a, np.int64) for a in (firsts, lasts, sizes))
+    owners = np.arange(firsts.size) if owners is None else np.asarray(owners, np.int64)
+    n = sizes.size
+    offsets = np.zeros(n, np.int64)
+    placed = np.zeros(n, bool)
+    by_block = np.argsort(owners, kind="stable")
+    bounds = np.searchsorted(owners[by_block], np.arange(n + 1))
+    extent = 0
+    for k in np.lexsort((np.arange(n), -sizes)):
+        meet = np.zeros(firsts.size, bool)
+        for i in by_block[bounds[k]:bounds[k + 1]]:
+            meet |= (firsts <= lasts[i]) & (lasts >= firsts[i])
+        near = np.zeros(n, bool)
+        near[owners[meet]] = True
+        near &= placed
+        off = 0
+        if near.any():
+            lo, hi = offsets[near], offsets[near] + sizes[near]
+            order = np.argsort(lo, kind="stable")
+            lo, hi = lo[order], hi[order]
+            reach = np.maximum.accumulate(hi)       # end of the blocks placed below each start
+            gaps = np.concatenate(([lo[0]], lo[1:] - reach[:-1]))
+            fits = np.flatnonzero(gaps >= sizes[k])
+            off = int(0 if fits.size and fits[0] == 0 else reach[fits[0] - 1]) if fits.size else int(reach[-1])
+        offsets[k] = off
+        placed[k] = True
+        extent = max(extent, off + int(sizes[k]))
+    return offsets, extent
+
+
 class MappingError(ValueError):
     """A tensor has elements without a tile mapping when the graph is compiled."""
 
 
 class IpuMemory:
-    def __init__(self, graph: Graph, layout: str, internal: dict[int, str] | None = None):
+    def __init__(self, graph: Graph, layout: str, internal: dict[int, str] | None = None,
+                 packed: dict[int, int] | None = None):
         if layout not in LAYOUTS:
             raise ValueError(f"unknown memory layout {layout!r}; use one of {LAYOUTS}")
         self.ipu = graph.ipu
@@ -56,6 +237,9 @@ class IpuMemory:
         self.tile_segments: dict[str, np.ndarray] = {}  # strict: dtype -> start address of each tile (+ end)
         # fast layout: variables internal to an op (variable id -> op name) have no storage
         self.internal = (internal or {}) if layout == "fast" else {}
+        # fast layout: programs' temporaries (variable id -> address in the region they share,
+        # which follows the other variables' blocks)
+        self.packed = (packed or {}) if layout == "fast" else {}
         # fast layout: (variable id, offset, shape, strides) -> (NumPy view of the arena, whether
         # it may be written: no element twice); a program reads and writes the same views on
         # every run, and making a view costs more than looking it up
@@ -71,15 +255,19 @@ class IpuMemory:
                                    "tile mapping: call setTileMapping (or a mapping helper) for all of it")
             by_dtype.setdefault(v.dtype, []).append(v)
         for dt, vars_ in by_dtype.items():
-            stored = [v for v in vars_ if v.id not in self.internal]
-            self.arenas[dt] = zeroed((sum(v.numel for v in stored),), dt)
             if layout == "fast":
-                vars_ = stored
+                stored = [v for v in vars_ if v.id not in self.internal and v.id not in self.packed]
                 off = 0
-                for v in vars_:
+                for v in stored:
                     self.offset[v.id] = off
                     off += v.numel
+                region = [v for v in vars_ if v.id in self.packed]
+                for v in region:
+                    self.offset[v.id] = off + self.packed[v.id]
+                size = max((self.packed[v.id] + v.numel for v in region), default=0)
+                self.arenas[dt] = zeroed((off + size,), dt)
             else:
+                self.arenas[dt] = zeroed((sum(v.numel for v in vars_),), dt)
                 self._strict_addresses(dt, vars_, graph.target.total_tiles)
         for v in graph.variables:
             if v.constant is not None and v.id not in self.internal:
@@ -190,14 +378,53 @@ class IpuMemory:
 
 
 class DeviceMemory:
-    """The memories of all IPUs of a device; reads and writes go to the tensor's IPU."""
+    """The memories of all IPUs of a device; reads and writes go to the tensor's IPU. With
+    `share` (fast layout), the temporaries of `programs` share storage (module docstring)."""
 
-    def __init__(self, device: Device, layout: str, internal: dict[int, str] | None = None):
+    def __init__(self, device: Device, layout: str, internal: dict[int, str] | None = None,
+                 programs: list[Program] = (), share: bool = False):
         self.layout = layout
-        self.ipus = [IpuMemory(g, layout, internal) for g in device.graphs]
+        internal = internal or {}
+        packed: list[dict[int, int]] = [{} for _ in device.graphs]
+        # program index -> the locks of the IPUs whose shared region it uses with other programs
+        self.exclusive: list[tuple[threading.Lock, ...]] = [() for _ in programs]
+        self.owner: dict[int, list[int]] = {}   # a temporary's variable id -> the programs that use it
+        if share and layout == "fast":
+            variables = [v for g in device.graphs for v in g.variables if v.id not in internal]
+            found, counts = temporaries(list(programs), variables)
+            base = np.concatenate(([0], np.cumsum(counts)))   # the programs' steps on one line
+            self.owner = {vid: sorted(runs) for vid, runs in found.items()}
+            groups: dict[tuple, list[Variable]] = {}
+            for v in variables:
+                if v.id in found:
+                    groups.setdefault((v.ipu, v.dtype), []).append(v)
+            users: dict[int, set[int]] = {}
+            for (ipu, _), vars_ in groups.items():
+                runs = [(k, base[index] + r[0], base[index] + r[1])
+                        for k, v in enumerate(vars_) for index, r in found[v.id].items()]
+                owners, firsts, lasts = zip(*runs)
+                offsets, _ = pack(firsts, lasts, [v.numel for v in vars_], owners)
+                packed[ipu].update(zip((v.id for v in vars_), offsets.tolist()))
+                users.setdefault(ipu, set()).update(index for v in vars_ for index in found[v.id])
+            locks = {ipu: threading.Lock() for ipu, indices in users.items() if len(indices) > 1}
+            for ipu, lock in sorted(locks.items()):
+                for index in sorted(users[ipu]):
+                    self.exclusive[index] += (lock,)
+        self.ipus = [IpuMemory(g, layout, internal, packed[k]) for k, g in enumerate(device.graphs)]
         # id(tensor) -> (tensor, its NumPy view or None when it has none, whether the view may be
         # written): the ops of a program read and write the same tensor objects on every run
         self._seen: dict[int, tuple[Tensor, np.ndarray | None, bool]] = {}
+
+    def check_host_access(self, t: Tensor, what: str) -> None:
+        """A ValueError when `t` is a temporary sharing storage: the host has no value to read
+        or write for it outside its program's run."""
+        indices = self.owner.get(t.var.id)
+        if indices is not None:
+            raise ValueError(f"{what}: tensor {t.name!r} is a temporary of program(s) {indices} (not always live, each "
+                             "program sets all of it before reading it): in the fast mode it shares storage with "
+                             "other temporaries by liveness and holds no value between runs. Make it always live "
+                             "(always_live=True), or build the Engine with share_storage=False or mode='strict', to "
+                             "read or write it")
 
     def __getitem__(self, ipu: int) -> IpuMemory:
         return self.ipus[ipu]

@@ -185,7 +185,9 @@ def build_executable(ir, placement, schedule, stage_ipus, options, target: ip.Ta
         if scaling.automatic:
             scaling.build(lowerings, updates.configs)
         updates.loss_scaling = scaling
-    engine = ip.Engine(device, programs, mode=engine_mode(options), check_memory=check_memory)
+    # the host reads only always-live tensors (weights, accumulators, seeds) and streams: each
+    # program's temporaries share storage by liveness in the fast mode
+    engine = ip.Engine(device, programs, mode=engine_mode(options), check_memory=check_memory, share_storage=True)
     return Executable(lowerings, engine, schedule, ir, placement, updates)
 
 
