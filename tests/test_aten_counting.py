@@ -9,16 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 import poptorch_lite as poptorch
 
-from test_compiled_ops import run_op
-
-
-class Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
+from test_compiled_ops import Fn, run_op
 
 
 def check(fn, *xs, exact=True):

@@ -11,16 +11,7 @@ import poptorch_lite as poptorch
 from poptorch_lite.compiler.aten import UnsupportedOpError
 from poptorch_lite.compiler.indexing import strided_positions
 
-from test_compiled_ops import run_op
-
-
-class Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
+from test_compiled_ops import Fn, run_op
 
 
 def infer(fn, *xs):

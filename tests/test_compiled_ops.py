@@ -17,6 +17,17 @@ from hypothesis import strategies as st
 import poptorch_lite as poptorch
 
 
+class Fn(nn.Module):
+    """A model whose forward is `fn` of its inputs."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *xs):
+        return self.fn(*xs)
+
+
 class OpModel(nn.Module):
     def __init__(self, fn, *shapes):
         super().__init__()
