@@ -307,7 +307,10 @@ class Lowering:
         for key in sorted((k for k, pairs in self.recomputed_from.items() if pairs),
                           key=lambda k: self._copies_bytes(k)):
             need = self._copies_bytes(key)
-            if need > left or any(n.op in recompute.UNCOPYABLE for n in self.stage_programs[key].nodes):
+            # a split backward (zero-bubble schedules) gives its weight-gradient program values of the
+            # recompute program that the input-gradient program does not read: those stages recompute
+            if need > left or (WEIGHT_GRADIENT, key[1]) in self.stage_programs or \
+                    any(n.op in recompute.UNCOPYABLE for n in self.stage_programs[key].nodes):
                 self.recomputed_from[key] = None
                 continue
             left -= need
