@@ -357,6 +357,15 @@ def _largest_positive(vectors, j):
 
 
 @njit(**JIT)
+def rotate_columns(x, p, q, c, s):
+    """Columns p and q of x turned by the plane rotation (c, s): x_p <- c x_p - s x_q, x_q <- s x_p + c x_q."""
+    for k in range(x.shape[0]):
+        xp, xq = x[k, p], x[k, q]
+        x[k, p] = c * xp - s * xq
+        x[k, q] = s * xp + c * xq
+
+
+@njit(**JIT)
 def eigh_inplace(a, w, vectors):
     """Eigenvalues (ascending, into w) and eigenvectors (columns of `vectors`) of the symmetric
     matrix `a` (both triangles read: symmetrise first), by cyclic Jacobi rotations."""
@@ -381,18 +390,9 @@ def eigh_inplace(a, w, vectors):
                 t = math.copysign(1.0, theta) / (abs(theta) + math.sqrt(theta * theta + 1.0))
                 c = 1.0 / math.sqrt(t * t + 1.0)
                 s = t * c
-                for k in range(n):
-                    akp, akq = a[k, p], a[k, q]
-                    a[k, p] = c * akp - s * akq
-                    a[k, q] = s * akp + c * akq
-                for k in range(n):
-                    apk, aqk = a[p, k], a[q, k]
-                    a[p, k] = c * apk - s * aqk
-                    a[q, k] = s * apk + c * aqk
-                for k in range(n):
-                    vkp, vkq = vectors[k, p], vectors[k, q]
-                    vectors[k, p] = c * vkp - s * vkq
-                    vectors[k, q] = s * vkp + c * vkq
+                rotate_columns(a, p, q, c, s)
+                rotate_columns(a.T, p, q, c, s)   # the same rotation of rows p and q
+                rotate_columns(vectors, p, q, c, s)
     d = np.empty(n)
     for i in range(n):
         d[i] = a[i, i]
@@ -455,14 +455,8 @@ def svd_tall(a, s, u, v):
                 t = math.copysign(1.0, zeta) / (abs(zeta) + math.sqrt(1.0 + zeta * zeta))
                 c = 1.0 / math.sqrt(1.0 + t * t)
                 sn = c * t
-                for i in range(m):
-                    wp, wq = w[i, p], w[i, q]
-                    w[i, p] = c * wp - sn * wq
-                    w[i, q] = sn * wp + c * wq
-                for i in range(n):
-                    vp, vq = vv[i, p], vv[i, q]
-                    vv[i, p] = c * vp - sn * vq
-                    vv[i, q] = sn * vp + c * vq
+                rotate_columns(w, p, q, c, sn)
+                rotate_columns(vv, p, q, c, sn)
         if not rotated:
             break
     norms = np.empty(n)
