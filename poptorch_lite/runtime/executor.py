@@ -669,7 +669,7 @@ class PoplarExecutor:
                 self._feed[feed] = op.global_micro_batch
         replay = self._replay
         if not report and replay.replaces(op):   # a recorded call: the recomputation's values from its forward
-            events = _execute(exe.engine, op, [run for run in runs if run[0] != "compute"], report)
+            events = _execute(exe.engine, op, replay.runs_without_compute(op, runs), report)
             replay.write(op)
             return events
         events = _execute(exe.engine, op, runs, report)

@@ -36,6 +36,7 @@ class RecomputeReplay:
         self.candidates: dict[int, list[tuple[int, list]]] = {}  # stage -> [(replica, [(fwd, rec)])]
         self.failed: set[int] = set()      # stages whose first-call copies differed
         self.copies: dict[tuple[int, int], list[list[np.ndarray]]] = {}   # (stage, micro-batch) -> per replica
+        self._receives: dict[int, list] = {}   # id(R op) -> its programs but the compute (made on its first copy)
         if exe.engine.mode == "fast":
             for r, low in enumerate(exe.lowerings):
                 for key, pairs in low.recomputed_from.items():
@@ -54,6 +55,13 @@ class RecomputeReplay:
     def replaces(self, op) -> bool:
         """Whether the recompute op `op` is written from copies instead of run."""
         return op.kind == "R" and op.stage in self.enabled and op.stage not in self.checking
+
+    def runs_without_compute(self, op, runs: list) -> list:
+        """The programs a copied recompute op still runs (its stash received as always)."""
+        kept = self._receives.get(id(op))
+        if kept is None:
+            kept = self._receives[id(op)] = [run for run in runs if run[0] != "compute"]
+        return kept
 
     def write(self, op) -> None:
         """Give the recompute program's results of `op`'s micro-batch their copied values."""
